@@ -1,0 +1,187 @@
+"""What goes in (a request with its sampling parameters) and what comes out (per-step deltas, final outputs).
+
+A request's progress is two numbers: `num_computed_tokens` (tokens whose K/V sit in the cache) and `num_tokens`
+(prompt + generated). Prefill, chunked prefill, decode and resume after preemption are all "compute the tokens
+from computed to total, within the budget": there are no phase flags to keep in sync.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served; `code` is machine-readable (e.g. `context_length_exceeded`)."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at `max_queue_size`; the caller may retry later."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_k: int = 0
+    """0 disables top-k."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    """Same seed, same tokens, whatever else shares the batch."""
+    logprobs: bool = False
+    top_logprobs: int = 0
+    """Alternatives returned beside the chosen token's logprob (needs `logprobs`)."""
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None
+    """None means the model's own EOS ids (from its generation config)."""
+    ignore_eos: bool = False
+    record_timestamps: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {self.min_new_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            (0 < self.top_p <= 1 or self.top_p == 0, f"top_p must be in [0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestRejected(message, code="invalid_value")
+
+    @property
+    def greedy(self) -> bool:
+        # top_p == 0 keeps only the most likely token, which is greedy decoding too.
+        return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    """The `top_logprobs` most likely tokens at this position, most likely first."""
+
+
+@dataclass(slots=True)
+class Request:
+    """Engine-side state of one sequence. Only the engine thread/process touches it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission (reported as usage.cached_tokens)."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+    generator_seed: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One request's news from one engine step: the tokens it gained, and whether it finished.
+
+    The engine sends deltas (one message per step for all requests), consumers accumulate them.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    new_timestamps: list[float] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    """Set when the request failed inside the engine (finish_reason is then ABORT)."""
+    queue_seconds: float | None = None
+    """Set on the first delta of a request: seconds from arrival to first being scheduled."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationOutput:
+    """Everything one request produced so far; final once `finish_reason` is set."""
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    timestamps: list[float] | None = None
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, delta: StepOutput) -> None:
+        self.generated_ids.extend(delta.new_token_ids)
+        if delta.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.new_logprobs
+        if delta.new_timestamps is not None:
+            self.timestamps = (self.timestamps or []) + delta.new_timestamps
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.error = delta.error

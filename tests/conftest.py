@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.model_factory import build_model_dir
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`model_dir("llama")` -> path of a tiny saved model of that architecture (built once per session)."""
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = build_model_dir(tmp_path_factory.mktemp(arch), arch)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_dir: Callable[[str], Path]) -> Path:
+    return model_dir("llama")

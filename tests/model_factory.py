@@ -1,0 +1,101 @@
+"""Tiny model directories of real architectures, written to disk and loaded back through the real loading path.
+
+Random weights from a transformers config, `save_pretrained` to safetensors, and a byte-level BPE tokenizer trained
+locally with `tokenizers` (with a chat template). Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+VOCAB_SIZE = 384
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+ARCHITECTURES: dict[str, dict] = {
+    "llama": dict(model_type="llama", num_key_value_heads=2),
+    "qwen2": dict(model_type="qwen2", num_key_value_heads=2),
+    "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=16),
+    "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=24),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
+    "gpt_neox": dict(model_type="gpt_neox", num_attention_heads=4, rotary_pct=0.5),
+}
+
+
+def _training_text() -> list[str]:
+    """English-ish text that exists on every machine: the docstrings of a few standard-library modules."""
+    import collections
+    import json
+    import pathlib
+    import textwrap
+
+    texts = []
+    for module in (collections, json, pathlib, textwrap, inspect):
+        for _, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj)
+            if doc:
+                texts.append(doc)
+    texts.append("héllo wörld — 你好，世界 🙂 ferry boats carry passengers across the river")
+    return texts
+
+
+def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_text(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return fast
+
+
+def build_model_dir(directory: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """Write a tiny `arch` model (random weights, float32) with its tokenizer into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    spec = dict(ARCHITECTURES[arch])
+    model_type = spec.pop("model_type")
+    common = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    if model_type != "gpt2":
+        common.update(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+        )
+    config = AutoConfig.for_model(model_type, **{**common, **spec, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is near-uniform; sharper logits make greedy ties (and so flaky comparisons) vanishingly rare.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(directory)
+    return directory
