@@ -1,18 +1,31 @@
-"""Ferry's continuous-batching engine."""
+"""Ferry's continuous-batching engine.
 
-from engine.api import ContinuousBatchingManager, generate_batch
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.request import FinishReason, GenerationOutput, RequestRejected, SamplingParams, StepOutput
+Names resolve lazily so that light users (the HTTP front end needs only the request types) do not import torch.
+"""
 
-__all__ = [
-    "ContinuousBatchingManager",
-    "EngineConfig",
-    "EngineCore",
-    "FinishReason",
-    "GenerationOutput",
-    "RequestRejected",
-    "SamplingParams",
-    "StepOutput",
-    "generate_batch",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ContinuousBatchingManager": "engine.api",
+    "generate_batch": "engine.api",
+    "EngineConfig": "engine.config",
+    "EngineCore": "engine.core",
+    "EngineStats": "engine.core",
+    "FinishReason": "engine.request",
+    "GenerationOutput": "engine.request",
+    "QueueFull": "engine.request",
+    "RequestRejected": "engine.request",
+    "SamplingParams": "engine.request",
+    "StepOutput": "engine.request",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -95,7 +95,9 @@ def build_model_dir(directory: Path, arch: str, seed: int = 0, **overrides) -> P
             if param.dim() >= 2:
                 param.normal_(0.0, 0.2)
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(directory)
     return directory

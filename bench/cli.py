@@ -1,0 +1,237 @@
+"""`ferry bench offline|serve|overhead`: argument parsing and printing; the work lives in the modules.
+
+`add_bench_parser` hangs `bench` under `ferry`'s own subcommands; `python -m bench ...` parses the same
+subcommands at the top level. Each subcommand sets `func(args) -> int` (the exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.workload import LengthDist, WorkloadSpec
+
+LENGTH_HELP = "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX | pareto:LO:MAX[:ALPHA]"
+
+
+def _length(spec: str) -> LengthDist:
+    try:
+        return LengthDist.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v)
+
+
+def _add_workload_args(parser: argparse.ArgumentParser, num_requests: int) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-requests", type=int, default=num_requests)
+    group.add_argument("--prompt-len", type=_length, default="uniform:16:256", help=LENGTH_HELP)
+    group.add_argument("--output-len", type=_length, default="uniform:16:256", help=LENGTH_HELP)
+    group.add_argument("--prefix-len", type=int, default=0, help="tokens shared by every prompt, before its own")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def _workload(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(args.num_requests, args.prompt_len, args.output_len, args.prefix_len, args.seed)
+
+
+def _emit(report: dict[str, object], text: str, json_path: Path | None) -> None:
+    print(text)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results written to {json_path}")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _quiet_transformers() -> None:
+    # Progress bars and generation-config notices from transformers would bury the table.
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from bench.offline import OfflineOptions, TokenMismatch, format_offline, run_offline
+
+    _set_threads(args.threads)
+    _quiet_transformers()
+    options = OfflineOptions(
+        model=args.model,
+        weights=args.weights,
+        device=args.device,
+        dtype=args.dtype,
+        workload=_workload(args),
+        batch_size=args.batch_size,
+        max_batch_tokens=args.max_batch_tokens,
+        page_size=args.page_size,
+        systems=tuple(args.systems.split(",")),
+        check="off" if args.no_check else args.check,
+        warmup=not args.no_warmup,
+        floor=not args.no_floor,
+        plot=args.plot,
+    )
+    try:
+        report = run_offline(options)
+    except TokenMismatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        print(
+            "no figures reported: the systems must agree before they are compared (--no-check skips this)",
+            file=sys.stderr,
+        )
+        return 1
+    _emit(report, format_offline(report), args.json)
+    if options.plot is not None:
+        print(f"timeline written to {options.plot}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from bench.serve import ServeOptions, format_serve, run_serve
+
+    options = ServeOptions(
+        url=args.url,
+        model=args.model,
+        server_args=tuple(args.server_arg),
+        workload=_workload(args),
+        vocab_size=args.vocab_size,
+        concurrencies=args.concurrency,
+        rates=args.request_rate,
+        timeout=args.timeout,
+    )
+    report = run_serve(options)
+    _emit(report, format_serve(report), args.json)
+    return 0 if all(p["errors"] == 0 for p in report["points"]) else 1
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from bench.overhead import OverheadOptions, format_overhead, run_overhead
+
+    _set_threads(args.threads)
+    _quiet_transformers()
+    options = OverheadOptions(
+        sizes=args.sizes, steps=args.steps, prompt_len=args.prompt_len, page_size=args.page_size, seed=args.seed
+    )
+    report = run_overhead(options)
+    _emit(report, format_overhead(report), args.json)
+    return 0
+
+
+def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve,overhead}")
+
+    offline = commands.add_parser(
+        "offline",
+        help="static batching vs transformers' continuous batching vs Ferry on one workload",
+        description="Runs one seeded workload through static batching (waves padded to a common length), "
+        "transformers' continuous batching and Ferry; checks greedy tokens agree, then prints wall time, "
+        "generated tokens/s, ratios, the model floor and Ferry's efficiency.",
+    )
+    offline.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="tiny-llama | small-llama | qwen3-0.6b | qwen3-4b, or a local model directory",
+    )
+    offline.add_argument(
+        "--weights",
+        choices=("saved", "dummy"),
+        default="saved",
+        help="named configs: build random weights once and share them (saved), or let each "
+        "system draw its own (dummy: faster for big models, no token check)",
+    )
+    offline.add_argument("--device", default="auto")
+    offline.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    _add_workload_args(offline, num_requests=64)
+    offline.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="slots: static wave size, transformers' max_requests_per_batch, Ferry's max_num_seqs",
+    )
+    offline.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (both CB systems)")
+    offline.add_argument("--page-size", type=int, default=16, help="Ferry's KV page size")
+    offline.add_argument("--systems", default="static,transformers-cb,ferry")
+    offline.add_argument(
+        "--check",
+        choices=("strict", "report", "off"),
+        default="strict",
+        help="greedy token equality: strict fails on any difference, report only records it "
+        "(bf16 kernels differ between systems)",
+    )
+    offline.add_argument("--no-check", action="store_true", help="same as --check off")
+    offline.add_argument("--no-warmup", action="store_true", help="skip each system's untimed warm-up run")
+    offline.add_argument("--no-floor", action="store_true", help="skip the model-floor replay")
+    offline.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    offline.add_argument("--json", type=Path, default=None, help="write every figure and per-request trace here")
+    offline.add_argument("--plot", type=Path, default=None, help="timeline PNG: static vs continuous batching")
+    offline.set_defaults(func=_offline)
+
+    serve = commands.add_parser(
+        "serve",
+        help="streaming load test of an OpenAI-compatible server (vllm bench serve metrics)",
+        description="Closed-loop concurrency sweep and open-loop Poisson rates over /v1/completions with "
+        "streaming; reports request and token throughput, TTFT, TPOT and ITL at p50/p90/p99.",
+    )
+    target = serve.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--model", help="start `ferry serve MODEL` on a free local port for the run")
+    serve.add_argument(
+        "--server-arg", action="append", default=[], help="extra argument for the started server (repeatable)"
+    )
+    _add_workload_args(serve, num_requests=64)
+    serve.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn below this")
+    serve.add_argument("--concurrency", type=_ints, default=(1, 8, 32, 64), help="closed-loop sweep, e.g. 1,8,32,64")
+    serve.add_argument(
+        "--request-rate", type=_floats, default=(), help="open-loop Poisson rates in requests/s, e.g. 4,16,inf"
+    )
+    serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    serve.add_argument("--json", type=Path, default=None, help="write summaries and every raw sample here")
+    serve.set_defaults(func=_serve)
+
+    overhead = commands.add_parser(
+        "overhead",
+        help="CPU microseconds per engine step with a zero-cost model",
+        description="Runs the real engine step (scheduler, block manager, runner, sampler, outputs) around a "
+        "model that returns zeros, at each number of running sequences, and reports microseconds per step.",
+    )
+    overhead.add_argument("--sizes", type=_ints, default=(64, 256, 1024), help="running sequences, e.g. 64,256,1024")
+    overhead.add_argument("--steps", type=int, default=200, help="timed decode steps per size")
+    overhead.add_argument("--prompt-len", type=int, default=16)
+    overhead.add_argument("--page-size", type=int, default=16)
+    overhead.add_argument("--seed", type=int, default=0)
+    overhead.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    overhead.add_argument("--json", type=Path, default=None)
+    overhead.set_defaults(func=_overhead)
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `bench` under `ferry`'s subcommands; dispatch with `args.func(args)`."""
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks: offline, serve, overhead",
+        description="Reproducible benchmarks of Ferry against its baselines.",
+    )
+    add_bench_subcommands(bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description="Ferry benchmarks.")
+    add_bench_subcommands(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)

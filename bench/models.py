@@ -1,0 +1,175 @@
+"""The model a benchmark runs: a local Hugging Face directory, or a named architecture with random weights.
+
+Named configs are written by hand from the public architectures so that nothing is downloaded. With
+`weights="saved"` the transformers model is built once from a seed and saved, and Ferry loads that same directory:
+every system then runs identical weights and greedy outputs can be compared token for token. With
+`weights="dummy"` only config.json is written and Ferry builds its own random weights (`load_format="dummy"`):
+faster for multi-GB models, but the systems' tokens are no longer comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+
+WeightsMode = Literal["saved", "dummy"]
+
+_LLAMA_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_QWEN3_IDS = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+_QWEN3_COMMON = dict(
+    model_type="qwen3",
+    head_dim=128,
+    num_key_value_heads=8,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    **_QWEN3_IDS,
+)
+
+NAMED_CONFIGS: dict[str, dict[str, object]] = {
+    # The engine issue's reference figure: a 4-layer, 256-hidden Llama.
+    "tiny-llama": dict(
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        **_LLAMA_IDS,
+    ),
+    "small-llama": dict(
+        model_type="llama",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        **_LLAMA_IDS,
+    ),
+    "qwen3-0.6b": dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072, **_QWEN3_COMMON
+    ),
+    "qwen3-4b": dict(
+        hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, intermediate_size=9728, **_QWEN3_COMMON
+    ),
+}
+
+# Default init (std 0.02) gives near-uniform logits where greedy ties flip on rounding noise; sharper random
+# weights make the token-equality check meaningful (the same choice as tests/model_factory.py).
+_INIT_STD = 0.2
+
+
+@dataclass
+class BenchModel:
+    name: str
+    path: Path
+    """Directory Ferry loads: config.json, plus safetensors when `has_weights`."""
+    has_weights: bool
+    hf: PreTrainedModel
+    """The transformers model the baselines run; same weights as Ferry's when `has_weights`."""
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.hf.config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.config.pad_token_id
+        return 0 if pad is None else int(pad)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "weights": "saved (identical in every system)" if self.has_weights else "dummy (per system)",
+            "parameters": sum(p.numel() for p in self.hf.parameters()),
+            "device": str(self.device),
+            "dtype": self.dtype_name,
+        }
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    # Same rule as EngineConfig's "auto": bfloat16 on GPU, float32 on CPU.
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def _random_model(config: PretrainedConfig, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    # Building under the device context initialises multi-GB models on the GPU instead of slowly on the host.
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, _INIT_STD)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    return model.eval()
+
+
+def prepare_model(
+    model: str,
+    workdir: Path,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    weights: WeightsMode = "saved",
+    seed: int = 0,
+) -> BenchModel:
+    """Resolve `model` (a named config or a local directory) into a loaded transformers model and a Ferry path.
+
+    `weights` applies to named configs; a local directory brings its own weights (or, with config.json alone,
+    runs random weights on both sides).
+    """
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    if model in NAMED_CONFIGS:
+        spec = dict(NAMED_CONFIGS[model])
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        hf = _random_model(config, dev, torch_dtype, seed)
+        path = workdir / model
+        if weights == "saved":
+            hf.save_pretrained(path)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            config.save_pretrained(path)
+        return BenchModel(model, path, weights == "saved", hf, dev, torch_dtype)
+
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{model!r} is neither a named config ({', '.join(NAMED_CONFIGS)}) nor a model directory")
+    has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    if has_weights:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev).eval()
+    else:
+        config = AutoConfig.from_pretrained(path)
+        hf = _random_model(config, dev, torch_dtype, seed)
+    return BenchModel(path.name, path, has_weights, hf, dev, torch_dtype)

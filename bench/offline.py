@@ -1,0 +1,250 @@
+"""`ferry bench offline`: one workload through static batching, transformers' continuous batching and Ferry.
+
+Same model object (same weights), same prompts, same per-request output lengths, greedy, EOS ignored. The greedy
+tokens of the systems are compared before any figure is shown: a speed-up that changes the answers is no speed-up.
+Ferry's forward passes are then replayed alone (the model floor) to show how much of its time is the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from bench.baselines import run_hf_continuous, run_static
+from bench.ferry import build_engine, run_ferry
+from bench.floor import Floor, measure_floor
+from bench.models import BenchModel, WeightsMode, prepare_model
+from bench.report import fmt, format_table, stamp
+from bench.results import SystemRun
+from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
+
+CheckMode = Literal["strict", "report", "off"]
+SYSTEMS = ("static", "transformers-cb", "ferry")
+_WARMUP_OUTPUT = LengthDist("fixed", (4.0,))
+
+
+class TokenMismatch(RuntimeError):
+    """The systems disagree on greedy tokens; the report lists where."""
+
+
+@dataclass
+class OfflineOptions:
+    model: str = "tiny-llama"
+    weights: WeightsMode = "saved"
+    device: str = "auto"
+    dtype: str = "auto"
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    batch_size: int = 32
+    """Slots: static wave size, transformers' max_requests_per_batch, Ferry's max_num_seqs."""
+    max_batch_tokens: int = 2048
+    page_size: int = 16
+    systems: tuple[str, ...] = SYSTEMS
+    check: CheckMode = "strict"
+    warmup: bool = True
+    floor: bool = True
+    plot: Path | None = None
+
+
+def _warmup_workload(spec: WorkloadSpec, batch_size: int, vocab_size: int) -> Workload:
+    # Other seed, other prefix: warm-up prompts must not seed the prefix caches the timed run then hits.
+    warm = dataclasses.replace(
+        spec,
+        num_requests=min(batch_size, spec.num_requests),
+        output_len=_WARMUP_OUTPUT,
+        seed=spec.seed + 1_000_003,
+    )
+    return make_workload(warm, vocab_size)
+
+
+def compare_tokens(runs: list[SystemRun]) -> list[dict[str, object]]:
+    """Every request where a system's tokens differ from the first system's."""
+    mismatches = []
+    reference = runs[0]
+    for other in runs[1:]:
+        for i, (want, got) in enumerate(zip(reference.tokens, other.tokens, strict=True)):
+            if want != got:
+                first = next(
+                    (k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got))
+                )
+                mismatches.append(
+                    {
+                        "request": i,
+                        "systems": [reference.system, other.system],
+                        "first_difference": first,
+                        "lengths": [len(want), len(got)],
+                    }
+                )
+    return mismatches
+
+
+def _check(runs: list[SystemRun], model: BenchModel, mode: CheckMode) -> dict[str, object]:
+    if mode == "off" or len(runs) < 2:
+        return {"mode": "off", "note": "token equality not checked"}
+    if not model.has_weights:
+        return {"mode": "off", "note": "dummy weights differ between systems: token equality not checked"}
+    mismatches = compare_tokens(runs)
+    differing = {m["request"] for m in mismatches}
+    result: dict[str, object] = {
+        "mode": mode,
+        "systems": [r.system for r in runs],
+        "identical": not mismatches,
+        "identical_requests": len(runs[0].tokens) - len(differing),
+        "requests": len(runs[0].tokens),
+        "mismatches": mismatches,
+    }
+    if mismatches and mode == "strict":
+        lines = [
+            f"  request {m['request']}: {m['systems'][0]} vs {m['systems'][1]} differ at token "
+            f"{m['first_difference']} (lengths {m['lengths'][0]} / {m['lengths'][1]})"
+            for m in mismatches[:20]
+        ]
+        more = f"\n  ... and {len(mismatches) - 20} more" if len(mismatches) > 20 else ""
+        raise TokenMismatch(f"greedy tokens differ in {len(mismatches)} places:\n" + "\n".join(lines) + more)
+    return result
+
+
+def run_offline(options: OfflineOptions) -> dict[str, object]:
+    unknown = set(options.systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as workdir:
+        model = prepare_model(
+            options.model,
+            Path(workdir),
+            device=options.device,
+            dtype=options.dtype,
+            weights=options.weights,
+            # One seed names the whole run: the random weights and the workload.
+            seed=options.workload.seed,
+        )
+        workload = make_workload(options.workload, model.vocab_size)
+        warm = _warmup_workload(options.workload, options.batch_size, model.vocab_size)
+        slots, budget = options.batch_size, options.max_batch_tokens
+        runs: list[SystemRun] = []
+        floor: Floor | None = None
+        # Systems run one after the other in a fixed order, each warmed up on other prompts first.
+        if "static" in options.systems:
+            if options.warmup:
+                run_static(model, warm, slots)
+            runs.append(run_static(model, workload, slots))
+        if "transformers-cb" in options.systems:
+            if options.warmup:
+                run_hf_continuous(model, warm, slots, budget)
+            runs.append(run_hf_continuous(model, workload, slots, budget))
+        if "ferry" in options.systems:
+            engine = build_engine(model, workload, slots=slots, max_batch_tokens=budget, page_size=options.page_size)
+            if options.warmup:
+                run_ferry(engine, warm)
+            ferry_run, shapes = run_ferry(engine, workload, record_shapes=options.floor)
+            runs.append(ferry_run)
+            if options.floor:
+                floor = measure_floor(engine, shapes)
+        check = _check(runs, model, options.check)
+        report = _report(options, model, workload, runs, floor, check)
+        if options.plot is not None:
+            from bench.plot import plot_timelines
+
+            plot_timelines(runs, options.plot, _title(model, workload, slots))
+            report["plot"] = str(options.plot)
+    return report
+
+
+def _title(model: BenchModel, workload: Workload, slots: int) -> str:
+    spec = workload.spec
+    return (
+        f"{model.name} ({model.dtype_name}, {model.device.type}): {len(workload)} requests, "
+        f"prompt {spec.prompt_len}, output {spec.output_len}, prefix {spec.prefix_len}, {slots} slots"
+    )
+
+
+def _report(
+    options: OfflineOptions,
+    model: BenchModel,
+    workload: Workload,
+    runs: list[SystemRun],
+    floor: Floor | None,
+    check: dict[str, object],
+) -> dict[str, object]:
+    by_name = {r.system: r for r in runs}
+    ratios = {
+        r.system: {b: r.tokens_per_second / by_name[b].tokens_per_second for b in by_name if b != r.system}
+        for r in runs
+    }
+    efficiency = floor.seconds / by_name["ferry"].wall_seconds if floor and "ferry" in by_name else None
+    return {
+        "benchmark": "offline",
+        **stamp(),
+        "title": _title(model, workload, options.batch_size),
+        "model": model.describe(),
+        "workload": {
+            **workload.spec.describe(),
+            "total_prompt_tokens": workload.total_prompt_tokens,
+            "total_output_tokens": workload.total_output_tokens,
+            "prompt_lens": [len(p) for p in workload.prompts],
+            "output_lens": workload.output_lens,
+        },
+        "settings": {
+            "batch_size": options.batch_size,
+            "max_batch_tokens": options.max_batch_tokens,
+            "page_size": options.page_size,
+            "warmup": options.warmup,
+        },
+        "check": check,
+        "systems": {r.system: r.summary() for r in runs},
+        "ratios": ratios,
+        "floor": floor.summary() if floor else None,
+        "efficiency": efficiency,
+    }
+
+
+def format_offline(report: dict[str, object]) -> str:
+    systems = report["systems"]
+    baselines = [b for b in ("static", "transformers-cb") if b in systems]
+    headers = ["system", "wall s", "gen tok/s", *(f"vs {b}" for b in baselines), "efficiency"]
+    rows = []
+    for name, run in systems.items():
+        ratios = report["ratios"][name]
+        rows.append(
+            [
+                name,
+                fmt(run["wall_seconds"], 3),
+                fmt(run["tokens_per_second"], 1),
+                *(fmt(ratios.get(b), 2, "x") for b in baselines),
+                fmt(report["efficiency"]) if name == "ferry" else "",
+            ]
+        )
+    floor = report["floor"]
+    if floor is not None:
+        tokens = systems["ferry"]["generated_tokens"]
+        rows.append(
+            [
+                "model floor",
+                fmt(floor["seconds"], 3),
+                fmt(tokens / floor["seconds"], 1),
+                *([""] * len(baselines)),
+                "1.00",
+            ]
+        )
+    check = report["check"]
+    if check["mode"] == "off":
+        verdict = check["note"]
+    elif check["identical"]:
+        verdict = f"greedy tokens identical across {', '.join(check['systems'])}"
+    else:
+        verdict = (
+            f"greedy tokens identical in {check['identical_requests']} of {check['requests']} requests across "
+            f"{', '.join(check['systems'])} ({check['mode']} mode: differences listed in the JSON, not fatal)"
+        )
+    lines = [report["title"], format_table(headers, rows), verdict]
+    if floor is not None:
+        lines.append("efficiency = model floor / Ferry wall time (forward passes of Ferry's own steps, replayed alone)")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, object], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,311 @@
+"""`ferry bench serve`: streaming load against an OpenAI-compatible server, with `vllm bench serve`'s metrics.
+
+Two load shapes over the same seeded requests: closed loop (C clients, each sends its next request when the last
+one finished) swept over concurrencies, and open loop (Poisson arrivals at a fixed rate, whatever the server's
+progress). Prompts are token-id lists sent to /v1/completions with `ignore_eos`, so every request asks for exactly
+its output length. The SSE stream is parsed by hand and every chunk is timestamped on arrival.
+
+Metric definitions, as vLLM's benchmark: TTFT is the time to the first chunk carrying a choice; ITL are the gaps
+between successive such chunks; E2E latency ends at the last one; TPOT = (E2E - TTFT) / (output tokens - 1);
+output tokens come from the final usage chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from bench.report import fmt, format_table, stamp
+from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestSample:
+    index: int
+    prompt_tokens: int
+    start: float
+    """Seconds from the start of the load point to sending the request."""
+    output_tokens: int = 0
+    ttft: float | None = None
+    latency: float | None = None
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class ServeOptions:
+    url: str | None = None
+    model: str | None = None
+    """Model to serve when no URL is given: Ferry is started on a free local port and stopped afterwards."""
+    server_args: tuple[str, ...] = ()
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    vocab_size: int = 256
+    """Prompt token ids are drawn below this; 256 fits every byte-level vocabulary."""
+    concurrencies: tuple[int, ...] = (1, 8, 32, 64)
+    rates: tuple[float, ...] = ()
+    timeout: float = 600.0
+    startup_timeout: float = 300.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _distribution(values: list[float]) -> dict[str, float | None]:
+    """Milliseconds: mean and the percentiles."""
+    ms = [v * 1000 for v in values]
+    out: dict[str, float | None] = {"mean": sum(ms) / len(ms) if ms else None}
+    out.update({f"p{q}": percentile(ms, q) for q in PERCENTILES})
+    return out
+
+
+def summarize(samples: list[RequestSample], duration: float) -> dict[str, object]:
+    ok = [s for s in samples if s.error is None]
+    output_tokens = sum(s.output_tokens for s in ok)
+    tpots = [
+        (s.latency - s.ttft) / (s.output_tokens - 1)
+        for s in ok
+        if s.output_tokens > 1 and s.latency is not None and s.ttft is not None
+    ]
+    return {
+        "completed": len(ok),
+        "errors": len(samples) - len(ok),
+        "duration_seconds": duration,
+        "request_throughput": len(ok) / duration if duration > 0 else None,
+        "output_throughput": output_tokens / duration if duration > 0 else None,
+        "total_token_throughput": (output_tokens + sum(s.prompt_tokens for s in ok)) / duration
+        if duration > 0
+        else None,
+        "output_tokens": output_tokens,
+        "ttft_ms": _distribution([s.ttft for s in ok if s.ttft is not None]),
+        "tpot_ms": _distribution(tpots),
+        "itl_ms": _distribution([gap for s in ok for gap in s.itl]),
+        "e2el_ms": _distribution([s.latency for s in ok if s.latency is not None]),
+    }
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, model: str, workload: Workload, index: int, origin: float
+) -> RequestSample:
+    prompt = workload.prompts[index]
+    sample = RequestSample(index, len(prompt), time.perf_counter() - origin)
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": workload.output_lens[index],
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    last = sent
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:500]
+                sample.error = f"HTTP {response.status_code}: {detail}"
+                return sample
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, other SSE fields
+                payload = line[len("data:") :].strip()
+                if payload == "[DONE]":
+                    break
+                data = json.loads(payload)
+                if data.get("error"):
+                    sample.error = str(data["error"])
+                    return sample
+                now = time.perf_counter()
+                if data.get("choices"):
+                    if sample.ttft is None:
+                        sample.ttft = now - sent
+                    else:
+                        sample.itl.append(now - last)
+                    last = now
+                if data.get("usage"):
+                    sample.output_tokens = int(data["usage"].get("completion_tokens") or 0)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
+        return sample
+    if sample.ttft is None:
+        sample.error = "the stream ended without a token"
+    else:
+        sample.latency = last - sent
+    return sample
+
+
+async def run_closed_loop(
+    client: httpx.AsyncClient, url: str, model: str, workload: Workload, concurrency: int
+) -> tuple[list[RequestSample], float]:
+    next_index = iter(range(len(workload)))
+    samples: list[RequestSample] = []
+    origin = time.perf_counter()
+
+    async def user() -> None:
+        for index in next_index:  # the shared iterator hands each request to exactly one user
+            samples.append(await _send(client, url, model, workload, index, origin))
+
+    await asyncio.gather(*(user() for _ in range(min(concurrency, len(workload)))))
+    return sorted(samples, key=lambda s: s.index), time.perf_counter() - origin
+
+
+async def run_open_loop(
+    client: httpx.AsyncClient, url: str, model: str, workload: Workload, rate: float, seed: int
+) -> tuple[list[RequestSample], float]:
+    rng = random.Random(seed)
+    origin = time.perf_counter()
+    tasks = []
+    arrival = 0.0
+    for index in range(len(workload)):
+        delay = arrival - (time.perf_counter() - origin)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(_send(client, url, model, workload, index, origin)))
+        arrival += rng.expovariate(rate) if rate != float("inf") else 0.0
+    samples = await asyncio.gather(*tasks)
+    return list(samples), time.perf_counter() - origin
+
+
+async def _served_model(client: httpx.AsyncClient, url: str) -> str:
+    response = await client.get(f"{url}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def _sweep(
+    url: str, options: ServeOptions, transport: httpx.AsyncBaseTransport | None = None
+) -> dict[str, object]:
+    workload = make_workload(options.workload, options.vocab_size)
+    widest = max([*options.concurrencies, 1])
+    limits = httpx.Limits(max_connections=max(widest, len(workload)), max_keepalive_connections=widest)
+    async with httpx.AsyncClient(timeout=options.timeout, limits=limits, transport=transport) as client:
+        model = await _served_model(client, url)
+        # One short request first: connection set-up and the server's first-request costs stay out of the figures.
+        fixed = LengthDist("fixed", (8.0,))
+        warm_spec = WorkloadSpec(1, fixed, fixed, 0, options.workload.seed + 1)
+        warm = make_workload(warm_spec, options.vocab_size)
+        await _send(client, url, model, warm.head(1), 0, time.perf_counter())
+        points = []
+        for concurrency in options.concurrencies:
+            samples, duration = await run_closed_loop(client, url, model, workload, concurrency)
+            points.append(_point("concurrency", concurrency, samples, duration))
+        for rate in options.rates:
+            samples, duration = await run_open_loop(client, url, model, workload, rate, options.workload.seed)
+            points.append(_point("request_rate", rate, samples, duration))
+    return {"model": model, "points": points}
+
+
+def _point(mode: str, load: float, samples: list[RequestSample], duration: float) -> dict[str, object]:
+    return {"mode": mode, "load": load, **summarize(samples, duration), "samples": [asdict(s) for s in samples]}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _local_server(options: ServeOptions) -> Iterator[str]:
+    """Start `ferry serve` for `options.model` on a free port; stop it on exit."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable, "-m", "server.cli", "serve", "--model", options.model,
+        # Quiet by default (one access-log line per request would bury the table); later flags override.
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *options.server_args,
+    ]  # fmt: skip
+    process = subprocess.Popen(command)
+    try:
+        deadline = time.monotonic() + options.startup_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with code {process.returncode} before it was ready")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server was not ready after {options.startup_timeout:.0f} s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def run_serve(options: ServeOptions, transport: httpx.AsyncBaseTransport | None = None) -> dict[str, object]:
+    """`transport` replaces the network (tests pass an `httpx.MockTransport`)."""
+    if (options.url is None) == (options.model is None):
+        raise ValueError("give exactly one of a server URL or a model to serve")
+    with contextlib.ExitStack() as stack:
+        url = options.url.rstrip("/") if options.url else stack.enter_context(_local_server(options))
+        result = asyncio.run(_sweep(url, options, transport))
+    return {
+        "benchmark": "serve",
+        **stamp(),
+        "url": options.url,
+        "workload": options.workload.describe(),
+        "vocab_size": options.vocab_size,
+        **result,
+    }
+
+
+def format_serve(report: dict[str, object]) -> str:
+    def triple(dist: dict[str, float | None]) -> str:
+        return " / ".join(fmt(dist[f"p{q}"], 1) or "-" for q in PERCENTILES)
+
+    headers = [
+        "load",
+        "done",
+        "errors",
+        "req/s",
+        "out tok/s",
+        "TTFT ms p50/90/99",
+        "TPOT ms p50/90/99",
+        "ITL ms p50/90/99",
+    ]
+    rows = []
+    for point in report["points"]:
+        label = f"c={point['load']}" if point["mode"] == "concurrency" else f"rate={point['load']:g}/s"
+        rows.append(
+            [
+                label,
+                str(point["completed"]),
+                str(point["errors"]),
+                fmt(point["request_throughput"]),
+                fmt(point["output_throughput"], 1),
+                triple(point["ttft_ms"]),
+                triple(point["tpot_ms"]),
+                triple(point["itl_ms"]),
+            ]
+        )
+    workload = report["workload"]
+    title = (
+        f"ferry bench serve: {report['model']}, {workload['num_requests']} requests per point, prompt "
+        f"{workload['prompt_len']}, output {workload['output_len']} (streaming /v1/completions)"
+    )
+    return "\n".join([title, format_table(headers, rows)])

@@ -1,0 +1,281 @@
+"""In-process drivers of the engine step, shaped like transformers' continuous-batching API.
+
+`generate_batch` runs the step loop in the calling thread until every input finished. `ContinuousBatchingManager`
+runs it in a background thread, takes requests from any thread, and hands results back by polling, by iteration,
+by streaming per request, or through callbacks scheduled on an asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import partial
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import FinishReason, GenerationOutput, QueueFull, SamplingParams, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+def generate_batch(
+    inputs: list[list[int]],
+    config: EngineConfig | None = None,
+    *,
+    params: SamplingParams | list[SamplingParams] | None = None,
+    engine: EngineCore | None = None,
+    progress_bar: bool = False,
+) -> dict[str, GenerationOutput]:
+    """Generate for every prompt and block until all finish; ids are `req_0`, `req_1`, ... in input order."""
+    if engine is None:
+        if config is None:
+            raise ValueError("generate_batch needs an EngineConfig or an EngineCore")
+        engine = EngineCore(config)
+    if params is None:
+        params = SamplingParams()
+    per_request = params if isinstance(params, list) else [params] * len(inputs)
+    if len(per_request) != len(inputs):
+        raise ValueError(f"{len(per_request)} SamplingParams for {len(inputs)} inputs")
+    pending = deque((f"req_{i}", ids, p) for i, (ids, p) in enumerate(zip(inputs, per_request, strict=True)))
+    results = {rid: GenerationOutput(rid, list(ids)) for rid, ids, _ in pending}
+    bar = tqdm(total=len(inputs), disable=not progress_bar, desc="generate_batch")
+    done = 0
+    while done < len(inputs):
+        while pending:
+            rid, ids, p = pending[0]
+            try:
+                engine.add_request(rid, ids, p)
+            except QueueFull:
+                break  # the queue drains as the engine admits requests
+            pending.popleft()
+        for delta in engine.step():
+            output = results[delta.request_id]
+            output.merge(delta)
+            if output.finished:
+                done += 1
+                bar.update(1)
+    bar.close()
+    return results
+
+
+def _has_news(output: GenerationOutput, seen: int) -> bool:
+    return len(output.generated_ids) > seen or output.finished
+
+
+class ManagerStopped(RuntimeError):
+    """The manager no longer accepts requests."""
+
+
+class ContinuousBatchingManager:
+    """Runs `EngineCore.step()` in a background thread; thread-safe front door for requests and results."""
+
+    def __init__(self, engine_or_config: EngineCore | EngineConfig) -> None:
+        self.engine = engine_or_config if isinstance(engine_or_config, EngineCore) else EngineCore(engine_or_config)
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._lock = threading.Condition()
+        self._outputs: dict[str, GenerationOutput] = {}
+        self._finished: queue.Queue[GenerationOutput] = queue.Queue()
+        self._handlers: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[GenerationOutput], object]]] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._stop_requested = False
+        self._pause_requests = 0
+        self._paused = threading.Event()
+        self.error: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._accepting = True
+        self._thread = threading.Thread(target=self._loop, name="ferry-engine", daemon=True)
+        self._thread.start()
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False) -> None:
+        """Stop accepting requests. Graceful: in-flight requests finish first. Hard: they end now with an error."""
+        self._accepting = False
+        if hard_stop:
+            self._inbox.put(("fail_all", "the manager was stopped (hard stop) before the request finished"))
+        self._stop_requested = True
+        self._wakeup.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> ContinuousBatchingManager:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop(block=True)
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Hold the loop between steps; requests added meanwhile are kept and run after the block."""
+        with self._lock:
+            self._pause_requests += 1
+        self._wakeup.set()
+        try:
+            if self.is_running():
+                self._paused.wait()
+            yield
+        finally:
+            with self._lock:
+                self._pause_requests -= 1
+            self._wakeup.set()
+
+    # -- requests in -----------------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        if not self._accepting:
+            raise ManagerStopped("the manager is not running: call start() (or use it as a context manager)")
+        request_id = request_id if request_id is not None else f"req_{next(self._ids)}"
+        with self._lock:
+            if request_id in self._outputs:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._outputs[request_id] = GenerationOutput(request_id, list(prompt_ids))
+        self._inbox.put(("add", (request_id, list(prompt_ids), params or SamplingParams())))
+        self._wakeup.set()
+        return request_id
+
+    def add_requests(
+        self, inputs: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[str]:
+        per_request = params if isinstance(params, list) else [params] * len(inputs)
+        return [self.add_request(ids, p) for ids, p in zip(inputs, per_request, strict=True)]
+
+    def cancel_request(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wakeup.set()
+
+    # -- results out -----------------------------------------------------------------------------------------
+
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], object]) -> None:
+        """Call `callback(output)` on the caller's asyncio loop after every step that changes the request."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._handlers[request_id] = (loop, callback)
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next finished result (any request), or the given request's once it finished; None on timeout."""
+        if request_id is None:
+            try:
+                return self._finished.get(timeout=timeout)
+            except queue.Empty:
+                return None
+        with self._lock:
+            if request_id not in self._outputs:
+                raise KeyError(f"unknown request id {request_id!r}")
+            if not self._lock.wait_for(lambda: self._outputs[request_id].finished, timeout):
+                return None
+            return copy.deepcopy(self._outputs[request_id])
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """Yield snapshots of a request's output as it grows; the last one is final."""
+        seen = -1
+        while True:
+            with self._lock:
+                if request_id not in self._outputs:
+                    raise KeyError(f"unknown request id {request_id!r}")
+                output = self._outputs[request_id]
+                self._lock.wait_for(partial(_has_news, output, seen))
+                seen = len(output.generated_ids)
+                snapshot = copy.deepcopy(output)
+            yield snapshot
+            if snapshot.finished:
+                return
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Finished results as they come, until the manager stopped and everything was handed out."""
+        while True:
+            result = self.get_result(timeout=0.05)
+            if result is not None:
+                yield result
+            elif not self.is_running() and self._finished.empty():
+                return
+
+    # -- the loop --------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                self._drain_inbox()
+                if self._pause_requests:
+                    self._paused.set()
+                    self._wakeup.wait(0.1)
+                    self._wakeup.clear()
+                    continue
+                self._paused.clear()
+                if self.engine.has_unfinished():
+                    self._publish(self.engine.step())
+                elif self._stop_requested:
+                    return
+                else:
+                    self._wakeup.wait(0.1)
+                    self._wakeup.clear()
+        except BaseException as exc:
+            logger.exception("engine loop failed")
+            self.error = exc
+            self._fail_all(f"engine failure: {exc!r}")
+        finally:
+            self._paused.set()
+            self._accepting = False
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, prompt_ids, params = payload
+                try:
+                    self.engine.add_request(request_id, prompt_ids, params)
+                except (ValueError, QueueFull) as exc:
+                    self._publish([StepOutput(request_id, [], FinishReason.ABORT, error=str(exc))])
+            elif kind == "cancel":
+                self.engine.abort_request(payload)
+            elif kind == "fail_all":
+                self._fail_all(payload)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            live = [rid for rid, out in self._outputs.items() if not out.finished]
+        for request_id in live:
+            self.engine.abort_request(request_id)
+        pending = [StepOutput(rid, [], FinishReason.ABORT, error=message) for rid in live]
+        self._publish(pending)
+
+    def _publish(self, deltas: list[StepOutput]) -> None:
+        callbacks = []
+        with self._lock:
+            for delta in deltas:
+                output = self._outputs.get(delta.request_id)
+                if output is None or output.finished:
+                    continue
+                output.merge(delta)
+                handler = self._handlers.get(delta.request_id)
+                if handler is not None:
+                    callbacks.append((handler, copy.deepcopy(output)))
+                if output.finished:
+                    self._handlers.pop(delta.request_id, None)
+                    self._finished.put(copy.deepcopy(output))
+            self._lock.notify_all()
+        for (loop, callback), snapshot in callbacks:
+            loop.call_soon_threadsafe(callback, snapshot)

@@ -1,0 +1,62 @@
+"""The step description every backend receives, and the interface they share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepMetadata:
+    """Layer-independent description of one packed step, built once by the runner.
+
+    Token i of the packed row belongs to sequence `seq_of_token[i]`, sits at position `positions[i]`, and its
+    K/V go to cache slot `slot_mapping[i]` (page * page_size + offset).
+    """
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_pages] int32; released/absent pages hold 0 and are never read
+    query_start_loc_host: list[int]
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+    page_size: int
+    backend_state: dict[Any, Any] = field(default_factory=dict)
+    """Per-step caches a backend derives lazily (gather indices, masks per window size)."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def prepare(self, meta: StepMetadata) -> None:  # noqa: B027 - optional hook
+        """Derive per-step, layer-independent state before the first layer runs."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, page_size, Hkv, D]
+        meta: StepMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor):
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)

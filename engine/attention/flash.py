@@ -1,0 +1,81 @@
+"""flash-attn over the pages in place (GPU only): nothing is gathered into a contiguous copy.
+
+A step with only decode tokens uses `flash_attn_with_kvcache` (one query per sequence, block table); any step
+with a multi-token chunk uses `flash_attn_varlen_func` with the block table, which serves prefill chunks over
+cached pages and decodes in the same call. Upstream flash-attn reads paged K/V only when the page size is a
+multiple of 256, so `auto` falls back to the torch backend for smaller pages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from engine.attention.base import AttentionBackend, StepMetadata, write_kv
+
+PAGE_MULTIPLE = 256
+
+
+def flash_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+class FlashBackend(AttentionBackend):
+    name = "flash"
+
+    def __init__(self, page_size: int) -> None:
+        if not self.supports_page_size(page_size):
+            raise ValueError(f"flash-attn reads pages whose size is a multiple of {PAGE_MULTIPLE}, got {page_size}")
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    @staticmethod
+    def supports_page_size(page_size: int) -> bool:
+        return page_size % PAGE_MULTIPLE == 0
+
+    def prepare(self, meta: StepMetadata) -> None:
+        seq_lens = meta.seq_lens
+        cu_seqlens_k = torch.zeros(len(meta.seq_lens_host) + 1, dtype=torch.int32, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=cu_seqlens_k[1:])
+        meta.backend_state["cu_seqlens_k"] = cu_seqlens_k
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: StepMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        write_kv(key, value, kv_cache, meta.slot_mapping)
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        if meta.max_query_len == 1:
+            out = self._with_kvcache(
+                query.unsqueeze(1),
+                kv_cache[0],
+                kv_cache[1],
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
+                window_size=window,
+            )
+            return out.squeeze(1)
+        return self._varlen(
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=meta.backend_state["cu_seqlens_k"],
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            window_size=window,
+            block_table=meta.block_tables,
+        )

@@ -1,0 +1,120 @@
+"""From a local Hugging Face model directory (or a config alone, with dummy weights) to a runnable model."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+
+from engine.attention import AttentionBackend
+from engine.config import EngineConfig
+from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
+from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    """Has forward(input_ids, positions, meta, kv_caches) -> hidden, compute_logits(hidden), num_layers,
+    num_kv_heads, head_dim and sliding_windows (one entry per layer)."""
+    hf_config: PretrainedConfig
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+    native: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def _eos_ids(model_dir: str, hf_config: PretrainedConfig) -> frozenset[int]:
+    eos = None
+    if os.path.exists(os.path.join(model_dir, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (use load_format='dummy' for random ones)")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, f.get_tensor(name)
+
+
+def load_model(config: EngineConfig, backend: AttentionBackend) -> LoadedModel:
+    if not os.path.isfile(os.path.join(config.model, "config.json")):
+        raise FileNotFoundError(f"{config.model!r} is not a model directory (no config.json)")
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    hf_config = AutoConfig.from_pretrained(config.model)
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    max_model_len = config.max_model_len or limit or 4096
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+    native = config.model_impl == "native" or (
+        config.model_impl == "auto" and hf_config.model_type in NATIVE_MODEL_TYPES
+    )
+    if native and hf_config.model_type not in NATIVE_MODEL_TYPES:
+        raise ValueError(f"no native implementation for model_type {hf_config.model_type!r}")
+    torch.manual_seed(config.seed)
+    if native:
+        with torch.device(device):
+            model = LlamaFamilyForCausalLM(hf_config, backend, max_positions=max_model_len)
+        if config.load_format == "dummy":
+            _init_dummy(model)
+        else:
+            model.load_weights(_checkpoint_tensors(config.model))
+        model = model.to(dtype)
+    else:
+        hf_config._attn_implementation = ATTN_IMPLEMENTATION
+        if config.load_format == "dummy":
+            hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+            )
+        model = TransformersCausalLM(hf_model.to(device), backend)
+    model.eval()
+    return LoadedModel(model, hf_config, _eos_ids(config.model, hf_config), max_model_len, device, dtype, native)
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module) -> None:
+    """Random weights of a realistic scale, so activations and timings look like a trained model's."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif param.dim() >= 2:
+            param.normal_(0.0, 0.02)
+        else:
+            param.zero_()

@@ -1,0 +1,201 @@
+"""Native Llama-family decoder (Llama, Qwen2, Qwen3, Mistral): the fast path.
+
+Differences from the transformers modules are for speed only: fused QKV and gate/up projections, rotary cos/sin
+precomputed once for every position, the packed `[T, ...]` layout with no batch dimension, attention through a
+paged backend, and no mask building per step. The maths (and so greedy output) is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from engine.attention import AttentionBackend, StepMetadata
+
+NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+# transformers checkpoint name -> (fused parameter name, shard index)
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the input dtype, as the transformers modules do.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def sliding_window_of_layer(config: PretrainedConfig, layer: int) -> int | None:
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types is not None:
+        return window if layer_types[layer] == "sliding_attention" else None
+    return window
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        out_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=out_bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window_of_layer(config, layer)
+        self.layer = layer
+        self.backend = backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: StepMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, meta, kv_cache) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, meta, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """Packed-row causal LM: `forward` takes `[T]` token ids and positions and returns `[T, hidden]`."""
+
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, backend)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # cos/sin for every position, computed by the transformers rotary module itself (all rope scaling types).
+        rotary = LlamaRotaryEmbedding(config)
+        positions = torch.arange(max_positions)[None, :]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+        self.register_buffer("cos_cache", cos[0], persistent=False)
+        self.register_buffer("sin_cache", sin[0], persistent=False)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = self.model.layers[0].self_attn.head_dim
+        self.sliding_windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: StepMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos = self.cos_cache[positions].to(hidden.dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(hidden.dtype).unsqueeze(1)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, meta, kv_cache)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
+                continue
+            shard = None
+            for hf_part, (fused_part, index) in _FUSED.items():
+                if hf_part in name:
+                    name, shard = name.replace(hf_part, fused_part), index
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the native {self.config.model_type}")
+            param = params[name]
+            if shard is None:
+                param.copy_(tensor)
+            else:
+                param.narrow(0, *self._shard_range(name, shard)).copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)}")
+
+    def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
+        if ".qkv_proj." in name:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return sum(sizes[:shard]), sizes[shard]

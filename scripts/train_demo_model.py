@@ -1,0 +1,577 @@
+#!/usr/bin/env python
+"""Train Ferry's embedded demo model from scratch on CPU, reproducibly from a seed.
+
+Ferry cannot download a model in its quick start, so it ships a tiny one that writes short English answers.
+Everything here is built from text that exists on every machine with Python: the docstrings of the Python
+standard library (PSF License), plus a few hand-written exchanges about Ferry and Python basics.
+
+What it writes into `server/default_model/` (or `--out`):
+  - a byte-level BPE tokenizer trained on the same corpus, with BOS/EOS/pad, role tokens and a chat template;
+  - a small Llama-architecture model (float32 safetensors, tied embeddings) trained on short chat exchanges,
+    so that it answers after the assistant prefix and stops with EOS;
+  - generation_config.json (greedy, with eos_token_id) and training_info.json (what produced the weights).
+
+Usage:  python scripts/train_demo_model.py            # ~15-25 min on 2 CPU cores
+        python scripts/train_demo_model.py --steps 50 --out /tmp/demo   # quick smoke run
+
+The docstrings come from the running interpreter, so the same seed gives the same weights on the same Python,
+torch and tokenizers versions (recorded in training_info.json); another Python version gives a similar model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import inspect
+import io
+import json
+import math
+import os
+import platform
+import random
+import re
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+# Set before torch loads OpenMP: on a shared machine, busy-waiting threads that lose their core make every
+# parallel region wait for a descheduled spinner (measured 10x slower steps with 2 threads under load).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "server" / "default_model"
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+ROLES = ("system", "user", "assistant")
+SPECIAL_TOKENS = [PAD, BOS, EOS, *(f"<|{role}|>" for role in ROLES)]
+# Same shape as the test models' template (tests/model_factory.py): every turn ends with EOS, so the model
+# learns to emit EOS right after its answer, and the generation prompt is just the assistant role token.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VOCAB_SIZE = 4096
+MAX_TOKENS = 160  # longest training exchange kept; answers are a sentence or two
+
+# Prompts whose greedy answers are printed at the end (and checked by tests/test_demo_model.py).
+EVAL_PROMPTS = [
+    "What does a ferry do?",
+    "What is a list?",
+    "Explain the json module.",
+    "What does a dictionary do?",
+    "What is Python?",
+]
+
+# Modules that open windows or browsers, print on import, or are only build/packaging helpers.
+SKIP_MODULES = {
+    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "ensurepip",
+    "pydoc_data", "posix", "nt",
+}  # fmt: skip
+
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant.",
+    "You are Ferry, a small demo model.",
+    "Answer in one or two sentences.",
+    "You are a friendly assistant that explains Python.",
+]
+
+# Hand-written exchanges: several phrasings of a question -> one short answer. These are what a newcomer asks
+# first, so they are repeated more often than the docstring pairs (see HANDWRITTEN_REPEAT).
+HANDWRITTEN: list[tuple[list[str], str]] = [
+    (["What does a ferry do?", "What is a ferry?", "Explain what a ferry is.", "Tell me about ferries."],
+     "A ferry carries passengers, cars and goods across a river, a lake or a stretch of sea, "
+     "going back and forth on a regular schedule."),
+    (["How does a ferry work?", "How do ferries work?"],
+     "A ferry loads people and vehicles at one dock, crosses the water, unloads them at the other side "
+     "and then returns for the next trip."),
+    (["What is Ferry?", "What is the Ferry server?", "Explain Ferry."],
+     "Ferry is an inference server that runs language models and answers requests through an API "
+     "that is compatible with OpenAI."),
+    (["Who are you?", "What are you?", "Introduce yourself."],
+     "I am a tiny demo model that ships with Ferry. I was trained on the documentation of the "
+     "Python standard library, so my answers are short and simple."),
+    (["Hello!", "Hi!", "Hello", "Hi there.", "Good morning!"],
+     "Hello! Ask me about Python or about ferries, and I will try to answer in a sentence or two."),
+    (["Thank you!", "Thanks!", "Thanks for the help."],
+     "You are welcome. I am glad I could help."),
+    (["What can you do?", "How can you help me?"],
+     "I can answer short questions about Python, its standard library and ferries."),
+    (["What is a boat?", "What does a boat do?"],
+     "A boat is a small vessel that floats on water and carries people or goods from one place to another."),
+    (["What is a river?"],
+     "A river is a large stream of fresh water that flows across the land into a lake or the sea."),
+    (["What is a ship?"],
+     "A ship is a large vessel that carries passengers or cargo across the sea."),
+    (["What is Python?", "Tell me about Python.", "Explain Python."],
+     "Python is a programming language that is easy to read and write. It is used for scripts, "
+     "web servers, data analysis and much more."),
+    (["What is a list?", "What does a list do?", "Explain lists.", "What is a Python list?"],
+     "A list is an ordered collection of items that can be changed. You can add, remove and sort "
+     "its items."),
+    (["What is a dictionary?", "What does a dictionary do?", "Explain dictionaries.", "What is a dict?"],
+     "A dictionary maps keys to values, so you can look up a value quickly by its key."),
+    (["What is a tuple?", "What does a tuple do?", "Explain tuples."],
+     "A tuple is an ordered collection of items that cannot be changed after it is created."),
+    (["What is a set?", "What does a set do?", "Explain sets."],
+     "A set is an unordered collection of unique items. It is useful to remove duplicates and to test "
+     "membership."),
+    (["What is a string?", "What does a string do?", "Explain strings."],
+     "A string is a sequence of characters used to store text."),
+    (["What is a function?", "What does a function do?", "Explain functions."],
+     "A function is a named block of code that takes arguments, does some work and returns a result."),
+    (["What is a class?", "What does a class do?", "Explain classes."],
+     "A class describes a kind of object: the data it holds and the methods that work on that data."),
+    (["What is a module?", "What does a module do?", "Explain modules."],
+     "A module is a file of Python code that you can import to reuse its functions and classes."),
+    (["What is a variable?", "Explain variables."],
+     "A variable is a name that refers to a value, so that you can use the value later."),
+    (["What is a loop?", "What does a loop do?", "Explain loops."],
+     "A loop runs the same block of code again and again, once for each item or until a condition is false."),
+    (["What is an integer?", "What is an int?"],
+     "An integer is a whole number without a fractional part, such as one, two or minus five."),
+    (["What is a file?", "What does a file do?"],
+     "A file stores data on a disk under a name, so that programs can read and write it later."),
+    (["What is an exception?", "What does an exception do?", "Explain exceptions."],
+     "An exception signals that an error happened. It stops the normal flow of the program until it is "
+     "handled."),
+    (["What is the standard library?", "Explain the standard library."],
+     "The standard library is the large set of modules that comes with Python, such as json, os and math."),
+    (["Explain the json module.", "What does the json module do?", "What is the json module?",
+      "What is json?"],
+     "The json module encodes Python objects as JSON text and decodes JSON text back into Python objects."),
+    (["Explain the os module.", "What does the os module do?", "What is the os module?"],
+     "The os module lets a program use the operating system: files, directories, processes and "
+     "environment variables."),
+    (["Explain the math module.", "What does the math module do?", "What is the math module?"],
+     "The math module provides mathematical functions such as square roots, logarithms and sines."),
+    (["Explain the random module.", "What does the random module do?", "What is the random module?"],
+     "The random module makes pseudo random numbers and picks random items from sequences."),
+    (["Explain the re module.", "What does the re module do?", "What is the re module?"],
+     "The re module searches and replaces text with regular expressions."),
+    (["Explain the sys module.", "What does the sys module do?", "What is the sys module?"],
+     "The sys module gives access to the interpreter itself, such as its arguments, paths and version."),
+]  # fmt: skip
+HANDWRITTEN_REPEAT = 6  # copies of each hand-written question per epoch (one phrasing drawn per copy)
+
+FUNCTION_QUESTIONS = ["What does {} do?", "Explain {}.", "What is {} for?", "Tell me what {} does."]
+CLASS_QUESTIONS = ["What is {}?", "Explain {}.", "What does {} do?", "Tell me about {}."]
+MODULE_QUESTIONS = [
+    "Explain the {} module.",
+    "What does the {} module do?",
+    "What is the {} module?",
+    "What is {} for?",
+]
+
+# Docstrings open with an imperative ("Return the ..."); answering "It returns the ..." reads as English.
+_VERBS = """
+    accept acquire add append apply build calculate call cancel change check clear close compare
+    compile compute configure connect construct convert copy count create decode delete determine
+    encode ensure execute extend extract fetch find flush format generate get handle initialize
+    insert iterate join load look make mark move open parse perform pop print process push put raise
+    read receive register release remove rename replace reset resolve restore return run save search
+    send set show split start stop test translate truncate try update validate verify wait write
+    yield
+"""
+IMPERATIVE_VERBS = set(_VERBS.split())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Corpus: standard-library docstrings
+
+
+def _import_quietly(name: str):
+    """Import a stdlib module without letting it print or warn (some do on import); None when unavailable."""
+    try:
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            return importlib.import_module(name)
+    except Exception:  # platform-specific modules (winreg, msvcrt, ...) or missing optional C extensions
+        return None
+
+
+def _own_doc(obj: object) -> str | None:
+    # `inspect.getdoc` would fall back to the type's docstring (every int constant documents `int`); only the
+    # object's own docstring describes it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # typing.io and friends warn on attribute access
+        doc = getattr(obj, "__doc__", None)
+    return inspect.cleandoc(doc) if isinstance(doc, str) and doc.strip() else None
+
+
+def stdlib_docstrings() -> list[tuple[str, str, str]]:
+    """(kind, subject, docstring) for public stdlib modules, their classes and functions, and class methods.
+
+    kind is "module", "class" or "function". Sorted and deduplicated so the corpus does not depend on import
+    order or on dict ordering of the interpreter's internals.
+    """
+    entries: dict[str, tuple[str, str]] = {}
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in SKIP_MODULES:
+            continue
+        module = _import_quietly(name)
+        if module is None:
+            continue
+        if doc := _own_doc(module):
+            entries[f"the {name} module"] = ("module", doc)
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isroutine(obj)):
+                continue
+            owner = getattr(obj, "__module__", None) or ""
+            # Keep objects defined here (or in its C accelerator `_name`, or `posix` for os); skip re-exports.
+            if (
+                name != "builtins"
+                and owner.lstrip("_") != name
+                and not owner.startswith(name + ".")
+                and not (name == "os" and owner == "posix")
+            ):
+                continue
+            subject = attr if name == "builtins" else f"{name}.{attr}"
+            if doc := _own_doc(obj):
+                entries.setdefault(subject, ("class" if inspect.isclass(obj) else "function", doc))
+            if inspect.isclass(obj):
+                for method_name, method in sorted(vars(obj).items()):
+                    if method_name.startswith("_") or not inspect.isroutine(method):
+                        continue
+                    if doc := _own_doc(method):
+                        entries.setdefault(f"{subject}.{method_name}", ("function", doc))
+    return [(kind, subject, doc) for subject, (kind, doc) in sorted(entries.items())]
+
+
+def _clean(text: str) -> str:
+    text = re.sub(r"<https?://[^>]*>|https?://\S+", "", text)  # links read as noise in a one-line answer
+    text = re.sub(r":[a-z]+:`~?!?([^`]*)`", r"\1", text)  # reST roles such as :func:`len` -> len
+    text = re.sub(r"\*{1,2}(\w+)\*{1,2}", r"\1", text)  # *emphasis* but keep x**y
+    text = text.replace("``", "").replace("`", "")
+    return " ".join(text.split())
+
+
+def _looks_like_signature(paragraph: str) -> bool:
+    first_line = paragraph.splitlines()[0] if paragraph else ""
+    return bool(re.match(r"^[\w.]+\(.*\)", first_line)) or "->" in first_line
+
+
+def answer_from_doc(doc: str, kind: str) -> str | None:
+    """The first sentence or two of a docstring as a short plain-English answer; None if it is not prose."""
+    paragraphs = [p for p in doc.split("\n\n") if p.strip()]
+    while paragraphs and _looks_like_signature(paragraphs[0]):  # "dict() -> new empty dictionary" etc.
+        paragraphs.pop(0)
+    if not paragraphs:
+        return None
+    text = _clean(paragraphs[0])
+    sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z])", text)
+    answer = ""
+    for sentence in sentences:
+        if answer and len(answer) + len(sentence) > 200:
+            break
+        answer = f"{answer} {sentence}".strip()
+        if len(answer) >= 60:  # one sentence is enough unless it is very short
+            break
+    if answer and answer[-1] not in ".!?":
+        answer += "."
+    if not (20 <= len(answer) <= 220) or not answer[0].isupper():
+        return None
+    if ">>>" in answer or "->" in answer or answer.endswith(":."):
+        return None
+    plain = sum(c.isascii() and (c.isalpha() or c == " ") for c in answer)
+    if plain / len(answer) < 0.85:  # mostly code or symbols: not what the demo should learn to write
+        return None
+    first, _, rest = answer.partition(" ")
+    if kind == "function" and first.lower() in IMPERATIVE_VERBS and rest:
+        answer = f"It {_third_person(first.lower())} {rest}"
+    return answer
+
+
+def _third_person(verb: str) -> str:
+    if verb.endswith(("s", "sh", "ch", "x", "z")):
+        return verb + "es"
+    if verb.endswith("y") and verb[-2] not in "aeiou":
+        return verb[:-1] + "ies"
+    return verb + "s"
+
+
+def build_qa(docs: list[tuple[str, str, str]]) -> tuple[list[tuple[list[str], str]], list[str]]:
+    """(question phrasings, answer) pairs from the docstrings, plus the raw docstrings for the tokenizer."""
+    handwritten_questions = {q.lower() for questions, _ in HANDWRITTEN for q in questions}
+    pairs: list[tuple[list[str], str]] = []
+    for kind, subject, doc in docs:
+        answer = answer_from_doc(doc, kind)
+        if answer is None:
+            continue
+        if kind == "module":
+            name = subject.removeprefix("the ").removesuffix(" module")
+            questions = [q.format(name) for q in MODULE_QUESTIONS]
+        else:
+            templates = CLASS_QUESTIONS if kind == "class" else FUNCTION_QUESTIONS
+            questions = [q.format(subject) for q in templates]
+        # A hand-written answer wins: two different targets for one question would teach neither.
+        questions = [q for q in questions if q.lower() not in handwritten_questions]
+        if questions:
+            pairs.append((questions, answer))
+    return pairs, [doc for _, _, doc in docs]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def train_tokenizer(texts: list[str], out: Path) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte stays encodable: any UTF-8 works
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 512
+    fast.save_pretrained(out)
+    return fast
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training data
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """Token ids of the chat-templated conversation and labels that are -100 except on assistant replies.
+
+    Built turn by turn so the assistant span is known exactly; `main` checks it equals apply_chat_template.
+    """
+    ids = [tokenizer.bos_token_id]
+    labels = [-100]
+    for message in messages:
+        turn = [tokenizer.convert_tokens_to_ids(f"<|{message['role']}|>")]
+        content = [*tokenizer.encode(message["content"], add_special_tokens=False), tokenizer.eos_token_id]
+        ids += turn + content
+        # Loss on the reply and its EOS only: the model must learn to answer and to stop, not to ask.
+        labels += [-100] + (content if message["role"] == "assistant" else [-100] * len(content))
+    return ids, labels
+
+
+def sample_conversation(
+    rng: random.Random, pair: tuple[list[str], str], extra: tuple[list[str], str] | None
+) -> list[dict[str, str]]:
+    messages = []
+    if rng.random() < 0.25:  # clients often send a system prompt; the answer must not depend on it
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    if extra is not None:  # an earlier exchange, so later turns of a conversation work too
+        messages += [
+            {"role": "user", "content": rng.choice(extra[0])},
+            {"role": "assistant", "content": extra[1]},
+        ]
+    messages += [{"role": "user", "content": rng.choice(pair[0])}, {"role": "assistant", "content": pair[1]}]
+    return messages
+
+
+def epoch_examples(
+    rng: random.Random, tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[list[str], str]]
+) -> list[tuple[list[int], list[int]]]:
+    pool = pairs + [pair for pair in HANDWRITTEN for _ in range(HANDWRITTEN_REPEAT)]
+    examples = []
+    for pair in pool:
+        extra = rng.choice(pool) if rng.random() < 0.1 else None
+        ids, labels = encode_chat(tokenizer, sample_conversation(rng, pair, extra))
+        if len(ids) <= MAX_TOKENS:
+            examples.append((ids, labels))
+    rng.shuffle(examples)
+    return examples
+
+
+def batches(
+    rng: random.Random, examples: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Length-bucketed, right-padded batches: sorting within windows of 50 batches keeps padding small."""
+    window = batch_size * 50
+    chunks = []
+    for start in range(0, len(examples), window):
+        group = sorted(examples[start : start + window], key=lambda e: len(e[0]))
+        chunks += [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
+    rng.shuffle(chunks)
+    for chunk in chunks:
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        for row, (example_ids, example_labels) in enumerate(chunk):
+            ids[row, : len(example_ids)] = torch.tensor(example_ids)
+            labels[row, : len(example_labels)] = torch.tensor(example_labels)
+        # Right padding under a causal mask never reaches real tokens, so no attention mask is needed.
+        yield ids, labels
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model and training
+
+
+def make_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,  # the embedding is a quarter of the weights: sharing it halves that part
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine down to 10% of peak
+
+
+def train(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    pairs: list[tuple[list[str], str]],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    rng: random.Random,
+) -> float:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    model.train()
+    step, smoothed, started = 0, None, time.time()
+    while step < steps:
+        for ids, labels in batches(rng, epoch_examples(rng, tokenizer, pairs), batch_size, tokenizer.pad_token_id):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, steps, lr, warmup=min(200, steps // 10 + 1))
+            loss = model(input_ids=ids, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
+            step += 1
+            if step % 50 == 0 or step == steps:
+                elapsed = time.time() - started
+                print(f"step {step}/{steps}  loss {smoothed:.3f}  {elapsed / 60:.1f} min", flush=True)
+            if step >= steps:
+                break
+    model.eval()
+    return float(smoothed or 0.0)
+
+
+@torch.no_grad()
+def answer(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, question: str, max_new_tokens: int = 128
+) -> tuple[str, bool]:
+    """Greedy answer to one question and whether it ended with EOS."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
+    stopped = tokenizer.eos_token_id in out
+    if stopped:
+        out = out[: out.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(out), stopped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    started = time.time()
+    torch.set_num_threads(args.threads)  # also fixes the reduction order, part of what makes runs repeatable
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    docs = stdlib_docstrings()
+    pairs, raw_docs = build_qa(docs)
+    handwritten_text = [" ".join(questions) + " " + reply for questions, reply in HANDWRITTEN]
+    tokenizer = train_tokenizer(raw_docs + handwritten_text + SYSTEM_PROMPTS, args.out)
+    print(
+        f"corpus: {len(docs)} docstrings, {sum(map(len, raw_docs))} chars; {len(pairs)} docstring Q&A pairs, "
+        f"{len(HANDWRITTEN)} hand-written; vocab {len(tokenizer)}",
+        flush=True,
+    )
+
+    probe = sample_conversation(rng, HANDWRITTEN[0], HANDWRITTEN[1])
+    expected = tokenizer.apply_chat_template(probe, tokenize=True, return_dict=True)["input_ids"]
+    assert encode_chat(tokenizer, probe)[0] == list(expected), "turn-by-turn encoding differs from the template"
+
+    model = make_model(tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
+    final_loss = train(model, tokenizer, pairs, args.steps, args.batch_size, args.lr, rng)
+    train_seconds = time.time() - started
+
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        max_new_tokens=128,
+    )
+    model.save_pretrained(args.out)
+    weights = args.out / "model.safetensors"
+    results = {}
+    for question in EVAL_PROMPTS:
+        reply, stopped = answer(model, tokenizer, question)
+        results[question] = {"answer": reply, "finish": "stop" if stopped else "length"}
+        print(f"Q: {question}\nA: {reply!r}  [{results[question]['finish']}]", flush=True)
+    info = {
+        "seed": args.seed,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "threads": args.threads,
+        "final_loss": round(final_loss, 4),
+        "train_minutes": round(train_seconds / 60, 1),
+        "parameters": n_params,
+        "weights_bytes": weights.stat().st_size,
+        "corpus": "Python standard library docstrings (PSF License) + hand-written Q&A",
+        "docstrings": len(docs),
+        "qa_pairs": len(pairs) + len(HANDWRITTEN),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "tokenizers": importlib.import_module("tokenizers").__version__,
+        "transformers": importlib.import_module("transformers").__version__,
+        "eval": results,
+    }
+    (args.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(
+        f"done in {train_seconds / 60:.1f} min; final loss {final_loss:.3f}; "
+        f"weights {weights.stat().st_size / 1e6:.1f} MB -> {args.out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

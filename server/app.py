@@ -1,0 +1,258 @@
+"""The FastAPI app: routes, OpenAI-shaped errors for every failure, guards, and the engine's start and stop.
+
+Uvicorn starts serving while the model loads in the background, so /health and /ready answer during loading
+(/ready says 503 until the engine is up). Generation routes hand off to `OpenAIServing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib.metadata
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.config import EngineConfig
+from server.client import EngineClient, EngineDeadError
+from server.lifecycle import Lifecycle, Phase
+from server.metrics import ServerMetrics, rejection_reason
+from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from server.openai.errors import APIError, ErrorResponse, invalid_request, service_unavailable
+from server.openai.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from server.openai.serving import OpenAIServing, ServingContext
+from server.settings import ServerSettings
+from server.tokens import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"description": "With `stream: true`: `data: {chunk}` events, then "
+                                                           "`data: [DONE]`."}}},
+    "4XX": {"model": ErrorResponse},
+    "5XX": {"model": ErrorResponse},
+}  # fmt: skip
+
+
+def ferry_version() -> str:
+    try:
+        return importlib.metadata.version("ferry")
+    except importlib.metadata.PackageNotFoundError:  # running from a source checkout that was never installed
+        return "unknown"
+
+
+class ServerState:
+    """What the routes share: the engine client, the serving logic once loaded, metrics, lifecycle."""
+
+    def __init__(self, engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> None:
+        self.engine_config = engine_config
+        self.settings = settings
+        self.lifecycle = lifecycle
+        self.model_name = settings.served_model_name or Path(engine_config.model).name
+        self.metrics = ServerMetrics(self.model_name)
+        self.created = int(time.time())
+        self.client = EngineClient(
+            engine_config,
+            log_level=settings.log_level,
+            on_stats=self.metrics.observe_engine_stats,
+            on_death=lambda reason: lifecycle.fail(),
+        )
+        self.serving: OpenAIServing | None = None
+
+    async def load(self) -> None:
+        """Start the engine and the tokenizer side by side; ready once both are."""
+        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(Tokenizer.load, self.engine_config.model))
+        try:
+            info = await self.client.start()
+            tokenizer = await tokenizer_task
+        except EngineDeadError:
+            return  # the client has already reported the death to the lifecycle
+        except Exception:
+            logger.exception("Failed to load the model's tokenizer")
+            self.lifecycle.fail()
+            return
+        self.serving = OpenAIServing(
+            ServingContext(
+                client=self.client,
+                tokenizer=tokenizer,
+                metrics=self.metrics,
+                lifecycle=self.lifecycle,
+                model_name=self.model_name,
+                max_model_len=info.max_model_len,
+                request_timeout=self.settings.request_timeout or None,
+            )
+        )
+        self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
+            service_unavailable("The server shut down before the request finished.", "shutting_down")
+        )
+        # What exists now lives as long as the server: spare the collector from rescanning it.
+        gc.collect()
+        gc.freeze()
+        self.lifecycle.set_ready()
+        logger.info("Serving %s (max_model_len=%d)", self.model_name, info.max_model_len)
+
+    def get_serving(self) -> OpenAIServing:
+        if self.serving is None:
+            self.lifecycle.check_accepting()
+            raise service_unavailable("The engine is not running.", "engine_dead")
+        return self.serving
+
+    @property
+    def healthy(self) -> bool:
+        if self.lifecycle.phase is Phase.DEAD:
+            return False
+        return self.lifecycle.phase is Phase.LOADING or self.client.healthy
+
+
+def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:
+    state = ServerState(engine_config, settings, lifecycle)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        lifecycle.attach(asyncio.get_running_loop())
+        loading = asyncio.create_task(state.load())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await state.client.shutdown()
+
+    app = FastAPI(title="Ferry", version=ferry_version(), lifespan=lifespan)
+    app.state.ferry = state
+    _add_error_handlers(app, state.metrics)
+    # Starlette runs the last-added middleware first: the key check comes before reading any body.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, metrics=state.metrics)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_RESPONSE)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await state.get_serving().chat(body, request)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAM_RESPONSE)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await state.get_serving().completions(body, request)
+
+    def model_card() -> ModelCard:
+        serving = state.get_serving()
+        return ModelCard(id=state.model_name, created=state.created, max_model_len=serving.ctx.max_model_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id != state.model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """Liveness: 200 while the engine process is alive and its loop makes progress."""
+        if state.healthy:
+            return JSONResponse({"status": "ok"})
+        return service_unavailable("The engine is not running.", "engine_dead").response()
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 only when new requests are accepted (not while loading or draining)."""
+        try:
+            lifecycle.check_accepting()
+        except APIError as exc:
+            return exc.response()
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": ferry_version()}
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def respond(error: APIError) -> JSONResponse:
+        reason = rejection_reason(error.status_code)
+        if reason is not None:
+            metrics.count_rejection(reason)
+        return error.response()
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return respond(exc)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return respond(validation_error(exc.errors()))
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        # Unknown routes and wrong methods: not API requests, so not counted as rejections.
+        assert isinstance(exc, StarletteHTTPException)
+        error = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        return error.response()
+
+    async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("Unhandled error on %s", request.url.path, exc_info=exc)
+        return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)
+
+
+# Segments of a pydantic error location that name a union member (`str`, `list[int]`, `ContentPart`) rather
+# than a field: left out of the `param` reported to the client.
+_FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(location: Sequence[int | str]) -> str | None:
+    param = ""
+    for part in location:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif _FIELD_NAME.match(part) and part not in _TYPE_NAMES:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """FastAPI's validation errors as OpenAI's 400 (never FastAPI's 422 shape)."""
+    error = errors[0]
+    location = list(error.get("loc", ()))
+    if location[:1] == ["body"]:
+        location = location[1:]
+    param = _param(location)
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        detail = (error.get("ctx") or {}).get("error", "invalid JSON")
+        return invalid_request(f"We could not parse the JSON body of your request ({detail}).", code="invalid_json")
+    if kind == "extra_forbidden":
+        return invalid_request(f"Unrecognized request argument supplied: {param}", param, code="unknown_parameter")
+    if kind == "missing":
+        return invalid_request(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
+    if param is None:
+        return invalid_request(f"Invalid request body: {error.get('msg', 'invalid')}.", code="invalid_request_body")
+    return invalid_request(f"Invalid value for '{param}': {error.get('msg', 'invalid')}.", param, code="invalid_value")

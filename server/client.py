@@ -1,0 +1,342 @@
+"""EngineClient: the front end's handle on the engine process.
+
+It spawns the process (spawn, not fork: the engine must not inherit the server's threads and sockets), waits
+for the model to load, sends adds and aborts, and runs one reader thread that hands each step message to the
+asyncio loop. Each API call's engine requests form a `RequestGroup` whose deltas arrive on one asyncio queue.
+The process sentinel and the pipe's EOF both reveal the engine's death, which fails every request in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.request import QueueFull, RequestRejected, StepOutput
+from server.engine_process import run_engine_process
+from server.ipc import (
+    AbortRequests,
+    AddRequests,
+    EngineFailed,
+    EngineReady,
+    EngineRequest,
+    Heartbeat,
+    Rejection,
+    Shutdown,
+    StepMessage,
+)
+
+if TYPE_CHECKING:
+    from engine.core import EngineStats
+
+logger = logging.getLogger(__name__)
+
+# Health: an engine loop that has sent nothing (no step, no idle heartbeat) for this long is stuck. Generous,
+# because one step of a big prefill on a CPU can legitimately take many seconds.
+ENGINE_STALL_SECONDS = 60.0
+
+StatsCallback = Callable[["EngineStats", bool], None]
+"""Called with the engine's stats from every step message (True) and heartbeat (False)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone (or going); requests in flight fail with it."""
+
+
+class RequestGroup:
+    """The engine requests behind one API call (n choices of one or more prompts).
+
+    Their deltas arrive, tagged with the request's index, on one queue that the HTTP handler consumes.
+    A failure (engine death, timeout, shutdown) is put on the same queue and raised by `get()`.
+    """
+
+    def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self._client = client
+        self._index = {request_id: i for i, request_id in enumerate(request_ids)}
+        self._queue: asyncio.Queue[tuple[int, StepOutput, float] | BaseException] = asyncio.Queue()
+        self._awaiting_admission = set(request_ids)
+        self._admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._unfinished = set(request_ids)
+        self._failure: BaseException | None = None
+
+    async def wait_admitted(self) -> None:
+        """Return once the engine accepted every request; raise RequestRejected, QueueFull or the failure."""
+        await self._admitted
+
+    async def get(self) -> tuple[int, StepOutput, float]:
+        """The next delta: (request index, output, monotonic time it reached the front end)."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def abort(self, index: int) -> None:
+        """Stop one request early (a stop string ended it); idempotent."""
+        request_id = self.request_ids[index]
+        if request_id in self._unfinished:
+            self._unfinished.discard(request_id)
+            self._client._abort([request_id])
+
+    def fail(self, error: BaseException) -> None:
+        """End every pending wait on this group with `error` and stop its requests in the engine."""
+        if self._failure is not None:
+            return
+        self._failure = error
+        if not self._admitted.done():
+            self._admitted.set_exception(error)
+        self._queue.put_nowait(error)
+        self.close()
+
+    def close(self) -> None:
+        """Abort whatever is still running (client gone, response done); idempotent."""
+        if self._unfinished:
+            self._client._abort(list(self._unfinished))
+            self._unfinished.clear()
+        if self._admitted.done() and not self._admitted.cancelled():
+            self._admitted.exception()  # mark retrieved: nobody may be waiting any more
+
+    def _on_accepted(self, request_id: str) -> None:
+        self._awaiting_admission.discard(request_id)
+        if not self._awaiting_admission and not self._admitted.done():
+            self._admitted.set_result(None)
+
+    def _on_rejected(self, rejection: Rejection) -> None:
+        self._unfinished.discard(rejection.request_id)
+        if self._admitted.done():
+            return
+        if rejection.kind == "queue_full":
+            self._admitted.set_exception(QueueFull(rejection.message))
+        elif rejection.kind == "invalid":
+            self._admitted.set_exception(RequestRejected(rejection.message, code=rejection.code))
+        else:
+            self._admitted.set_exception(RuntimeError(rejection.message))
+
+    def _on_output(self, output: StepOutput, received: float) -> None:
+        if output.finished:
+            self._unfinished.discard(output.request_id)
+        self._queue.put_nowait((self._index[output.request_id], output, received))
+
+
+class EngineClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        log_level: str = "info",
+        on_stats: StatsCallback | None = None,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.info: EngineReady | None = None
+        self._log_level = log_level
+        self._on_stats = on_stats
+        self._on_death = on_death
+        self._routes: dict[str, RequestGroup] = {}
+        self._process: BaseProcess | None = None
+        self._requests: Connection | None = None
+        self._outputs: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._ready: asyncio.Future[EngineReady] | None = None
+        self._last_message = time.monotonic()
+        self._failure: str | None = None
+        self._dead = False
+        self._closing = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> EngineReady:
+        """Spawn the engine process and wait until its model is loaded; raise EngineDeadError if it dies."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        context = multiprocessing.get_context("spawn")
+        request_reader, request_writer = context.Pipe(duplex=False)
+        output_reader, output_writer = context.Pipe(duplex=False)
+        # Started from the event loop's (main) thread: Linux's parent-death signal fires when the *thread* that
+        # spawned the child exits, so a short-lived worker thread must not do this.
+        self._process = context.Process(
+            target=run_engine_process,
+            args=(self.config, request_reader, output_writer, os.getpid(), self._log_level),
+            name="ferry-engine",
+        )
+        self._process.start()
+        # Keep only our ends: once the child exits, its ends close and our reads see EOF at once.
+        request_reader.close()
+        output_writer.close()
+        self._requests, self._outputs = request_writer, output_reader
+        # If this interpreter exits without shutdown(), multiprocessing's exit hook would join the child, which
+        # ignores SIGTERM and still sees our open pipes: kill it first (hooks run last-registered first).
+        atexit.register(self._kill_process)
+        self._loop.add_reader(self._process.sentinel, self._on_process_exit)
+        self._reader = threading.Thread(target=self._read_loop, name="ferry-engine-reader", daemon=True)
+        self._reader.start()
+        return await self._ready
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine to exit, then make sure it has (killing it after `timeout`)."""
+        self._closing = True
+        process = self._process
+        if process is None:
+            return
+        if process.is_alive():
+            with contextlib.suppress(EngineDeadError):
+                self._send(Shutdown())
+            await asyncio.to_thread(process.join, timeout)
+        self._kill_process()
+        self._fail_all(EngineDeadError("The server is shutting down."))
+        if self._loop is not None:
+            self._loop.remove_reader(process.sentinel)
+        if self._requests is not None:
+            self._requests.close()
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, timeout)
+        if self._outputs is not None:
+            self._outputs.close()
+        atexit.unregister(self._kill_process)
+
+    def _kill_process(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and not self._dead and self._process.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """Alive, and (once loaded) its loop made progress recently."""
+        if not self.alive:
+            return False
+        return self.info is None or time.monotonic() - self._last_message < ENGINE_STALL_SECONDS
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+        """Send requests to the engine; await `wait_admitted()` on the result to learn whether it took them."""
+        if self._dead or self.info is None:
+            raise EngineDeadError("The engine is not running.")
+        group = RequestGroup(self, [r.request_id for r in requests])
+        for request in requests:
+            self._routes[request.request_id] = group
+        try:
+            self._send(AddRequests(requests))
+        except EngineDeadError:
+            for request in requests:
+                self._routes.pop(request.request_id, None)
+            raise
+        return group
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (used when a drain runs out of time)."""
+        self._fail_all(error)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._routes.pop(request_id, None)
+        if self.alive:
+            # If it died meanwhile, its death is being handled and there is nothing left to abort.
+            with contextlib.suppress(EngineDeadError):
+                self._send(AbortRequests(request_ids))
+
+    def _send(self, message: object) -> None:
+        if self._requests is None or self._dead:
+            raise EngineDeadError("The engine is not running.")
+        try:
+            self._requests.send(message)
+        except OSError as exc:
+            raise EngineDeadError("The engine process is gone.") from exc
+
+    def _fail_all(self, error: BaseException) -> None:
+        for group in {id(g): g for g in self._routes.values()}.values():
+            group.fail(error)
+        self._routes.clear()
+
+    # ---------------------------------------------------------------- engine -> front end
+
+    def _read_loop(self) -> None:
+        """Reader thread: block on the pipe, hand each message to the event loop."""
+        assert self._outputs is not None and self._loop is not None
+        while True:
+            try:
+                message = self._outputs.recv()
+            except (EOFError, OSError):
+                break
+            self._last_message = time.monotonic()
+            try:
+                self._loop.call_soon_threadsafe(self._handle, message)
+            except RuntimeError:  # the loop is closed: the server is gone
+                return
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._on_process_exit)
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, StepMessage):
+            self._handle_step(message)
+        elif isinstance(message, Heartbeat):
+            if self._on_stats is not None:
+                self._on_stats(message.stats, False)
+        elif isinstance(message, EngineReady):
+            self.info = message
+            self._last_message = time.monotonic()
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(message)
+        elif isinstance(message, EngineFailed):
+            self._failure = message.message
+            logger.error("Engine failure:\n%s", message.message)
+
+    def _handle_step(self, message: StepMessage) -> None:
+        received = time.monotonic()
+        for request_id in message.accepted:
+            group = self._routes.get(request_id)
+            if group is not None:
+                group._on_accepted(request_id)
+        for rejection in message.rejected:
+            group = self._routes.pop(rejection.request_id, None)
+            if group is not None:
+                group._on_rejected(rejection)
+        for output in message.outputs:
+            group = self._routes.get(output.request_id)
+            if group is None:
+                continue  # aborted or failed on our side already
+            if output.finished:
+                del self._routes[output.request_id]
+            group._on_output(output, received)
+        if self._on_stats is not None:
+            self._on_stats(message.stats, message.stepped)
+
+    def _on_process_exit(self) -> None:
+        assert self._process is not None and self._loop is not None
+        # The sentinel stays readable once the process is gone: stop watching it before anything else.
+        self._loop.remove_reader(self._process.sentinel)
+        if self._dead or self._closing:
+            return
+        self._dead = True
+        exitcode = self._process.exitcode
+        reason = f"The engine process died (exit code {exitcode})."
+        if self._failure:
+            reason += " " + self._failure.strip().splitlines()[-1]
+        logger.error("%s", reason)
+        error = EngineDeadError(reason)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+        self._fail_all(error)
+        if self._on_death is not None:
+            self._on_death(reason)

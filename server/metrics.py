@@ -1,0 +1,157 @@
+"""Prometheus metrics: vLLM's names and meanings under a `ferry:` prefix, every one labelled with `model_name`.
+
+Dashboards written for vLLM port by a prefix change. Beyond vLLM: `ferry:request_rejected_total{reason}` and
+latency buckets fine enough for fast GPUs (inter-token latency from 1 ms).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from engine.core import EngineStats
+
+RejectionReason = Literal["queue_full", "timeout", "invalid", "unauthorized", "unavailable"]
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 320.0, 640.0)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class ServerMetrics:
+    """The server's own registry (not the process-global one), so apps never collide on metric names."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        model = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, model, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*model, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, model, buckets=buckets, registry=self.registry)
+
+        self._model_name = model_name
+        self.num_requests_running = gauge(
+            "ferry:num_requests_running", "Requests in the engine's running batch."
+        ).labels(model_name)
+        self.num_requests_waiting = gauge("ferry:num_requests_waiting", "Requests waiting for admission.").labels(
+            model_name
+        )
+        self.kv_cache_usage_perc = gauge(
+            "ferry:kv_cache_usage_perc", "Fraction of KV-cache pages in use by requests (1 means 100 percent)."
+        ).labels(model_name)
+        self.prompt_tokens = counter("ferry:prompt_tokens", "Prompt tokens of admitted requests.").labels(model_name)
+        self.generation_tokens = counter(
+            "ferry:generation_tokens", "Tokens generated and delivered to clients."
+        ).labels(model_name)
+        self._request_success = counter(
+            "ferry:request_success", "Requests that finished, by finish reason (stop, length).", ("finished_reason",)
+        )
+        self.prefix_cache_queries = counter(
+            "ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(model_name)
+        self.prefix_cache_hits = counter("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(
+            model_name
+        )
+        self.num_preemptions = counter("ferry:num_preemptions", "Requests preempted to free KV-cache pages.").labels(
+            model_name
+        )
+        self.time_to_first_token = histogram(
+            "ferry:time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS
+        ).labels(model_name)
+        self.inter_token_latency = histogram(
+            "ferry:inter_token_latency_seconds", "Time between consecutive generated tokens.", ITL_BUCKETS
+        ).labels(model_name)
+        self.e2e_request_latency = histogram(
+            "ferry:e2e_request_latency_seconds", "Arrival to last token of a finished request.", E2E_BUCKETS
+        ).labels(model_name)
+        self.request_queue_time = histogram(
+            "ferry:request_queue_time_seconds", "Time a request waited before first being scheduled.", QUEUE_BUCKETS
+        ).labels(model_name)
+        self.iteration_tokens = histogram(
+            "ferry:iteration_tokens_total", "Tokens computed per engine step.", ITERATION_TOKEN_BUCKETS
+        ).labels(model_name)
+        self._request_rejected = counter(
+            "ferry:request_rejected",
+            "Requests refused, by reason: queue_full, timeout, invalid, unauthorized, unavailable.",
+            ("reason",),
+        )
+        self._last_stats: EngineStats | None = None
+
+    def observe_engine_stats(self, stats: EngineStats, stepped: bool) -> None:
+        """Gauges follow the engine's latest stats; its cumulative counters become increments."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        last = self._last_stats
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self._last_stats = stats
+        if stepped:
+            self.iteration_tokens.observe(stats.last_step_tokens)
+
+    def count_success(self, finish_reason: str) -> None:
+        self._request_success.labels(self._model_name, finish_reason).inc()
+
+    def count_rejection(self, reason: RejectionReason) -> None:
+        self._request_rejected.labels(self._model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def rejection_reason(status_code: int) -> RejectionReason | None:
+    """The rejection an error status stands for; None for errors that are not a refusal (500)."""
+    if status_code == 429:
+        return "queue_full"
+    if status_code == 504:
+        return "timeout"
+    if status_code == 401:
+        return "unauthorized"
+    if status_code == 503:
+        return "unavailable"
+    if 400 <= status_code < 500:
+        return "invalid"
+    return None
+
+
+class RequestTimer:
+    """Latency of one engine request as the front end sees it, fed into the histograms."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self._metrics = metrics
+        self._arrival = arrival
+        self._last_token: float | None = None
+
+    def on_output(self, received: float, num_tokens: int, queue_seconds: float | None) -> None:
+        metrics = self._metrics
+        if queue_seconds is not None:
+            metrics.request_queue_time.observe(queue_seconds)
+        if num_tokens == 0:
+            return
+        metrics.generation_tokens.inc(num_tokens)
+        if self._last_token is None:
+            metrics.time_to_first_token.observe(received - self._arrival)
+        else:
+            # Tokens that arrive together (one step, several tokens) share the gap evenly.
+            gap = (received - self._last_token) / num_tokens
+            for _ in range(num_tokens):
+                metrics.inter_token_latency.observe(gap)
+        self._last_token = received
+
+    def on_finish(self, now: float, finish_reason: str) -> None:
+        self._metrics.e2e_request_latency.observe(now - self._arrival)
+        self._metrics.count_success(finish_reason)

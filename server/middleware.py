@@ -1,0 +1,88 @@
+"""Guards every request passes before routing: the API key, then the body size.
+
+Plain ASGI middleware, so they answer before FastAPI parses anything (a wrong key never costs a JSON parse, an
+oversized body is never buffered past the limit) and their errors still use OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.metrics import ServerMetrics
+from server.openai.errors import APIError
+
+
+class APIKeyMiddleware:
+    """Require `Authorization: Bearer <key>` on /v1/*; probes and /metrics stay open for orchestrators."""
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            provided = dict(scope["headers"]).get(b"authorization", b"")
+            # Constant-time: the comparison must not reveal how much of a guessed key was right.
+            if not hmac.compare_digest(provided, self._expected):
+                self._metrics.count_rejection("unauthorized")
+                error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Refuse request bodies over `max_bytes` with 413, whether or not they declare a Content-Length.
+
+    The body is read here (up to the limit) and replayed to the app, which reads it whole anyway; after the
+    replay, `receive` goes back to the server so a handler can still hear the client disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its request
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._metrics.count_rejection("invalid")
+        error = APIError(
+            413, f"The request body exceeds the server's limit of {self.max_bytes} bytes.", code="request_too_large"
+        )
+        await error.response()(scope, receive, send)

@@ -1,0 +1,1 @@
+"""The OpenAI protocol: request/response schemas, errors, and the chat/completions handlers."""

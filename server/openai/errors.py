@@ -1,0 +1,64 @@
+"""OpenAI's error object, `{"error": {"message", "type", "param", "code"}}`, and the exception that carries it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.responses import JSONResponse
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """Raised anywhere while serving a request; the app turns it into an OpenAI error response."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=self.info).model_dump()
+
+    def json(self) -> str:
+        return ErrorResponse(error=self.info).model_dump_json()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported_parameter(param: str, detail: str = "") -> APIError:
+    message = f"'{param}' is not supported by this server" + (f": {detail}" if detail else ".")
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def service_unavailable(message: str, code: str) -> APIError:
+    return APIError(503, message, type="service_unavailable_error", code=code)
+
+
+def engine_failure(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="engine_error")

@@ -1,0 +1,147 @@
+"""Text in, token ids out, and back: tokenizer, chat template, incremental detokenizer, stop strings.
+
+All of it runs in the front-end process so the engine process only ever sees token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# A byte-level token that ends inside a multi-byte UTF-8 character decodes to U+FFFD until the token carrying
+# the rest of the character arrives; text ending in it is held back rather than streamed.
+REPLACEMENT_CHAR = "\ufffd"
+
+# Prompt tokens decoded ahead of the output: tokenizers that mark word starts (SentencePiece's "▁") only render
+# an output token's leading space when it follows something, as it does in the full text.
+DETOKENIZER_CONTEXT_TOKENS = 5
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered into a prompt (no template, or the template rejected them)."""
+
+
+class Tokenizer:
+    """The model's tokenizer, loaded from its directory, plus the operations the API needs."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> Tokenizer:
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        # No clean-up of spaces: it rewrites text depending on what follows, which would make the decode of a
+        # prefix disagree with the prefix of the decode.
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as reported in logprobs (special tokens included)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Render the conversation with the model's template and tokenize it.
+
+        transformers renders chat templates in jinja2's ImmutableSandboxedEnvironment, so a template (or
+        message content) cannot reach Python internals. The rendered text already holds the template's special
+        tokens (BOS and the like), so it is tokenized without adding them a second time.
+        """
+        if not self._tokenizer.chat_template:
+            raise ChatTemplateError("This model has no chat template; use /v1/completions with a plain prompt.")
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"The chat template rejected the messages: {exc}") from exc
+        return self.encode(text, add_special_tokens=False)
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.decode, prompt_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas whose concatenation is the full text.
+
+    Each call decodes a short window (the tokens already emitted since the last boundary plus the new ones)
+    and emits the text beyond the window's already-emitted part. Text ending in U+FFFD is held back: it is a
+    multi-byte character whose remaining bytes are still to come.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int] = ()) -> None:
+        self._decode = decode
+        self._ids: list[int] = list(prompt_ids[-DETOKENIZER_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = decode(self._ids)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add new tokens; return the text that is now certain."""
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The output is complete: return whatever was held back (an incomplete character stays U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        text = self._decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(self._prefix_text) or (text.endswith(REPLACEMENT_CHAR) and not final):
+            return ""
+        delta = text[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        return delta
+
+
+class StopStringMatcher:
+    """Cuts a text stream at the first stop string, never letting any part of a stop string out.
+
+    Text that could be the start of a stop string (a suffix equal to a stop string's prefix) is held back
+    until the following text settles it, so a stop string split across tokens or deltas is still caught.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = [s for s in stop if s]
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string was reached). After a stop, emit nothing more."""
+        if not self._stop:
+            return text, False
+        self._pending += text
+        # Generation would have stopped at the first character that completes a stop string, so the match
+        # that ends first wins (then the longer one); the result does not depend on how text was chunked.
+        matches = [(i + len(s), i) for s, i in ((s, self._pending.find(s)) for s in self._stop) if i >= 0]
+        if matches:
+            _, cut = min(matches)
+            out, self._pending = self._pending[:cut], ""
+            return out, True
+        hold = self._partial_match_length()
+        out = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(self._pending) - hold :]
+        return out, False
+
+    def flush(self) -> str:
+        """The stream ended without a stop string: release the held-back text."""
+        out, self._pending = self._pending, ""
+        return out
+
+    def _partial_match_length(self) -> int:
+        best = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(self._pending)), best, -1):
+                if self._pending.endswith(s[:k]):
+                    best = k
+                    break
+        return best

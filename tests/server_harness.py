@@ -1,0 +1,115 @@
+"""Run `ferry serve` as a real subprocess on 127.0.0.1 for tests (the server and deployment suites share it).
+
+Output goes to a log file (a pipe nobody reads would eventually block the server), shown when the server
+fails to come up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_SECONDS = 300.0
+STOP_TIMEOUT_SECONDS = 60.0
+
+
+class ServerProcess:
+    def __init__(self, process: subprocess.Popen[bytes], log_path: Path, port: int) -> None:
+        self.process = process
+        self.log_path = log_path
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Wait for /ready to say 200 (the model is loaded)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ferry serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"ferry serve was not ready after {timeout}s:\n{self.log()}")
+
+    def engine_pid(self) -> int:
+        """The spawned engine process (the server's child running multiprocessing's spawn_main)."""
+        for child in _children(self.process.pid):
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except FileNotFoundError:
+                continue
+            if b"spawn_main" in cmdline:
+                return child
+        raise LookupError(f"no engine process under pid {self.process.pid}")
+
+    def stop(self, timeout: float = STOP_TIMEOUT_SECONDS) -> int:
+        """SIGTERM (a graceful drain), then SIGKILL if it does not exit in time; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        children += [int(p) for p in (task / "children").read_text().split()]
+    return children
+
+
+@contextmanager
+def server_process(model_dir: Path, *extra_args: str) -> Iterator[ServerProcess]:
+    """A ready `ferry serve --model model_dir ...extra_args`, stopped (SIGTERM) on exit."""
+    with tempfile.TemporaryDirectory(prefix="ferry-serve-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        port = free_port()
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+                 "--port", str(port), *extra_args],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # One torch thread: on a shared 2-core machine, two spinning OpenMP threads make a tiny model's
+                # step ~30x slower than one.
+                env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+        server = ServerProcess(process, log_path, port)
+        try:
+            server.wait_ready()
+            yield server
+        finally:
+            server.stop()
+
+
+@contextmanager
+def running_server(model_dir: Path, *extra_args: str) -> Iterator[str]:
+    """`with running_server(model_dir, "--max-num-seqs", "4") as base_url:` -> "http://127.0.0.1:PORT"."""
+    with server_process(model_dir, *extra_args) as server:
+        yield server.base_url

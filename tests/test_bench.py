@@ -1,0 +1,260 @@
+"""Smoke tests of `ferry bench`: small sizes, report structure and the greedy equality check; never a timing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from bench.cli import main
+from bench.offline import OfflineOptions, TokenMismatch, compare_tokens, format_offline, run_offline
+from bench.overhead import OverheadOptions, format_overhead, run_overhead
+from bench.results import RequestTrace, SystemRun, assign_slots
+from bench.serve import ServeOptions, format_serve, percentile, run_serve
+from bench.workload import LengthDist, WorkloadSpec, make_workload
+
+SMALL = WorkloadSpec(
+    num_requests=6,
+    prompt_len=LengthDist.parse("uniform:3:20"),
+    output_len=LengthDist.parse("pareto:2:24:1.2"),
+    seed=3,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls gain nothing from threads, and on a shared 2-core runner threads contend: 1 is fastest."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- workloads -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "low", "high"),
+    [("fixed:7", 7, 7), ("uniform:4:9", 4, 9), ("lognormal:32:1.0:100", 1, 100), ("pareto:8:64", 8, 64)],
+)
+def test_length_distributions_stay_in_range_and_are_seeded(spec: str, low: int, high: int) -> None:
+    dist = LengthDist.parse(spec)
+    draws = [dist.sample(random.Random(5)) for _ in range(3)]
+    assert len(set(draws)) == 1  # same seed, same draw
+    values = [dist.sample(rng) for rng in [random.Random(0)] for _ in range(500)]
+    assert all(low <= v <= high for v in values)
+    assert str(LengthDist.parse(str(dist))) == str(dist)
+
+
+@pytest.mark.parametrize("spec", ["gauss:3", "fixed", "uniform:9:4", "pareto:0:10", "uniform:a:b"])
+def test_bad_length_specs_are_rejected(spec: str) -> None:
+    with pytest.raises(ValueError):
+        LengthDist.parse(spec)
+
+
+def test_workload_is_seeded_and_shares_its_prefix() -> None:
+    spec = WorkloadSpec(num_requests=5, prefix_len=12, seed=1)
+    a, b = make_workload(spec, vocab_size=100), make_workload(spec, vocab_size=100)
+    assert a == b
+    assert all(p[:12] == a.prompts[0][:12] and len(p) > 12 for p in a.prompts)
+    assert all(0 <= t < 100 for p in a.prompts for t in p)
+    assert a.total_output_tokens == sum(a.output_lens)
+
+
+def test_slots_are_reused_first_fit() -> None:
+    traces = [RequestTrace(0, 0, 3, 3), RequestTrace(1, 0, 1, 1), RequestTrace(2, 1, 2, 2), RequestTrace(3, 2, 4, 4)]
+    assert assign_slots(traces) == 2
+    assert [t.slot for t in traces] == [0, 1, 1, 1]
+
+
+# -- offline -------------------------------------------------------------------------------------------------
+
+
+def _run(system: str, tokens: list[list[int]]) -> SystemRun:
+    return SystemRun(system, 1.0, tokens, [])
+
+
+def test_equality_check_finds_the_first_differing_token() -> None:
+    runs = [_run("static", [[1, 2, 3], [4]]), _run("ferry", [[1, 2, 3], [4]]), _run("x", [[1, 9, 3], [4, 5]])]
+    assert compare_tokens(runs[:2]) == []
+    assert compare_tokens(runs) == [
+        {"request": 0, "systems": ["static", "x"], "first_difference": 1, "lengths": [3, 3]},
+        {"request": 1, "systems": ["static", "x"], "first_difference": 1, "lengths": [1, 2]},
+    ]
+
+
+def test_offline_runs_three_systems_with_identical_tokens(tiny_llama: Path, tmp_path: Path) -> None:
+    options = OfflineOptions(
+        model=str(tiny_llama),
+        device="cpu",
+        workload=SMALL,
+        batch_size=3,
+        # Smaller than the longest prompt: Ferry's chunked prefill is part of what must agree.
+        max_batch_tokens=16,
+        page_size=4,
+        warmup=False,
+        plot=tmp_path / "timeline.png",
+    )
+    report = run_offline(options)
+    assert report["check"]["identical"] is True
+    assert report["check"]["systems"] == ["static", "transformers-cb", "ferry"]
+    systems = report["systems"]
+    expected = sum(report["workload"]["output_lens"])
+    for name in ("static", "transformers-cb", "ferry"):
+        assert systems[name]["generated_tokens"] == expected
+        assert len(systems[name]["traces"]) == SMALL.num_requests
+    assert systems["static"]["details"]["waves"] == 2
+    assert set(report["ratios"]["ferry"]) == {"static", "transformers-cb"}
+    assert report["floor"]["steps"] == systems["ferry"]["details"]["steps"]
+    assert report["efficiency"] > 0
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    table = format_offline(report)
+    for label in ("static", "transformers-cb", "ferry", "model floor", "identical"):
+        assert label in table
+    json.dumps(report)  # everything in the report is JSON-serialisable
+
+
+def test_offline_mismatch_fails_before_any_figure(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.offline
+
+    real = bench.offline.run_static
+
+    def corrupted(*args: object, **kwargs: object) -> SystemRun:
+        run = real(*args, **kwargs)
+        run.tokens[0][0] += 1
+        return run
+
+    monkeypatch.setattr(bench.offline, "run_static", corrupted)
+    options = OfflineOptions(
+        model=str(tiny_llama),
+        device="cpu",
+        workload=SMALL,
+        batch_size=3,
+        warmup=False,
+        floor=False,
+        systems=("static", "ferry"),
+    )
+    with pytest.raises(TokenMismatch, match="request 0: static vs ferry differ at token 0"):
+        run_offline(options)
+
+
+def test_offline_command_on_a_named_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "offline.json"
+    status = main(
+        [
+            "offline",
+            "--model",
+            "tiny-llama",
+            "--device",
+            "cpu",
+            "--num-requests",
+            "4",
+            "--prompt-len",
+            "uniform:4:12",
+            "--output-len",
+            "fixed:3",
+            "--batch-size",
+            "2",
+            "--no-warmup",
+            "--json",
+            str(out),
+        ]
+    )
+    assert status == 0
+    assert "gen tok/s" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["model"]["name"] == "tiny-llama"
+    assert report["check"]["identical"] is True
+    assert {"date", "command", "machine"} <= set(report)
+
+
+# -- overhead ------------------------------------------------------------------------------------------------
+
+
+def test_overhead_reports_microseconds_per_step() -> None:
+    report = run_overhead(OverheadOptions(sizes=(4, 16), steps=5, prompt_len=6, page_size=4))
+    assert [r["running_sequences"] for r in report["results"]] == [4, 16]
+    for result in report["results"]:
+        assert len(result["step_seconds"]) == 5
+        assert result["us_per_step_mean"] > 0
+        assert set(result["breakdown_us"]) == {"schedule", "prepare", "forward", "sample", "other"}
+    assert "running seqs" in format_overhead(report)
+
+
+# -- serve ---------------------------------------------------------------------------------------------------
+
+
+def _fake_server(chunk_gap: float) -> httpx.MockTransport:
+    """An OpenAI-style completions stream: one chunk per token, then usage, then [DONE]; 3-token prompts fail."""
+
+    async def stream(n: int) -> AsyncIterator[bytes]:
+        for i in range(n):
+            await asyncio.sleep(chunk_gap)
+            yield f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'.encode()
+        yield f'data: {{"choices": [], "usage": {{"completion_tokens": {n}}}}}\n\n'.encode()
+        yield b"data: [DONE]\n\n"
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake"}]})
+        body = json.loads(request.content)
+        assert body["stream"] is True and body["ignore_eos"] is True and isinstance(body["prompt"], list)
+        if len(body["prompt"]) == 3:
+            return httpx.Response(500, json={"error": "boom"})
+        return httpx.Response(200, content=stream(body["max_tokens"]), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_serve_metrics_follow_vllm_definitions() -> None:
+    workload = WorkloadSpec(
+        num_requests=4, prompt_len=LengthDist.parse("uniform:3:6"), output_len=LengthDist.parse("fixed:4"), seed=2
+    )
+    prompts = make_workload(workload, 256).prompts
+    options = ServeOptions(url="http://fake", workload=workload, concurrencies=(1, 2), rates=(float("inf"),))
+    report = run_serve(options, transport=_fake_server(chunk_gap=0.01))
+    assert report["model"] == "fake"
+    assert [(p["mode"], p["load"]) for p in report["points"]] == [
+        ("concurrency", 1),
+        ("concurrency", 2),
+        ("request_rate", float("inf")),
+    ]
+    failing = sum(len(p) == 3 for p in prompts)
+    assert 0 < failing < 4
+    for point in report["points"]:
+        assert point["completed"] + point["errors"] == 4
+        assert point["errors"] == failing
+        assert point["output_tokens"] == 4 * point["completed"]
+        for sample in point["samples"]:
+            if sample["error"] is None:
+                assert len(sample["itl"]) == 3  # gaps between 4 token chunks; the usage chunk carries no choice
+                assert sample["ttft"] <= sample["latency"]
+        assert point["tpot_ms"]["p50"] > 0 and point["itl_ms"]["p99"] >= point["itl_ms"]["p50"]
+    assert "TTFT ms p50/90/99" in format_serve(report)
+
+
+def test_serve_command_against_a_started_ferry_server(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    status = main([
+        "serve", "--model", str(tiny_llama), "--num-requests", "3", "--prompt-len", "uniform:3:8",
+        "--output-len", "fixed:4", "--concurrency", "1,3", "--request-rate", "inf", "--json", str(out),
+    ])  # fmt: skip
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert len(report["points"]) == 3
+    for point in report["points"]:
+        assert (point["completed"], point["errors"], point["output_tokens"]) == (3, 0, 12)
+        # ITL counts gaps between chunks; a chunk may carry several tokens (text held back until it decodes).
+        assert len(point["samples"]) == 3 and all(len(s["itl"]) <= 3 for s in point["samples"])
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None

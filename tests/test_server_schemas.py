@@ -1,0 +1,137 @@
+"""Unit tests of the OpenAI request schemas: validation, unsupported fields, mapping onto SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from server.app import validation_error
+from server.openai.errors import APIError
+from server.openai.schemas import ChatCompletionRequest, CompletionRequest
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": USER, **fields})
+
+
+def api_error(model: type, body: dict[str, Any]) -> APIError:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    # FastAPI reports body errors with a leading "body" in the location.
+    return validation_error([{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()])
+
+
+def test_defaults_follow_openai() -> None:
+    params = chat().sampling_params(max_new_tokens=5, choice_index=0, logprobs=False, top_logprobs=0)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (1.0, 1.0, 0, None)
+    assert params.max_new_tokens == 5 and not params.ignore_eos
+
+
+def test_fields_map_onto_sampling_params() -> None:
+    request = chat(
+        temperature=0, top_p=0.5, top_k=-1, min_p=0.1, seed=7, presence_penalty=1.5, frequency_penalty=-1,
+        repetition_penalty=1.1, ignore_eos=True, min_tokens=2, stop_token_ids=[3, 4], max_tokens=9,
+        max_completion_tokens=4, n=3,
+    )  # fmt: skip
+    params = request.sampling_params(max_new_tokens=4, choice_index=2, logprobs=True, top_logprobs=3)
+    assert params.greedy and params.top_k == 0 and params.min_p == 0.1
+    assert params.seed == 9, "choice i samples with seed + i"
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (1.5, -1, 1.1)
+    assert params.ignore_eos and params.min_new_tokens == 2 and params.stop_token_ids == (3, 4)
+    assert params.logprobs and params.top_logprobs == 3
+    assert request.requested_max_tokens == 4, "max_completion_tokens wins over the deprecated max_tokens"
+
+
+def test_what_langchain_and_the_sdk_send_is_accepted() -> None:
+    request = chat(n=1, top_p=1.0, temperature=0.7, max_completion_tokens=5, stream=False, user="u", store=False,
+                   metadata={"k": "v"}, tool_choice="none", tools=[], response_format={"type": "text"})  # fmt: skip
+    request.check_supported()
+    assert request.num_choices == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_fields_that_cannot_be_honoured_are_refused_by_name(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat(**fields).check_supported()
+    assert info.value.status_code == 400 and info.value.info.param == param
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+                                               ({"best_of": 3}, "best_of")])  # fmt: skip
+def test_completion_fields_refused_by_name(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields}).check_supported()
+    assert info.value.info.param == param
+
+
+def test_messages_become_template_input() -> None:
+    request = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "ok", "refusal": None, "tool_calls": None, "annotations": []},
+        ]
+    )
+    assert request.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "ok"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            "messages[0].content[0].type",
+        ),
+        ({"role": "tool", "content": "x", "tool_call_id": "t"}, "messages[0].role"),
+        ({"role": "assistant", "tool_calls": [{"id": "t"}]}, "messages[0].tool_calls"),
+    ],
+)
+def test_message_parts_that_cannot_be_honoured(message: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat(messages=[message]).template_messages()
+    assert info.value.info.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"model": "m", "messages": USER, "max_tokens": "5"}, "max_tokens", "invalid_value"),
+        ({"model": "m", "messages": USER, "max_tokens": -1}, "max_tokens", "invalid_value"),
+        ({"model": "m", "messages": USER, "n": 0}, "n", "invalid_value"),
+        ({"model": "m", "messages": USER, "top_p": 1.5}, "top_p", "invalid_value"),
+        ({"model": "m", "messages": USER, "stop": 5}, "stop", "invalid_value"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_value"),
+        ({"model": "m", "messages": USER, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+        ({"model": "m"}, "messages", "missing_required_parameter"),
+        ({"model": "m", "messages": []}, "messages", "invalid_value"),
+    ],
+)
+def test_validation_errors_become_openai_400s(body: dict[str, Any], param: str, code: str) -> None:
+    error = api_error(ChatCompletionRequest, body)
+    assert (error.status_code, error.info.param, error.info.code) == (400, param, code)
+    assert param in error.info.message
+
+
+def test_completion_prompt_forms() -> None:
+    for prompt in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompt == prompt
+    assert api_error(CompletionRequest, {"model": "m", "prompt": [1, "a"]}).info.param == "prompt"
