@@ -120,6 +120,7 @@ class ModelRunner:
             query_start_loc=dev["query_start_loc"],
             seq_lens=dev["seq_lens"],
             block_tables=dev_tables,
+            block_tables_host=block_tables,
             query_start_loc_host=cu_q.tolist(),
             query_lens_host=list(num_new_tokens),
             seq_lens_host=seq_lens.tolist(),

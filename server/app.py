@@ -85,7 +85,7 @@ class ServerState:
         except EngineDeadError:
             return  # the client has already reported the death to the lifecycle
         except Exception:
-            logger.exception("Failed to load the model's tokenizer")
+            logger.exception("Failed to start serving")
             self.lifecycle.fail()
             return
         self.serving = OpenAIServing(

@@ -10,17 +10,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from engine.config import EngineConfig
-from server.app import create_app
-from server.lifecycle import FerryServer, Lifecycle
 from server.settings import ServerSettings
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 # After a drain, connections still open are idle keep-alives or finishing an error: they get this long.
 UVICORN_GRACEFUL_SHUTDOWN_SECONDS = 5
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default except None, whose meaning each flag's help spells out."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def _engine_default(name: str) -> Any:
@@ -33,7 +36,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Serve a model over an OpenAI-compatible HTTP API.",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
         "/v1/models, /health, /ready, /metrics, /version).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -152,8 +155,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--port", type=int, default=ServerSettings.port, help="Port to listen on.")
     server.add_argument(
         "--api-key",
-        default=os.environ.get("FERRY_API_KEY"),
-        help="Require `Authorization: Bearer KEY` on /v1/* (default: $FERRY_API_KEY; unset means no key).",
+        default=None,
+        help="Require `Authorization: Bearer KEY` on /v1/* (default: $FERRY_API_KEY; neither means no key).",
     )
     server.add_argument(
         "--request-timeout",
@@ -225,7 +228,8 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        # The environment variable keeps the key out of `ps` output and shell history.
+        api_key=args.api_key or os.environ.get("FERRY_API_KEY") or None,
         served_model_name=args.served_model_name,
         request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes,
@@ -235,6 +239,13 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: the spawned engine process re-imports this module (multiprocessing's
+    # spawn re-imports __main__), and it needs neither the web stack nor the tokenizer libraries.
+    import uvicorn
+
+    from server.app import create_app
+    from server.lifecycle import FerryServer, Lifecycle
+
     engine_config = build_engine_config(args)
     settings = build_settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s [%(name)s] %(message)s")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import os
@@ -45,12 +46,16 @@ logger = logging.getLogger(__name__)
 # because one step of a big prefill on a CPU can legitimately take many seconds.
 ENGINE_STALL_SECONDS = 60.0
 
-StatsCallback = Callable[["EngineStats", bool], None]
-"""Called with the engine's stats from every step message (True) and heartbeat (False)."""
+StatsCallback = Callable[["EngineStats"], None]
+"""Called with the engine's stats from every step message and idle heartbeat."""
 
 
 class EngineDeadError(RuntimeError):
     """The engine process is gone (or going); requests in flight fail with it."""
+
+
+class EngineAddFailed(RuntimeError):
+    """The engine raised something unexpected while adding a request (a bug, not the request's fault)."""
 
 
 class RequestGroup:
@@ -120,7 +125,7 @@ class RequestGroup:
         elif rejection.kind == "invalid":
             self._admitted.set_exception(RequestRejected(rejection.message, code=rejection.code))
         else:
-            self._admitted.set_exception(RuntimeError(rejection.message))
+            self._admitted.set_exception(EngineAddFailed(rejection.message))
 
     def _on_output(self, output: StepOutput, received: float) -> None:
         if output.finished:
@@ -179,6 +184,9 @@ class EngineClient:
         # ignores SIGTERM and still sees our open pipes: kill it first (hooks run last-registered first).
         atexit.register(self._kill_process)
         self._loop.add_reader(self._process.sentinel, self._on_process_exit)
+        # Step messages carry engine.core.EngineStats, and engine.core imports torch and the model code: import it
+        # now, while the engine loads, not on the reader thread at the first message (seconds holding the GIL).
+        await asyncio.to_thread(importlib.import_module, "engine.core")
         self._reader = threading.Thread(target=self._read_loop, name="ferry-engine-reader", daemon=True)
         self._reader.start()
         return await self._ready
@@ -211,10 +219,6 @@ class EngineClient:
             self._process.join()
 
     # ---------------------------------------------------------------- state
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
 
     @property
     def alive(self) -> bool:
@@ -292,15 +296,14 @@ class EngineClient:
             self._handle_step(message)
         elif isinstance(message, Heartbeat):
             if self._on_stats is not None:
-                self._on_stats(message.stats, False)
+                self._on_stats(message.stats)
         elif isinstance(message, EngineReady):
             self.info = message
             self._last_message = time.monotonic()
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(message)
         elif isinstance(message, EngineFailed):
-            self._failure = message.message
-            logger.error("Engine failure:\n%s", message.message)
+            self._failure = message.message  # the engine logged the traceback itself; its gist goes in the death
 
     def _handle_step(self, message: StepMessage) -> None:
         received = time.monotonic()
@@ -320,7 +323,7 @@ class EngineClient:
                 del self._routes[output.request_id]
             group._on_output(output, received)
         if self._on_stats is not None:
-            self._on_stats(message.stats, message.stepped)
+            self._on_stats(message.stats)
 
     def _on_process_exit(self) -> None:
         assert self._process is not None and self._loop is not None
@@ -329,6 +332,8 @@ class EngineClient:
         if self._dead or self._closing:
             return
         self._dead = True
+        # The sentinel fires as the process closes its files, a moment before it can be reaped.
+        self._process.join(timeout=1.0)
         exitcode = self._process.exitcode
         reason = f"The engine process died (exit code {exitcode})."
         if self._failure:

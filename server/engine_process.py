@@ -68,7 +68,7 @@ def run_engine_process(
     gc.collect()
     gc.freeze()
     try:
-        outputs.send(EngineReady(engine.max_model_len, engine.eos_token_ids, engine.model_name, os.getpid()))
+        outputs.send(EngineReady(engine.max_model_len, engine.eos_token_ids, engine.model_name))
         _EngineLoop(engine, requests, outputs, parent_pid).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("Front end went away; engine exiting")
@@ -102,7 +102,7 @@ class _EngineLoop:
             stepped = self.engine.has_unfinished()
             step_outputs = self.engine.step() if stepped else []
             if stepped or self.accepted or self.rejected:
-                self.outputs.send(StepMessage(self.engine.stats(), step_outputs, self.accepted, self.rejected, stepped))
+                self.outputs.send(StepMessage(self.engine.stats(), step_outputs, self.accepted, self.rejected))
             self.accepted, self.rejected = [], []
 
     def _drain_requests(self) -> bool:

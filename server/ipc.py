@@ -56,7 +56,6 @@ class EngineReady:
     max_model_len: int
     eos_token_ids: frozenset[int]
     model_name: str
-    pid: int
 
 
 @dataclass(slots=True)
@@ -66,8 +65,6 @@ class StepMessage:
     accepted: list[str] = field(default_factory=list)
     """Requests added since the previous message; they precede their own outputs."""
     rejected: list[Rejection] = field(default_factory=list)
-    stepped: bool = True
-    """False when the message only answers adds (every one was rejected and nothing else runs)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,10 +49,6 @@ class Lifecycle:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     def set_ready(self) -> None:
         if self.phase is Phase.LOADING:
             self.phase = Phase.READY
@@ -113,8 +109,8 @@ class Lifecycle:
 class FerryServer(uvicorn.Server):
     """uvicorn, with SIGTERM/SIGINT starting a drain instead of an immediate stop.
 
-    A second signal skips the rest of the drain; a third forces the exit. Signals are not re-raised after
-    shutdown (uvicorn's default), so a drained server exits 0.
+    A second signal skips the rest of the drain; a further Ctrl-C (SIGINT) skips the rest of the shutdown too, as in
+    plain uvicorn. Signals are not re-raised after shutdown (uvicorn's default), so a drained server exits 0.
     """
 
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
@@ -132,6 +128,7 @@ class FerryServer(uvicorn.Server):
             self._signalled = True
             if self.lifecycle.request_drain():
                 return
-        if self.should_exit:
+        # A SIGTERM sent twice (to the process and to its group, say) must not cut the engine's shutdown short.
+        if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         self.should_exit = True

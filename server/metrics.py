@@ -90,7 +90,7 @@ class ServerMetrics:
         )
         self._last_stats: EngineStats | None = None
 
-    def observe_engine_stats(self, stats: EngineStats, stepped: bool) -> None:
+    def observe_engine_stats(self, stats: EngineStats) -> None:
         """Gauges follow the engine's latest stats; its cumulative counters become increments."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
@@ -99,9 +99,9 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
-        self._last_stats = stats
-        if stepped:
+        if stats.num_steps > (last.num_steps if last else 0):  # a step that ran the model (not idle, not abort-only)
             self.iteration_tokens.observe(stats.last_step_tokens)
+        self._last_stats = stats
 
     def count_success(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()

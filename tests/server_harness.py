@@ -104,6 +104,9 @@ def server_process(model_dir: Path, *extra_args: str) -> Iterator[ServerProcess]
         try:
             server.wait_ready()
             yield server
+        except BaseException:
+            sys.stderr.write(f"--- ferry serve log (tail) ---\n{server.log()[-20_000:]}\n")
+            raise
         finally:
             server.stop()
 

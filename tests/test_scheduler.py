@@ -584,11 +584,13 @@ def check_step(s: Scheduler, batch: ScheduledBatch) -> None:
     s.block_manager.check_invariants()
 
 
-PREFIXES = [[], [11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 14, 21, 22], [30] * 9]
-suffixes = st.lists(st.integers(3, 5), max_size=12)
+# Shared prefixes first: generation favours (and shrinking moves towards) the first entry.
+PREFIXES = [list(range(11, 28)), [11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 14, 21, 22], [30] * 9, []]
+suffixes = st.lists(st.integers(3, 5), max_size=8)
 
+new_request = st.tuples(st.just("add"), st.sampled_from(range(len(PREFIXES))), suffixes, st.integers(1, 12))
 operation = st.one_of(
-    st.tuples(st.just("add"), st.sampled_from(range(len(PREFIXES))), suffixes, st.integers(1, 8)),
+    new_request,
     # A multi-turn follow-up: an earlier request's prompt and output so far, then more tokens (maybe none).
     st.tuples(st.just("follow_up"), st.integers(0, 40), suffixes, st.integers(1, 8)),
     # The same prompt again: every page but the last token's is a prefix hit.
@@ -601,13 +603,15 @@ operation = st.one_of(
 @settings(max_examples=200, deadline=None)
 @given(
     page_size=st.sampled_from([1, 2, 4, 16]),
-    cache_tokens=st.integers(16, 96),
+    cache_tokens=st.integers(16, 64),
     max_batch_tokens=st.integers(1, 48),
     max_num_seqs=st.integers(1, 6),
     policy=st.sampled_from(["fifo", "prefill_first"]),
     safety_margin=st.sampled_from([0.0, 0.1, 0.3]),
     caching=st.booleans(),
     window=st.sampled_from([None, 1, 3, 5, 8]),
+    # A burst of requests up front, so that nearly every example has several in flight and memory pressure.
+    burst=st.lists(new_request, min_size=3, max_size=8),
     operations=st.lists(operation, max_size=40),
 )
 def test_random_workloads_keep_invariants_and_finish(
@@ -619,6 +623,7 @@ def test_random_workloads_keep_invariants_and_finish(
     safety_margin: float,
     caching: bool,
     window: int | None,
+    burst: list[tuple],
     operations: list[tuple],
 ) -> None:
     # Sized in tokens, so that every page size sees the same memory pressure (and preemptions).
@@ -648,7 +653,7 @@ def test_random_workloads_keep_invariants_and_finish(
         finish_computed(s, batch)
         check_step(s, ScheduledBatch())
 
-    for op in operations:
+    for op in [*burst, *operations]:
         if op[0] in ("add", "follow_up", "repeat"):
             _, which, suffix, max_new = op
             if op[0] == "add":

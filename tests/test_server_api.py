@@ -53,17 +53,24 @@ def sse_payloads(body: bytes) -> list[Any]:
     return payloads
 
 
-def metric_samples(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = http.get("/metrics")
-    assert response.status_code == 200
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_metrics(text: str) -> MetricSamples:
     samples = {}
-    for family in text_string_to_metric_families(response.text):
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
     return samples
 
 
-def metric(samples: dict, name: str, **labels: str) -> float:
+def metric_samples(http: httpx.Client) -> MetricSamples:
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    return parse_metrics(response.text)
+
+
+def metric(samples: MetricSamples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0)
 
 
@@ -261,6 +268,20 @@ def test_stop_string_split_across_tokens_is_honoured_and_absent(http: httpx.Clie
     deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]
     assert "".join(deltas) == expected and not any(stop in d for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 2.0, "top_p": 1.0, "presence_penalty": -2.0, "frequency_penalty": 2.0, "seed": -(2**63)},
+        {"temperature": 0.5, "top_p": 0.0, "seed": 2**63 - 1, "n": 128},
+        {"top_k": -1, "min_p": 1.0, "repetition_penalty": 0.5, "min_tokens": 2, "stop_token_ids": [5], "stop": []},
+        {"logprobs": 20, "max_tokens": 1, "user": "u", "best_of": 1, "echo": False, "suffix": None},
+    ],
+)
+def test_openai_value_ranges_are_accepted(http: httpx.Client, fields: dict[str, Any]) -> None:
+    completion = complete(http, prompt="Ferry", **{"max_tokens": 2, **fields})
+    assert len(completion["choices"]) == fields.get("n", 1)
 
 
 def test_usage_reports_prefix_cache_hits(http: httpx.Client) -> None:

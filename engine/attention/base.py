@@ -22,6 +22,7 @@ class StepMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths (cu_seqlens_q)
     seq_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step
     block_tables: torch.Tensor  # [B, max_pages] int32; released/absent pages hold 0 and are never read
+    block_tables_host: list[list[int]]  # the same, unpadded; -1 marks pages a sliding window released
     query_start_loc_host: list[int]
     query_lens_host: list[int]
     seq_lens_host: list[int]

@@ -1,8 +1,9 @@
 """Plain-torch paged attention: the CPU backend, and the reference the GPU backends are checked against.
 
-Decode tokens (one query per sequence) of a step are attended in one batched SDPA call over their gathered pages.
-Each multi-token chunk (a prompt, a prefill chunk, a resumed sequence) gets its own SDPA call; a chunk with no
-cached history attends only to its own fresh K/V, so nothing is gathered for it.
+Per layer, the pages every sequence needs are gathered in one `index_select` (whole pages: memcpy-sized copies;
+advanced indexing is several times slower here), then each sequence attends over its own slice of that buffer
+with no padding. A chunk with no cached history (a fresh prompt) attends only to its own K/V: nothing is
+gathered for it. Decode queries need no mask at all: their slice is exactly the keys they may see.
 """
 
 from __future__ import annotations
@@ -16,81 +17,60 @@ from engine.attention.base import AttentionBackend, StepMetadata, write_kv
 
 
 @dataclass
-class _DecodeGroup:
-    rows: torch.Tensor  # [Bd] packed-row index of each decode token
-    slots: torch.Tensor  # [Bd, L] cache slots to gather
-    mask: torch.Tensor  # [Bd, 1, 1, L] True where the key is visible
-
-
-@dataclass
-class _Chunk:
-    start: int
-    end: int
-    slots: torch.Tensor | None  # None: attend only to the chunk's own fresh K/V
-    mask: torch.Tensor | None  # [n, L]; None: plain causal over the fresh K/V
+class _Seq:
+    q_start: int
+    q_end: int
+    k_start: int  # offset of the first visible key in the gathered buffer; -1: attend to the fresh K/V only
+    k_len: int
+    mask: torch.Tensor | None  # [n, k_len] for chunks that need one
 
 
 @dataclass
 class _Plan:
-    decode: _DecodeGroup | None
-    chunks: list[_Chunk]
-
-
-def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    visible = key_pos <= query_pos
-    if window is not None:
-        visible &= key_pos > query_pos - window
-    return visible
+    pages: torch.Tensor  # all pages to gather, sequence after sequence
+    seqs: list[_Seq]
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
     def _plan(self, meta: StepMetadata, window: int | None) -> _Plan:
-        """Gather indices and masks depend on the window size only, so layers sharing one reuse the plan."""
+        """The plan depends on the window size only, so layers sharing one reuse it within the step."""
         plan = meta.backend_state.get(window)
         if plan is None:
             plan = self._build_plan(meta, window)
             meta.backend_state[window] = plan
         return plan
 
-    def _build_plan(self, meta: StepMetadata, window: int | None) -> _Plan:
-        device = meta.positions.device
+    @staticmethod
+    def _build_plan(meta: StepMetadata, window: int | None) -> _Plan:
         ps = meta.page_size
-        starts = meta.query_start_loc
-        decode_seqs = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
-        decode = None
-        if decode_seqs:
-            seq_idx = torch.tensor(decode_seqs, device=device)
-            lens = meta.seq_lens[seq_idx].long()
-            longest = max(meta.seq_lens_host[i] for i in decode_seqs)
-            span = longest if window is None else min(longest, window)
-            # Each decode query sees keys [first, len); gather exactly that span (padded to the longest).
-            first = (lens - span).clamp(min=0)
-            key_pos = first[:, None] + torch.arange(span, device=device)[None, :]
-            valid = key_pos < lens[:, None]
-            key_pos = torch.where(valid, key_pos, 0)
-            pages = torch.gather(meta.block_tables[seq_idx].long(), 1, key_pos // ps)
-            slots = pages * ps + key_pos % ps
-            decode = _DecodeGroup(rows=starts[seq_idx].long(), slots=slots, mask=valid[:, None, None, :])
-        chunks = []
-        for i, n in enumerate(meta.query_lens_host):
-            if n == 1:
+        device = meta.positions.device
+        tables = meta.block_tables_host
+        page_lists: list[list[int]] = []
+        gathered = 0
+        seqs = []
+        for i, (n, total) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+            q_start = meta.query_start_loc_host[i]
+            if total == n and (window is None or n <= window):
+                seqs.append(_Seq(q_start, q_start + n, -1, n, None))
                 continue
-            start = int(meta.query_start_loc_host[i])
-            total = meta.seq_lens_host[i]
-            query_pos = torch.arange(total - n, total, device=device)
-            if total == n:
-                mask = None
-                if window is not None and n > window:
-                    mask = _visible(query_pos[:, None], query_pos[None, :], window)
-                chunks.append(_Chunk(start, start + n, None, mask))
-                continue
-            key_pos = torch.arange(total, device=device)
-            pages = meta.block_tables[i, key_pos // ps].long()
-            slots = pages * ps + key_pos % ps
-            chunks.append(_Chunk(start, start + n, slots, _visible(query_pos[:, None], key_pos[None, :], window)))
-        return _Plan(decode, chunks)
+            first_query = total - n
+            first_key = 0 if window is None else max(0, first_query - window + 1)
+            first_page, last_page = first_key // ps, (total - 1) // ps
+            page_lists.append(tables[i][first_page : last_page + 1])
+            k_start = gathered + first_key - first_page * ps
+            gathered += (last_page - first_page + 1) * ps
+            mask = None
+            if n > 1:
+                query_pos = torch.arange(first_query, total, device=device)[:, None]
+                key_pos = torch.arange(first_key, total, device=device)[None, :]
+                mask = key_pos <= query_pos
+                if window is not None:
+                    mask &= key_pos > query_pos - window
+            seqs.append(_Seq(q_start, q_start + n, k_start, total - first_key, mask))
+        flat = [p for pages in page_lists for p in pages]
+        return _Plan(torch.tensor(flat, dtype=torch.int64, device=device), seqs)
 
     def forward(
         self,
@@ -104,32 +84,29 @@ class TorchPagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)
         plan = self._plan(meta, sliding_window)
-        k_flat = kv_cache[0].view(-1, *kv_cache[0].shape[2:])
-        v_flat = kv_cache[1].view(-1, *kv_cache[1].shape[2:])
+        num_blocks, _, kv_heads, dim = kv_cache[0].shape
+        heads = query.shape[1]
+        group = heads // kv_heads
+        keys = kv_cache[0].view(num_blocks, -1).index_select(0, plan.pages).view(-1, kv_heads, dim)
+        values = kv_cache[1].view(num_blocks, -1).index_select(0, plan.pages).view(-1, kv_heads, dim)
         out = torch.empty_like(query)
-        if plan.decode is not None:
-            d = plan.decode
-            q = query[d.rows].unsqueeze(2)  # [Bd, H, 1, D]
-            k = k_flat[d.slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-            v = v_flat[d.slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scale, enable_gqa=True)
-            out[d.rows] = o.squeeze(2)
-        for c in plan.chunks:
-            q = query[c.start : c.end].transpose(0, 1)  # [H, n, D]
-            if c.slots is None:
-                k = key[c.start : c.end].transpose(0, 1)
-                v = value[c.start : c.end].transpose(0, 1)
+        for s in plan.seqs:
+            if s.k_start < 0:
+                k = key[s.q_start : s.q_end].transpose(0, 1)
+                v = value[s.q_start : s.q_end].transpose(0, 1)
             else:
-                k = k_flat[c.slots].transpose(0, 1)  # [Hkv, L, D]
-                v = v_flat[c.slots].transpose(0, 1)
+                k = keys[s.k_start : s.k_start + s.k_len].transpose(0, 1)  # [Hkv, L, D]
+                v = values[s.k_start : s.k_start + s.k_len].transpose(0, 1)
+            if s.q_end - s.q_start == 1:
+                # One query: fold each KV head's query group into the query axis (no repeated K/V, no mask).
+                q = query[s.q_start].view(kv_heads, group, dim)
+                o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+                out[s.q_start] = o.reshape(heads, dim)
+                continue
+            q = query[s.q_start : s.q_end].transpose(0, 1)  # [H, n, D]
+            causal = s.mask is None
             o = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=c.mask,
-                is_causal=c.mask is None and c.slots is None,
-                scale=scale,
-                enable_gqa=True,
+                q, k, v, attn_mask=s.mask, is_causal=causal, scale=scale, enable_gqa=group > 1
             )
-            out[c.start : c.end] = o.transpose(0, 1)
+            out[s.q_start : s.q_end] = o.transpose(0, 1)
         return out

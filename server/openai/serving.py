@@ -9,6 +9,7 @@ detokenizer and stop-string matcher; errors after the first streamed byte become
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.request import QueueFull, RequestRejected, StepOutput
-from server.client import EngineClient, EngineDeadError, RequestGroup
+from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
 from server.ipc import EngineRequest
 from server.lifecycle import Lifecycle
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
@@ -43,6 +44,8 @@ from server.openai.schemas import (
 )
 from server.sse import SSE_DONE, SSEResponse, sse_data
 from server.tokens import ChatTemplateError, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
 """Suggested back-off after a 429: the waiting queue moves on within a few engine steps."""
@@ -113,9 +116,7 @@ class Generation:
             ) from exc
         except RequestRejected as exc:
             raise invalid_request(str(exc), code=exc.code) from exc
-        except EngineDeadError as exc:
-            raise engine_failure(str(exc)) from exc
-        except RuntimeError as exc:  # the engine failed to add it (see engine_process._add)
+        except (EngineDeadError, EngineAddFailed) as exc:
             raise engine_failure(str(exc)) from exc
         for prompt in self.prompts:
             self.ctx.metrics.prompt_tokens.inc(len(prompt) * self.num_choices)
@@ -217,7 +218,7 @@ class OpenAIServing:
             ],
             usage=generation.usage(),
         )
-        return JSONResponse(response.model_dump())
+        return Response(response.model_dump_json(), media_type="application/json")
 
     async def _chat_events(self, generation: Generation, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
         exclude = None if body.include_usage else {"usage"}
@@ -307,7 +308,7 @@ class OpenAIServing:
             ],
             usage=generation.usage(),
         )
-        return JSONResponse(response.model_dump())
+        return Response(response.model_dump_json(), media_type="application/json")
 
     async def _completion_events(self, generation: Generation, body: CompletionRequest) -> AsyncIterator[bytes]:
         exclude = None if body.include_usage else {"usage"}
@@ -424,6 +425,9 @@ class OpenAIServing:
             if reason is not None:
                 self.ctx.metrics.count_rejection(reason)
             yield sse_data(exc.json())
+        except Exception:
+            logger.exception("Stream failed")
+            yield sse_data(APIError(500, "Internal server error.", type="server_error", code="internal_error").json())
         yield SSE_DONE
 
 
