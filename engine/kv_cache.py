@@ -190,6 +190,9 @@ class BlockManager:
         seq = self._seqs[request.request_id]
         computed = request.num_computed_tokens
         ps = self.page_size
+        # Hot path (every running request, every step): most steps fill no page and release none.
+        if self.sliding_window is None and (not self.enable_prefix_caching or computed // ps <= seq.num_registered):
+            return
         if computed > len(seq.table) * ps:
             raise ValueError(
                 f"request {request.request_id!r} computed {computed} tokens but holds {len(seq.table)} pages"

@@ -11,6 +11,7 @@ cache (its own pages are often still cached) and recomputes the rest.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -127,7 +128,8 @@ class Scheduler:
         self.running = RequestQueue()
         """Admission order: the last one is the newest, the first to be preempted."""
         self.num_preemptions = 0
-        self._margin_blocks = config.safety_margin * block_manager.num_blocks
+        # Whole pages; rounded first so that float noise (0.07 * 100 = 7.000000000000001) does not add a page.
+        self._margin_blocks = math.ceil(round(config.safety_margin * block_manager.num_blocks, 6))
 
     @property
     def has_unfinished(self) -> bool:
@@ -231,7 +233,7 @@ class Scheduler:
         while self.waiting and not builder.full and len(self.running) < self.config.max_num_seqs:
             # The margin keeps room for running sequences to grow; with none running it would only block the
             # queue forever when a first chunk needs more than the pages outside the margin.
-            reserve = self._margin_blocks if self.running else 0.0
+            reserve = self._margin_blocks if self.running else 0
             # Every admission needs at least one new page (the last token's page is never a prefix hit), so a
             # full cache can stop here without hashing the prompt.
             if bm.num_free_blocks - 1 < reserve:

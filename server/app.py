@@ -43,11 +43,12 @@ from server.tokens import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape).
+_ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
 _STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"description": "With `stream: true`: `data: {chunk}` events, then "
                                                            "`data: [DONE]`."}}},
-    "4XX": {"model": ErrorResponse},
-    "5XX": {"model": ErrorResponse},
+    **_ERRORS,
 }  # fmt: skip
 
 
@@ -72,16 +73,16 @@ class ServerState:
             engine_config,
             log_level=settings.log_level,
             on_stats=self.metrics.observe_engine_stats,
-            on_death=lambda reason: lifecycle.fail(),
+            on_death=lifecycle.fail,
         )
         self.serving: OpenAIServing | None = None
 
     async def load(self) -> None:
-        """Start the engine and the tokenizer side by side; ready once both are."""
-        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(Tokenizer.load, self.engine_config.model))
+        """Spawn the engine first, so that it loads the model while this process loads the tokenizer."""
         try:
-            info = await self.client.start()
-            tokenizer = await tokenizer_task
+            self.client.start()
+            tokenizer = await asyncio.to_thread(Tokenizer.load, self.engine_config.model)
+            info = await self.client.wait_ready()
         except EngineDeadError:
             return  # the client has already reported the death to the lifecycle
         except Exception:
@@ -135,7 +136,6 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             await state.client.shutdown()
 
     app = FastAPI(title="Ferry", version=ferry_version(), lifespan=lifespan)
-    app.state.ferry = state
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
@@ -158,7 +158,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
     async def retrieve_model(model_id: str) -> ModelCard:
         if model_id != state.model_name:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")

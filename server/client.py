@@ -140,7 +140,7 @@ class EngineClient:
         *,
         log_level: str = "info",
         on_stats: StatsCallback | None = None,
-        on_death: Callable[[str], None] | None = None,
+        on_death: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.info: EngineReady | None = None
@@ -161,8 +161,8 @@ class EngineClient:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self) -> EngineReady:
-        """Spawn the engine process and wait until its model is loaded; raise EngineDeadError if it dies."""
+    def start(self) -> None:
+        """Spawn the engine process (it starts loading the model at once); then await `wait_ready()`."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         context = multiprocessing.get_context("spawn")
@@ -184,6 +184,10 @@ class EngineClient:
         # ignores SIGTERM and still sees our open pipes: kill it first (hooks run last-registered first).
         atexit.register(self._kill_process)
         self._loop.add_reader(self._process.sentinel, self._on_process_exit)
+
+    async def wait_ready(self) -> EngineReady:
+        """Wait until the engine's model is loaded; raise EngineDeadError if the process dies first."""
+        assert self._ready is not None, "start() first"
         # Step messages carry engine.core.EngineStats, and engine.core imports torch and the model code: import it
         # now, while the engine loads, not on the reader thread at the first message (seconds holding the GIL).
         await asyncio.to_thread(importlib.import_module, "engine.core")
@@ -344,4 +348,4 @@ class EngineClient:
             self._ready.set_exception(error)
         self._fail_all(error)
         if self._on_death is not None:
-            self._on_death(reason)
+            self._on_death()

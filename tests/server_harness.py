@@ -1,4 +1,5 @@
-"""Run `ferry serve` as a real subprocess on 127.0.0.1 for tests (the server and deployment suites share it).
+"""Run `ferry serve` as a real subprocess on 127.0.0.1 for tests (the server and deployment suites share it),
+and read what it answers: SSE bodies (checking the framing byte for byte) and Prometheus metrics.
 
 Output goes to a log file (a pipe nobody reads would eventually block the server), shown when the server
 fails to come up.
@@ -6,6 +7,7 @@ fails to come up.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,11 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_SECONDS = 300.0
@@ -116,3 +120,54 @@ def running_server(model_dir: Path, *extra_args: str) -> Iterator[str]:
     """`with running_server(model_dir, "--max-num-seqs", "4") as base_url:` -> "http://127.0.0.1:PORT"."""
     with server_process(model_dir, *extra_args) as server:
         yield server.base_url
+
+
+def sse_payloads(body: bytes) -> list[Any]:
+    """Parse an OpenAI SSE body, checking the framing byte for byte: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`."""
+    assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
+    frames = body[: -len(b"data: [DONE]\n\n")].split(b"\n\n")
+    assert frames[-1] == b"", "every event ends with a blank line"
+    payloads = []
+    for frame in frames[:-1]:
+        assert frame.startswith(b"data: ") and b"\n" not in frame, frame
+        payloads.append(json.loads(frame[len(b"data: ") :]))
+    return payloads
+
+
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_metrics(text: str) -> MetricSamples:
+    """Prometheus text -> {(sample name, sorted labels): value}, through prometheus_client's own parser."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def metric_samples(client: httpx.Client) -> MetricSamples:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    return parse_metrics(response.text)
+
+
+def metric(samples: MetricSamples, name: str, **labels: str) -> float:
+    """The sum of the samples called `name` whose labels include `labels` (0 when there are none yet)."""
+    return sum(value for (n, have), value in samples.items() if n == name and labels.items() <= dict(have).items())
+
+
+def engine_idle(client: httpx.Client) -> bool:
+    """Nothing running or waiting, and every KV-cache page back to free (or merely cached)."""
+    samples = metric_samples(client)
+    return not any(
+        metric(samples, name)
+        for name in ("ferry:kv_cache_usage_perc", "ferry:num_requests_running", "ferry:num_requests_waiting")
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)

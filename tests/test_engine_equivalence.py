@@ -51,7 +51,8 @@ CONFIGS: dict[str, dict] = {
 
 
 def _run(model_path: Path, prompts, max_new, **overrides) -> tuple[EngineCore, list[list[int]], list[list[int]]]:
-    config = EngineConfig(model=str(model_path), debug_checks=True, **overrides)
+    # A few hundred pages: a 1 GiB default cache would make every debug invariant check scan ~10^5 pages.
+    config = EngineConfig(model=str(model_path), debug_checks=True, **{"num_blocks": 512, **overrides})
     engine = EngineCore(config)
     query_lens: list[list[int]] = []
     prepare = engine.runner.prepare

@@ -249,6 +249,23 @@ def test_commit_hashes_each_page_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls[2] == (108, 109, 200, 201)  # a page straddling prompt and output
 
 
+def test_pages_filled_by_decode_are_matched_by_a_follow_up() -> None:
+    """A chat follow-up resends the conversation: pages completed token by token during decode must hit."""
+    bm = manager(num_blocks=16, page_size=4)
+    a = make_request("a", [1, 2, 3, 4, 5, 6])
+    compute_all(bm, a)
+    for token in range(7, 14):  # fills [5, 6, 7, 8] across prompt and output, then [9, 10, 11, 12]
+        a.output_ids.append(token)
+        assert bm.allocate(a, 1)
+        a.num_computed_tokens += 1
+        bm.commit(a)
+    bm.free("a")
+    follow_up = make_request("b", [*a.all_token_ids, 14])
+    assert bm.match_prefix(follow_up) == 12
+    other = make_request("c", [1, 2, 3, 4, 5, 6, 7, 99, 9])  # differs only in the last token of page 2
+    assert bm.match_prefix(other) == 4
+
+
 def test_prefix_caching_disabled() -> None:
     bm = manager(num_blocks=4, page_size=2, enable_prefix_caching=False)
     compute_all(bm, make_request("a", [1, 2, 3, 4, 5]))
@@ -311,7 +328,7 @@ def test_page_size_256() -> None:
     assert len(bm.block_table("a")) == 3
     assert not bm.allocate(make_request("x", [1]), 1)
     bm.free("a")
-    b = make_request("b", prompt[:512] + [1])
+    b = make_request("b", [*prompt[:512], 1])
     assert bm.match_prefix(b) == 512
     c = make_request("c", prompt[:512])  # the second page holds the last token
     assert bm.match_prefix(c) == 256

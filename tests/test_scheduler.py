@@ -14,7 +14,6 @@ from engine.kv_cache import BlockManager
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import RequestQueue, ScheduledBatch, Scheduler
 
-
 _fresh_bases = itertools.count(1)
 
 
@@ -49,17 +48,14 @@ def next_token(request: Request) -> int:
     return 3 + (tokens[-1] * 31 + len(tokens)) % 7
 
 
-def finish_computed(scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
+def finish_computed(scheduler: Scheduler, batch: ScheduledBatch) -> None:
     """The engine's part after advance(): sample for every sequence that computed its last token."""
-    finished = []
     for request in batch.requests:
         if request.finished or request.num_computed_tokens != request.num_tokens:
             continue
         request.output_ids.append(next_token(request))
         if len(request.output_ids) == request.params.max_new_tokens:
             scheduler.finish(request, FinishReason.LENGTH)
-            finished.append(request)
-    return finished
 
 
 def step(scheduler: Scheduler) -> ScheduledBatch:
@@ -204,6 +200,14 @@ def test_safety_margin_blocks_a_prompt_that_would_cross_it() -> None:
     assert planned(step(s)) == [("a", 1)]
     assert [r.request_id for r in s.waiting] == ["big", "small"]
     assert s.block_manager.block_table("big") == []
+
+
+def test_safety_margin_is_whole_pages_without_float_noise() -> None:
+    s = make_scheduler(num_blocks=100, page_size=1, safety_margin=0.07)  # 0.07 * 100 == 7.000000000000001
+    s.add(make_request("a", 1, max_new_tokens=8))
+    step(s)
+    s.add(make_request("b", 91))  # leaves exactly 7 pages after a's second token
+    assert planned(step(s)) == [("a", 1), ("b", 91)]
 
 
 def test_margin_does_not_block_an_idle_engine() -> None:

@@ -20,8 +20,16 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, server_process
-from tests.test_server_api import engine_idle, metric, metric_samples, parse_metrics, sse_payloads, wait_until
+from tests.server_harness import (
+    ServerProcess,
+    engine_idle,
+    metric,
+    metric_samples,
+    parse_metrics,
+    server_process,
+    sse_payloads,
+    wait_until,
+)
 
 # A stuck server must fail its test, not hang the suite.
 pytestmark = pytest.mark.timeout(180)
