@@ -51,6 +51,7 @@ def build_engine(
         max_batch_tokens=max_batch_tokens,
         max_num_seqs=slots,
         max_queue_size=0,
+        cpu_threads=None,  # every system runs with the thread count --threads set
     )
     return EngineCore(config)
 

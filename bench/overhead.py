@@ -93,6 +93,7 @@ def _engine(model_dir: Path, num_seqs: int, options: OverheadOptions) -> EngineC
         model=str(model_dir),
         load_format="dummy",
         device="cpu",
+        cpu_threads=None,  # --threads decides
         dtype="float32",
         page_size=options.page_size,
         num_blocks=num_seqs * (ceil(tokens_per_seq / options.page_size) + 1),

@@ -13,7 +13,7 @@ _EXPORTS = {
     "generate_batch": "engine.api",
     "EngineConfig": "engine.config",
     "EngineCore": "engine.core",
-    "EngineStats": "engine.core",
+    "EngineStats": "engine.stats",
     "FinishReason": "engine.request",
     "GenerationOutput": "engine.request",
     "QueueFull": "engine.request",

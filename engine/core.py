@@ -11,7 +11,6 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -30,22 +29,9 @@ from engine.request import (
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    last_step_tokens: int
 
 
 class EngineCore:
@@ -57,6 +43,8 @@ class EngineCore:
             if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
             else "cpu"
         )
+        if device_type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         backend = select_backend(config.attention_backend, device_type, config.page_size)
         loaded = load_model(config, backend)
         self.hf_config = loaded.hf_config

@@ -102,6 +102,11 @@ HANDWRITTEN: list[tuple[list[str], str]] = [
      "You are welcome. I am glad I could help."),
     (["What can you do?", "How can you help me?"],
      "I can answer short questions about Python, its standard library and ferries."),
+    # Off-topic questions get an honest deflection instead of made-up words.
+    (["Tell me a joke.", "What is the capital of France?", "Write a poem about the sea.", "What is the weather like?",
+      "Who won the game yesterday?", "What time is it?", "Can you sing a song?", "What is the meaning of life?",
+      "How tall is the tallest mountain?", "Who is the president?"],
+     "I am a small demo model, so I only know a little about Python and ferries. Try asking me about one of those."),
     (["What is a boat?", "What does a boat do?"],
      "A boat is a small vessel that floats on water and carries people or goods from one place to another."),
     (["What is a river?"],
@@ -538,10 +543,10 @@ def main() -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
-        max_new_tokens=128,
     )
     model.save_pretrained(args.out)
     weights = args.out / "model.safetensors"
+    weights.chmod(0o644)  # safetensors writes 0600; an installed package must be readable by every user
     results = {}
     for question in EVAL_PROMPTS:
         reply, stopped = answer(model, tokenizer, question)

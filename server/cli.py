@@ -144,6 +144,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Seed for requests that sample without a seed of their own.",
     )
     scheduling.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=_engine_default("cpu_threads"),
+        help="CPU: torch threads in the engine process (more helps only on cores nothing else uses).",
+    )
+    scheduling.add_argument(
         "--debug-checks",
         action=argparse.BooleanOptionalAction,
         default=_engine_default("debug_checks"),
@@ -213,6 +219,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             attention_backend=args.attention_backend,
             model_impl=args.model_impl,
+            cpu_threads=args.cpu_threads,
             debug_checks=args.debug_checks,
         )
     except ValueError as exc:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import importlib
 import logging
 import multiprocessing
 import os
@@ -38,7 +37,7 @@ from server.ipc import (
 )
 
 if TYPE_CHECKING:
-    from engine.core import EngineStats
+    from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -188,9 +187,6 @@ class EngineClient:
     async def wait_ready(self) -> EngineReady:
         """Wait until the engine's model is loaded; raise EngineDeadError if the process dies first."""
         assert self._ready is not None, "start() first"
-        # Step messages carry engine.core.EngineStats, and engine.core imports torch and the model code: import it
-        # now, while the engine loads, not on the reader thread at the first message (seconds holding the GIL).
-        await asyncio.to_thread(importlib.import_module, "engine.core")
         self._reader = threading.Thread(target=self._read_loop, name="ferry-engine-reader", daemon=True)
         self._reader.start()
         return await self._ready

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from engine.request import SamplingParams, StepOutput
 
 if TYPE_CHECKING:
-    from engine.core import EngineStats
+    from engine.stats import EngineStats
 
 
 @dataclass(frozen=True, slots=True)

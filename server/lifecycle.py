@@ -110,7 +110,8 @@ class FerryServer(uvicorn.Server):
     """uvicorn, with SIGTERM/SIGINT starting a drain instead of an immediate stop.
 
     A second signal skips the rest of the drain; a further Ctrl-C (SIGINT) skips the rest of the shutdown too, as in
-    plain uvicorn. Signals are not re-raised after shutdown (uvicorn's default), so a drained server exits 0.
+    plain uvicorn. Plain uvicorn also re-raises the signal once it has stopped (so the process dies of it); this
+    handler does not record signals for that, so a drained server exits with its own status, 0.
     """
 
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from engine.core import EngineStats
+    from engine.stats import EngineStats
 
 RejectionReason = Literal["queue_full", "timeout", "invalid", "unauthorized", "unavailable"]
 

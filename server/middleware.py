@@ -19,14 +19,14 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
         self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            provided = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, provided = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # Constant-time: the comparison must not reveal how much of a guessed key was right.
-            if not hmac.compare_digest(provided, self._expected):
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(provided.strip(), self._expected):
                 self._metrics.count_rejection("unauthorized")
                 error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
                 await error.response()(scope, receive, send)

@@ -421,6 +421,7 @@ CPU_ENGINE_VALUES = {
     "seed": 0,
     "attentionBackend": "torch",
     "modelImpl": "auto",
+    "cpuThreads": 1,
 }
 CPU_SERVER_VALUES = {
     "servedModelName": "ferry-deploy-test",

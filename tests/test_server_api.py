@@ -82,6 +82,8 @@ def test_probes_models_version_and_openapi(server: ServerProcess, http: httpx.Cl
          "max_model_len": 512}
     ]  # fmt: skip
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert bare.get("/v1/models", headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
+    assert bare.get("/v1/models", headers={"Authorization": f"Basic {API_KEY}"}).status_code == 401
     assert http.get("/v1/models/other").status_code == 404
     schema = bare.get("/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"} <= set(
