@@ -88,14 +88,16 @@ def _children(pid: int) -> list[int]:
 
 
 @contextmanager
-def server_process(model_dir: Path, *extra_args: str) -> Iterator[ServerProcess]:
-    """A ready `ferry serve --model model_dir ...extra_args`, stopped (SIGTERM) on exit."""
+def server_process(model_dir: Path | None, *extra_args: str) -> Iterator[ServerProcess]:
+    """A ready `ferry serve --model model_dir ...extra_args` (no --model: the embedded default), stopped (SIGTERM)
+    on exit."""
     with tempfile.TemporaryDirectory(prefix="ferry-serve-") as tmp:
         log_path = Path(tmp) / "server.log"
         port = free_port()
+        model_args = [] if model_dir is None else ["--model", str(model_dir)]
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "server.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+                [sys.executable, "-m", "server.cli", "serve", *model_args, "--host", "127.0.0.1",
                  "--port", str(port), *extra_args],
                 cwd=REPO_ROOT,
                 stdout=log,

@@ -140,9 +140,7 @@ def test_seeded_sampling_is_independent_of_the_batch(engine: EngineCore) -> None
     seeded = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = generate_batch([PROMPTS[2]], params=seeded, engine=engine)["req_0"].generated_ids
     others = [SamplingParams(max_new_tokens=n, temperature=0.8) for n in (3, 9, 15)]
-    crowd = generate_batch(
-        PROMPTS, params=[*others[:2], seeded, others[2]], engine=engine
-    )
+    crowd = generate_batch(PROMPTS, params=[*others[:2], seeded, others[2]], engine=engine)
     assert crowd["req_2"].generated_ids == alone
     other_seed = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
     assert generate_batch([PROMPTS[2]], params=other_seed, engine=engine)["req_0"].generated_ids != alone

@@ -13,7 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 
-ARCHS = ["llama", "qwen3", "mistral", "qwen2", "gpt2", "gpt_neox"]
+ARCHS = ["llama", "qwen3", "mistral", "qwen2", "gpt2", "gpt_neox", "demo"]
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"
+
+
+def _model_path(model_dir: Callable[[str], Path], arch: str) -> Path:
+    """`demo` is the embedded model `ferry serve` runs by default; the rest are built by the factory."""
+    return DEMO_MODEL if arch == "demo" else model_dir(arch)
 
 
 def _prompts(vocab: int, shared_prefix: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -71,7 +77,7 @@ def _run(model_path: Path, prompts, max_new, **overrides) -> tuple[EngineCore, l
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("setup", list(CONFIGS))
 def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, setup: str) -> None:
-    path = model_dir(arch)
+    path = _model_path(model_dir, arch)
     prompts, max_new, expected = _reference(path, arch, 0)
     engine, outputs, query_lens = _run(path, prompts, max_new, **CONFIGS[setup])
     for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
