@@ -93,13 +93,17 @@ def hf_continuous_config(
 
 
 @torch.inference_mode()
-def run_hf_continuous(model: BenchModel, workload: Workload, slots: int, max_batch_tokens: int) -> SystemRun:
+def run_hf_continuous(
+    model: BenchModel, workload: Workload, slots: int, max_batch_tokens: int, *, hf_defaults: bool = False
+) -> SystemRun:
+    """transformers' continuous batching; `hf_defaults` leaves its ContinuousBatchingConfig at the defaults
+    `generate_batch` uses (sized by transformers itself from the workload hints), instead of Ferry's slots."""
     hints = WorkloadHints(
         max_prompt_length=max(len(p) for p in workload.prompts),
         max_generated_length=max(workload.output_lens),
         num_requests=len(workload),
     )
-    cb_config = hf_continuous_config(model, workload, slots, max_batch_tokens)
+    cb_config = None if hf_defaults else hf_continuous_config(model, workload, slots, max_batch_tokens)
     manager_cm = model.hf.continuous_batching_context_manager(
         generation_config=_greedy_config(model, max(workload.output_lens)),
         continuous_batching_config=cb_config,
@@ -131,11 +135,13 @@ def run_hf_continuous(model: BenchModel, workload: Workload, slots: int, max_bat
     ]
     tokens = [list(results[i].generated_tokens) for i in range(len(workload))]
     return SystemRun(
-        "transformers-cb",
+        "transformers-cb-default" if hf_defaults else "transformers-cb",
         wall,
         tokens,
         traces,
-        {
+        {"config": "transformers defaults (as generate_batch)", "attn_implementation": attn}
+        if cb_config is None
+        else {
             "max_requests_per_batch": slots,
             "page_size": HF_PAGE_SIZE,
             "num_blocks": cb_config.num_blocks,

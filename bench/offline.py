@@ -23,7 +23,7 @@ from bench.results import SystemRun
 from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
 
 CheckMode = Literal["strict", "report", "off"]
-SYSTEMS = ("static", "transformers-cb", "ferry")
+SYSTEMS = ("static", "transformers-cb", "transformers-cb-default", "ferry")
 _WARMUP_OUTPUT = LengthDist("fixed", (4.0,))
 
 
@@ -135,6 +135,10 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
             if options.warmup:
                 run_hf_continuous(model, warm, slots, budget)
             runs.append(run_hf_continuous(model, workload, slots, budget))
+        if "transformers-cb-default" in options.systems:
+            if options.warmup:
+                run_hf_continuous(model, warm, slots, budget, hf_defaults=True)
+            runs.append(run_hf_continuous(model, workload, slots, budget, hf_defaults=True))
         if "ferry" in options.systems:
             engine = build_engine(model, workload, slots=slots, max_batch_tokens=budget, page_size=options.page_size)
             if options.warmup:
@@ -203,7 +207,7 @@ def _report(
 
 def format_offline(report: dict[str, object]) -> str:
     systems = report["systems"]
-    baselines = [b for b in ("static", "transformers-cb") if b in systems]
+    baselines = [b for b in ("static", "transformers-cb", "transformers-cb-default") if b in systems]
     headers = ["system", "wall s", "gen tok/s", *(f"vs {b}" for b in baselines), "efficiency"]
     rows = []
     for name, run in systems.items():
