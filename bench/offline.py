@@ -24,6 +24,7 @@ from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
 
 CheckMode = Literal["strict", "report", "off"]
 SYSTEMS = ("static", "transformers-cb", "transformers-cb-default", "ferry")
+DEFAULT_SYSTEMS = ("static", "transformers-cb", "ferry")
 _WARMUP_OUTPUT = LengthDist("fixed", (4.0,))
 
 
@@ -42,7 +43,7 @@ class OfflineOptions:
     """Slots: static wave size, transformers' max_requests_per_batch, Ferry's max_num_seqs."""
     max_batch_tokens: int = 2048
     page_size: int = 16
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     check: CheckMode = "strict"
     warmup: bool = True
     floor: bool = True

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.cli import main
-from bench.offline import OfflineOptions, TokenMismatch, compare_tokens, format_offline, run_offline
+from bench.offline import SYSTEMS, OfflineOptions, TokenMismatch, compare_tokens, format_offline, run_offline
 from bench.overhead import OverheadOptions, format_overhead, run_overhead
 from bench.results import RequestTrace, SystemRun, assign_slots
 from bench.serve import ServeOptions, format_serve, percentile, run_serve
@@ -89,7 +89,7 @@ def test_equality_check_finds_the_first_differing_token() -> None:
     ]
 
 
-def test_offline_runs_three_systems_with_identical_tokens(tiny_llama: Path, tmp_path: Path) -> None:
+def test_offline_runs_every_system_with_identical_tokens(tiny_llama: Path, tmp_path: Path) -> None:
     options = OfflineOptions(
         model=str(tiny_llama),
         device="cpu",
@@ -100,17 +100,18 @@ def test_offline_runs_three_systems_with_identical_tokens(tiny_llama: Path, tmp_
         page_size=4,
         warmup=False,
         plot=tmp_path / "timeline.png",
+        systems=SYSTEMS,
     )
     report = run_offline(options)
     assert report["check"]["identical"] is True
-    assert report["check"]["systems"] == ["static", "transformers-cb", "ferry"]
+    assert report["check"]["systems"] == list(SYSTEMS)
     systems = report["systems"]
     expected = sum(report["workload"]["output_lens"])
-    for name in ("static", "transformers-cb", "ferry"):
+    for name in SYSTEMS:
         assert systems[name]["generated_tokens"] == expected
         assert len(systems[name]["traces"]) == SMALL.num_requests
     assert systems["static"]["details"]["waves"] == 2
-    assert set(report["ratios"]["ferry"]) == {"static", "transformers-cb"}
+    assert set(report["ratios"]["ferry"]) == set(SYSTEMS) - {"ferry"}
     assert report["floor"]["steps"] == systems["ferry"]["details"]["steps"]
     assert report["efficiency"] > 0
     assert (tmp_path / "timeline.png").stat().st_size > 0

@@ -5,14 +5,7 @@ from __future__ import annotations
 import httpx
 
 from tests.server_harness import server_process
-
-PROMPTS = [
-    "What does a ferry do?",
-    "What is a list?",
-    "Explain the json module.",
-    "What does a dictionary do?",
-    "What is Python?",
-]
+from tests.test_demo_model import MAX_NEW_TOKENS, MIN_STOPPED, PROMPTS
 
 
 def _mostly_words(text: str) -> bool:
@@ -28,7 +21,7 @@ def test_default_model_answers_in_words_and_stops() -> None:
             body = {
                 "model": model,
                 "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": 128,
+                "max_tokens": MAX_NEW_TOKENS,
                 "temperature": 0,
             }
             reply = client.post("/v1/chat/completions", json=body)
@@ -38,4 +31,4 @@ def test_default_model_answers_in_words_and_stops() -> None:
             text.encode("utf-8")
             assert _mostly_words(text), text
             stopped += choice["finish_reason"] == "stop"
-        assert stopped >= 3
+        assert stopped >= MIN_STOPPED

@@ -7,10 +7,14 @@ sequence's pages, block-diagonal and causal, so packing is exactly running each 
 
 from __future__ import annotations
 
+import logging
+
 from engine.attention.base import AttentionBackend, StepMetadata
 from engine.attention.torch_paged import TorchPagedBackend
 
 __all__ = ["AttentionBackend", "StepMetadata", "TorchPagedBackend", "select_backend"]
+
+logger = logging.getLogger(__name__)
 
 
 def select_backend(name: str, device_type: str, page_size: int) -> AttentionBackend:
@@ -25,4 +29,10 @@ def select_backend(name: str, device_type: str, page_size: int) -> AttentionBack
         return FlashBackend(page_size)
     if flash_available() and FlashBackend.supports_page_size(page_size):
         return FlashBackend(page_size)
+    logger.warning(
+        "CUDA without flash-attn paging (flash-attn missing, or page_size %d not a multiple of %d): the torch "
+        "backend gathers each sequence's pages every step; install the gpu extra and use --page-size 256",
+        page_size,
+        256,
+    )
     return TorchPagedBackend()
