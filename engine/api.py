@@ -14,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -84,7 +85,7 @@ class ContinuousBatchingManager:
         self._wakeup = threading.Event()
         self._lock = threading.Condition()
         self._outputs: dict[str, GenerationOutput] = {}
-        self._finished: queue.Queue[GenerationOutput] = queue.Queue()
+        self._finished: queue.Queue[str] = queue.Queue()  # ids, in the order their requests finished
         self._handlers: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[GenerationOutput], object]]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -173,18 +174,29 @@ class ContinuousBatchingManager:
             self._handlers[request_id] = (loop, callback)
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The next finished result (any request), or the given request's once it finished; None on timeout."""
+        """The next finished result (any request), or the given request's once it finished; None on timeout.
+
+        A result is handed out once, by either form; the manager then forgets it, so a long-running manager does
+        not accumulate every output it ever produced.
+        """
         if request_id is None:
-            try:
-                return self._finished.get(timeout=timeout)
-            except queue.Empty:
-                return None
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    finished_id = self._finished.get(timeout=remaining)
+                except queue.Empty:
+                    return None
+                with self._lock:
+                    result = self._outputs.pop(finished_id, None)
+                if result is not None:  # None: already handed out by get_result(request_id)
+                    return result
         with self._lock:
             if request_id not in self._outputs:
-                raise KeyError(f"unknown request id {request_id!r}")
+                raise KeyError(f"unknown (or already handed out) request id {request_id!r}")
             if not self._lock.wait_for(lambda: self._outputs[request_id].finished, timeout):
                 return None
-            return copy.deepcopy(self._outputs[request_id])
+            return self._outputs.pop(request_id)
 
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
         """Yield snapshots of a request's output as it grows; the last one is final."""
@@ -275,7 +287,7 @@ class ContinuousBatchingManager:
                     callbacks.append((handler, copy.deepcopy(output)))
                 if output.finished:
                     self._handlers.pop(delta.request_id, None)
-                    self._finished.put(copy.deepcopy(output))
+                    self._finished.put(delta.request_id)
             self._lock.notify_all()
         for (loop, callback), snapshot in callbacks:
             loop.call_soon_threadsafe(callback, snapshot)

@@ -157,3 +157,15 @@ def test_impossible_requests_are_rejected_at_submission(engine: EngineCore) -> N
     with pytest.raises(RequestRejected):
         engine.add_request("z", [10**9], SamplingParams())
     assert not engine.has_unfinished()
+
+
+def test_results_are_handed_out_once_then_forgotten(engine: EngineCore) -> None:
+    with ContinuousBatchingManager(engine) as manager:
+        first, second = manager.add_requests(PROMPTS[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        assert manager.get_result(first, timeout=30) is not None
+        with pytest.raises(KeyError):
+            manager.get_result(first, timeout=0)
+        # The finished queue skips what was already handed out by id.
+        result = manager.get_result(timeout=30)
+        assert result is not None and result.request_id == second
+        assert manager.get_result(timeout=0.05) is None
