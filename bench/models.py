@@ -16,6 +16,8 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
+from engine.loader import resolve_device, resolve_dtype
+
 WeightsMode = Literal["saved", "dummy"]
 
 _LLAMA_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -105,19 +107,6 @@ class BenchModel:
             "device": str(self.device),
             "dtype": self.dtype_name,
         }
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    # Same rule as EngineConfig's "auto": bfloat16 on GPU, float32 on CPU.
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
 def _random_model(config: PretrainedConfig, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:

@@ -25,6 +25,10 @@ ARCHITECTURES: dict[str, dict] = {
     "qwen2": dict(model_type="qwen2", num_key_value_heads=2),
     "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=16),
     "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=24),
+    # Layer 0 full attention, layer 1 a 20-token sliding window: per-layer windows in one model.
+    "qwen2_hybrid": dict(
+        model_type="qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=20, max_window_layers=1
+    ),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
     "gpt_neox": dict(model_type="gpt_neox", num_attention_heads=4, rotary_pct=0.5),
 }

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 
-ARCHS = ["llama", "qwen3", "mistral", "qwen2", "gpt2", "gpt_neox", "demo"]
+ARCHS = ["llama", "qwen3", "mistral", "qwen2", "qwen2_hybrid", "gpt2", "gpt_neox", "demo"]
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"
 
 
