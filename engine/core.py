@@ -17,7 +17,7 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
-from engine.loader import load_model
+from engine.loader import LoadedModel, load_model
 from engine.request import (
     FinishReason,
     QueueFull,
@@ -25,6 +25,7 @@ from engine.request import (
     RequestRejected,
     SamplingParams,
     StepOutput,
+    TokenLogprob,
 )
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -90,7 +91,7 @@ class EngineCore:
             self.max_model_len,
         )
 
-    def _blocks_from_budget(self, loaded) -> int:
+    def _blocks_from_budget(self, loaded: LoadedModel) -> int:
         per_page = ModelRunner.kv_bytes_per_page(loaded.model, self.config.page_size, loaded.dtype)
         if loaded.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(loaded.device)
@@ -187,7 +188,9 @@ class EngineCore:
         return None
 
     @staticmethod
-    def _delta(request: Request, tokens: list[int], logprob, timestamps: list[float] | None) -> StepOutput:
+    def _delta(
+        request: Request, tokens: list[int], logprob: TokenLogprob | None, timestamps: list[float] | None
+    ) -> StepOutput:
         first = len(request.output_ids) == len(tokens)
         queue = None
         if first and request.first_scheduled_time is not None:
