@@ -1,0 +1,86 @@
+"""GPU-only paths: skipped on CPU, run by scripts/gpu_bench.sh on a CUDA machine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine.attention import TorchPagedBackend
+from engine.attention.flash import FlashBackend, flash_available
+from engine.request import Request
+from engine.runner import ModelRunner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_cuda_engine_greedy_equals_generate(model_dir: Callable[[str], Path]) -> None:
+    """Pinned staging buffers, async copies and the torch backend on the device, against transformers on the same
+    device in float32."""
+    path = model_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    prompts = [[10 + (i * 7 + j) % 300 for j in range(5 + 9 * i)] for i in range(8)]
+    expected = [
+        hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    config = EngineConfig(
+        model=str(path),
+        device="cuda",
+        dtype="float32",
+        attention_backend="torch",
+        page_size=4,
+        num_blocks=256,
+        max_batch_tokens=32,
+        debug_checks=True,
+    )
+    engine = EngineCore(config)
+    results = generate_batch(prompts, params=SamplingParams(max_new_tokens=12), engine=engine)
+    assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected
+    assert engine.is_idle_and_clean()
+
+
+class _Shapes(torch.nn.Module):
+    """Just the attributes ModelRunner sizes its cache from."""
+
+    num_layers, num_kv_heads, head_dim = 1, 2, 64
+
+
+@pytest.mark.skipif(not flash_available(), reason="needs flash-attn")
+def test_flash_backend_matches_torch_backend() -> None:
+    page, heads = 256, 8
+    runner = ModelRunner(_Shapes(), TorchPagedBackend(), 12, page, 1024, 8, 2048, torch.device("cuda"), torch.bfloat16)
+    # A fresh prompt, a decode deep into its context, and a chunk over cached history: every kind of sequence.
+    shapes = [(0, 100), (600, 1), (300, 80)]
+    requests, tables, pages = [], [], iter(range(12))
+    for i, (computed, new) in enumerate(shapes):
+        request = Request(str(i), list(range(computed + new)), SamplingParams(), frozenset())
+        request.num_computed_tokens = computed
+        requests.append(request)
+        tables.append([next(pages) for _ in range(-(-(computed + new) // page))])
+    inputs = runner.prepare(requests, [n for _, n in shapes], tables, [True] * len(shapes))
+    total = sum(n for _, n in shapes)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(total, h, 64, device="cuda", dtype=torch.bfloat16, generator=generator) for h in (heads, 2, 2)
+    )
+    history = [
+        torch.randn(c.shape, device="cuda", dtype=torch.bfloat16, generator=generator) for c in runner.kv_caches[0]
+    ]
+    outputs = []
+    for backend, window in [
+        (TorchPagedBackend(), None),
+        (FlashBackend(page), None),
+        (TorchPagedBackend(), 64),
+        (FlashBackend(page), 64),
+    ]:
+        cache = (history[0].clone(), history[1].clone())
+        inputs.meta.backend_state.clear()
+        backend.prepare(inputs.meta)
+        outputs.append(backend.forward(q, k, v, cache, inputs.meta, 64**-0.5, window))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outputs[3], outputs[2], atol=2e-2, rtol=2e-2)
