@@ -55,6 +55,8 @@ class _Sequence:
     """Leading pages released because they fell out of the sliding window."""
     pending_stats: tuple[int, int] | None = None
     """(queries, hits) of a first admission, counted once its allocate() succeeds (see match_prefix)."""
+    num_in_flight_end: int = 0
+    """hashes[num_registered:num_in_flight_end] are prompt pages this sequence is computing (see prefix_in_flight)."""
 
 
 class BlockManager:
@@ -89,6 +91,8 @@ class BlockManager:
         # Insertion order is release order, so popitem(last=False) evicts the least recently released page.
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._seqs: dict[str, _Sequence] = {}
+        # Hashes of prompt pages some sequence is computing right now (count of such sequences).
+        self._in_flight: dict[int, int] = {}
 
     # -- queries -----------------------------------------------------------------------------------------------
 
@@ -112,6 +116,23 @@ class BlockManager:
         """
         seq = self._seqs.get(request_id)
         return seq.table if seq is not None else []
+
+    def prefix_in_flight(self, request: Request) -> bool:
+        """True when the first prompt page this request would have to compute is being computed by another one.
+
+        Admitting it a step or two later, once that page is committed, shares the pages instead of computing the
+        same prefix twice: `n` choices of one prompt, or concurrent requests with one system prompt.
+        """
+        if not self.enable_prefix_caching or not self._in_flight:
+            return False
+        tokens = request.all_token_ids
+        ps = self.page_size
+        parent: int | None = None
+        for start in range(0, (len(tokens) - 1) // ps * ps, ps):
+            parent = _chain_hash(parent, tuple(tokens[start : start + ps]))
+            if parent not in self._hash_to_page:
+                return parent in self._in_flight
+        return False
 
     # -- mutations -----------------------------------------------------------------------------------------------
 
@@ -153,6 +174,9 @@ class BlockManager:
             seq.table.append(page)
         seq.num_registered = len(matched)
         seq.num_released = released
+        seq.num_in_flight_end = len(seq.hashes)
+        for h in seq.hashes[len(matched) :]:
+            self._in_flight[h] = self._in_flight.get(h, 0) + 1
         if request.num_preemptions == 0:
             seq.pending_stats = (len(tokens), hit)
         self._check()
@@ -200,6 +224,8 @@ class BlockManager:
         if self.enable_prefix_caching:
             num_full = computed // ps
             for i in range(seq.num_registered, num_full):
+                if i < seq.num_in_flight_end:
+                    self._land(seq.hashes[i])
                 if i == len(seq.hashes):
                     parent = seq.hashes[-1] if seq.hashes else None
                     seq.hashes.append(_chain_hash(parent, _token_range(request, i * ps, (i + 1) * ps)))
@@ -225,6 +251,8 @@ class BlockManager:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
+        for h in seq.hashes[seq.num_registered : seq.num_in_flight_end]:
+            self._land(h)
         for page in reversed(seq.table):
             if page != -1:
                 self._unref(page)
@@ -241,6 +269,13 @@ class BlockManager:
         if self.sliding_window is None:
             return 0
         return max(0, num_computed - self.sliding_window) // self.page_size
+
+    def _land(self, page_hash: int) -> None:
+        count = self._in_flight[page_hash] - 1
+        if count:
+            self._in_flight[page_hash] = count
+        else:
+            del self._in_flight[page_hash]
 
     def _take_page(self) -> int:
         if self._free:
@@ -295,6 +330,12 @@ class BlockManager:
             h = self._page_hash[page]
             if self._refcount[page] or h is None or self._hash_to_page.get(h) != page:
                 problems.append(f"cached-free page {page} is referenced or not registered")
+        in_flight: dict[int, int] = {}
+        for seq in self._seqs.values():
+            for h in seq.hashes[seq.num_registered : seq.num_in_flight_end]:
+                in_flight[h] = in_flight.get(h, 0) + 1
+        if in_flight != self._in_flight:
+            problems.append("in-flight prefix hashes disagree with the sequences computing them")
         referenced = sum(1 for count in self._refcount if count > 0)
         if len(self._free) + len(self._cached) + referenced != self.num_blocks:
             problems.append(

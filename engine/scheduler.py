@@ -239,6 +239,10 @@ class Scheduler:
             if bm.num_free_blocks - 1 < reserve:
                 return
             request = self.waiting.first()
+            # Its prefix is being computed right now: wait for it (a step or two) and share it, rather than compute
+            # it twice. No skipping ahead, so the queue behind it waits too.
+            if bm.prefix_in_flight(request):
+                return
             hit = bm.match_prefix(request)
             request.num_computed_tokens = hit
             num_new = min(request.num_tokens - hit, builder.budget)

@@ -230,6 +230,40 @@ def test_prefix_hit_at_admission() -> None:
     assert (bm.prefix_queries, bm.prefix_hits) == (14 + 13, 12)
 
 
+def test_concurrent_requests_share_a_prefix_being_computed() -> None:
+    """n choices of one prompt (or one system prompt under load): computed once, then shared."""
+    s = make_scheduler(num_blocks=32, page_size=4)
+    prompt = list(range(700, 718))  # four full pages before the last token's page
+    choices = [make_request(f"c{i}", prompt) for i in range(3)]
+    for request in choices:
+        s.add(request)
+    other = make_request("other", 5)
+    s.add(other)
+    # Only the first computes the prompt; the copies (and, no skipping ahead, the queue behind them) wait.
+    assert planned(step(s)) == [("c0", 18)]
+    # Its pages are committed: the copies take them and compute only the last, partial page.
+    assert planned(step(s)) == [("c0", 1), ("c1", 2), ("c2", 2), ("other", 5)]
+    assert choices[1].num_cached_tokens == choices[2].num_cached_tokens == 16
+    bm = s.block_manager
+    shared = bm.block_table("c0")[:4]
+    assert bm.block_table("c1")[:4] == shared == bm.block_table("c2")[:4]
+    run_to_completion(s)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_preempted_owner_no_longer_holds_back_its_copies() -> None:
+    s = make_scheduler(num_blocks=32, page_size=4)
+    prompt = list(range(800, 818))
+    owner, copy = make_request("owner", prompt), make_request("copy", prompt)
+    s.add(owner)
+    s.schedule()  # admitted: its prompt pages are in flight
+    s.add(copy)
+    assert s.block_manager.prefix_in_flight(copy)
+    s.abort("owner")
+    assert not s.block_manager.prefix_in_flight(copy)
+    assert planned(s.schedule()) == [("copy", 18)]
+
+
 def test_prompt_fully_cached_still_computes_its_last_token() -> None:
     s = make_scheduler(num_blocks=16, page_size=4)
     prompt = list(range(600, 608))

@@ -254,6 +254,16 @@ def test_usage_reports_prefix_cache_hits(http: httpx.Client) -> None:
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
+def test_n_choices_compute_the_prompt_once(http: httpx.Client) -> None:
+    prompt = [(11 * i) % 300 + 10 for i in range(40)]  # 2 full pages of 16, then the page of the last token
+    before = metric_samples(http)
+    reply = complete(http, prompt=prompt, n=3, max_tokens=2)
+    after = metric_samples(http)
+    assert len(reply["choices"]) == 3
+    hits = metric(after, "ferry:prefix_cache_hits_total") - metric(before, "ferry:prefix_cache_hits_total")
+    assert hits == 2 * 32, "choices 1 and 2 share the two full prompt pages choice 0 computed"
+
+
 def test_logprobs_shapes(http: httpx.Client) -> None:
     chat = http.post(
         "/v1/chat/completions",
