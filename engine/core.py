@@ -76,7 +76,6 @@ class EngineCore:
             loaded.dtype,
         )
         self.sampler = Sampler(loaded.hf_config.vocab_size, loaded.device, config.seed)
-        self._requests: dict[str, Request] = {}
         self._pending_aborts: list[StepOutput] = []
         self._num_steps = 0
         self._last_step_tokens = 0
@@ -105,7 +104,7 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", code="invalid_prompt")
-        if request_id in self._requests:
+        if request_id in self.scheduler.waiting or request_id in self.scheduler.running:
             raise RequestRejected(f"request id {request_id!r} is already in flight", code="duplicate_request_id")
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.max_model_len:
@@ -127,7 +126,6 @@ class EngineCore:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting")
         eos = frozenset(params.eos_token_ids) if params.eos_token_ids is not None else self.eos_token_ids
         request = Request(request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id))
-        self._requests[request_id] = request
         self.scheduler.add(request)
 
     def _seed_for(self, request_id: str) -> int:
@@ -139,7 +137,6 @@ class EngineCore:
         request = self.scheduler.abort(request_id)
         if request is None:
             return
-        del self._requests[request_id]
         self._pending_aborts.append(self._delta(request, [], None, None))
 
     # -- the step --------------------------------------------------------------------------------------------
@@ -171,7 +168,6 @@ class EngineCore:
             if reason is not None:
                 request.finish_reason = reason
                 self.scheduler.finish(request, reason)
-                del self._requests[request.request_id]
             timestamps = [now] if request.params.record_timestamps else None
             outputs.append(self._delta(request, [token], logprob, timestamps))
         return outputs

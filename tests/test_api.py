@@ -157,6 +157,15 @@ def test_impossible_requests_are_rejected_at_submission(engine: EngineCore) -> N
     with pytest.raises(RequestRejected):
         engine.add_request("z", [10**9], SamplingParams())
     assert not engine.has_unfinished()
+    engine.add_request("dup", [5, 6, 7], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RequestRejected) as duplicate:
+        engine.add_request("dup", [5, 6, 7], SamplingParams())
+    assert duplicate.value.code == "duplicate_request_id"
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("dup", [5, 6, 7], SamplingParams(max_new_tokens=2))  # a finished id may be reused
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_results_are_handed_out_once_then_forgotten(engine: EngineCore) -> None:
