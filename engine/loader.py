@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from engine.attention import AttentionBackend
 from engine.config import EngineConfig
+from engine.models.cpu_linear import onednn_linear_available, pack_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM
 
@@ -105,6 +106,8 @@ def load_model(config: EngineConfig, backend: AttentionBackend) -> LoadedModel:
             )
         model = TransformersCausalLM(hf_model.to(device), backend)
     model.eval()
+    if onednn_linear_available(device, dtype):
+        pack_linears(model)
     return LoadedModel(model, hf_config, _eos_ids(config.model, hf_config), max_model_len, device, dtype, native)
 
 

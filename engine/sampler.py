@@ -47,6 +47,29 @@ class SampleResult:
     """None where the request did not ask for logprobs."""
 
 
+_ARGMAX_BLOCK = 1024
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a `[rows, vocab]` tensor, exactly (the first maximum), in two vectorised passes.
+
+    torch's CPU argmax walks each row element by element (1.2 ms for 64 x 32000 here) while `amax` is
+    vectorised (0.1 ms): take each block's maximum, pick the first block holding the row's maximum, and run
+    argmax on that block alone.
+    """
+    rows, width = x.shape
+    if x.device.type != "cpu" or width < 4 * _ARGMAX_BLOCK:
+        return x.argmax(dim=-1)
+    whole = width // _ARGMAX_BLOCK * _ARGMAX_BLOCK
+    block_max = x[:, :whole].view(rows, -1, _ARGMAX_BLOCK).amax(dim=-1)
+    if whole < width:
+        block_max = torch.cat([block_max, x[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    first = block_max.argmax(dim=-1, keepdim=True) * _ARGMAX_BLOCK
+    # The last block may be short: its window is clamped to the row, and the repeats sit after the real end.
+    window = (first + torch.arange(_ARGMAX_BLOCK, device=x.device)).clamp_(max=width - 1)
+    return first.squeeze(1) + x.gather(1, window).argmax(dim=-1)
+
+
 class Sampler:
     """Picks one token per request from logits taken at each request's last position."""
 
@@ -70,13 +93,13 @@ class Sampler:
         work = self.apply_penalties(logits, requests)
         sampled = [row for row, request in enumerate(requests) if not request.params.greedy]
         if not sampled:
-            tokens = work.argmax(dim=-1)
+            tokens = argmax_rows(work)
         elif len(sampled) == len(requests):
             tokens = self._sample(work, requests)
         else:
             rows = self._tensor(sampled, torch.long)
             picked = self._sample(work.index_select(0, rows), [requests[row] for row in sampled])
-            tokens = work.argmax(dim=-1).index_copy_(0, rows, picked)
+            tokens = argmax_rows(work).index_copy_(0, rows, picked)
         return self._collect(logits, tokens, requests)
 
     def apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -162,7 +185,7 @@ class Sampler:
             log_min_p = self._tensor([p.min_p for p in params], torch.float32).log()
             x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + log_min_p[:, None], float("-inf"))
         # log p differs from x by a per-row constant, so argmax(x + G) is a draw from softmax(x).
-        return x.add_(self._gumbel_noise(requests)).argmax(dim=-1)
+        return argmax_rows(x.add_(self._gumbel_noise(requests)))
 
     def _top_k_top_p(self, x: torch.Tensor, params: list[SamplingParams]) -> None:
         """Mask, in place, all but each row's top-k tokens and, of those, the shortest prefix with top-p mass.

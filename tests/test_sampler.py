@@ -13,7 +13,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import Sampler, argmax_rows
 
 EOS = 2
 
@@ -97,6 +97,19 @@ def test_greedy_is_argmax(device: torch.device, params: SamplingParams) -> None:
     result = Sampler(100, device, 0)(logits, [make_request(params, generator_seed=i) for i in range(6)])
     assert result.token_ids == logits.argmax(dim=-1).tolist()
     assert result.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("width", [100, 4096, 4097, 32000, 32001, 151_936])
+def test_blockwise_argmax_is_torch_argmax_first_maximum_included(width: int) -> None:
+    generator = torch.Generator().manual_seed(width)
+    # Few distinct values: every row has many tied maxima, across blocks and in the short last block.
+    tied = torch.randint(-3, 3, (17, width), generator=generator).float()
+    assert torch.equal(argmax_rows(tied), tied.argmax(dim=-1))
+    last = torch.randn(5, width, generator=generator)
+    last[:, -1] = 100.0
+    assert torch.equal(argmax_rows(last), torch.full((5,), width - 1))
+    strided = torch.randn(4, width + 7, generator=generator)[:, :width]
+    assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
 
 
 def test_all_greedy_batch_draws_no_noise(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:

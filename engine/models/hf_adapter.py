@@ -64,7 +64,6 @@ class TransformersCausalLM(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.sliding_windows = [sliding_window_of_layer(config, i) for i in range(self.num_layers)]
-        self._lm_head = hf_model.get_output_embeddings()
 
     def forward(
         self,
@@ -84,4 +83,5 @@ class TransformersCausalLM(nn.Module):
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lm_head(hidden).float()
+        # Looked up each call: loading may swap the head for a packed CPU linear after this wrapper is built.
+        return self.hf_model.get_output_embeddings()(hidden).float()

@@ -137,8 +137,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.config = config
         self.model = Backbone(config, backend)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tied:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
         # cos/sin for every position, computed by the transformers rotary module itself (all rope scaling types).
         rotary = LlamaRotaryEmbedding(config)
         positions = torch.arange(max_positions)[None, :]
@@ -165,8 +166,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,58 @@
+"""Linear layers with weights packed once for oneDNN: the CPU's matrix multiplies.
+
+On CPU, `F.linear` goes to MKL's sgemm, which on AMD processors takes a slower code path: 75-100 GFLOP/s on one
+core of the AMD EPYC we measure on, against 190-245 GFLOP/s for oneDNN with the weight packed into its blocked
+layout once at load time (the LM head of the tiny benchmark model: 5.0 ms instead of 13.9 ms for 64 rows). The
+maths is the same; the sums are taken in another order (differences of about 1e-5 relative).
+
+`torch.ops.mkldnn._linear_pointwise` and `_reorder_linear_weight` are the ops torch's own inductor uses for packed
+CPU linears; where they (or oneDNN) are missing, layers stay plain `nn.Linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+_ROWS_HINT = 64
+"""oneDNN picks the packed layout for a typical row count; any count runs on it (decode batches are tens)."""
+
+
+def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype in _PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PackedLinear(nn.Module):
+    """Inference-only replacement for an `nn.Linear`; the packed weight is an opaque oneDNN tensor."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        with torch.no_grad():
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _ROWS_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` inside `model` with a `PackedLinear`; returns how many were replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+                replaced += 1
+    return replaced

@@ -1,0 +1,101 @@
+"""The CPU paged attention backend against attention written out naively in float64, one sequence at a time.
+
+One packed step holds every kind of sequence: fresh prompts, chunks over cached history, and decodes of many
+lengths (so they fall into several length groups), over shuffled pages, with and without a sliding window
+(pages the window released are marked -1, as the block manager does).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import TorchPagedBackend
+from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+class _Shapes(torch.nn.Module):
+    """Just the attributes ModelRunner sizes its cache from."""
+
+    num_layers, num_kv_heads, head_dim = 1, KV_HEADS, DIM
+
+
+def _reference(q, cache, table, computed, new, page_size, window):
+    """Queries of one sequence over all of its keys, written out with an explicit mask."""
+    total = computed + new
+    slots = torch.tensor([table[p // page_size] * page_size + p % page_size for p in range(total)])
+    keys = cache[0].reshape(-1, KV_HEADS, DIM)[slots].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    values = cache[1].reshape(-1, KV_HEADS, DIM)[slots].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * DIM**-0.5
+    query_pos = torch.arange(computed, total)[:, None]
+    key_pos = torch.arange(total)[None, :]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | None) -> None:
+    rng = random.Random(page_size)
+    decodes = [(rng.randint(1, 300), 1) for _ in range(40)]
+    shapes = [(0, 37), (0, 5), (90, 30), (17, 64), *decodes, (200, 1), (0, 1)]
+    rng.shuffle(shapes)
+    tables_needed = [-(-(c + n) // page_size) for c, n in shapes]
+    num_blocks = sum(tables_needed) + 3
+    runner = ModelRunner(
+        _Shapes(), TorchPagedBackend(), num_blocks, page_size, 4096, 64, 512, torch.device("cpu"), torch.float32
+    )
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    requests, tables = [], []
+    for i, ((computed, new), pages) in enumerate(zip(shapes, tables_needed, strict=True)):
+        request = Request(str(i), list(range(computed + new)), SamplingParams(), frozenset())
+        request.num_computed_tokens = computed
+        requests.append(request)
+        tables.append([free.pop() for _ in range(pages)])
+    host_tables = [list(t) for t in tables]
+    if window is not None:
+        for table, (computed, _new) in zip(host_tables, shapes, strict=True):
+            first_key = max(0, computed - window + 1)
+            for page in range(first_key // page_size):
+                table[page] = -1  # released by the window: never read
+    inputs = runner.prepare(requests, [n for _, n in shapes], host_tables, [True] * len(shapes))
+    generator = torch.Generator().manual_seed(0)
+    total = sum(n for _, n in shapes)
+    q, k, v = (torch.randn(total, h, DIM, generator=generator) for h in (HEADS, KV_HEADS, KV_HEADS))
+    cache = tuple(torch.randn(c.shape, generator=generator) for c in runner.kv_caches[0])
+
+    out = TorchPagedBackend().forward(q, k, v, cache, inputs.meta, DIM**-0.5, window)
+
+    start = 0
+    for (computed, new), table in zip(shapes, tables, strict=True):
+        want = _reference(q[start : start + new], cache, table, computed, new, page_size, window)
+        torch.testing.assert_close(out[start : start + new].double(), want, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+def test_decodes_of_similar_length_share_one_group() -> None:
+    """Grouping is what makes decode cheap: 20 decodes of near-equal length (7-8 pages) are one attention call."""
+    runner = ModelRunner(_Shapes(), TorchPagedBackend(), 200, 16, 4096, 64, 512, torch.device("cpu"), torch.float32)
+    lengths = [100 + i for i in range(20)] + [400]
+    requests, tables = [], []
+    next_page = 0
+    for i, length in enumerate(lengths):
+        request = Request(str(i), list(range(length)), SamplingParams(), frozenset())
+        request.num_computed_tokens = length - 1
+        requests.append(request)
+        pages = -(-length // 16)
+        tables.append(list(range(next_page, next_page + pages)))
+        next_page += pages
+    inputs = runner.prepare(requests, [1] * len(lengths), tables, [True] * len(lengths))
+    plan = TorchPagedBackend._build_plan(inputs.meta, None)
+    assert [len(g.rows) for g in plan.groups] == [20, 1]
+    assert plan.chunks == []

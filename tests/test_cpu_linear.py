@@ -1,0 +1,47 @@
+"""oneDNN-packed linear layers: same results as `nn.Linear`, and every linear of a CPU engine's model is packed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine import EngineConfig, EngineCore
+from engine.models.cpu_linear import PackedLinear, onednn_linear_available, pack_linears
+
+pytestmark = pytest.mark.skipif(
+    not onednn_linear_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_computes_what_linear_does(dtype: torch.dtype, bias: bool) -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(64, 96, bias=bias), nn.SiLU(), nn.Linear(96, 32, bias=bias)).to(dtype)
+    inputs = [torch.randn(rows, 64, dtype=dtype) for rows in (1, 7, 64, 300)] + [torch.randn(1, 5, 64, dtype=dtype)]
+    with torch.inference_mode():
+        expected = [block(x) for x in inputs]
+        assert pack_linears(block) == 2
+        assert all(isinstance(block[i], PackedLinear) for i in (0, 2))
+        got = [block(x) for x in inputs]
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for want, out in zip(expected, got, strict=True):
+        assert out.shape == want.shape and out.dtype == dtype
+        torch.testing.assert_close(out, want, **tolerance)
+
+
+def test_half_precision_and_cuda_are_left_to_torch() -> None:
+    assert not onednn_linear_available(torch.device("cpu"), torch.float16)
+    assert not onednn_linear_available(torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_cpu_engine_packs_every_linear_native_and_breadth_path(arch: str, model_dir: Callable[[str], Path]) -> None:
+    engine = EngineCore(EngineConfig(model=str(model_dir(arch)), num_blocks=64))
+    modules = list(engine.runner.model.modules())
+    assert not [m for m in modules if type(m) is nn.Linear]
+    assert sum(isinstance(m, PackedLinear) for m in modules) > 0
