@@ -66,7 +66,10 @@ class _ShapeRecorder:
 
     def __enter__(self) -> _ShapeRecorder:
         def prepare(
-            requests: list[Request], num_new_tokens: list[int], block_tables: list[list[int]], sampling: list[bool]
+            requests: list[Request],
+            num_new_tokens: list[int],
+            block_tables: list[list[list[int]]],
+            sampling: list[bool],
         ) -> StepInputs:
             self.shapes.append(
                 StepShape(tuple(r.num_computed_tokens for r in requests), tuple(num_new_tokens), tuple(sampling))

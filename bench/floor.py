@@ -44,7 +44,7 @@ def measure_floor(engine: EngineCore, shapes: list[StepShape]) -> Floor:
 
     runner = engine.runner
     page_size = runner.page_size
-    num_blocks = engine.block_manager.num_blocks
+    pool_sizes = [manager.num_blocks for manager in engine.block_manager.managers]
     sync = _synchronizer(runner.device)
     params = SamplingParams()
     longest = max((c + n for s in shapes for c, n in zip(s.num_computed, s.num_new, strict=True)), default=0)
@@ -52,14 +52,16 @@ def measure_floor(engine: EngineCore, shapes: list[StepShape]) -> Floor:
     zeros = [0] * longest
     seconds = 0.0
     for shape in shapes:
-        requests, tables = [], []
+        requests = []
+        tables: list[list[list[int]]] = [[] for _ in pool_sizes]
         next_page = 0
         for j, (computed, new) in enumerate(zip(shape.num_computed, shape.num_new, strict=True)):
             request = Request(f"floor-{j}", zeros[: computed + new], params, frozenset())
             request.num_computed_tokens = computed
             requests.append(request)
             pages = ceil((computed + new) / page_size)
-            tables.append([(next_page + k) % num_blocks for k in range(pages)])
+            for group_tables, num_blocks in zip(tables, pool_sizes, strict=True):
+                group_tables.append([(next_page + k) % num_blocks for k in range(pages)])
             next_page += pages
         inputs = runner.prepare(requests, list(shape.num_new), tables, list(shape.sampling))
         sync()

@@ -17,6 +17,7 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
+from engine.kv_groups import GroupLayout, KVCacheGroups, group_layers, sliding_pool_pages
 from engine.loader import LoadedModel, load_model
 from engine.request import (
     FinishReason,
@@ -52,22 +53,28 @@ class EngineCore:
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
         self.device = loaded.device
-        num_blocks = config.num_blocks or self._blocks_from_budget(loaded)
-        windows = set(loaded.model.sliding_windows)
-        # Pages may be released only when every layer forgets them: all layers share one window.
-        sliding_window = windows.pop() if len(windows) == 1 else None
-        self.block_manager = BlockManager(
-            num_blocks,
-            config.page_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=sliding_window,
-            debug_checks=config.debug_checks,
+        layouts = group_layers(loaded.model.sliding_windows)
+        pool_sizes = self._pool_sizes(layouts, loaded)
+        self.block_manager = KVCacheGroups(
+            layouts,
+            [
+                BlockManager(
+                    pages,
+                    config.page_size,
+                    enable_prefix_caching=config.enable_prefix_caching,
+                    sliding_window=layout.window,
+                    debug_checks=config.debug_checks,
+                )
+                for layout, pages in zip(layouts, pool_sizes, strict=True)
+            ],
         )
+        num_blocks = pool_sizes[0]
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(
             loaded.model,
             backend,
-            num_blocks,
+            layouts,
+            pool_sizes,
             config.page_size,
             config.max_batch_tokens,
             config.max_num_seqs,
@@ -90,14 +97,36 @@ class EngineCore:
             self.max_model_len,
         )
 
-    def _blocks_from_budget(self, loaded: LoadedModel) -> int:
-        per_page = ModelRunner.kv_bytes_per_page(loaded.model, self.config.page_size, loaded.dtype)
-        if loaded.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(loaded.device)
-            budget = free * self.config.max_memory_percent
+    def _pool_sizes(self, layouts: list[GroupLayout], loaded: LoadedModel) -> list[int]:
+        """Pages of each group's pool: `num_blocks` (or what the memory budget allows) for the primary group, and
+        for a secondary (sliding) group no more than all running sequences' windows can fill."""
+        config = self.config
+        layer_page = ModelRunner.kv_bytes_per_page(loaded.model, config.page_size, loaded.dtype) // len(
+            loaded.model.sliding_windows
+        )
+        caps = []
+        for layout in layouts[1:]:
+            assert layout.window is not None, "only the primary group can be full attention"
+            caps.append(
+                sliding_pool_pages(layout.window, config.page_size, config.max_num_seqs, config.max_batch_tokens)
+            )
+        if config.num_blocks:
+            primary = config.num_blocks
         else:
-            budget = self.config.cpu_kv_cache_gib * 2**30
-        return max(1, int(budget // per_page))
+            if loaded.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(loaded.device)
+                budget = free * config.max_memory_percent
+            else:
+                budget = config.cpu_kv_cache_gib * 2**30
+            secondary = sum(
+                cap * len(layout.layers) * layer_page for cap, layout in zip(caps, layouts[1:], strict=True)
+            )
+            primary = int((budget - secondary) // (len(layouts[0].layers) * layer_page))
+            if caps and primary < max(caps):
+                # Too small a budget for the sliding pools' caps: split it evenly, every pool the same pages.
+                primary = int(budget // (len(loaded.model.sliding_windows) * layer_page))
+            primary = max(1, primary)
+        return [primary] + [min(primary, cap) for cap in caps]
 
     # -- requests in ---------------------------------------------------------------------------------------
 
@@ -155,7 +184,7 @@ class EngineCore:
         sampling = [
             r.num_computed_tokens + n == r.num_tokens for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)
         ]
-        tables = [self.block_manager.block_table(r.request_id) for r in batch.requests]
+        tables = self.block_manager.block_tables([r.request_id for r in batch.requests])
         inputs = self.runner.prepare(batch.requests, batch.num_new_tokens, tables, sampling)
         logits = self.runner.run(inputs)
         samplers = [r for r, s in zip(batch.requests, sampling, strict=True) if s]
@@ -219,4 +248,4 @@ class EngineCore:
 
     def is_idle_and_clean(self) -> bool:
         """True when nothing is in flight and every page is free or merely cached (tests and debug checks)."""
-        return not self.has_unfinished() and self.block_manager.num_free_blocks == self.block_manager.num_blocks
+        return not self.has_unfinished() and self.block_manager.all_free()

@@ -136,11 +136,34 @@ class BlockManager:
 
     # -- mutations -----------------------------------------------------------------------------------------------
 
-    def match_prefix(self, request: Request) -> int:
+    def cached_prefix_tokens(self, request: Request, max_tokens: int | None = None) -> int:
+        """How many leading tokens `match_prefix(request, max_tokens)` would find cached now; takes nothing."""
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = request.all_token_ids
+        ps = self.page_size
+        hashes: list[int] = []
+        parent: int | None = None
+        for start in range(0, (len(tokens) - 1) // ps * ps, ps):
+            parent = _chain_hash(parent, tuple(tokens[start : start + ps]))
+            hashes.append(parent)
+        matchable = len(hashes) if max_tokens is None else min(len(hashes), max_tokens // ps)
+        return self._hit_pages(hashes, matchable) * ps
+
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether `allocate(request, num_new_tokens)` would succeed now."""
+        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(
+            self.block_table(request.request_id)
+        )
+        return needed <= self.num_free_blocks
+
+    def match_prefix(self, request: Request, max_tokens: int | None = None) -> int:
         """Take references on the cached full pages that start the request; return how many tokens they hold.
 
         Call it on a request holding no pages, before its first allocate(). The page holding the last token is
         never matched, so at least one token is left to compute and the model produces logits for it.
+        `max_tokens` (a multiple of page_size) caps the match: the page pools of a hybrid model must agree on
+        one prefix (see `KVCacheGroups`).
 
         Counters: a first admission (`request.num_preemptions == 0`) adds its tokens to `prefix_queries` and the
         hit to `prefix_hits`, but only once its allocate() succeeds. A scheduler that cannot admit the request
@@ -159,23 +182,22 @@ class BlockManager:
         for start in range(0, len(tokens) - ps + 1, ps):
             parent = _chain_hash(parent, tuple(tokens[start : start + ps]))
             seq.hashes.append(parent)
-        matched: list[int] = []
-        for h in seq.hashes[: (len(tokens) - 1) // ps]:
-            page = self._hash_to_page.get(h)
-            if page is None:
-                break
-            matched.append(page)
-        hit = len(matched) * ps
+        matchable = (len(tokens) - 1) // ps
+        if max_tokens is not None:
+            matchable = min(matchable, max_tokens // ps)
+        hit_pages = self._hit_pages(seq.hashes, matchable)
+        hit = hit_pages * ps
         # Pages already out of the window of every token still to compute are never read: skip them.
         released = self._num_outside_window(hit)
         seq.table = [-1] * released
-        for page in matched[released:]:
+        for h in seq.hashes[released:hit_pages]:
+            page = self._hash_to_page[h]
             self._ref(page)
             seq.table.append(page)
-        seq.num_registered = len(matched)
+        seq.num_registered = hit_pages
         seq.num_released = released
         seq.num_in_flight_end = len(seq.hashes)
-        for h in seq.hashes[len(matched) :]:
+        for h in seq.hashes[hit_pages:]:
             self._in_flight[h] = self._in_flight.get(h, 0) + 1
         if request.num_preemptions == 0:
             seq.pending_stats = (len(tokens), hit)
@@ -259,6 +281,21 @@ class BlockManager:
         self._check()
 
     # -- internals -------------------------------------------------------------------------------------------------
+
+    def _hit_pages(self, hashes: list[int], matchable: int) -> int:
+        """Length in pages of the longest prefix of `hashes[:matchable]` whose pages a continuation would read.
+
+        Full attention reads every page, so that is the run of cached pages from the start. A sliding window
+        reads only the pages inside it: earlier pages may have been evicted and the prefix still counts.
+        """
+        hit = 0
+        run_start = 0  # first page of the run of cached pages ending at the current one
+        for i, h in enumerate(hashes[:matchable]):
+            if h not in self._hash_to_page:
+                run_start = i + 1
+            elif run_start <= self._num_outside_window((i + 1) * self.page_size):
+                hit = i + 1
+        return hit
 
     def _num_outside_window(self, num_computed: int) -> int:
         """Leading pages ending before `num_computed - sliding_window`: no token still to compute attends to them.

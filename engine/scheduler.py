@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
+from engine.kv_groups import KVCacheGroups
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -120,7 +121,7 @@ class Scheduler:
     the interface names; they support the same len/iteration/`in` uses.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager | KVCacheGroups) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting = RequestQueue()

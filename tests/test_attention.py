@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from engine.attention import TorchPagedBackend
+from engine.kv_groups import GroupLayout
 from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
+ONE_GROUP = [GroupLayout(None, (0,))]
 
 
 class _Shapes(torch.nn.Module):
@@ -51,7 +53,16 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
     tables_needed = [-(-(c + n) // page_size) for c, n in shapes]
     num_blocks = sum(tables_needed) + 3
     runner = ModelRunner(
-        _Shapes(), TorchPagedBackend(), num_blocks, page_size, 4096, 64, 512, torch.device("cpu"), torch.float32
+        _Shapes(),
+        TorchPagedBackend(),
+        ONE_GROUP,
+        [num_blocks],
+        page_size,
+        4096,
+        64,
+        512,
+        torch.device("cpu"),
+        torch.float32,
     )
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -67,7 +78,7 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
             first_key = max(0, computed - window + 1)
             for page in range(first_key // page_size):
                 table[page] = -1  # released by the window: never read
-    inputs = runner.prepare(requests, [n for _, n in shapes], host_tables, [True] * len(shapes))
+    inputs = runner.prepare(requests, [n for _, n in shapes], [host_tables], [True] * len(shapes))
     generator = torch.Generator().manual_seed(0)
     total = sum(n for _, n in shapes)
     q, k, v = (torch.randn(total, h, DIM, generator=generator) for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -84,7 +95,9 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
 
 def test_decodes_of_similar_length_share_one_group() -> None:
     """Grouping is what makes decode cheap: 20 decodes of near-equal length (7-8 pages) are one attention call."""
-    runner = ModelRunner(_Shapes(), TorchPagedBackend(), 200, 16, 4096, 64, 512, torch.device("cpu"), torch.float32)
+    runner = ModelRunner(
+        _Shapes(), TorchPagedBackend(), ONE_GROUP, [200], 16, 4096, 64, 512, torch.device("cpu"), torch.float32
+    )
     lengths = [100 + i for i in range(20)] + [400]
     requests, tables = [], []
     next_page = 0
@@ -95,7 +108,7 @@ def test_decodes_of_similar_length_share_one_group() -> None:
         pages = -(-length // 16)
         tables.append(list(range(next_page, next_page + pages)))
         next_page += pages
-    inputs = runner.prepare(requests, [1] * len(lengths), tables, [True] * len(lengths))
+    inputs = runner.prepare(requests, [1] * len(lengths), [tables], [True] * len(lengths))
     plan = TorchPagedBackend._build_plan(inputs.meta, None)
     assert [len(g.rows) for g in plan.groups] == [20, 1]
     assert plan.chunks == []

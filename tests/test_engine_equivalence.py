@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine.kv_groups import sliding_pool_pages
 
 ARCHS = ["llama", "qwen3", "mistral", "qwen2", "qwen2_hybrid", "gpt2", "gpt_neox", "demo"]
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"
@@ -94,7 +95,7 @@ def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, set
         assert engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2"])
 def test_prefix_sharing_greedy(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
     prompts, max_new, expected = _reference(path, arch, shared_prefix=40)
@@ -117,6 +118,27 @@ def test_sliding_window_releases_pages(model_dir: Callable[[str], Path]) -> None
     assert -1 in table, "pages far outside the window should have been released"
     live = [p for p in table if p >= 0]
     assert len(live) * 4 <= 24 + 2 * 4
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.is_idle_and_clean()
+
+
+def test_hybrid_model_sliding_layers_release_pages(model_dir: Callable[[str], Path]) -> None:
+    """Full-attention layers keep every page; the sliding layers' own pool lets old pages go and is sized to
+    the windows of all running sequences, so the memory budget goes to the full layers."""
+    path = model_dir("qwen2_hybrid")  # layer 0 full attention, layer 1 sliding window 20
+    config = EngineConfig(model=str(path), page_size=4, max_num_seqs=8, max_batch_tokens=128, debug_checks=True)
+    engine = EngineCore(config)
+    primary, sliding = engine.block_manager.managers
+    assert [layout.window for layout in engine.block_manager.layouts] == [None, 20]
+    assert sliding.num_blocks == sliding_pool_pages(20, 4, max_num_seqs=8, max_batch_tokens=128) < primary.num_blocks
+    assert [cache[0].shape[0] for cache in engine.runner.kv_caches] == [primary.num_blocks, sliding.num_blocks]
+    engine.add_request("a", list(range(10, 90)), SamplingParams(max_new_tokens=4))
+    engine.step()
+    full_table, window_table = engine.block_manager.block_tables(["a"])
+    assert -1 not in full_table[0]
+    assert window_table[0].count(-1) == (80 - 20) // 4
+    assert len([p for p in window_table[0] if p >= 0]) * 4 <= 20 + 2 * 4
     while engine.has_unfinished():
         engine.step()
     assert engine.is_idle_and_clean()

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import TorchPagedBackend
 from engine.attention.flash import FlashBackend, flash_available
+from engine.kv_groups import GroupLayout
 from engine.request import Request
 from engine.runner import ModelRunner
 
@@ -53,7 +54,18 @@ class _Shapes(torch.nn.Module):
 @pytest.mark.skipif(not flash_available(), reason="needs flash-attn")
 def test_flash_backend_matches_torch_backend() -> None:
     page, heads = 256, 8
-    runner = ModelRunner(_Shapes(), TorchPagedBackend(), 12, page, 1024, 8, 2048, torch.device("cuda"), torch.bfloat16)
+    runner = ModelRunner(
+        _Shapes(),
+        TorchPagedBackend(),
+        [GroupLayout(None, (0,))],
+        [12],
+        page,
+        1024,
+        8,
+        2048,
+        torch.device("cuda"),
+        torch.bfloat16,
+    )
     # A fresh prompt, a decode deep into its context, and a chunk over cached history: every kind of sequence.
     shapes = [(0, 100), (600, 1), (300, 80)]
     requests, tables, pages = [], [], iter(range(12))
@@ -62,7 +74,7 @@ def test_flash_backend_matches_torch_backend() -> None:
         request.num_computed_tokens = computed
         requests.append(request)
         tables.append([next(pages) for _ in range(-(-(computed + new) // page))])
-    inputs = runner.prepare(requests, [n for _, n in shapes], tables, [True] * len(shapes))
+    inputs = runner.prepare(requests, [n for _, n in shapes], [tables], [True] * len(shapes))
     total = sum(n for _, n in shapes)
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (

@@ -22,7 +22,7 @@ ATTN_IMPLEMENTATION = "ferry_paged"
 
 @dataclass
 class _StepContext:
-    meta: StepMetadata
+    layer_metas: list[StepMetadata]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: AttentionBackend
 
@@ -45,7 +45,9 @@ def paged_attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    out = _active.backend.forward(q, k, v, _active.kv_caches[module.layer_idx], _active.meta, scale, window)
+    out = _active.backend.forward(
+        q, k, v, _active.kv_caches[module.layer_idx], _active.layer_metas[module.layer_idx], scale, window
+    )
     return out.unsqueeze(0), None  # [1, T, H, D], as transformers' attention functions return
 
 
@@ -69,11 +71,11 @@ class TransformersCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: StepMetadata,
+        layer_metas: list[StepMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         global _active
-        _active = _StepContext(meta, kv_caches, self.backend)
+        _active = _StepContext(layer_metas, kv_caches, self.backend)
         try:
             out = self.hf_model.base_model(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False, return_dict=True

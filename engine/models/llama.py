@@ -155,13 +155,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: StepMetadata,
+        layer_metas: list[StepMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
+        """`layer_metas[i]`: the step metadata of layer i's KV-cache group."""
         hidden = self.model.embed_tokens(input_ids)
         cos = self.cos_cache[positions].to(hidden.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(hidden.dtype).unsqueeze(1)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, meta, kv_cache in zip(self.model.layers, layer_metas, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, meta, kv_cache)
         return self.model.norm(hidden)
 

@@ -1,0 +1,125 @@
+"""KV-cache groups: one page pool per attention kind, so a hybrid model's sliding layers forget old pages.
+
+Pure Python, no model: a primary (full attention) pool next to a sliding-window pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache import BlockManager
+from engine.kv_groups import GroupLayout, KVCacheGroups, group_layers, sliding_pool_pages
+from tests.test_kv_cache import make_request
+
+WINDOW, PAGE = 8, 4
+
+
+def hybrid(primary_pages: int = 32, sliding_pages: int = 16) -> KVCacheGroups:
+    layouts = [GroupLayout(None, (0, 2)), GroupLayout(WINDOW, (1, 3))]
+    managers = [
+        BlockManager(primary_pages, PAGE, debug_checks=True),
+        BlockManager(sliding_pages, PAGE, sliding_window=WINDOW, debug_checks=True),
+    ]
+    return KVCacheGroups(layouts, managers)
+
+
+def compute(groups: KVCacheGroups, request, num_new: int) -> None:
+    assert groups.allocate(request, num_new)
+    request.num_computed_tokens += num_new
+    groups.commit(request)
+
+
+def test_layers_group_by_window_full_attention_first() -> None:
+    assert group_layers([None, None]) == [GroupLayout(None, (0, 1))]
+    assert group_layers([24, 24, 24]) == [GroupLayout(24, (0, 1, 2))]
+    assert group_layers([8, None, 8, None]) == [GroupLayout(None, (1, 3)), GroupLayout(8, (0, 2))]
+    # No full layer: the widest window bounds admission.
+    assert group_layers([8, 32, 8]) == [GroupLayout(32, (1,)), GroupLayout(8, (0, 2))]
+
+
+def test_sliding_pool_holds_every_running_window() -> None:
+    # Per sequence: 2 pages of window + a partly outside page + a partly filled one; plus one step's tokens.
+    assert sliding_pool_pages(8, 4, max_num_seqs=3, max_batch_tokens=10) == 3 * 4 + 3
+
+
+def test_sliding_pool_releases_while_primary_keeps_every_page() -> None:
+    groups = hybrid()
+    request = make_request("a", list(range(40)))
+    assert groups.match_prefix(request) == 0
+    compute(groups, request, 40)
+    primary, sliding = groups.block_tables(["a"])
+    assert len(primary[0]) == 10 and -1 not in primary[0]
+    assert sliding[0][:8] == [-1] * 8, "pages before the window of the next token are released"
+    assert [p for p in sliding[0] if p >= 0] == sliding[0][8:]
+    assert groups.managers[1].num_free_blocks == 16 - 2
+    groups.free("a")
+    assert groups.all_free()
+    groups.check_invariants()
+
+
+def test_allocation_is_all_pools_or_none() -> None:
+    groups = hybrid(primary_pages=32, sliding_pages=3)
+    request = make_request("a", list(range(20)))
+    groups.match_prefix(request)
+    # The sliding pool cannot hold 5 pages at once: nothing is taken from the primary pool either.
+    assert not groups.allocate(request, 20)
+    assert groups.managers[0].num_free_blocks == 32 and groups.managers[1].num_free_blocks == 3
+    # In chunks it fits: the window lets go of pages as it moves.
+    for _ in range(5):
+        compute(groups, request, 4)
+    assert request.num_computed_tokens == 20
+    groups.check_invariants()
+
+
+def test_prefix_hit_is_one_every_pool_holds() -> None:
+    groups = hybrid(primary_pages=32, sliding_pages=4)
+    first = make_request("a", list(range(33)))
+    groups.match_prefix(first)
+    for _ in range(8):
+        compute(groups, first, 4)
+    compute(groups, first, 1)
+    groups.free("a")
+    # The primary pool kept every page of the prefix; the small sliding pool has had to reuse its early pages.
+    same = make_request("b", list(range(33)))
+    primary_hit = groups.managers[0].cached_prefix_tokens(same)
+    sliding_hit = groups.managers[1].cached_prefix_tokens(same)
+    assert primary_hit == 32
+    short = make_request("c", list(range(9)))
+    assert groups.managers[0].cached_prefix_tokens(short) == 8
+    assert groups.managers[1].cached_prefix_tokens(short) == 0, "the sliding pool reused its first pages"
+    assert groups.match_prefix(short) == 0
+    groups.free("c")
+    hit = groups.match_prefix(same)
+    assert hit == min(primary_hit, sliding_hit)
+    same.num_computed_tokens = hit
+    assert groups.block_tables(["b"])[0][0] != []
+    compute(groups, same, same.num_tokens - hit)
+    groups.free("b")
+    assert groups.all_free()
+    groups.check_invariants()
+
+
+def test_sliding_pool_hits_need_only_the_window() -> None:
+    """A continuation reads only its window: earlier pages may be gone and the prefix still counts."""
+    bm = BlockManager(6, PAGE, sliding_window=WINDOW, debug_checks=True)
+    request = make_request("a", list(range(25)))
+    for _ in range(6):
+        assert bm.allocate(request, 4)
+        request.num_computed_tokens += 4
+        bm.commit(request)
+    bm.free("a")
+    # Evict the first cached pages by taking pages for an unrelated request.
+    other = make_request("x", [999] * 8)
+    assert bm.allocate(other, 8)
+    bm.free("x")
+    again = make_request("b", list(range(25)))
+    assert bm.cached_prefix_tokens(again) == 24
+    assert bm.match_prefix(again) == 24
+    assert bm.block_table("b")[:4] == [-1] * 4
+    bm.free("b")
+    bm.check_invariants()
+
+
+def test_groups_need_one_manager_each() -> None:
+    with pytest.raises(ValueError):
+        KVCacheGroups([GroupLayout(None, (0,))], [])
