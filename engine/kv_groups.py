@@ -57,6 +57,7 @@ class KVCacheGroups:
         self.layouts = layouts
         self.managers = managers
         self.primary = managers[0]
+        self._single = len(managers) == 1
         self.page_size = self.primary.page_size
 
     # -- the primary pool's view: admission, limits and statistics --------------------------------------------
@@ -116,6 +117,8 @@ class KVCacheGroups:
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """All pools or none."""
+        if self._single:  # the common case, on the hot path: no second look at the pool
+            return self.primary.allocate(request, num_new_tokens)
         if not all(m.can_allocate(request, num_new_tokens) for m in self.managers):
             return False
         for manager in self.managers:
@@ -124,6 +127,9 @@ class KVCacheGroups:
         return True
 
     def commit(self, request: Request) -> None:
+        if self._single:
+            self.primary.commit(request)
+            return
         for manager in self.managers:
             manager.commit(request)
 

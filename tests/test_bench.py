@@ -259,3 +259,28 @@ def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0
     assert percentile([], 50) is None
+
+
+# -- the GPU script ------------------------------------------------------------------------------------------
+
+
+def test_gpu_script_is_valid_bash_and_every_bench_command_parses(tmp_path: Path) -> None:
+    """The GPU script runs where no one can fix it mid-run: its shell must parse and every `bench` command in it
+    must be one the CLI accepts, with the values its variables take there."""
+    import argparse
+    import shlex
+    import subprocess
+
+    from bench.cli import add_bench_subcommands
+
+    script = Path(__file__).parent.parent / "scripts" / "gpu_bench.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text().replace("\\\n", " ")
+    commands = [line.split("-m bench", 1)[1] for line in text.splitlines() if '"$PY" -m bench' in line]
+    assert len(commands) == 3
+    parser = argparse.ArgumentParser()
+    add_bench_subcommands(parser)
+    for command in commands:
+        words = shlex.split(command.replace('"$PAGE"', "256").replace("$OUT", str(tmp_path)))
+        args = parser.parse_args(words)
+        assert args.bench_command == "offline" and args.json.parent == tmp_path
