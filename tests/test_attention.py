@@ -109,6 +109,6 @@ def test_decodes_of_similar_length_share_one_group() -> None:
         tables.append(list(range(next_page, next_page + pages)))
         next_page += pages
     inputs = runner.prepare(requests, [1] * len(lengths), [tables], [True] * len(lengths))
-    plan = TorchPagedBackend._build_plan(inputs.meta, None)
+    plan = TorchPagedBackend._build_plan(inputs.meta, None, torch.float32)
     assert [len(g.rows) for g in plan.groups] == [20, 1]
     assert plan.chunks == []

@@ -38,7 +38,7 @@ class _Chunk:
 class _DecodeGroup:
     rows: torch.Tensor  # [b] packed-row index of each sequence's query
     pages: torch.Tensor  # [b * max_pages] pages to gather, padded with page 0
-    mask: torch.Tensor  # [b, 1, 1, max_pages * page_size] keys each query may see
+    mask: torch.Tensor  # [b, 1, 1, max_pages * page_size] 0 where the query may look, -inf elsewhere
 
 
 @dataclass
@@ -63,19 +63,26 @@ def _visible(n: int, total: int, window: int | None, page_size: int) -> _Visible
     return _Visible(first_key // page_size, (total - 1) // page_size, first_key)
 
 
+def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 tensor on `device`; on CUDA staged in pinned memory, so building it never stalls the host."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
-    def _plan(self, meta: StepMetadata, window: int | None) -> _Plan:
+    def _plan(self, meta: StepMetadata, window: int | None, dtype: torch.dtype) -> _Plan:
         """The plan depends on the window size only, so layers sharing one reuse it within the step."""
         plan = meta.backend_state.get(window)
         if plan is None:
-            plan = self._build_plan(meta, window)
+            plan = self._build_plan(meta, window, dtype)
             meta.backend_state[window] = plan
         return plan
 
     @staticmethod
-    def _build_plan(meta: StepMetadata, window: int | None) -> _Plan:
+    def _build_plan(meta: StepMetadata, window: int | None, dtype: torch.dtype) -> _Plan:
         ps = meta.page_size
         device = meta.positions.device
         tables = meta.block_tables_host
@@ -99,12 +106,12 @@ class TorchPagedBackend(AttentionBackend):
             if window is not None:
                 mask &= key_pos > query_pos - window
             chunks.append(_Chunk(q_start, q_start + n, k_start, total - vis.first_key, mask))
-        groups = TorchPagedBackend._group_decodes(meta, decodes, device)
-        return _Plan(torch.tensor(chunk_pages, dtype=torch.int64, device=device), chunks, groups)
+        groups = TorchPagedBackend._group_decodes(meta, decodes, device, dtype)
+        return _Plan(_index_tensor(chunk_pages, device), chunks, groups)
 
     @staticmethod
     def _group_decodes(
-        meta: StepMetadata, decodes: list[tuple[int, int, _Visible]], device: torch.device
+        meta: StepMetadata, decodes: list[tuple[int, int, _Visible]], device: torch.device, dtype: torch.dtype
     ) -> list[_DecodeGroup]:
         ps = meta.page_size
         decodes.sort(key=lambda d: d[2].last_page - d[2].first_page)
@@ -128,13 +135,16 @@ class TorchPagedBackend(AttentionBackend):
                 key_from.append(vis.first_key - vis.first_page * ps)
                 key_to.append(total - vis.first_page * ps)
             key_pos = torch.arange(width * ps, device=device)[None, :]
-            lo = torch.tensor(key_from, device=device)[:, None]
-            hi = torch.tensor(key_to, device=device)[:, None]
+            lo = _index_tensor(key_from, device)[:, None]
+            hi = _index_tensor(key_to, device)[:, None]
+            # Additive, in the query's dtype: SDPA would otherwise turn a boolean mask into one on every layer.
+            hidden = (key_pos < lo) | (key_pos >= hi)
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
             groups.append(
                 _DecodeGroup(
-                    rows=torch.tensor([meta.query_start_loc_host[i] for i, _, _ in members], device=device),
-                    pages=torch.tensor(pages, dtype=torch.int64, device=device),
-                    mask=((key_pos >= lo) & (key_pos < hi))[:, None, None, :],
+                    rows=_index_tensor([meta.query_start_loc_host[i] for i, _, _ in members], device),
+                    pages=_index_tensor(pages, device),
+                    mask=mask[:, None, None, :],
                 )
             )
             start = end
@@ -151,7 +161,7 @@ class TorchPagedBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)
-        plan = self._plan(meta, sliding_window)
+        plan = self._plan(meta, sliding_window, query.dtype)
         out = torch.empty_like(query)
         for group in plan.groups:
             self._decode_group(query, kv_cache, group, scale, out)
