@@ -70,6 +70,14 @@ def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
+def _gather(kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole pages, page after page: two `[len(pages) * page_size, Hkv, D]` copies."""
+    num_blocks, _, kv_heads, dim = kv_cache[0].shape
+    keys = kv_cache[0].view(num_blocks, -1).index_select(0, pages).view(-1, kv_heads, dim)
+    values = kv_cache[1].view(num_blocks, -1).index_select(0, pages).view(-1, kv_heads, dim)
+    return keys, values
+
+
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
@@ -177,12 +185,11 @@ class TorchPagedBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        num_blocks, _, kv_heads, dim = kv_cache[0].shape
+        _, _, kv_heads, dim = kv_cache[0].shape
         heads = query.shape[1]
         size = group.rows.shape[0]
         # [b, Hkv, L, D] views over the gathered pages; each KV head's query group rides the query axis.
-        keys = kv_cache[0].view(num_blocks, -1).index_select(0, group.pages).view(size, -1, kv_heads, dim)
-        values = kv_cache[1].view(num_blocks, -1).index_select(0, group.pages).view(size, -1, kv_heads, dim)
+        keys, values = (t.view(size, -1, kv_heads, dim) for t in _gather(kv_cache, group.pages))
         q = query.index_select(0, group.rows).view(size, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(
             q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, scale=scale
@@ -199,10 +206,8 @@ class TorchPagedBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        num_blocks, _, kv_heads, dim = kv_cache[0].shape
-        group = query.shape[1] // kv_heads
-        keys = kv_cache[0].view(num_blocks, -1).index_select(0, plan.chunk_pages).view(-1, kv_heads, dim)
-        values = kv_cache[1].view(num_blocks, -1).index_select(0, plan.chunk_pages).view(-1, kv_heads, dim)
+        group = query.shape[1] // kv_cache[0].shape[2]
+        keys, values = _gather(kv_cache, plan.chunk_pages)
         for c in plan.chunks:
             if c.k_start < 0:
                 k = key[c.q_start : c.q_end].transpose(0, 1)
