@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,11 +64,12 @@ def _visible(n: int, total: int, window: int | None, page_size: int) -> _Visible
     return _Visible(first_key // page_size, (total - 1) // page_size, first_key)
 
 
-def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small int64 tensor on `device`; on CUDA staged in pinned memory, so building it never stalls the host."""
+def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as a tensor on `device`; on CUDA staged in pinned memory, so building it never stalls the host."""
+    tensor = torch.from_numpy(array)
     if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64)
-    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _gather(kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +117,7 @@ class TorchPagedBackend(AttentionBackend):
                 mask &= key_pos > query_pos - window
             chunks.append(_Chunk(q_start, q_start + n, k_start, total - vis.first_key, mask))
         groups = TorchPagedBackend._group_decodes(meta, decodes, device, dtype)
-        return _Plan(_index_tensor(chunk_pages, device), chunks, groups)
+        return _Plan(_from_host(np.asarray(chunk_pages, dtype=np.int64), device), chunks, groups)
 
     @staticmethod
     def _group_decodes(
@@ -135,24 +137,25 @@ class TorchPagedBackend(AttentionBackend):
                 end += 1
             members = decodes[start:end]
             width = members[-1][2].last_page - members[-1][2].first_page + 1
-            pages, key_from, key_to = [], [], []
-            for i, total, vis in members:
+            # Built with numpy on the host (a few microseconds), then handed to torch in one piece per tensor.
+            pages = np.zeros((len(members), width), dtype=np.int64)  # padding reads page 0, masked out
+            key_from = np.empty((len(members), 1), dtype=np.int64)
+            key_to = np.empty((len(members), 1), dtype=np.int64)
+            for row, (i, total, vis) in enumerate(members):
                 own = meta.block_tables_host[i][vis.first_page : vis.last_page + 1]
-                pages.extend(own)
-                pages.extend([0] * (width - len(own)))
-                key_from.append(vis.first_key - vis.first_page * ps)
-                key_to.append(total - vis.first_page * ps)
-            key_pos = torch.arange(width * ps, device=device)[None, :]
-            lo = _index_tensor(key_from, device)[:, None]
-            hi = _index_tensor(key_to, device)[:, None]
+                pages[row, : len(own)] = own
+                key_from[row] = vis.first_key - vis.first_page * ps
+                key_to[row] = total - vis.first_page * ps
+            key_pos = np.arange(width * ps)
+            visible = (key_pos >= key_from) & (key_pos < key_to)
             # Additive, in the query's dtype: SDPA would otherwise turn a boolean mask into one on every layer.
-            hidden = (key_pos < lo) | (key_pos >= hi)
-            mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+            mask = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+            rows = np.fromiter((meta.query_start_loc_host[i] for i, _, _ in members), np.int64, len(members))
             groups.append(
                 _DecodeGroup(
-                    rows=_index_tensor([meta.query_start_loc_host[i] for i, _, _ in members], device),
-                    pages=_index_tensor(pages, device),
-                    mask=mask[:, None, None, :],
+                    rows=_from_host(rows, device),
+                    pages=_from_host(pages.reshape(-1), device),
+                    mask=_from_host(mask, device).to(dtype)[:, None, None, :],
                 )
             )
             start = end
