@@ -27,6 +27,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.split(",") if v)
 
@@ -86,6 +93,7 @@ def _offline(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         floor=not args.no_floor,
         plot=args.plot,
+        repeat=args.repeat,
     )
     try:
         report = run_offline(options)
@@ -177,6 +185,12 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--no-check", action="store_true", help="same as --check off")
     offline.add_argument("--no-warmup", action="store_true", help="skip each system's untimed warm-up run")
     offline.add_argument("--no-floor", action="store_true", help="skip the model-floor replay")
+    offline.add_argument(
+        "--repeat",
+        type=_positive_int,
+        default=1,
+        help="timed runs per system (and floor replays); the median is reported, each one kept in the JSON",
+    )
     offline.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     offline.add_argument("--json", type=Path, default=None, help="write every figure and per-request trace here")
     offline.add_argument("--plot", type=Path, default=None, help="timeline PNG: static vs continuous batching")

@@ -48,6 +48,8 @@ class OfflineOptions:
     warmup: bool = True
     floor: bool = True
     plot: Path | None = None
+    repeat: int = 1
+    """Timed runs per system (and floor replays); the median is reported, every wall time kept in the JSON."""
 
 
 def _warmup_workload(spec: WorkloadSpec, batch_size: int, vocab_size: int) -> Workload:
@@ -127,27 +129,41 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
         slots, budget = options.batch_size, options.max_batch_tokens
         runs: list[SystemRun] = []
         floor: Floor | None = None
+        repeats = range(options.repeat)
         # Systems run one after the other in a fixed order, each warmed up on other prompts first.
         if "static" in options.systems:
             if options.warmup:
                 run_static(model, warm, slots)
-            runs.append(run_static(model, workload, slots))
+            runs.append(_median_run([run_static(model, workload, slots) for _ in repeats], options.check))
         if "transformers-cb" in options.systems:
             if options.warmup:
                 run_hf_continuous(model, warm, slots, budget)
-            runs.append(run_hf_continuous(model, workload, slots, budget))
+            runs.append(
+                _median_run([run_hf_continuous(model, workload, slots, budget) for _ in repeats], options.check)
+            )
         if "transformers-cb-default" in options.systems:
             if options.warmup:
                 run_hf_continuous(model, warm, slots, budget, hf_defaults=True)
-            runs.append(run_hf_continuous(model, workload, slots, budget, hf_defaults=True))
+            runs.append(
+                _median_run(
+                    [run_hf_continuous(model, workload, slots, budget, hf_defaults=True) for _ in repeats],
+                    options.check,
+                )
+            )
         if "ferry" in options.systems:
             engine = build_engine(model, workload, slots=slots, max_batch_tokens=budget, page_size=options.page_size)
             if options.warmup:
                 run_ferry(engine, warm)
-            ferry_run, shapes = run_ferry(engine, workload, record_shapes=options.floor)
-            runs.append(ferry_run)
+            # Scheduling is deterministic, so every repeat runs the same steps: the first one's shapes serve.
+            ferry_runs, shapes = [], []
+            for i in repeats:
+                ferry_run, recorded = run_ferry(engine, workload, record_shapes=options.floor and i == 0)
+                ferry_runs.append(ferry_run)
+                shapes = shapes or recorded
+            runs.append(_median_run(ferry_runs, options.check))
             if options.floor:
-                floor = measure_floor(engine, shapes)
+                replays = sorted((measure_floor(engine, shapes) for _ in repeats), key=lambda f: f.seconds)
+                floor = replays[len(replays) // 2]
         check = _check(runs, model, options.check)
         report = _report(options, model, workload, runs, floor, check)
         if options.plot is not None:
@@ -156,6 +172,17 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
             plot_timelines(runs, options.plot, _title(model, workload, slots))
             report["plot"] = str(options.plot)
     return report
+
+
+def _median_run(repeats: list[SystemRun], check: CheckMode) -> SystemRun:
+    """The repeat of median wall time; under a strict check, a system whose greedy tokens change between repeats
+    fails it."""
+    first = repeats[0]
+    if check == "strict" and any(r.tokens != first.tokens for r in repeats[1:]):
+        raise TokenMismatch(f"{first.system} produced different greedy tokens in two repeats of one workload")
+    chosen = sorted(repeats, key=lambda r: r.wall_seconds)[len(repeats) // 2]
+    chosen.details["repeat_wall_seconds"] = [r.wall_seconds for r in repeats]
+    return chosen
 
 
 def _title(model: BenchModel, workload: Workload, slots: int) -> str:
@@ -197,6 +224,7 @@ def _report(
             "max_batch_tokens": options.max_batch_tokens,
             "page_size": options.page_size,
             "warmup": options.warmup,
+            "repeat": options.repeat,
         },
         "check": check,
         "systems": {r.system: r.summary() for r in runs},
@@ -245,6 +273,8 @@ def format_offline(report: dict[str, object]) -> str:
             f"{', '.join(check['systems'])} ({check['mode']} mode: differences listed in the JSON, not fatal)"
         )
     lines = [report["title"], format_table(headers, rows), verdict]
+    if report["settings"]["repeat"] > 1:
+        lines.append(f"wall times: median of {report['settings']['repeat']} timed runs per system (all in the JSON)")
     if floor is not None:
         lines.append("efficiency = model floor / Ferry wall time (forward passes of Ferry's own steps, replayed alone)")
     return "\n".join(lines)

@@ -121,6 +121,56 @@ def test_offline_runs_every_system_with_identical_tokens(tiny_llama: Path, tmp_p
     json.dumps(report)  # everything in the report is JSON-serialisable
 
 
+def test_offline_repeats_report_the_median_run(tiny_llama: Path) -> None:
+    options = OfflineOptions(
+        model=str(tiny_llama),
+        device="cpu",
+        workload=SMALL,
+        batch_size=3,
+        page_size=4,
+        warmup=False,
+        systems=("transformers-cb", "ferry"),
+        repeat=3,
+    )
+    report = run_offline(options)
+    assert report["settings"]["repeat"] == 3
+    for run in report["systems"].values():
+        walls = run["details"]["repeat_wall_seconds"]
+        assert len(walls) == 3
+        assert run["wall_seconds"] == sorted(walls)[1]
+    assert report["floor"]["steps"] == report["systems"]["ferry"]["details"]["steps"]
+    assert "median of 3" in format_offline(report)
+
+
+def test_offline_repeats_must_agree_with_themselves(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.offline
+
+    real = bench.offline.run_hf_continuous
+    calls = []
+
+    def drifting(*args, **kwargs):
+        run = real(*args, **kwargs)
+        calls.append(run)
+        if len(calls) == 2:
+            run.tokens[0] = [*run.tokens[0][:-1], run.tokens[0][-1] + 1]
+        return run
+
+    monkeypatch.setattr(bench.offline, "run_hf_continuous", drifting)
+    options = OfflineOptions(
+        model=str(tiny_llama),
+        device="cpu",
+        workload=SMALL,
+        batch_size=3,
+        page_size=4,
+        warmup=False,
+        systems=("transformers-cb", "ferry"),
+        repeat=2,
+        floor=False,
+    )
+    with pytest.raises(TokenMismatch, match="two repeats"):
+        run_offline(options)
+
+
 def test_offline_mismatch_fails_before_any_figure(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import bench.offline
 
