@@ -34,6 +34,21 @@ def test_packed_linear_computes_what_linear_does(dtype: torch.dtype, bias: bool)
         torch.testing.assert_close(out, want, **tolerance)
 
 
+def test_a_layer_onednn_cannot_pack_leaves_the_model_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+    block = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    calls = []
+
+    def refuse_second(weight: torch.Tensor, rows: int) -> torch.Tensor:
+        calls.append(rows)
+        if len(calls) == 2:
+            raise RuntimeError("unsupported")
+        return weight
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse_second)
+    assert pack_linears(block) == 0
+    assert all(type(layer) is nn.Linear for layer in block)
+
+
 def test_half_precision_and_cuda_are_left_to_torch() -> None:
     assert not onednn_linear_available(torch.device("cpu"), torch.float16)
     assert not onednn_linear_available(torch.device("cuda"), torch.float32)

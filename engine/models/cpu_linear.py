@@ -11,8 +11,12 @@ CPU linears; where they (or oneDNN) are missing, layers stay plain `nn.Linear`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS_HINT = 64
@@ -48,11 +52,22 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` inside `model` with a `PackedLinear`; returns how many were replaced."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
-                replaced += 1
-    return replaced
+    """Replace every `nn.Linear` inside `model` with a `PackedLinear`; returns how many were replaced.
+
+    A oneDNN build that cannot pack (another CPU family, an unusual shape) leaves the model as it was, with a
+    warning: packing is a speed-up, never a condition for running.
+    """
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    try:
+        packed = [PackedLinear(child) for _, _, child in swaps]
+    except RuntimeError as exc:
+        logger.warning("oneDNN could not pack the linear layers (%s); using torch's default matmul", exc)
+        return 0
+    for (parent, name, _), layer in zip(swaps, packed, strict=True):
+        setattr(parent, name, layer)
+    return len(swaps)
