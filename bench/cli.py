@@ -94,6 +94,7 @@ def _offline(args: argparse.Namespace) -> int:
         floor=not args.no_floor,
         plot=args.plot,
         repeat=args.repeat,
+        profile=args.profile,
     )
     try:
         report = run_offline(options)
@@ -194,6 +195,9 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     offline.add_argument("--json", type=Path, default=None, help="write every figure and per-request trace here")
     offline.add_argument("--plot", type=Path, default=None, help="timeline PNG: static vs continuous batching")
+    offline.add_argument(
+        "--profile", type=Path, default=None, help="write a torch-profiler op table of one extra (untimed) Ferry run"
+    )
     offline.set_defaults(func=_offline)
 
     serve = commands.add_parser(

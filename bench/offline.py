@@ -12,7 +12,7 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from bench.baselines import run_hf_continuous, run_static
 from bench.ferry import build_engine, run_ferry
@@ -21,6 +21,9 @@ from bench.models import BenchModel, WeightsMode, prepare_model
 from bench.report import fmt, format_table, stamp
 from bench.results import SystemRun
 from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
+
+if TYPE_CHECKING:
+    from engine import EngineCore
 
 CheckMode = Literal["strict", "report", "off"]
 SYSTEMS = ("static", "transformers-cb", "transformers-cb-default", "ferry")
@@ -50,6 +53,8 @@ class OfflineOptions:
     plot: Path | None = None
     repeat: int = 1
     """Timed runs per system (and floor replays); the median is reported, every wall time kept in the JSON."""
+    profile: Path | None = None
+    """After the timed runs, one more Ferry run under the torch profiler; its per-op table is written here."""
 
 
 def _warmup_workload(spec: WorkloadSpec, batch_size: int, vocab_size: int) -> Workload:
@@ -161,6 +166,8 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 ferry_runs.append(ferry_run)
                 shapes = shapes or recorded
             runs.append(_median_run(ferry_runs, options.check))
+            if options.profile is not None:
+                _profile_ferry(engine, workload, options.profile)
             if options.floor:
                 replays = sorted((measure_floor(engine, shapes) for _ in repeats), key=lambda f: f.seconds)
                 floor = replays[len(replays) // 2]
@@ -172,6 +179,20 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
             plot_timelines(runs, options.plot, _title(model, workload, slots))
             report["plot"] = str(options.plot)
     return report
+
+
+def _profile_ferry(engine: EngineCore, workload: Workload, path: Path) -> None:
+    """Where Ferry's time goes, op by op: an untimed extra run under the torch profiler (CPU self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        run_ferry(engine, workload)
+    sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
 
 
 def _median_run(repeats: list[SystemRun], check: CheckMode) -> SystemRun:
@@ -227,6 +248,7 @@ def _report(
             "repeat": options.repeat,
         },
         "check": check,
+        "profile": str(options.profile) if options.profile else None,
         "systems": {r.system: r.summary() for r in runs},
         "ratios": ratios,
         "floor": floor.summary() if floor else None,

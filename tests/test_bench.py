@@ -121,7 +121,7 @@ def test_offline_runs_every_system_with_identical_tokens(tiny_llama: Path, tmp_p
     json.dumps(report)  # everything in the report is JSON-serialisable
 
 
-def test_offline_repeats_report_the_median_run(tiny_llama: Path) -> None:
+def test_offline_repeats_report_the_median_run_and_profile_ferry(tiny_llama: Path, tmp_path: Path) -> None:
     options = OfflineOptions(
         model=str(tiny_llama),
         device="cpu",
@@ -131,8 +131,11 @@ def test_offline_repeats_report_the_median_run(tiny_llama: Path) -> None:
         warmup=False,
         systems=("transformers-cb", "ferry"),
         repeat=3,
+        profile=tmp_path / "ops.txt",
     )
     report = run_offline(options)
+    ops = (tmp_path / "ops.txt").read_text()
+    assert "Self CPU" in ops and "aten::" in ops
     assert report["settings"]["repeat"] == 3
     for run in report["systems"].values():
         walls = run["details"]["repeat_wall_seconds"]
