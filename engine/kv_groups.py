@@ -57,7 +57,10 @@ class KVCacheGroups:
         self.layouts = layouts
         self.managers = managers
         self.primary = managers[0]
-        self._single = len(managers) == 1
+        if len(managers) == 1:
+            # One pool (most models): the calls made for every running request every step go straight to it.
+            self.allocate = self.primary.allocate  # type: ignore[method-assign]
+            self.commit = self.primary.commit  # type: ignore[method-assign]
         self.page_size = self.primary.page_size
 
     # -- the primary pool's view: admission, limits and statistics --------------------------------------------
@@ -117,8 +120,6 @@ class KVCacheGroups:
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """All pools or none."""
-        if self._single:  # the common case, on the hot path: no second look at the pool
-            return self.primary.allocate(request, num_new_tokens)
         if not all(m.can_allocate(request, num_new_tokens) for m in self.managers):
             return False
         for manager in self.managers:
@@ -127,9 +128,6 @@ class KVCacheGroups:
         return True
 
     def commit(self, request: Request) -> None:
-        if self._single:
-            self.primary.commit(request)
-            return
         for manager in self.managers:
             manager.commit(request)
 
