@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from engine import EngineConfig, EngineCore
 from engine.models.cpu_linear import PackedLinear, onednn_linear_available, pack_linears
@@ -36,7 +37,7 @@ def test_packed_linear_computes_what_linear_does(dtype: torch.dtype, bias: bool)
 
 def test_a_layer_onednn_cannot_pack_leaves_the_model_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
     block = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    calls = []
+    calls: list[int] = []
 
     def refuse_second(weight: torch.Tensor, rows: int) -> torch.Tensor:
         calls.append(rows)
@@ -54,9 +55,21 @@ def test_half_precision_and_cuda_are_left_to_torch() -> None:
     assert not onednn_linear_available(torch.device("cuda"), torch.float32)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_gpt2_conv1d_packs_with_its_transposed_weight() -> None:
+    torch.manual_seed(0)
+    layer = Conv1D(48, 32)  # nf (out) 48, nx (in) 32: weight stored [in, out]
+    torch.nn.init.normal_(layer.bias)
+    block = nn.Sequential(layer)
+    x = torch.randn(2, 5, 32)
+    with torch.inference_mode():
+        want = block(x)
+        assert pack_linears(block) == 1
+        torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
 def test_cpu_engine_packs_every_linear_native_and_breadth_path(arch: str, model_dir: Callable[[str], Path]) -> None:
     engine = EngineCore(EngineConfig(model=str(model_dir(arch)), num_blocks=64))
     modules = list(engine.runner.model.modules())
-    assert not [m for m in modules if type(m) is nn.Linear]
+    assert not [m for m in modules if type(m) in (nn.Linear, Conv1D)]
     assert sum(isinstance(m, PackedLinear) for m in modules) > 0

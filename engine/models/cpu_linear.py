@@ -15,6 +15,7 @@ import logging
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,15 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """Inference-only replacement for an `nn.Linear`; the packed weight is an opaque oneDNN tensor."""
+    """Inference-only `x @ weight.T + bias`; the packed weight is an opaque oneDNN tensor."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """`weight`: `[out_features, in_features]`, as `nn.Linear` holds it."""
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        self.out_features, self.in_features = weight.shape
         with torch.no_grad():
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _ROWS_HINT)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
+        self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -51,20 +52,29 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _weight_and_bias(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The `[out, in]` weight and bias of a layer this module can pack, else None."""
+    if type(layer) is nn.Linear:
+        return layer.weight, layer.bias
+    if type(layer) is Conv1D:  # GPT-2's linear layers, weight stored `[in, out]`
+        return layer.weight.t(), layer.bias
+    return None
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` inside `model` with a `PackedLinear`; returns how many were replaced.
+    """Replace every `nn.Linear` (and GPT-2 `Conv1D`) inside `model` with a `PackedLinear`; returns how many.
 
     A oneDNN build that cannot pack (another CPU family, an unusual shape) leaves the model as it was, with a
     warning: packing is a speed-up, never a condition for running.
     """
     swaps = [
-        (parent, name, child)
+        (parent, name, parts)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if (parts := _weight_and_bias(child)) is not None
     ]
     try:
-        packed = [PackedLinear(child) for _, _, child in swaps]
+        packed = [PackedLinear(*parts) for _, _, parts in swaps]
     except RuntimeError as exc:
         logger.warning("oneDNN could not pack the linear layers (%s); using torch's default matmul", exc)
         return 0
