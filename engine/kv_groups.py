@@ -61,7 +61,6 @@ class KVCacheGroups:
             # One pool (most models): the calls made for every running request every step go straight to it.
             self.allocate = self.primary.allocate  # type: ignore[method-assign]
             self.commit = self.primary.commit  # type: ignore[method-assign]
-        self.page_size = self.primary.page_size
 
     # -- the primary pool's view: admission, limits and statistics --------------------------------------------
 
