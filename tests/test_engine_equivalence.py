@@ -54,6 +54,8 @@ CONFIGS: dict[str, dict] = {
     "preempt": dict(max_batch_tokens=256, page_size=4, num_blocks=24),
     "page1": dict(max_batch_tokens=128, page_size=1),
     "page16": dict(max_batch_tokens=512, page_size=16),
+    # flash-attn's paged kernels need pages of 256: the torch backend must agree at that size too.
+    "page256": dict(max_batch_tokens=96, page_size=256, num_blocks=32),
 }
 
 
