@@ -121,19 +121,14 @@ def test_offline_runs_every_system_with_identical_tokens(tiny_llama: Path, tmp_p
     json.dumps(report)  # everything in the report is JSON-serialisable
 
 
+def _two_systems(model: Path, **options: object) -> OfflineOptions:
+    """transformers' continuous batching and Ferry on the small workload, no warm-up."""
+    base = dict(model=str(model), device="cpu", workload=SMALL, batch_size=3, page_size=4, warmup=False)
+    return OfflineOptions(**base, systems=("transformers-cb", "ferry"), **options)  # type: ignore[arg-type]
+
+
 def test_offline_repeats_report_the_median_run_and_profile_ferry(tiny_llama: Path, tmp_path: Path) -> None:
-    options = OfflineOptions(
-        model=str(tiny_llama),
-        device="cpu",
-        workload=SMALL,
-        batch_size=3,
-        page_size=4,
-        warmup=False,
-        systems=("transformers-cb", "ferry"),
-        repeat=3,
-        profile=tmp_path / "ops.txt",
-    )
-    report = run_offline(options)
+    report = run_offline(_two_systems(tiny_llama, repeat=3, profile=tmp_path / "ops.txt"))
     ops = (tmp_path / "ops.txt").read_text()
     assert "Self CPU" in ops and "aten::" in ops
     assert report["settings"]["repeat"] == 3
@@ -149,7 +144,7 @@ def test_offline_repeats_must_agree_with_themselves(tiny_llama: Path, monkeypatc
     import bench.offline
 
     real = bench.offline.run_hf_continuous
-    calls = []
+    calls: list[SystemRun] = []
 
     def drifting(*args, **kwargs):
         run = real(*args, **kwargs)
@@ -159,19 +154,8 @@ def test_offline_repeats_must_agree_with_themselves(tiny_llama: Path, monkeypatc
         return run
 
     monkeypatch.setattr(bench.offline, "run_hf_continuous", drifting)
-    options = OfflineOptions(
-        model=str(tiny_llama),
-        device="cpu",
-        workload=SMALL,
-        batch_size=3,
-        page_size=4,
-        warmup=False,
-        systems=("transformers-cb", "ferry"),
-        repeat=2,
-        floor=False,
-    )
     with pytest.raises(TokenMismatch, match="two repeats"):
-        run_offline(options)
+        run_offline(_two_systems(tiny_llama, repeat=2, floor=False))
 
 
 def test_offline_mismatch_fails_before_any_figure(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
