@@ -20,6 +20,7 @@ nano-vllm and early vLLM do.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.request import Request
@@ -28,6 +29,14 @@ from engine.request import Request
 def _chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     """Identity of a full page: its tokens and, through `parent`, every token before it."""
     return hash((parent, tokens))
+
+
+def _page_hashes(tokens: list[int], page_size: int, num_pages: int) -> Iterator[int]:
+    """The hash chain of the first `num_pages` full pages of `tokens`, lazily: callers may stop early."""
+    parent: int | None = None
+    for start in range(0, num_pages * page_size, page_size):
+        parent = _chain_hash(parent, tuple(tokens[start : start + page_size]))
+        yield parent
 
 
 def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
@@ -126,12 +135,9 @@ class BlockManager:
         if not self.enable_prefix_caching or not self._in_flight:
             return False
         tokens = request.all_token_ids
-        ps = self.page_size
-        parent: int | None = None
-        for start in range(0, (len(tokens) - 1) // ps * ps, ps):
-            parent = _chain_hash(parent, tuple(tokens[start : start + ps]))
-            if parent not in self._hash_to_page:
-                return parent in self._in_flight
+        for h in _page_hashes(tokens, self.page_size, self._matchable_pages(len(tokens))):
+            if h not in self._hash_to_page:
+                return h in self._in_flight
         return False
 
     # -- mutations -----------------------------------------------------------------------------------------------
@@ -141,14 +147,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         tokens = request.all_token_ids
-        ps = self.page_size
-        hashes: list[int] = []
-        parent: int | None = None
-        for start in range(0, (len(tokens) - 1) // ps * ps, ps):
-            parent = _chain_hash(parent, tuple(tokens[start : start + ps]))
-            hashes.append(parent)
-        matchable = len(hashes) if max_tokens is None else min(len(hashes), max_tokens // ps)
-        return self._hit_pages(hashes, matchable) * ps
+        matchable = self._matchable_pages(len(tokens), max_tokens)
+        return self._hit_pages(list(_page_hashes(tokens, self.page_size, matchable))) * self.page_size
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Whether `allocate(request, num_new_tokens)` would succeed now."""
@@ -178,14 +178,8 @@ class BlockManager:
         tokens = request.all_token_ids
         ps = self.page_size
         # Hash every full page now; commit() registers them as they get computed instead of hashing again.
-        parent: int | None = None
-        for start in range(0, len(tokens) - ps + 1, ps):
-            parent = _chain_hash(parent, tuple(tokens[start : start + ps]))
-            seq.hashes.append(parent)
-        matchable = (len(tokens) - 1) // ps
-        if max_tokens is not None:
-            matchable = min(matchable, max_tokens // ps)
-        hit_pages = self._hit_pages(seq.hashes, matchable)
+        seq.hashes.extend(_page_hashes(tokens, ps, len(tokens) // ps))
+        hit_pages = self._hit_pages(seq.hashes[: self._matchable_pages(len(tokens), max_tokens)])
         hit = hit_pages * ps
         # Pages already out of the window of every token still to compute are never read: skip them.
         released = self._num_outside_window(hit)
@@ -282,15 +276,20 @@ class BlockManager:
 
     # -- internals -------------------------------------------------------------------------------------------------
 
-    def _hit_pages(self, hashes: list[int], matchable: int) -> int:
-        """Length in pages of the longest prefix of `hashes[:matchable]` whose pages a continuation would read.
+    def _matchable_pages(self, num_tokens: int, max_tokens: int | None = None) -> int:
+        """Full pages a prefix match may cover: never the last token's page, whose logits must be computed."""
+        pages = (num_tokens - 1) // self.page_size
+        return pages if max_tokens is None else min(pages, max_tokens // self.page_size)
+
+    def _hit_pages(self, hashes: list[int]) -> int:
+        """Length in pages of the longest prefix of `hashes` whose pages a continuation would read.
 
         Full attention reads every page, so that is the run of cached pages from the start. A sliding window
         reads only the pages inside it: earlier pages may have been evicted and the prefix still counts.
         """
         hit = 0
         run_start = 0  # first page of the run of cached pages ending at the current one
-        for i, h in enumerate(hashes[:matchable]):
+        for i, h in enumerate(hashes):
             if h not in self._hash_to_page:
                 run_start = i + 1
             elif run_start <= self._num_outside_window((i + 1) * self.page_size):
