@@ -101,9 +101,7 @@ class EngineCore:
         """Pages of each group's pool: `num_blocks` (or what the memory budget allows) for the primary group, and
         for a secondary (sliding) group no more than all running sequences' windows can fill."""
         config = self.config
-        layer_page = ModelRunner.kv_bytes_per_page(loaded.model, config.page_size, loaded.dtype) // len(
-            loaded.model.sliding_windows
-        )
+        layer_page = ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype)
         caps = []
         for layout in layouts[1:]:
             assert layout.window is not None, "only the primary group can be full attention"

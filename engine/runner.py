@@ -48,7 +48,6 @@ class ModelRunner:
         self.backend = backend
         self.page_size = page_size
         self.device = device
-        self.num_groups = len(layouts)
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
             for layer in layout.layers:
@@ -69,7 +68,7 @@ class ModelRunner:
             "seq_lens": torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin),
             "logits_rows": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
         }
-        for g in range(self.num_groups):
+        for g in range(len(layouts)):
             self._host[f"slot_mapping{g}"] = torch.zeros(max_batch_tokens, dtype=torch.int64, pin_memory=pin)
             self._host[f"block_tables{g}"] = torch.zeros((max_num_seqs, max_pages), dtype=torch.int32, pin_memory=pin)
         self._np = {name: t.numpy() for name, t in self._host.items()}
@@ -78,10 +77,10 @@ class ModelRunner:
         )
 
     @staticmethod
-    def kv_bytes_per_page(model: torch.nn.Module, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one page across all layers (a group's page holds its own layers' share)."""
+    def kv_bytes_per_layer_page(model: torch.nn.Module, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V one layer keeps in one page (a group's page holds this for each of its layers)."""
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * model.num_layers * page_size * model.num_kv_heads * model.head_dim * element
+        return 2 * page_size * model.num_kv_heads * model.head_dim * element
 
     def prepare(
         self,
