@@ -160,11 +160,8 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
             if options.warmup:
                 run_ferry(engine, warm)
             # Scheduling is deterministic, so every repeat runs the same steps: the first one's shapes serve.
-            ferry_runs, shapes = [], []
-            for i in repeats:
-                ferry_run, recorded = run_ferry(engine, workload, record_shapes=options.floor and i == 0)
-                ferry_runs.append(ferry_run)
-                shapes = shapes or recorded
+            first, shapes = run_ferry(engine, workload, record_shapes=options.floor)
+            ferry_runs = [first] + [run_ferry(engine, workload)[0] for _ in range(1, options.repeat)]
             runs.append(_median_run(ferry_runs, options.check))
             if options.profile is not None:
                 _profile_ferry(engine, workload, options.profile)
