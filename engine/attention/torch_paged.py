@@ -57,6 +57,10 @@ class _Visible:
     last_page: int
     first_key: int  # absolute position of the first visible key
 
+    @property
+    def num_pages(self) -> int:
+        return self.last_page - self.first_page + 1
+
 
 def _visible(n: int, total: int, window: int | None, page_size: int) -> _Visible:
     first_query = total - n
@@ -124,19 +128,16 @@ class TorchPagedBackend(AttentionBackend):
         meta: StepMetadata, decodes: list[tuple[int, int, _Visible]], device: torch.device, dtype: torch.dtype
     ) -> list[_DecodeGroup]:
         ps = meta.page_size
-        decodes.sort(key=lambda d: d[2].last_page - d[2].first_page)
+        decodes.sort(key=lambda d: d[2].num_pages)
         groups = []
         start = 0
         while start < len(decodes):
-            shortest = decodes[start][2].last_page - decodes[start][2].first_page + 1
+            limit = decodes[start][2].num_pages * _GROUP_PAD_LIMIT
             end = start + 1
-            while end < len(decodes):
-                pages = decodes[end][2].last_page - decodes[end][2].first_page + 1
-                if pages > shortest * _GROUP_PAD_LIMIT:
-                    break
+            while end < len(decodes) and decodes[end][2].num_pages <= limit:
                 end += 1
             members = decodes[start:end]
-            width = members[-1][2].last_page - members[-1][2].first_page + 1
+            width = members[-1][2].num_pages
             # Built with numpy on the host (a few microseconds), then handed to torch in one piece per tensor.
             pages = np.zeros((len(members), width), dtype=np.int64)  # padding reads page 0, masked out
             key_from = np.empty((len(members), 1), dtype=np.int64)
