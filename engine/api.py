@@ -23,7 +23,17 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.request import FinishReason, GenerationOutput, QueueFull, SamplingParams, StepOutput
+from engine.driver import (
+    AbortRequests,
+    AddRequests,
+    EngineInput,
+    EngineLoop,
+    EngineOutput,
+    EngineRequest,
+    Shutdown,
+    StepMessage,
+)
+from engine.request import FinishReason, GenerationOutput, RequestRejected, SamplingParams, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +46,10 @@ def generate_batch(
     engine: EngineCore | None = None,
     progress_bar: bool = False,
 ) -> dict[str, GenerationOutput]:
-    """Generate for every prompt and block until all finish; ids are `req_0`, `req_1`, ... in input order."""
+    """Generate for every prompt and block until all finish; ids are `req_0`, `req_1`, ... in input order.
+
+    Raises `RequestRejected` for a prompt the engine can never serve (too long, empty, ids out of range).
+    """
     if engine is None:
         if config is None:
             raise ValueError("generate_batch needs an EngineConfig or an EngineCore")
@@ -46,26 +59,43 @@ def generate_batch(
     per_request = params if isinstance(params, list) else [params] * len(inputs)
     if len(per_request) != len(inputs):
         raise ValueError(f"{len(per_request)} SamplingParams for {len(inputs)} inputs")
-    pending = deque((f"req_{i}", ids, p) for i, (ids, p) in enumerate(zip(inputs, per_request, strict=True)))
-    results = {rid: GenerationOutput(rid, list(ids)) for rid, ids, _ in pending}
-    bar = tqdm(total=len(inputs), disable=not progress_bar, desc="generate_batch")
-    done = 0
-    while done < len(inputs):
-        while pending:
-            rid, ids, p = pending[0]
-            try:
-                engine.add_request(rid, ids, p)
-            except QueueFull:
-                break  # the queue drains as the engine admits requests
-            pending.popleft()
-        for delta in engine.step():
-            output = results[delta.request_id]
+    requests = [EngineRequest(f"req_{i}", list(ids), p) for i, (ids, p) in enumerate(zip(inputs, per_request))]
+    with tqdm(total=len(inputs), disable=not progress_bar, desc="generate_batch") as bar:
+        batch = _Batch(engine, requests, bar)
+        EngineLoop(engine, batch, batch.publish).run()
+    return batch.results
+
+
+class _Batch:
+    """generate_batch's inbox and outbox: feeds requests as the waiting queue has room, stops when all finished."""
+
+    def __init__(self, engine: EngineCore, requests: list[EngineRequest], bar: tqdm) -> None:
+        self.engine = engine
+        self.pending = deque(requests)
+        self.results = {r.request_id: GenerationOutput(r.request_id, list(r.prompt_ids)) for r in requests}
+        self.num_finished = 0
+        self.bar = bar
+
+    def receive(self, timeout: float, limit: int) -> list[EngineInput]:
+        if self.num_finished == len(self.results):
+            return [Shutdown()]
+        room = self.engine.queue_room()
+        count = len(self.pending) if room is None else min(room, len(self.pending))
+        return [AddRequests([self.pending.popleft() for _ in range(count)])] if count else []
+
+    def publish(self, message: EngineOutput) -> None:
+        if not isinstance(message, StepMessage):
+            return
+        for rejection in message.rejected:
+            if rejection.kind == "invalid":
+                raise RequestRejected(rejection.message, code=rejection.code)
+            raise RuntimeError(f"request {rejection.request_id} could not be added: {rejection.message}")
+        for delta in message.outputs:
+            output = self.results[delta.request_id]
             output.merge(delta)
             if output.finished:
-                done += 1
-                bar.update(1)
-    bar.close()
-    return results
+                self.num_finished += 1
+                self.bar.update(1)
 
 
 def _has_news(output: GenerationOutput, seen: int) -> bool:
@@ -81,7 +111,7 @@ class ContinuousBatchingManager:
 
     def __init__(self, engine_or_config: EngineCore | EngineConfig) -> None:
         self.engine = engine_or_config if isinstance(engine_or_config, EngineCore) else EngineCore(engine_or_config)
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineInput] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Condition()
         self._outputs: dict[str, GenerationOutput] = {}
@@ -90,7 +120,6 @@ class ContinuousBatchingManager:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._accepting = False
-        self._stop_requested = False
         self._pause_requests = 0
         self._paused = threading.Event()
         self.error: BaseException | None = None
@@ -111,8 +140,11 @@ class ContinuousBatchingManager:
         """Stop accepting requests. Graceful: in-flight requests finish first. Hard: they end now with an error."""
         self._accepting = False
         if hard_stop:
-            self._inbox.put(("fail_all", "the manager was stopped (hard stop) before the request finished"))
-        self._stop_requested = True
+            with self._lock:
+                live = [rid for rid, out in self._outputs.items() if not out.finished]
+            error = "the manager was stopped (hard stop) before the request finished"
+            self._inbox.put(AbortRequests(live, error))
+        self._inbox.put(Shutdown(drain=True))
         self._wakeup.set()
         if block and self._thread is not None:
             self._thread.join(timeout)
@@ -151,7 +183,7 @@ class ContinuousBatchingManager:
             if request_id in self._outputs:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._outputs[request_id] = GenerationOutput(request_id, list(prompt_ids))
-        self._inbox.put(("add", (request_id, list(prompt_ids), params or SamplingParams())))
+        self._inbox.put(AddRequests([EngineRequest(request_id, list(prompt_ids), params or SamplingParams())]))
         self._wakeup.set()
         return request_id
 
@@ -162,7 +194,7 @@ class ContinuousBatchingManager:
         return [self.add_request(ids, p) for ids, p in zip(inputs, per_request, strict=True)]
 
     def cancel_request(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(AbortRequests([request_id]))
         self._wakeup.set()
 
     # -- results out -----------------------------------------------------------------------------------------
@@ -226,53 +258,44 @@ class ContinuousBatchingManager:
 
     def _loop(self) -> None:
         try:
-            while True:
-                self._drain_inbox()
-                if self._pause_requests:
-                    self._paused.set()
-                    self._wakeup.wait(0.1)
-                    self._wakeup.clear()
-                    continue
-                self._paused.clear()
-                if self.engine.has_unfinished():
-                    self._publish(self.engine.step())
-                elif self._stop_requested:
-                    return
-                else:
-                    self._wakeup.wait(0.1)
-                    self._wakeup.clear()
+            EngineLoop(self.engine, self, self._on_message).run()
         except BaseException as exc:
             logger.exception("engine loop failed")
             self.error = exc
-            self._fail_all(f"engine failure: {exc!r}")
+            with self._lock:
+                live = [rid for rid, out in self._outputs.items() if not out.finished]
+            self._publish([StepOutput(rid, [], FinishReason.ABORT, error=f"engine failure: {exc!r}") for rid in live])
         finally:
             self._paused.set()
             self._accepting = False
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                request_id, prompt_ids, params = payload
-                try:
-                    self.engine.add_request(request_id, prompt_ids, params)
-                except (ValueError, QueueFull) as exc:
-                    self._publish([StepOutput(request_id, [], FinishReason.ABORT, error=str(exc))])
-            elif kind == "cancel":
-                self.engine.abort_request(payload)
-            elif kind == "fail_all":
-                self._fail_all(payload)
+    def receive(self, timeout: float, limit: int) -> list[EngineInput]:
+        """The loop's inbox: holds the loop here while paused, between two steps."""
+        while self._pause_requests:
+            self._paused.set()
+            self._wakeup.wait(0.1)
+            self._wakeup.clear()
+        self._paused.clear()
+        messages = self._take(limit)
+        if not messages and timeout:
+            self._wakeup.wait(timeout)
+            self._wakeup.clear()
+            messages = self._take(limit)
+        return messages
 
-    def _fail_all(self, message: str) -> None:
-        with self._lock:
-            live = [rid for rid, out in self._outputs.items() if not out.finished]
-        for request_id in live:
-            self.engine.abort_request(request_id)
-        pending = [StepOutput(rid, [], FinishReason.ABORT, error=message) for rid in live]
-        self._publish(pending)
+    def _take(self, limit: int) -> list[EngineInput]:
+        messages: list[EngineInput] = []
+        while len(messages) < limit:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        return messages
+
+    def _on_message(self, message: EngineOutput) -> None:
+        if isinstance(message, StepMessage):
+            rejected = [StepOutput(r.request_id, [], FinishReason.ABORT, error=r.message) for r in message.rejected]
+            self._publish(rejected + message.outputs)
 
     def _publish(self, deltas: list[StepOutput]) -> None:
         callbacks = []

@@ -1,386 +1,199 @@
-"""Paged KV-cache bookkeeping: which physical page holds which tokens of which sequence.
+"""The KV-cache manager the scheduler talks to: one or several page pools behind one small interface.
 
-Pure Python (no torch): the runner turns block tables into index tensors, this module only hands out page ids.
+One page pool per kind of attention layer is what lets a hybrid model's sliding-window layers forget old pages.
 
-Every page is in exactly one of three states:
+A page holds the K/V of its tokens for the layers of one group. When every layer shares one window (Mistral) or
+none has one (Llama), there is one group and this is a thin layer over a single `PagePool`. A hybrid model
+(full-attention layers next to sliding-window ones: Qwen2 with `layer_types`, Gemma-style stacks) gets one pool
+per distinct window, each with its own page tables: the full layers keep every page, the sliding layers release
+pages that fell out of their window and so need only a small pool (vLLM's hybrid KV cache groups).
 
-- free: holds nothing worth keeping;
-- referenced: listed in at least one block table (`refcount > 0`); full pages may be shared by several tables;
-- cached-free: no table lists it, but its content is registered in the prefix cache, so a later request with the
-  same prefix takes it back instead of recomputing it. When no free page is left, cached-free pages are evicted
-  least recently released first.
-
-A full page is identified by a hash chain: `hash((parent_hash, page_token_ids))`, so equal hashes mean equal
-tokens at equal positions, the whole prefix included, which is what a page's keys and values depend on. The
-chain uses Python's 64-bit tuple hash: computed once per page, when it fills, and cheap enough to run on every
-decode step; a collision between two different live prefixes (about n²/2⁶⁴ for n cached pages) is accepted, as
-nano-vllm and early vLLM do.
+Pure Python, like `PagePool`. The first group (full attention when the model has any) is the primary one:
+it bounds admission and its counters are the engine's cache statistics. The other pools are sized so that they
+can hold every running sequence's window (`sliding_pool_pages`); should one still run short, `allocate` fails as
+a full primary pool does, and the scheduler preempts.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from engine.page_pool import PagePool
 from engine.request import Request
 
 
-def _chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Identity of a full page: its tokens and, through `parent`, every token before it."""
-    return hash((parent, tokens))
+@dataclass(frozen=True)
+class GroupLayout:
+    """Which layers share a page pool: those with the same sliding window (None: full attention)."""
+
+    window: int | None
+    layers: tuple[int, ...]
 
 
-def _page_hashes(tokens: list[int], page_size: int, num_pages: int) -> Iterator[int]:
-    """The hash chain of the first `num_pages` full pages of `tokens`, lazily: callers may stop early."""
-    parent: int | None = None
-    for start in range(0, num_pages * page_size, page_size):
-        parent = _chain_hash(parent, tuple(tokens[start : start + page_size]))
-        yield parent
+def group_layers(windows: list[int | None]) -> list[GroupLayout]:
+    """Layers grouped by window, the primary group first: full attention if any layer has it, else the widest."""
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_window.setdefault(window, []).append(layer)
+    order = sorted(by_window, key=lambda w: (w is not None, -(w or 0)))
+    return [GroupLayout(w, tuple(by_window[w])) for w in order]
 
 
-def _token_range(request: Request, start: int, end: int) -> tuple[int, ...]:
-    """`request.all_token_ids[start:end]` without building the whole list (commit runs on every decode step)."""
-    prompt = request.prompt_ids
-    split = len(prompt)
-    if end <= split:
-        return tuple(prompt[start:end])
-    if start >= split:
-        return tuple(request.output_ids[start - split : end - split])
-    return (*prompt[start:], *request.output_ids[: end - split])
+def sliding_pool_pages(window: int, page_size: int, max_num_seqs: int, max_batch_tokens: int) -> int:
+    """Pages a sliding group needs when every running sequence holds what it may: its window, plus this step.
+
+    Between steps a sequence holds the pages of its last `window` tokens (at most ceil(window / page_size) + 1
+    pages, the first one partly outside); a step adds pages for its new tokens, at most `max_batch_tokens` in all
+    plus one partly filled page per sequence.
+    """
+    per_sequence = -(-window // page_size) + 2
+    return max_num_seqs * per_sequence + -(-max_batch_tokens // page_size)
 
 
-@dataclass(slots=True)
-class _Sequence:
-    """Per-request page state."""
 
-    table: list[int] = field(default_factory=list)
-    """Page ids by position; -1 where the sliding window let a page go."""
-    hashes: list[int] = field(default_factory=list)
-    """Hash chain of the sequence's full pages, by position; may run ahead of `num_registered`."""
-    num_registered: int = 0
-    """Leading full pages already offered to the prefix cache."""
-    num_released: int = 0
-    """Leading pages released because they fell out of the sliding window."""
-    pending_stats: tuple[int, int] | None = None
-    """(queries, hits) of a first admission, counted once its allocate() succeeds (see match_prefix)."""
-    num_in_flight_end: int = 0
-    """hashes[num_registered:num_in_flight_end] are prompt pages this sequence is computing (see prefix_in_flight)."""
+def pool_pages(
+    layouts: list[GroupLayout],
+    *,
+    num_pages: int | None,
+    budget_bytes: float,
+    layer_page_bytes: int,
+    page_size: int,
+    max_num_seqs: int,
+    max_batch_tokens: int,
+) -> list[int]:
+    """Pages of each group's pool: `num_pages` (or what `budget_bytes` allows) for the primary group, and for a
+    secondary (sliding) group no more than all running sequences' windows can fill.
+
+    `layer_page_bytes` is what one layer keeps in one page; a group's page holds that for each of its layers.
+    """
+    caps = []
+    for layout in layouts[1:]:
+        assert layout.window is not None, "only the primary group can be full attention"
+        caps.append(sliding_pool_pages(layout.window, page_size, max_num_seqs, max_batch_tokens))
+    if num_pages:
+        primary = num_pages
+    else:
+        secondary = sum(cap * len(layout.layers) * layer_page_bytes for cap, layout in zip(caps, layouts[1:]))
+        primary = int((budget_bytes - secondary) // (len(layouts[0].layers) * layer_page_bytes))
+        if caps and primary < max(caps):
+            # Too small a budget for the sliding pools' caps: split it evenly, every pool the same pages.
+            num_layers = sum(len(layout.layers) for layout in layouts)
+            primary = int(budget_bytes // (num_layers * layer_page_bytes))
+        primary = max(1, primary)
+    return [primary] + [min(primary, cap) for cap in caps]
 
 
-class BlockManager:
-    """Page pool, per-request block tables, prefix cache with reference counts and LRU eviction."""
+PageTables = tuple[tuple[int, ...], ...]
+"""One request's pages per group, in group order (-1: a page the sliding window released)."""
 
-    def __init__(
-        self,
-        num_blocks: int,
-        page_size: int,
-        enable_prefix_caching: bool = True,
-        sliding_window: int | None = None,
-        debug_checks: bool = False,
-    ) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-        self.num_blocks = num_blocks
-        self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window
-        self.debug_checks = debug_checks
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self._refcount = [0] * num_blocks
-        self._page_hash: list[int | None] = [None] * num_blocks
-        self._hash_to_page: dict[int, int] = {}
-        # A stack: pop() is O(1); reversed so that a fresh manager hands out page 0 first (readable tables).
-        self._free = list(range(num_blocks - 1, -1, -1))
-        # Insertion order is release order, so popitem(last=False) evicts the least recently released page.
-        self._cached: OrderedDict[int, None] = OrderedDict()
-        self._seqs: dict[str, _Sequence] = {}
-        # Hashes of prompt pages some sequence is computing right now (count of such sequences).
-        self._in_flight: dict[int, int] = {}
 
-    # -- queries -----------------------------------------------------------------------------------------------
+class KVCacheManager:
+    """The only KV-cache interface the scheduler sees: one `PagePool` per group, driven together.
+
+    The first pool is the primary one: it bounds admission, and its counters are the engine's cache statistics.
+    Whether a request can get more tokens is answered in one place, `allocate`, which either takes pages in every
+    pool and says which ones, or takes none.
+    """
+
+    def __init__(self, layouts: list[GroupLayout], pools: list[PagePool]) -> None:
+        if len(layouts) != len(pools) or not pools:
+            raise ValueError("one PagePool per group layout, at least one")
+        self.layouts = layouts
+        self.pools = pools
+        self._primary = pools[0]
+        self._single = len(pools) == 1
+        self.page_size = self._primary.page_size
+
+    # -- the primary pool's view: admission, limits and statistics --------------------------------------------
 
     @property
-    def num_free_blocks(self) -> int:
-        """Pages an allocation may take now: free ones plus cached-free ones (evicted on demand)."""
-        return len(self._free) + len(self._cached)
+    def num_pages(self) -> int:
+        return self._primary.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._primary.num_free_pages
 
     @property
     def usage(self) -> float:
-        """Fraction of pages referenced by some block table (cached-free pages count as unused)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return self._primary.usage
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    @property
+    def prefix_queries(self) -> int:
+        return self._primary.prefix_queries
 
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's page ids in position order (-1: released by the sliding window); [] when it holds none.
+    @property
+    def prefix_hits(self) -> int:
+        return self._primary.prefix_hits
 
-        This is the live list, not a copy (the runner reads every table every step): do not mutate it.
-        """
-        seq = self._seqs.get(request_id)
-        return seq.table if seq is not None else []
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens fits in the whole cache at all."""
+        return self._primary.pages_needed(num_tokens) <= self._primary.num_pages
 
     def prefix_in_flight(self, request: Request) -> bool:
-        """True when the first prompt page this request would have to compute is being computed by another one.
+        # Every pool computes the same tokens in the same step, so the primary pool's answer holds for all.
+        return self._primary.prefix_in_flight(request)
 
-        Admitting it a step or two later, once that page is committed, shares the pages instead of computing the
-        same prefix twice: `n` choices of one prompt, or concurrent requests with one system prompt.
+    # -- every pool ---------------------------------------------------------------------------------------------
+
+    def page_tables(self, request_id: str) -> PageTables:
+        """The request's whole page table in every pool (a copy)."""
+        return tuple(tuple(pool.page_table(request_id)) for pool in self.pools)
+
+    def match_prefix(self, request: Request) -> int:
+        """The longest prefix every pool holds: a token's K/V must be cached for all layers to be skipped."""
+        if self._single:
+            return self._primary.match_prefix(request)
+        # A sliding pool's hit lengths need not be every length below its longest (a shorter prefix may need a
+        # page it evicted), so shrink until every pool holds exactly the same prefix.
+        common = min(pool.cached_prefix_tokens(request) for pool in self.pools)
+        while True:
+            agreed = min(pool.cached_prefix_tokens(request, max_tokens=common) for pool in self.pools)
+            if agreed == common:
+                break
+            common = agreed
+        for pool in self.pools:
+            if pool.match_prefix(request, max_tokens=common) != common:
+                raise AssertionError("a pool matched another prefix than the one all pools agreed on")
+        return common
+
+    def allocate(self, request: Request, num_new_tokens: int, keep_free: int = 0) -> PageTables | None:
+        """Pages for `num_new_tokens` more tokens in every pool, or None (nothing taken) when they do not fit.
+
+        `keep_free` primary pages must stay free afterwards (the admission margin). Returns, per group, the pages
+        newly appended to the request's table (often none: the last page still has room).
         """
-        if not self.enable_prefix_caching or not self._in_flight:
-            return False
-        tokens = request.all_token_ids
-        for h in _page_hashes(tokens, self.page_size, self._matchable_pages(len(tokens))):
-            if h not in self._hash_to_page:
-                return h in self._in_flight
-        return False
-
-    # -- mutations -----------------------------------------------------------------------------------------------
-
-    def cached_prefix_tokens(self, request: Request, max_tokens: int | None = None) -> int:
-        """How many leading tokens `match_prefix(request, max_tokens)` would find cached now; takes nothing."""
-        if not self.enable_prefix_caching:
-            return 0
-        tokens = request.all_token_ids
-        matchable = self._matchable_pages(len(tokens), max_tokens)
-        return self._hit_pages(list(_page_hashes(tokens, self.page_size, matchable))) * self.page_size
-
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether `allocate(request, num_new_tokens)` would succeed now."""
-        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(
-            self.block_table(request.request_id)
-        )
-        return needed <= self.num_free_blocks
-
-    def match_prefix(self, request: Request, max_tokens: int | None = None) -> int:
-        """Take references on the cached full pages that start the request; return how many tokens they hold.
-
-        Call it on a request holding no pages, before its first allocate(). The page holding the last token is
-        never matched, so at least one token is left to compute and the model produces logits for it.
-        `max_tokens` (a multiple of page_size) caps the match: the page pools of a hybrid model must agree on
-        one prefix (see `KVCacheGroups`).
-
-        Counters: a first admission (`request.num_preemptions == 0`) adds its tokens to `prefix_queries` and the
-        hit to `prefix_hits`, but only once its allocate() succeeds. A scheduler that cannot admit the request
-        frees it and retries later, and that retry must not count the same request twice. A resume after
-        preemption re-matches (its own pages are likely still cached) but is not counted again.
-        """
-        if not self.enable_prefix_caching:
-            return 0
-        if self.block_table(request.request_id):
-            raise ValueError(f"request {request.request_id!r} already holds pages")
-        seq = self._seqs[request.request_id] = _Sequence()
-        tokens = request.all_token_ids
-        ps = self.page_size
-        # Hash every full page now; commit() registers them as they get computed instead of hashing again.
-        seq.hashes.extend(_page_hashes(tokens, ps, len(tokens) // ps))
-        hit_pages = self._hit_pages(seq.hashes[: self._matchable_pages(len(tokens), max_tokens)])
-        hit = hit_pages * ps
-        # Pages already out of the window of every token still to compute are never read: skip them.
-        released = self._num_outside_window(hit)
-        seq.table = [-1] * released
-        for h in seq.hashes[released:hit_pages]:
-            page = self._hash_to_page[h]
-            self._ref(page)
-            seq.table.append(page)
-        seq.num_registered = hit_pages
-        seq.num_released = released
-        seq.num_in_flight_end = len(seq.hashes)
-        for h in seq.hashes[hit_pages:]:
-            self._in_flight[h] = self._in_flight.get(h, 0) + 1
-        if request.num_preemptions == 0:
-            seq.pending_stats = (len(tokens), hit)
-        self._check()
-        return hit
-
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow the table to hold `num_computed_tokens + num_new_tokens` tokens; all or nothing.
-
-        Returns False, changing nothing, when fewer pages are free (cached-free ones included) than needed.
-        """
-        seq = self._seqs.get(request.request_id)
-        have = len(seq.table) if seq is not None else 0
-        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
-        if needed > self.num_free_blocks:
-            return False
-        if seq is None:
-            seq = self._seqs[request.request_id] = _Sequence()
-        for _ in range(needed):
-            seq.table.append(self._take_page())
-        if seq.pending_stats is not None:
-            queries, hits = seq.pending_stats
-            self.prefix_queries += queries
-            self.prefix_hits += hits
-            seq.pending_stats = None
-        self._check()
-        return True
+        if self._single:
+            pages = self._primary.allocate(request, num_new_tokens, keep_free)
+            return None if pages is None else (tuple(pages),)
+        if not self._primary.can_allocate(request, num_new_tokens, keep_free) or not all(
+            pool.can_allocate(request, num_new_tokens) for pool in self.pools[1:]
+        ):
+            return None
+        grants = []
+        for pool in self.pools:
+            pages = pool.allocate(request, num_new_tokens, keep_free if pool is self._primary else 0)
+            if pages is None:
+                raise AssertionError("a pool refused pages can_allocate promised")
+            grants.append(tuple(pages))
+        return tuple(grants)
 
     def commit(self, request: Request) -> None:
-        """Record progress after `request.num_computed_tokens` advanced.
-
-        Registers every page that became full in the prefix cache, and releases pages that fell entirely out of
-        the sliding window. A page whose hash is already registered (another request computed the same prefix
-        in parallel) stays unregistered: the cache keeps one page per hash and this one becomes free on release.
-        """
-        seq = self._seqs[request.request_id]
-        computed = request.num_computed_tokens
-        ps = self.page_size
-        # Hot path (every running request, every step): most steps fill no page and release none.
-        if self.sliding_window is None and (not self.enable_prefix_caching or computed // ps <= seq.num_registered):
+        """Record that `request.num_computed_tokens` advanced: full pages join the prefix cache."""
+        if self._single:
+            self._primary.commit(request)
             return
-        if computed > len(seq.table) * ps:
-            raise ValueError(
-                f"request {request.request_id!r} computed {computed} tokens but holds {len(seq.table)} pages"
-            )
-        if self.enable_prefix_caching:
-            num_full = computed // ps
-            for i in range(seq.num_registered, num_full):
-                if i < seq.num_in_flight_end:
-                    self._land(seq.hashes[i])
-                if i == len(seq.hashes):
-                    parent = seq.hashes[-1] if seq.hashes else None
-                    seq.hashes.append(_chain_hash(parent, _token_range(request, i * ps, (i + 1) * ps)))
-                h = seq.hashes[i]
-                if h not in self._hash_to_page:
-                    page = seq.table[i]
-                    self._page_hash[page] = h
-                    self._hash_to_page[h] = page
-            seq.num_registered = max(seq.num_registered, num_full)
-        release_to = self._num_outside_window(computed)
-        for i in range(seq.num_released, release_to):
-            self._unref(seq.table[i])
-            seq.table[i] = -1
-        seq.num_released = max(seq.num_released, release_to)
-        self._check()
+        for pool in self.pools:
+            pool.commit(request)
 
     def free(self, request_id: str) -> None:
-        """Drop the request's table; idempotent. Hashed pages nobody else uses become cached-free.
+        for pool in self.pools:
+            pool.free(request_id)
 
-        Pages are released last to first, so a sequence's tail (least likely to be shared) is evicted before
-        its head (a system prompt, say).
-        """
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return
-        for h in seq.hashes[seq.num_registered : seq.num_in_flight_end]:
-            self._land(h)
-        for page in reversed(seq.table):
-            if page != -1:
-                self._unref(page)
-        self._check()
-
-    # -- internals -------------------------------------------------------------------------------------------------
-
-    def _matchable_pages(self, num_tokens: int, max_tokens: int | None = None) -> int:
-        """Full pages a prefix match may cover: never the last token's page, whose logits must be computed."""
-        pages = (num_tokens - 1) // self.page_size
-        return pages if max_tokens is None else min(pages, max_tokens // self.page_size)
-
-    def _hit_pages(self, hashes: list[int]) -> int:
-        """Length in pages of the longest prefix of `hashes` whose pages a continuation would read.
-
-        Full attention reads every page, so that is the run of cached pages from the start. A sliding window
-        reads only the pages inside it: earlier pages may have been evicted and the prefix still counts.
-        """
-        hit = 0
-        run_start = 0  # first page of the run of cached pages ending at the current one
-        for i, h in enumerate(hashes):
-            if h not in self._hash_to_page:
-                run_start = i + 1
-            elif run_start <= self._num_outside_window((i + 1) * self.page_size):
-                hit = i + 1
-        return hit
-
-    def _num_outside_window(self, num_computed: int) -> int:
-        """Leading pages ending before `num_computed - sliding_window`: no token still to compute attends to them.
-
-        Positions from `num_computed` on attend at most `sliding_window` tokens back, so a page lying entirely
-        before `num_computed - sliding_window` is never read again, whether the window bound is inclusive or not.
-        """
-        if self.sliding_window is None:
-            return 0
-        return max(0, num_computed - self.sliding_window) // self.page_size
-
-    def _land(self, page_hash: int) -> None:
-        count = self._in_flight[page_hash] - 1
-        if count:
-            self._in_flight[page_hash] = count
-        else:
-            del self._in_flight[page_hash]
-
-    def _take_page(self) -> int:
-        if self._free:
-            page = self._free.pop()
-        else:
-            page, _ = self._cached.popitem(last=False)
-            # Its content is about to be overwritten: the prefix cache must stop pointing at it.
-            del self._hash_to_page[self._page_hash[page]]
-            self._page_hash[page] = None
-        self._refcount[page] = 1
-        return page
-
-    def _ref(self, page: int) -> None:
-        if self._refcount[page] == 0:
-            del self._cached[page]
-        self._refcount[page] += 1
-
-    def _unref(self, page: int) -> None:
-        count = self._refcount[page] - 1
-        if count < 0:
-            raise AssertionError(f"page {page} released more often than referenced")
-        self._refcount[page] = count
-        if count == 0:
-            if self._page_hash[page] is None:
-                self._free.append(page)
-            else:
-                self._cached[page] = None
-
-    def _check(self) -> None:
-        if self.debug_checks:
-            self.check_invariants()
+    def all_free(self) -> bool:
+        """Every page of every pool is free or merely cached."""
+        return all(pool.num_free_pages == pool.num_pages for pool in self.pools)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless free + cached-free + referenced == num_blocks and all counts agree.
-
-        O(num_blocks + total table length): for tests and debug_checks, not for the hot path.
-        """
-        expected = [0] * self.num_blocks
-        for seq in self._seqs.values():
-            for page in seq.table:
-                if page != -1:
-                    expected[page] += 1
-        problems: list[str] = []
-        if expected != self._refcount:
-            bad = [p for p in range(self.num_blocks) if expected[p] != self._refcount[p]]
-            problems.append(f"refcounts disagree with block tables on pages {bad[:10]}")
-        if len(set(self._free)) != len(self._free):
-            problems.append("a page is on the free list twice")
-        if any(self._refcount[p] or self._page_hash[p] is not None for p in self._free):
-            problems.append("a free page is referenced or hashed")
-        for page in self._cached:
-            h = self._page_hash[page]
-            if self._refcount[page] or h is None or self._hash_to_page.get(h) != page:
-                problems.append(f"cached-free page {page} is referenced or not registered")
-        in_flight: dict[int, int] = {}
-        for seq in self._seqs.values():
-            for h in seq.hashes[seq.num_registered : seq.num_in_flight_end]:
-                in_flight[h] = in_flight.get(h, 0) + 1
-        if in_flight != self._in_flight:
-            problems.append("in-flight prefix hashes disagree with the sequences computing them")
-        referenced = sum(1 for count in self._refcount if count > 0)
-        if len(self._free) + len(self._cached) + referenced != self.num_blocks:
-            problems.append(
-                f"free {len(self._free)} + cached {len(self._cached)} + referenced {referenced} "
-                f"!= {self.num_blocks} pages"
-            )
-        if any(self._page_hash[p] != h for h, p in self._hash_to_page.items()):
-            problems.append("prefix-cache index and page hashes disagree")
-        if sum(h is not None for h in self._page_hash) != len(self._hash_to_page):
-            problems.append("a hashed page is missing from the prefix-cache index")
-        if problems:
-            raise AssertionError("; ".join(problems))
+        for pool in self.pools:
+            pool.check_invariants()

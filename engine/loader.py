@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig
 from engine.models.cpu_linear import onednn_linear_available, pack_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
@@ -32,6 +32,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     native: bool
+    backend: AttentionBackend
+    """The attention kernels the model's layers call."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,10 +74,14 @@ def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(config: EngineConfig, backend: AttentionBackend) -> LoadedModel:
+def load_model(config: EngineConfig) -> LoadedModel:
+    """The model of `config` on its device, with the attention backend it runs with (sets torch's CPU threads)."""
     if not os.path.isfile(os.path.join(config.model, "config.json")):
         raise FileNotFoundError(f"{config.model!r} is not a model directory (no config.json)")
     device = resolve_device(config.device)
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    backend = select_backend(config.attention_backend, device.type, config.page_size)
     dtype = resolve_dtype(config.dtype, device)
     hf_config = AutoConfig.from_pretrained(config.model)
     limit = getattr(hf_config, "max_position_embeddings", None)
@@ -108,7 +114,9 @@ def load_model(config: EngineConfig, backend: AttentionBackend) -> LoadedModel:
     model.eval()
     if onednn_linear_available(device, dtype):
         pack_linears(model)
-    return LoadedModel(model, hf_config, _eos_ids(config.model, hf_config), max_model_len, device, dtype, native)
+    return LoadedModel(
+        model, hf_config, _eos_ids(config.model, hf_config), max_model_len, device, dtype, native, backend
+    )
 
 
 @torch.no_grad()

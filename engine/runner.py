@@ -1,27 +1,55 @@
-"""Owns the tensors: the paged KV cache, persistent step buffers, packing, and logits at last tokens.
+"""Executes a step's plan: owns the paged KV cache, persistent step buffers, the model and the sampler.
 
-Every scheduled token of every sequence goes into one unpadded row. Per-step work is per sequence, never per
-token: token ids are copied slice-wise into preallocated buffers and positions / slot mappings are computed with
-vectorised numpy ops from per-sequence offsets.
+`execute(plan)` packs every scheduled token of every sequence into one unpadded row, runs the model, computes
+logits only at the sampling sequences' last tokens, and samples. The runner keeps its own state per sequence
+(a row of the page-table buffer, what the sampler reads) from the plan's deltas: new requests arrive with their
+whole page tables, continuing ones with the pages appended this step, finished and preempted ones are dropped.
+
+Per-step work is per sequence, never per token: token ids are copied into preallocated buffers in one piece, and
+positions, page tables and slot mappings come from vectorised numpy ops over per-sequence offsets.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, StepMetadata
-from engine.kv_groups import GroupLayout
-from engine.request import Request
+from engine.attention import StepMetadata
+from engine.config import EngineConfig
+from engine.kv_cache import GroupLayout
+from engine.loader import LoadedModel
+from engine.request import SamplingParams
+from engine.sampler import Sampler
+from engine.step import ModelRunnerOutput, NewRequest, SchedulerOutput
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """The runner's view of one running request: its page-table row and what sampling reads."""
+
+    row: int
+    num_pages: list[int]
+    """Pages in its table, per group."""
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator_seed: int
+    prompt_ids: tuple[int, ...]
+    output_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
 
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     metas: list[StepMetadata]
-    """One per KV-cache group (positions shared, block tables and slot mappings its own)."""
+    """One per KV-cache group (positions shared, page tables and slot mappings its own)."""
     logits_rows: torch.Tensor  # [S] packed-row index of each sampling sequence's last token
 
     @property
@@ -32,45 +60,45 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self,
-        model: torch.nn.Module,
-        backend: AttentionBackend,
-        layouts: list[GroupLayout],
-        pool_sizes: list[int],
-        page_size: int,
-        max_batch_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
+        self, loaded: LoadedModel, layouts: list[GroupLayout], pool_pages: list[int], config: EngineConfig
     ) -> None:
+        model = loaded.model
         self.model = model
-        self.backend = backend
-        self.page_size = page_size
-        self.device = device
+        self.backend = loaded.backend
+        self.page_size = config.page_size
+        self.device = device = loaded.device
+        self.sampler = Sampler(loaded.hf_config.vocab_size, device, config.seed)
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
             for layer in layout.layers:
                 self.group_of_layer[layer] = g
         self.kv_caches = []
         for layer in range(model.num_layers):
-            shape = (pool_sizes[self.group_of_layer[layer]], page_size, model.num_kv_heads, model.head_dim)
+            shape = (pool_pages[self.group_of_layer[layer]], config.page_size, model.num_kv_heads, model.head_dim)
             self.kv_caches.append(
-                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                (
+                    torch.zeros(shape, dtype=loaded.dtype, device=device),
+                    torch.zeros(shape, dtype=loaded.dtype, device=device),
+                )
             )
-        max_pages = -(-max_model_len // page_size)
+        max_seqs, max_tokens = config.max_num_seqs, config.max_batch_tokens
+        max_pages = -(-loaded.max_model_len // config.page_size)
+        # Every running sequence's page table, one row each; a step gathers its sequences' rows.
+        self._tables = [np.zeros((max_seqs, max_pages), dtype=np.int32) for _ in layouts]
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._seqs: dict[str, _Sequence] = {}
         pin = device.type == "cuda"
         # Host staging buffers, reused every step; on CUDA they are pinned so copies to the device are async.
         self._host = {
-            "input_ids": torch.zeros(max_batch_tokens, dtype=torch.int64, pin_memory=pin),
-            "positions": torch.zeros(max_batch_tokens, dtype=torch.int64, pin_memory=pin),
-            "query_start_loc": torch.zeros(max_num_seqs + 1, dtype=torch.int32, pin_memory=pin),
-            "seq_lens": torch.zeros(max_num_seqs, dtype=torch.int32, pin_memory=pin),
-            "logits_rows": torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=pin),
+            "input_ids": torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin),
+            "positions": torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin),
+            "query_start_loc": torch.zeros(max_seqs + 1, dtype=torch.int32, pin_memory=pin),
+            "seq_lens": torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin),
+            "logits_rows": torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin),
         }
         for g in range(len(layouts)):
-            self._host[f"slot_mapping{g}"] = torch.zeros(max_batch_tokens, dtype=torch.int64, pin_memory=pin)
-            self._host[f"block_tables{g}"] = torch.zeros((max_num_seqs, max_pages), dtype=torch.int32, pin_memory=pin)
+            self._host[f"slot_mapping{g}"] = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin)
+            self._host[f"page_tables{g}"] = torch.zeros((max_seqs, max_pages), dtype=torch.int32, pin_memory=pin)
         self._np = {name: t.numpy() for name, t in self._host.items()}
         self._device_buffers = (
             {name: torch.empty_like(t, device=device) for name, t in self._host.items()} if pin else self._host
@@ -82,31 +110,65 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * page_size * model.num_kv_heads * model.head_dim * element
 
-    def prepare(
-        self,
-        requests: list[Request],
-        num_new_tokens: list[int],
-        block_tables: list[list[list[int]]],
-        sampling: list[bool],
-    ) -> StepInputs:
-        """`block_tables[g][i]`: request i's pages in KV-cache group g."""
-        num_seqs = len(requests)
-        q_lens = np.asarray(num_new_tokens, dtype=np.int64)
-        starts = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=num_seqs)
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the runner keeps state for (the running ones, once the plan's deltas are applied)."""
+        return len(self._seqs)
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one planned step: pack, forward, sample."""
+        started = time.perf_counter()
+        inputs = self.prepare(plan)
+        if inputs is None:
+            return ModelRunnerOutput()
+        prepared = time.perf_counter()
+        logits = self.forward(inputs)
+        forwarded = time.perf_counter()
+        sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples) if samples]
+        result = self.sampler(logits, sampling)
+        for seq, token in zip(sampling, result.token_ids):
+            seq.output_ids.append(token)
+        return ModelRunnerOutput(
+            result.token_ids,
+            result.logprobs,
+            prepare_seconds=prepared - started,
+            forward_seconds=forwarded - prepared,
+            sample_seconds=time.perf_counter() - forwarded,
+        )
+
+    def prepare(self, plan: SchedulerOutput) -> StepInputs | None:
+        """Apply the plan's deltas to the runner's state and build the step's inputs; None for an empty step."""
+        for request_id in itertools.chain(plan.preempted_ids, plan.finished_ids):
+            seq = self._seqs.pop(request_id, None)
+            if seq is not None:
+                self._free_rows.append(seq.row)
+        for new in plan.new_requests:
+            self._add(new)
+        for request_id, grant in plan.new_pages:
+            seq = self._seqs[request_id]
+            for g, pages in enumerate(grant):
+                held = seq.num_pages[g]
+                self._tables[g][seq.row, held : held + len(pages)] = pages
+                seq.num_pages[g] = held + len(pages)
+        if not plan.request_ids:
+            return None
+
+        num_seqs = len(plan.request_ids)
+        seq_rows = np.fromiter((self._seqs[rid].row for rid in plan.request_ids), dtype=np.intp, count=num_seqs)
+        q_lens = np.asarray(plan.num_new_tokens, dtype=np.int64)
+        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
         total = int(cu_q[-1])
         seq_lens = starts + q_lens
 
-        ids = self._np["input_ids"]
-        for request, start, n, offset in zip(requests, starts.tolist(), num_new_tokens, cu_q.tolist(), strict=False):
-            ids[offset : offset + n] = request.token_slice(start, start + n)
+        self._np["input_ids"][:total] = list(itertools.chain.from_iterable(plan.token_ids))
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = self._np["positions"][:total]
         positions[:] = np.repeat(starts - cu_q[:-1], q_lens) + np.arange(total)
         self._np["query_start_loc"][: num_seqs + 1] = cu_q
         self._np["seq_lens"][:num_seqs] = seq_lens
-        rows = cu_q[1:][np.asarray(sampling, dtype=bool)] - 1
+        rows = cu_q[1:][np.asarray(plan.samples, dtype=bool)] - 1
         self._np["logits_rows"][: len(rows)] = rows
 
         sizes = {
@@ -117,37 +179,54 @@ class ModelRunner:
             "logits_rows": len(rows),
         }
         dev = {name: self._to_device(name, n) for name, n in sizes.items()}
+        max_seq_len = int(seq_lens.max())
         shared = dict(
             positions=dev["positions"],
             query_start_loc=dev["query_start_loc"],
             seq_lens=dev["seq_lens"],
             query_start_loc_host=cu_q.tolist(),
-            query_lens_host=list(num_new_tokens),
+            query_lens_host=list(plan.num_new_tokens),
             seq_lens_host=seq_lens.tolist(),
             max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_seq_len,
             page_size=self.page_size,
         )
+        widest = -(-max_seq_len // self.page_size)
         metas = []
-        for g, group_tables in enumerate(block_tables):
-            widest = max(len(t) for t in group_tables)
-            tables = self._np[f"block_tables{g}"][:num_seqs, :widest]
-            tables.fill(0)
-            for row, table in zip(tables, group_tables, strict=True):
-                row[: len(table)] = table
-            np.maximum(tables, 0, out=tables)  # pages released by a sliding window (-1) are never read
+        for g, group_tables in enumerate(self._tables):
+            tables = self._np[f"page_tables{g}"][:num_seqs, :widest]
+            tables[:] = group_tables[seq_rows, :widest]
             self._np[f"slot_mapping{g}"][:total] = (
                 tables[seq_of_token, positions // self.page_size] * self.page_size + positions % self.page_size
             )
             meta = StepMetadata(
                 slot_mapping=self._to_device(f"slot_mapping{g}", total),
-                block_tables=self._to_device(f"block_tables{g}", num_seqs)[:, :widest],
-                block_tables_host=group_tables,
+                page_tables=self._to_device(f"page_tables{g}", num_seqs)[:, :widest],
+                page_tables_host=tables,
                 **shared,
             )
             self.backend.prepare(meta)
             metas.append(meta)
         return StepInputs(dev["input_ids"], metas, dev["logits_rows"])
+
+    def _add(self, new: NewRequest) -> None:
+        if new.request_id in self._seqs:
+            raise ValueError(f"the runner already runs {new.request_id!r}")
+        row = self._free_rows.pop()
+        for tables, pages in zip(self._tables, new.page_tables, strict=True):
+            tables[row].fill(0)
+            if pages:
+                # Pages a sliding window released (-1) are outside every visible range: any page id will do.
+                tables[row, : len(pages)] = np.maximum(pages, 0)
+        self._seqs[new.request_id] = _Sequence(
+            row,
+            [len(pages) for pages in new.page_tables],
+            new.params,
+            new.eos_token_ids,
+            new.generator_seed,
+            new.prompt_ids,
+            list(new.output_ids),
+        )
 
     def _to_device(self, name: str, n: int) -> torch.Tensor:
         host = self._host[name][:n]
@@ -156,7 +235,7 @@ class ModelRunner:
         return self._device_buffers[name][:n].copy_(host, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
         """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens."""
         layer_metas = [inputs.metas[g] for g in self.group_of_layer]
         hidden = self.model(inputs.input_ids, inputs.meta.positions, layer_metas, self.kv_caches)

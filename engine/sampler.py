@@ -12,12 +12,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from engine.request import Request, SamplingParams, TokenLogprob
+from engine.request import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
+
+
+class SamplingState(Protocol):
+    """What sampling reads of a sequence: its parameters, its tokens so far, its seed."""
+
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator_seed: int
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def _splitmix64(x: int) -> int:
@@ -84,7 +102,7 @@ class Sampler:
         self._pin_memory = self.device.type == "cuda"
         self._positions = torch.arange(vocab_size, device=self.device)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> SampleResult:
         """`logits`: [len(requests), >= vocab_size], one row per request, in the same order."""
         if not requests:
             return SampleResult([], [])
@@ -102,7 +120,7 @@ class Sampler:
             tokens = argmax_rows(work).index_copy_(0, rows, picked)
         return self._collect(logits, tokens, requests)
 
-    def apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         """Logits after repetition, presence, frequency penalties and the min_new_tokens ban, in that order.
 
         Returns `logits` itself when no request needs any of them, so the common case costs nothing; otherwise
@@ -167,7 +185,7 @@ class Sampler:
             work[self._tensor(ban_rows, torch.long), self._tensor(ban_tokens, torch.long)] = float("-inf")
         return work
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then an exponential race per row; every row here samples."""
         params = [request.params for request in requests]
         x = logits / self._tensor([p.temperature for p in params], torch.float32)[:, None]
@@ -211,7 +229,7 @@ class Sampler:
             threshold = ordered.gather(1, keep[:, None] - 1)
         x.masked_fill_(x < threshold, float("-inf"))
 
-    def _gumbel_noise(self, requests: Sequence[Request]) -> torch.Tensor:
+    def _gumbel_noise(self, requests: Sequence[SamplingState]) -> torch.Tensor:
         """G = -log(E), E = -log(U) ~ Exp(1), one row per request drawn from that request's own stream.
 
         The loop over requests is the price of per-request reproducibility: one batched draw would make a
@@ -230,7 +248,7 @@ class Sampler:
         # E = 0 (U = 1 after rounding) would make G = +inf and pick its token whatever p is.
         return noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_()
 
-    def _collect(self, logits: torch.Tensor, tokens: torch.Tensor, requests: Sequence[Request]) -> SampleResult:
+    def _collect(self, logits: torch.Tensor, tokens: torch.Tensor, requests: Sequence[SamplingState]) -> SampleResult:
         """Bring the tokens, and logprobs where asked, to the host in one device->host transfer."""
         wanted = [row for row, request in enumerate(requests) if request.params.logprobs]
         if not wanted:

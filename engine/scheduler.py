@@ -1,6 +1,7 @@
-"""Iteration-level scheduling: which requests run in the next step, and how many tokens each computes.
+"""Iteration-level scheduling: which requests run in the next step, and how many tokens each computes; and,
+after the step, what it did to each request (tokens appended, stop rules, finishing, freeing).
 
-Pure Python (no torch). A request's progress is `num_computed_tokens` out of `num_tokens`, so prefill, chunked
+Only the scheduler changes a `Request`. Pure Python (no torch). A request's progress is `num_computed_tokens` out of `num_tokens`, so prefill, chunked
 prefill, decode and recompute after preemption are the same thing: compute the missing tokens, within the
 step's token budget (`max_batch_tokens`) and sequence limit (`max_num_seqs`).
 
@@ -15,12 +16,11 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
-from engine.kv_groups import KVCacheGroups
-from engine.request import FinishReason, Request, RequestStatus
+from engine.kv_cache import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus, StepOutput, TokenLogprob
+from engine.step import ModelRunnerOutput, NewRequest, PageTables, SchedulerOutput
 
 
 class RequestQueue:
@@ -72,69 +72,71 @@ class RequestQueue:
         return self._items.pop(request_id, None)
 
 
-@dataclass
-class ScheduledBatch:
-    """One step's work: `requests[i]` computes `num_new_tokens[i]` tokens from its `num_computed_tokens`."""
-
-    requests: list[Request] = field(default_factory=list)
-    """Packing order."""
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    """Requests preempted while building this batch (now back in the waiting queue, holding no pages)."""
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-
-class _BatchBuilder:
-    """A ScheduledBatch under construction, with the budget left."""
+class _StepBuilder:
+    """One step's plan under construction, with the budget left."""
 
     def __init__(self, max_tokens: int, max_seqs: int) -> None:
-        self.batch = ScheduledBatch()
+        self.requests: list[Request] = []
+        self.num_new_tokens: list[int] = []
+        self.preempted: list[Request] = []
+        self.admitted: set[str] = set()
+        """Requests admitted this step: new to the runner."""
+        self.grants: dict[str, PageTables] = {}
+        """Pages appended this step, per request."""
         self.budget = max_tokens
         self._max_seqs = max_seqs
 
     @property
     def full(self) -> bool:
-        return self.budget == 0 or len(self.batch.requests) >= self._max_seqs
+        return self.budget == 0 or len(self.requests) >= self._max_seqs
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.batch.requests.append(request)
-        self.batch.num_new_tokens.append(num_new_tokens)
+    def add(self, request: Request, num_new_tokens: int, grant: PageTables) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
         self.budget -= num_new_tokens
+        if any(grant):
+            self.grants[request.request_id] = grant
 
-    def preempted(self, request: Request) -> None:
-        """Record a preemption; a request admitted earlier in this same step also leaves the batch."""
-        self.batch.preempted.append(request)
-        for i, scheduled in enumerate(self.batch.requests):
+    def preempt(self, request: Request) -> None:
+        """Record a preemption; a request added earlier in this same step also leaves the plan."""
+        self.preempted.append(request)
+        self.admitted.discard(request.request_id)
+        self.grants.pop(request.request_id, None)
+        for i, scheduled in enumerate(self.requests):
             if scheduled is request:
-                del self.batch.requests[i]
-                self.budget += self.batch.num_new_tokens.pop(i)
+                del self.requests[i]
+                self.budget += self.num_new_tokens.pop(i)
                 return
 
 
 class Scheduler:
-    """Builds each step's batch from the running and waiting requests; owns their status transitions.
+    """Plans each step from the running and waiting requests (`schedule`) and applies its result (`update`).
 
     `waiting` and `running` are RequestQueues (ordered, O(1) removal by id) rather than the deque and list
     the interface names; they support the same len/iteration/`in` uses.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager | KVCacheGroups) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
         self.config = config
-        self.block_manager = block_manager
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
         self.waiting = RequestQueue()
         """Arrival order; preempted requests go back to the front."""
         self.running = RequestQueue()
         """Admission order: the last one is the newest, the first to be preempted."""
         self.num_preemptions = 0
         # Whole pages; rounded first so that float noise (0.07 * 100 = 7.000000000000001) does not add a page.
-        self._margin_blocks = math.ceil(round(config.safety_margin * block_manager.num_blocks, 6))
+        self._margin_pages = math.ceil(round(config.safety_margin * kv_cache.num_pages, 6))
+        self._finished_ids: list[str] = []
+        """Finished since the last plan (the runner forgets them)."""
+        self._pending: list[StepOutput] = []
+        """Final outputs of aborted requests, emitted by the next update()."""
+        self._planned: list[Request] = []
+        """The requests of the last plan, in its order: update() applies the step's result to them."""
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return bool(self.waiting) or bool(self.running) or bool(self._pending)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.waiting or request.request_id in self.running:
@@ -142,27 +144,21 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish a waiting or running request with ABORT; None (and no effect) for unknown or finished ids."""
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Finish a waiting or running request with ABORT now (its pages free at once); the next update() emits
+        its final output, with `error` when given. False (and no effect) for unknown or finished ids."""
         request = self.running.get(request_id) or self.waiting.get(request_id)
         if request is None:
-            return None
-        self.finish(request, FinishReason.ABORT)
-        return request
+            return False
+        self._finish(request, FinishReason.ABORT)
+        output = _delta(request, [], None, None)
+        output.error = error
+        self._pending.append(output)
+        return True
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """Free the request's pages now, so the next schedule() can admit a waiting request into them."""
-        if request.finished:
-            return
-        self.running.remove(request.request_id)
-        self.waiting.remove(request.request_id)
-        self.block_manager.free(request.request_id)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's requests and token counts (see the module docstring and SPEC.md for the rules)."""
-        builder = _BatchBuilder(self.config.max_batch_tokens, self.config.max_num_seqs)
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts (see the module docstring for the rules)."""
+        builder = _StepBuilder(self.config.max_batch_tokens, self.config.max_num_seqs)
         if self.config.scheduler_policy == "prefill_first":
             already_running = list(self.running)
             self._admit_waiting(builder)
@@ -170,22 +166,94 @@ class Scheduler:
         else:
             self._schedule_running(list(self.running), builder)
             # Pages just taken from a preempted request go to running ones: admitting now would only thrash.
-            if not builder.batch.preempted:
+            if not builder.preempted:
                 self._admit_waiting(builder)
-        return builder.batch
+        return self._plan(builder)
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: the batch's tokens now have K/V in the cache."""
-        for request, num_new in zip(batch.requests, batch.num_new_tokens, strict=True):
-            # Aborted while the step ran: its pages are already free.
+    def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
+        """Apply a step's result: its tokens now have K/V in the cache, sampled tokens are appended, stop rules
+        finish requests (freeing their pages for the next plan). Returns every request's news, aborts included."""
+        requests, self._planned = self._planned, []
+        if len(requests) != len(plan.request_ids):
+            raise ValueError("update() takes the result of the last plan schedule() returned")
+        if len(result.token_ids) != plan.num_sampling or len(result.logprobs) != plan.num_sampling:
+            raise ValueError(f"the plan samples {plan.num_sampling} requests, the result has other counts")
+        outputs, self._pending = self._pending, []
+        sampled = zip(result.token_ids, result.logprobs)
+        now = time.monotonic()
+        for request, num_new, samples in zip(requests, plan.num_new_tokens, plan.samples, strict=True):
+            token, logprob = next(sampled) if samples else (None, None)
+            # Aborted while the step ran: its pages are already free and its final output queued.
             if request.finished:
                 continue
             request.num_computed_tokens += num_new
-            self.block_manager.commit(request)
+            self.kv_cache.commit(request)
+            if token is None:
+                continue
+            request.output_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            outputs.append(_delta(request, [token], logprob, [now] if request.params.record_timestamps else None))
+        return outputs
 
     # -- internals -----------------------------------------------------------------------------------------------
 
-    def _schedule_running(self, requests: list[Request], builder: _BatchBuilder) -> None:
+    def _plan(self, builder: _StepBuilder) -> SchedulerOutput:
+        requests = builder.requests
+        self._planned = requests
+        starts = [r.num_computed_tokens for r in requests]
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            request_ids=tuple(r.request_id for r in requests),
+            num_computed_tokens=tuple(starts),
+            num_new_tokens=tuple(builder.num_new_tokens),
+            token_ids=tuple(
+                r.token_slice(start, start + n) for r, start, n in zip(requests, starts, builder.num_new_tokens)
+            ),
+            samples=tuple(
+                start + n == r.num_tokens for r, start, n in zip(requests, starts, builder.num_new_tokens)
+            ),
+            new_requests=tuple(self._new_request(r) for r in requests if r.request_id in builder.admitted),
+            new_pages=tuple(
+                (rid, grant) for rid, grant in builder.grants.items() if rid not in builder.admitted
+            ),
+            preempted_ids=tuple(r.request_id for r in builder.preempted),
+            finished_ids=tuple(finished),
+        )
+
+    def _new_request(self, request: Request) -> NewRequest:
+        return NewRequest(
+            request_id=request.request_id,
+            prompt_ids=tuple(request.prompt_ids),
+            output_ids=tuple(request.output_ids),
+            params=request.params,
+            eos_token_ids=request.eos_token_ids,
+            generator_seed=request.generator_seed,
+            page_tables=self.kv_cache.page_tables(request.request_id),
+        )
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        generated = len(request.output_ids)
+        if generated >= params.min_new_tokens and (
+            (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if generated >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Free the request's pages now, so the next schedule() can admit a waiting request into them."""
+        self.running.remove(request.request_id)
+        self.waiting.remove(request.request_id)
+        self.kv_cache.free(request.request_id)
+        self._finished_ids.append(request.request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    def _schedule_running(self, requests: list[Request], builder: _StepBuilder) -> None:
         """Give each running request (oldest first) its missing tokens, up to the budget left."""
         for request in requests:
             if builder.full:
@@ -196,28 +264,29 @@ class Scheduler:
             needed = request.num_tokens - request.num_computed_tokens
             if needed <= 0:
                 raise RuntimeError(
-                    f"running request {request.request_id!r} has nothing to compute: the engine must append "
-                    "a sampled token or finish() it after every step that computes its last token"
+                    f"running request {request.request_id!r} has nothing to compute: update() must append "
+                    "a sampled token or finish it after every step that computes its last token"
                 )
             num_new = min(needed, builder.budget)
-            if self._reserve_pages(request, num_new, builder):
-                builder.add(request, num_new)
+            grant = self._reserve_pages(request, num_new, builder)
+            if grant is not None:
+                builder.add(request, num_new, grant)
 
-    def _reserve_pages(self, request: Request, num_new: int, builder: _BatchBuilder) -> bool:
+    def _reserve_pages(self, request: Request, num_new: int, builder: _StepBuilder) -> PageTables | None:
         """Allocate pages for `num_new` more tokens, preempting the newest running requests until they fit.
 
-        Returns False when the request had to preempt itself. Terminates: every failed try removes one request
+        Returns None when the request had to preempt itself. Terminates: every failed try removes one request
         from `running`, and the request itself is in it.
         """
-        while not self.block_manager.allocate(request, num_new):
+        while (grant := self.kv_cache.allocate(request, num_new)) is None:
             victim = self.running.last()
             self._preempt(victim, builder)
             if victim is request:
-                return False
-        return True
+                return None
+        return grant
 
-    def _preempt(self, request: Request, builder: _BatchBuilder) -> None:
-        self.block_manager.free(request.request_id)
+    def _preempt(self, request: Request, builder: _StepBuilder) -> None:
+        self.kv_cache.free(request.request_id)
         self.running.remove(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -226,32 +295,32 @@ class Scheduler:
         # Front of the queue: it was admitted before everything still waiting. Victims are taken newest first,
         # so several preempted in one step end up in their original admission order.
         self.waiting.appendleft(request)
-        builder.preempted(request)
+        builder.preempt(request)
 
-    def _admit_waiting(self, builder: _BatchBuilder) -> None:
+    def _admit_waiting(self, builder: _StepBuilder) -> None:
         """Admit waiting requests in order until one does not fit; never skip ahead (no starvation)."""
-        bm = self.block_manager
+        kv = self.kv_cache
         while self.waiting and not builder.full and len(self.running) < self.config.max_num_seqs:
             # The margin keeps room for running sequences to grow; with none running it would only block the
             # queue forever when a first chunk needs more than the pages outside the margin.
-            reserve = self._margin_blocks if self.running else 0
+            reserve = self._margin_pages if self.running else 0
             # Every admission needs at least one new page (the last token's page is never a prefix hit), so a
             # full cache can stop here without hashing the prompt.
-            if bm.num_free_blocks - 1 < reserve:
+            if kv.num_free_pages - 1 < reserve:
                 return
             request = self.waiting.first()
             # Its prefix is being computed right now: wait for it (a step or two) and share it, rather than compute
             # it twice. No skipping ahead, so the queue behind it waits too.
-            if bm.prefix_in_flight(request):
+            if kv.prefix_in_flight(request):
                 return
-            hit = bm.match_prefix(request)
+            hit = kv.match_prefix(request)
             request.num_computed_tokens = hit
             num_new = min(request.num_tokens - hit, builder.budget)
-            new_pages = bm.blocks_needed(hit + num_new) - len(bm.block_table(request.request_id))
-            if bm.num_free_blocks - new_pages < reserve or not bm.allocate(request, num_new):
+            grant = kv.allocate(request, num_new, keep_free=reserve)
+            if grant is None:
                 # Give back the prefix pages just matched: holding them while waiting could keep an older
                 # request (preempted to the front of the queue) from ever fitting.
-                bm.free(request.request_id)
+                kv.free(request.request_id)
                 request.num_computed_tokens = 0
                 return
             self.waiting.popleft()
@@ -261,4 +330,24 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            builder.add(request, num_new)
+            builder.admitted.add(request.request_id)
+            builder.add(request, num_new, grant)
+
+
+def _delta(
+    request: Request, tokens: list[int], logprob: TokenLogprob | None, timestamps: list[float] | None
+) -> StepOutput:
+    """One request's news from one step."""
+    queue = None
+    if len(request.output_ids) == len(tokens) and request.first_scheduled_time is not None:
+        queue = request.first_scheduled_time - request.arrival_time
+    return StepOutput(
+        request_id=request.request_id,
+        new_token_ids=tokens,
+        finish_reason=request.finish_reason,
+        new_logprobs=[logprob] if logprob is not None else None,
+        new_timestamps=timestamps,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        queue_seconds=queue,
+    )

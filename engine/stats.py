@@ -9,8 +9,9 @@ from dataclasses import dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
+    num_pages: int
+    """KV-cache pages of the primary pool (`--num-blocks` sets it)."""
+    num_free_pages: int
     kv_cache_usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int

@@ -51,12 +51,12 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
     shapes = [(0, 37), (0, 5), (90, 30), (17, 64), *decodes, (200, 1), (0, 1)]
     rng.shuffle(shapes)
     tables_needed = [-(-(c + n) // page_size) for c, n in shapes]
-    num_blocks = sum(tables_needed) + 3
+    num_pages = sum(tables_needed) + 3
     runner = ModelRunner(
         _Shapes(),
         TorchPagedBackend(),
         ONE_GROUP,
-        [num_blocks],
+        [num_pages],
         page_size,
         4096,
         64,
@@ -64,7 +64,7 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
         torch.device("cpu"),
         torch.float32,
     )
-    free = list(range(num_blocks))
+    free = list(range(num_pages))
     rng.shuffle(free)
     requests, tables = [], []
     for i, ((computed, new), pages) in enumerate(zip(shapes, tables_needed, strict=True)):

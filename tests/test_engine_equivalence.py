@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
-from engine.kv_groups import sliding_pool_pages
+from engine.kv_cache import sliding_pool_pages
+from engine.observer import StepRecord
 
 ARCHS = ["llama", "qwen3", "mistral", "qwen2", "qwen2_hybrid", "gpt2", "gpt_neox", "demo"]
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"
@@ -59,18 +60,22 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+class _QueryLens:
+    """Keeps each step's tokens per sequence."""
+
+    def __init__(self, into: list[list[int]]) -> None:
+        self.into = into
+
+    def on_step(self, record: StepRecord) -> None:
+        if record.plan.request_ids:
+            self.into.append(list(record.plan.num_new_tokens))
+
+
 def _run(model_path: Path, prompts, max_new, **overrides) -> tuple[EngineCore, list[list[int]], list[list[int]]]:
     # A few hundred pages: a 1 GiB default cache would make every debug invariant check scan ~10^5 pages.
     config = EngineConfig(model=str(model_path), debug_checks=True, **{"num_blocks": 512, **overrides})
-    engine = EngineCore(config)
     query_lens: list[list[int]] = []
-    prepare = engine.runner.prepare
-
-    def recording_prepare(requests, num_new_tokens, *args):
-        query_lens.append(list(num_new_tokens))
-        return prepare(requests, num_new_tokens, *args)
-
-    engine.runner.prepare = recording_prepare
+    engine = EngineCore(config, observers=[_QueryLens(query_lens)])
     params = [SamplingParams(max_new_tokens=n) for n in max_new]
     results = generate_batch(prompts, params=params, engine=engine)
     outputs = [results[f"req_{i}"].generated_ids for i in range(len(prompts))]
@@ -86,7 +91,7 @@ def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, set
     for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         assert got == want, f"{arch}/{setup}: request {i} (prompt {len(prompts[i])} tokens) diverged"
     assert engine.is_idle_and_clean()
-    engine.block_manager.check_invariants()
+    engine.kv_cache.check_invariants()
     if setup == "mixed":
         assert any(1 in lens and max(lens) > 1 for lens in query_lens), "no step mixed prefill and decode"
     if setup == "chunked":
@@ -116,7 +121,7 @@ def test_sliding_window_releases_pages(model_dir: Callable[[str], Path]) -> None
     engine = EngineCore(EngineConfig(model=str(path), page_size=4, num_blocks=64, debug_checks=True))
     engine.add_request("a", prompt, SamplingParams(max_new_tokens=4))
     engine.step()
-    table = engine.block_manager.block_table("a")
+    (table,) = engine.kv_cache.page_tables("a")
     assert -1 in table, "pages far outside the window should have been released"
     live = [p for p in table if p >= 0]
     assert len(live) * 4 <= 24 + 2 * 4
@@ -131,16 +136,16 @@ def test_hybrid_model_sliding_layers_release_pages(model_dir: Callable[[str], Pa
     path = model_dir("qwen2_hybrid")  # layer 0 full attention, layer 1 sliding window 20
     config = EngineConfig(model=str(path), page_size=4, max_num_seqs=8, max_batch_tokens=128, debug_checks=True)
     engine = EngineCore(config)
-    primary, sliding = engine.block_manager.managers
-    assert [layout.window for layout in engine.block_manager.layouts] == [None, 20]
-    assert sliding.num_blocks == sliding_pool_pages(20, 4, max_num_seqs=8, max_batch_tokens=128) < primary.num_blocks
-    assert [cache[0].shape[0] for cache in engine.runner.kv_caches] == [primary.num_blocks, sliding.num_blocks]
+    primary, sliding = engine.kv_cache.pools
+    assert [layout.window for layout in engine.kv_cache.layouts] == [None, 20]
+    assert sliding.num_pages == sliding_pool_pages(20, 4, max_num_seqs=8, max_batch_tokens=128) < primary.num_pages
+    assert [cache[0].shape[0] for cache in engine.runner.kv_caches] == [primary.num_pages, sliding.num_pages]
     engine.add_request("a", list(range(10, 90)), SamplingParams(max_new_tokens=4))
     engine.step()
-    full_table, window_table = engine.block_manager.block_tables(["a"])
-    assert -1 not in full_table[0]
-    assert window_table[0].count(-1) == (80 - 20) // 4
-    assert len([p for p in window_table[0] if p >= 0]) * 4 <= 20 + 2 * 4
+    full_table, window_table = engine.kv_cache.page_tables("a")
+    assert -1 not in full_table
+    assert window_table.count(-1) == (80 - 20) // 4
+    assert len([p for p in window_table if p >= 0]) * 4 <= 20 + 2 * 4
     while engine.has_unfinished():
         engine.step()
     assert engine.is_idle_and_clean()

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -21,8 +22,8 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths (cu_seqlens_q)
     seq_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step
-    block_tables: torch.Tensor  # [B, max_pages] int32; released/absent pages hold 0 and are never read
-    block_tables_host: list[list[int]]  # the same, unpadded; -1 marks pages a sliding window released
+    page_tables: torch.Tensor  # [B, max_pages] int32; pages outside a sequence's visible range are never read
+    page_tables_host: np.ndarray  # [B, max_pages] int32, the same on the host (unused columns hold 0)
     query_start_loc_host: list[int]
     query_lens_host: list[int]
     seq_lens_host: list[int]
@@ -49,7 +50,7 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor,  # [T, Hkv, D]
         value: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, page_size, Hkv, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_pages, page_size, Hkv, D]
         meta: StepMetadata,
         scale: float,
         sliding_window: int | None,

@@ -42,7 +42,7 @@ class FlashBackend(AttentionBackend):
         torch.cumsum(seq_lens, 0, out=cu_seqlens_k[1:])
         meta.backend_state["cu_seqlens_k"] = cu_seqlens_k
         # The runner hands a column slice of its persistent table buffer; the kernels want unit-stride rows.
-        meta.backend_state["block_tables"] = meta.block_tables.contiguous()
+        meta.backend_state["page_tables"] = meta.page_tables.contiguous()
 
     def forward(
         self,
@@ -62,7 +62,7 @@ class FlashBackend(AttentionBackend):
                 kv_cache[0],
                 kv_cache[1],
                 cache_seqlens=meta.seq_lens,
-                block_table=meta.backend_state["block_tables"],
+                block_table=meta.backend_state["page_tables"],
                 softmax_scale=scale,
                 causal=True,
                 window_size=window,
@@ -79,5 +79,5 @@ class FlashBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
             window_size=window,
-            block_table=meta.backend_state["block_tables"],
+            block_table=meta.backend_state["page_tables"],
         )

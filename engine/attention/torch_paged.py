@@ -78,9 +78,9 @@ def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def _gather(kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of whole pages, page after page: two `[len(pages) * page_size, Hkv, D]` copies."""
-    num_blocks, _, kv_heads, dim = kv_cache[0].shape
-    keys = kv_cache[0].view(num_blocks, -1).index_select(0, pages).view(-1, kv_heads, dim)
-    values = kv_cache[1].view(num_blocks, -1).index_select(0, pages).view(-1, kv_heads, dim)
+    num_pages, _, kv_heads, dim = kv_cache[0].shape
+    keys = kv_cache[0].view(num_pages, -1).index_select(0, pages).view(-1, kv_heads, dim)
+    values = kv_cache[1].view(num_pages, -1).index_select(0, pages).view(-1, kv_heads, dim)
     return keys, values
 
 
@@ -99,7 +99,7 @@ class TorchPagedBackend(AttentionBackend):
     def _build_plan(meta: StepMetadata, window: int | None, dtype: torch.dtype) -> _Plan:
         ps = meta.page_size
         device = meta.positions.device
-        tables = meta.block_tables_host
+        tables = meta.page_tables_host
         chunk_pages: list[int] = []
         chunks: list[_Chunk] = []
         decodes: list[tuple[int, int, _Visible]] = []  # (sequence, total, visible)
@@ -143,7 +143,7 @@ class TorchPagedBackend(AttentionBackend):
             key_from = np.empty((len(members), 1), dtype=np.int64)
             key_to = np.empty((len(members), 1), dtype=np.int64)
             for row, (i, total, vis) in enumerate(members):
-                own = meta.block_tables_host[i][vis.first_page : vis.last_page + 1]
+                own = meta.page_tables_host[i][vis.first_page : vis.last_page + 1]
                 pages[row, : len(own)] = own
                 key_from[row] = vis.first_key - vis.first_page * ps
                 key_to[row] = total - vis.first_page * ps

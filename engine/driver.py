@@ -1,0 +1,155 @@
+"""The one engine loop, and the typed messages it takes and emits.
+
+Every way of running the engine goes through `EngineLoop`: `generate_batch` (in the calling thread), the
+`ContinuousBatchingManager` (a background thread) and the server's engine process (over pipes). Each supplies
+an `Inbox` that the loop drains between steps, and a `publish` callback that receives one message per step.
+The transports differ; the protocol, defined here, does not.
+
+Loop: take the waiting messages (adds, aborts, shutdown), run one step when there is work, publish ONE
+`StepMessage` with every request's deltas, the requests accepted and rejected since the last message, and the
+engine's statistics. When there is nothing to do it waits on the inbox and publishes a `Heartbeat` each time
+the wait ends empty, so a watcher can tell the loop is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from engine.request import QueueFull, RequestRejected, SamplingParams, StepOutput
+from engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+MAX_MESSAGES_PER_STEP = 256
+"""Messages handled between two steps at most, so a flood of adds cannot stall requests already running."""
+
+
+# -- into the engine -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequests:
+    requests: list[EngineRequest]
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    request_ids: list[str]
+    error: str | None = None
+    """Set when the requests end because something failed: their final outputs carry it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    drain: bool = False
+    """Finish the requests in flight first, then stop (instead of stopping now)."""
+
+
+EngineInput = AddRequests | AbortRequests | Shutdown
+
+
+# -- out of the engine -----------------------------------------------------------------------------------------
+
+RejectionKind = Literal["invalid", "queue_full", "internal"]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why the engine refused to add a request (exceptions do not pickle with their extra fields)."""
+
+    request_id: str
+    kind: RejectionKind
+    message: str
+    code: str
+
+
+@dataclass(slots=True)
+class StepMessage:
+    stats: EngineStats
+    outputs: list[StepOutput] = field(default_factory=list)
+    accepted: list[str] = field(default_factory=list)
+    """Requests added since the previous message; they precede their own outputs."""
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    stats: EngineStats
+
+
+EngineOutput = StepMessage | Heartbeat
+
+
+class Inbox(Protocol):
+    def receive(self, timeout: float, limit: int) -> list[EngineInput]:
+        """Up to `limit` waiting messages; when none is waiting, wait up to `timeout` seconds (0: do not wait)."""
+        ...
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, inbox: Inbox, publish: Callable[[EngineOutput], None]) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.publish = publish
+        self._accepted: list[str] = []
+        self._rejected: list[Rejection] = []
+
+    def run(self) -> None:
+        """Until a `Shutdown` (once drained, if it asks for that). Exceptions of the engine propagate."""
+        engine = self.engine
+        draining = False
+        while True:
+            busy = engine.has_unfinished()
+            messages = self.inbox.receive(0 if busy or draining else HEARTBEAT_INTERVAL_S, MAX_MESSAGES_PER_STEP)
+            for message in messages:
+                if isinstance(message, AddRequests):
+                    for request in message.requests:
+                        self._add(request)
+                elif isinstance(message, AbortRequests):
+                    for request_id in message.request_ids:
+                        engine.abort_request(request_id, message.error)
+                elif isinstance(message, Shutdown):
+                    if not message.drain:
+                        return
+                    draining = True
+                else:
+                    raise TypeError(f"unexpected message for the engine: {message!r}")
+            # Pending aborts count as unfinished: their final ABORT outputs (and freed pages) come from a step.
+            stepped = engine.has_unfinished()
+            outputs = engine.step() if stepped else []
+            if stepped or self._accepted or self._rejected:
+                self.publish(StepMessage(engine.stats(), outputs, self._accepted, self._rejected))
+                self._accepted, self._rejected = [], []
+            elif draining:
+                return
+            elif not messages:
+                self.publish(Heartbeat(engine.stats()))
+
+    def _add(self, request: EngineRequest) -> None:
+        request_id = request.request_id
+        try:
+            self.engine.add_request(request_id, request.prompt_ids, request.params)
+        except QueueFull as exc:
+            self._rejected.append(Rejection(request_id, "queue_full", str(exc), "queue_full"))
+        except RequestRejected as exc:
+            self._rejected.append(Rejection(request_id, "invalid", str(exc), exc.code))
+        except Exception as exc:
+            # One bad request must not take down everyone else's: report it and keep serving.
+            logger.exception("add_request(%s) failed", request_id)
+            self._rejected.append(Rejection(request_id, "internal", f"{type(exc).__name__}: {exc}", "internal_error"))
+        else:
+            self._accepted.append(request_id)

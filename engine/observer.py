@@ -1,0 +1,39 @@
+"""Watching the engine step without touching it: observers subscribe to one record per step.
+
+Benchmarks and tests read batch shapes, phase times and outputs from here instead of wrapping engine methods.
+An observer runs in the engine's thread right after the step, so it must be quick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.request import StepOutput
+from engine.step import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step as it happened: the plan, what the runner produced, what the step emitted, and its phase times."""
+
+    plan: SchedulerOutput
+    result: ModelRunnerOutput
+    outputs: list[StepOutput]
+    schedule_seconds: float
+    update_seconds: float
+    """Applying the result: token appends, stop rules, page commits, output deltas."""
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        return {
+            "schedule": self.schedule_seconds,
+            "prepare": self.result.prepare_seconds,
+            "forward": self.result.forward_seconds,
+            "sample": self.result.sample_seconds,
+            "update": self.update_seconds,
+        }
+
+
+class StepObserver(Protocol):
+    def on_step(self, record: StepRecord) -> None: ...

@@ -1,0 +1,74 @@
+"""The step boundary: what the scheduler hands the runner (`SchedulerOutput`) and what comes back
+(`ModelRunnerOutput`). Pure Python, no torch: the same plan can be sent to another process or rank as it is.
+
+A plan is self-contained for the runner: the token ids to compute, the pages newly given to each request, and
+everything needed to sample a request the runner has not seen before. The runner keeps its own per-request state
+(page tables, sampling state) from those deltas, so a step's plan stays small however long the sequences are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.request import SamplingParams, TokenLogprob
+
+PageTables = tuple[tuple[int, ...], ...]
+"""One request's pages per KV-cache group, in group order (-1: a page its sliding window released)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request the runner does not know yet (first admission, or resume after preemption)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    """Tokens generated before a preemption (empty on first admission): penalties and seeds continue from them."""
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator_seed: int
+    page_tables: PageTables
+    """The whole table in every group, prefix-cache hits included."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step, decided. Per scheduled request (packing order): compute `token_ids[i]`, which are the tokens
+    from position `num_computed_tokens[i]` on, and sample after them when `samples[i]`."""
+
+    request_ids: tuple[str, ...] = ()
+    num_computed_tokens: tuple[int, ...] = ()
+    num_new_tokens: tuple[int, ...] = ()
+    token_ids: tuple[Sequence[int], ...] = ()
+    samples: tuple[bool, ...] = ()
+    """A request samples when this step computes its last known token (a finished prefill, or a decode)."""
+    new_requests: tuple[NewRequest, ...] = ()
+    """Scheduled requests the runner has not seen, with their whole page tables."""
+    new_pages: tuple[tuple[str, PageTables], ...] = ()
+    """Pages appended this step to the tables of requests the runner already knows (only those that got any)."""
+    preempted_ids: tuple[str, ...] = ()
+    """Preempted while this step was planned: back in the waiting queue, holding no pages."""
+    finished_ids: tuple[str, ...] = ()
+    """Finished or aborted since the previous plan: the runner drops what it kept for them."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def num_sampling(self) -> int:
+        return sum(self.samples)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """What the step produced: per sampling request, in plan order, its token and (when asked) logprobs."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prepare_seconds: float = 0.0
+    """Host time building the step's input tensors."""
+    forward_seconds: float = 0.0
+    """Time in the model; on CUDA partly asynchronous, completed by the sampler's single sync."""
+    sample_seconds: float = 0.0
