@@ -1,13 +1,10 @@
-"""Ferry's side of the offline benchmark: the engine step loop over a workload, recording what each step ran.
-
-The loop is `generate_batch`'s own (add every request, call `EngineCore.step()` until done), written out here so
-that each request's admission (arrival + `queue_seconds`) and finish (the step that emitted its last token) can be
-dated for the timeline, and so that each step's batch shape can be kept for the model-floor replay.
+"""Ferry's side of the offline benchmark: `generate_batch` over a workload, with a step observer that dates each
+request's admission (`queue_seconds`) and finish (the step that emitted its last token) for the timeline, and
+keeps each step's batch shape for the model-floor replay.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,8 +15,7 @@ from bench.workload import Workload
 
 if TYPE_CHECKING:
     from engine import EngineCore
-    from engine.request import Request
-    from engine.runner import StepInputs
+    from engine.observer import StepRecord
 
 
 @dataclass(frozen=True)
@@ -56,74 +52,64 @@ def build_engine(
     return EngineCore(config)
 
 
-class _ShapeRecorder:
-    """Wraps `runner.prepare` to keep each step's batch shape; a few list copies per step, nothing per token."""
+class _Recorder:
+    """A step observer: when each request was admitted and finished, and (optionally) each step's shape."""
 
-    def __init__(self, engine: EngineCore) -> None:
+    def __init__(self, num_requests: int, record_shapes: bool) -> None:
+        self.start = time.perf_counter()
+        self.admitted = [0.0] * num_requests
+        self.finished = [0.0] * num_requests
         self.shapes: list[StepShape] = []
-        self._engine = engine
-        self._prepare = engine.runner.prepare
+        self._record_shapes = record_shapes
 
-    def __enter__(self) -> _ShapeRecorder:
-        def prepare(
-            requests: list[Request],
-            num_new_tokens: list[int],
-            block_tables: list[list[list[int]]],
-            sampling: list[bool],
-        ) -> StepInputs:
-            self.shapes.append(
-                StepShape(tuple(r.num_computed_tokens for r in requests), tuple(num_new_tokens), tuple(sampling))
-            )
-            return self._prepare(requests, num_new_tokens, block_tables, sampling)
+    def on_step(self, record: StepRecord) -> None:
+        now = time.perf_counter() - self.start
+        plan = record.plan
+        if self._record_shapes and plan.request_ids:
+            self.shapes.append(StepShape(plan.num_computed_tokens, plan.num_new_tokens, plan.samples))
+        for out in record.outputs:
+            i = _index(out.request_id)
+            if out.queue_seconds is not None:
+                self.admitted[i] = out.queue_seconds  # every request is submitted at the start
+            if out.finished:
+                self.finished[i] = now
 
-        self._engine.runner.prepare = prepare  # type: ignore[method-assign]
-        return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        del self._engine.runner.prepare  # the instance attribute goes, the class method shows through again
+def _index(request_id: str) -> int:
+    return int(request_id.removeprefix("req_"))
 
 
 def run_ferry(
     engine: EngineCore, workload: Workload, *, record_shapes: bool = False
 ) -> tuple[SystemRun, list[StepShape]]:
-    from engine import SamplingParams
+    from engine import SamplingParams, generate_batch
 
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    tokens: list[list[int]] = [[] for _ in range(len(workload))]
-    submitted = [0.0] * len(workload)
-    admitted = [0.0] * len(workload)
-    finished = [0.0] * len(workload)
-    recorder = _ShapeRecorder(engine) if record_shapes else None
+    recorder = _Recorder(len(workload), record_shapes)
     before = engine.stats()
-    with recorder or contextlib.nullcontext():
-        start = time.perf_counter()
-        for i, prompt in enumerate(workload.prompts):
-            submitted[i] = time.perf_counter() - start
-            engine.add_request(str(i), prompt, params[i])
-        while engine.has_unfinished():
-            outputs = engine.step()
-            now = time.perf_counter() - start
-            for out in outputs:
-                i = int(out.request_id)
-                if out.error is not None:
-                    raise RuntimeError(f"Ferry request {i} failed: {out.error}")
-                tokens[i].extend(out.new_token_ids)
-                if out.queue_seconds is not None:
-                    admitted[i] = submitted[i] + out.queue_seconds
-                if out.finished:
-                    finished[i] = now
-        wall = time.perf_counter() - start
+    engine.observers.append(recorder)
+    try:
+        recorder.start = time.perf_counter()
+        results = generate_batch(workload.prompts, params=params, engine=engine)
+        wall = time.perf_counter() - recorder.start
+    finally:
+        engine.observers.remove(recorder)
+    tokens: list[list[int]] = [[] for _ in range(len(workload))]
+    for request_id, result in results.items():
+        if result.error is not None:
+            raise RuntimeError(f"Ferry request {request_id} failed: {result.error}")
+        tokens[_index(request_id)] = result.generated_ids
     stats = engine.stats()
-    traces = [RequestTrace(i, admitted[i], finished[i], finished[i]) for i in range(len(workload))]
+    traces = [RequestTrace(i, recorder.admitted[i], done, done) for i, done in enumerate(recorder.finished)]
     details = {
         "max_num_seqs": engine.config.max_num_seqs,
         "max_batch_tokens": engine.config.max_batch_tokens,
         "page_size": engine.config.page_size,
-        "num_blocks": stats.num_blocks,
+        "num_pages": stats.num_pages,
         # The engine's counters are cumulative; a warm-up run may have gone through the same engine.
         "steps": stats.num_steps - before.num_steps,
         "preemptions": stats.num_preemptions - before.num_preemptions,
         "prefix_cache_hits": stats.prefix_cache_hits - before.prefix_cache_hits,
         "prefix_cache_queries": stats.prefix_cache_queries - before.prefix_cache_queries,
     }
-    return SystemRun("ferry", wall, tokens, traces, details), recorder.shapes if recorder is not None else []
+    return SystemRun("ferry", wall, tokens, traces, details), recorder.shapes

@@ -1,8 +1,8 @@
 """The model floor: the forward passes Ferry ran, replayed with nothing else around them.
 
 Each recorded step shape (per sequence: tokens already cached, tokens computed now, whether its logits are
-needed) is rebuilt as fresh requests over synthetic block tables, packed by the runner outside the timer, and
-only `runner.run` (the forward pass plus logits at the last tokens) is timed. No scheduling, no batch assembly,
+needed) is rebuilt as a plan of fresh requests over synthetic page tables, packed by the runner outside the timer, and
+only `runner.forward` (the forward pass plus logits at the last tokens) is timed. No scheduling, no batch assembly,
 no sampling, no output handling: floor / Ferry's wall time is the fraction of Ferry's time that is the model.
 """
 
@@ -40,33 +40,42 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 def measure_floor(engine: EngineCore, shapes: list[StepShape]) -> Floor:
     from engine import SamplingParams
-    from engine.request import Request
+    from engine.step import NewRequest, SchedulerOutput
 
     runner = engine.runner
     page_size = runner.page_size
-    pool_sizes = [manager.num_blocks for manager in engine.block_manager.managers]
+    pool_sizes = [pool.num_pages for pool in engine.kv_cache.pools]
     sync = _synchronizer(runner.device)
     params = SamplingParams()
-    longest = max((c + n for s in shapes for c, n in zip(s.num_computed, s.num_new, strict=True)), default=0)
-    # Token values do not change the cost of a forward pass; only counts, positions and pages do.
-    zeros = [0] * longest
+    # An idle step hands the runner the requests that finished last, so their rows are free for the replay.
+    engine.step()
     seconds = 0.0
-    for shape in shapes:
-        requests = []
-        tables: list[list[list[int]]] = [[] for _ in pool_sizes]
+    previous: tuple[str, ...] = ()
+    for k, shape in enumerate(shapes):
+        ids = tuple(f"floor-{k}-{j}" for j in range(len(shape.num_new)))
+        new_requests = []
         next_page = 0
-        for j, (computed, new) in enumerate(zip(shape.num_computed, shape.num_new, strict=True)):
-            request = Request(f"floor-{j}", zeros[: computed + new], params, frozenset())
-            request.num_computed_tokens = computed
-            requests.append(request)
+        for request_id, computed, new in zip(ids, shape.num_computed, shape.num_new, strict=True):
             pages = ceil((computed + new) / page_size)
-            for group_tables, num_blocks in zip(tables, pool_sizes, strict=True):
-                group_tables.append([(next_page + k) % num_blocks for k in range(pages)])
+            # Token values do not change the cost of a forward pass; only counts, positions and pages do.
+            tables = tuple(tuple((next_page + i) % size for i in range(pages)) for size in pool_sizes)
+            new_requests.append(NewRequest(request_id, (0,) * (computed + new), (), params, frozenset(), 0, tables))
             next_page += pages
-        inputs = runner.prepare(requests, list(shape.num_new), tables, list(shape.sampling))
+        plan = SchedulerOutput(
+            request_ids=ids,
+            num_computed_tokens=shape.num_computed,
+            num_new_tokens=shape.num_new,
+            token_ids=tuple([0] * new for new in shape.num_new),
+            samples=shape.sampling,
+            new_requests=tuple(new_requests),
+            finished_ids=previous,
+        )
+        inputs = runner.prepare(plan)
         sync()
         start = time.perf_counter()
-        runner.run(inputs)
+        runner.forward(inputs)
         sync()
         seconds += time.perf_counter() - start
+        previous = ids
+    runner.prepare(SchedulerOutput(finished_ids=previous))
     return Floor(seconds, len(shapes), sum(s.total_tokens for s in shapes))

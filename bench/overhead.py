@@ -1,23 +1,23 @@
 """`ferry bench overhead`: what one engine step costs the CPU when the model costs nothing.
 
-A real EngineCore (scheduler, block manager, runner, sampler, output deltas) runs on a tiny config-only model
-directory, with the runner's model swapped for one that returns preallocated zeros. N requests are admitted and
-prefilled, then pure decode steps are timed: scheduling, batch assembly, sampling and output processing of N
-running sequences. On a GPU this cost is what is left of each step when the device is infinitely fast, so it
-bounds utilisation for small models.
+A real EngineCore (scheduler, KV-cache manager, runner, sampler, output deltas) runs on a tiny config-only model
+directory: the model is loaded as usual, then handed to the engine inside a stand-in that returns preallocated
+zeros. N requests are admitted and prefilled, then pure decode steps are timed: scheduling, batch assembly,
+sampling and output processing of N running sequences. On a GPU this cost is what is left of each step when
+the device is infinitely fast, so it bounds utilisation for small models.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from math import ceil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig
@@ -26,6 +26,7 @@ from bench.report import fmt, format_table, stamp
 
 if TYPE_CHECKING:
     from engine import EngineCore
+    from engine.observer import StepRecord
 
 # Small vocabulary: greedy argmax over [N, vocab] zeros is real sampler work, but a 32k vocabulary would make it
 # the dominant term on a CPU and hide the bookkeeping this benchmark is about.
@@ -39,14 +40,17 @@ OVERHEAD_MODEL = dict(
     vocab_size=1024,
     max_position_embeddings=8192,
 )
-PHASES = ("schedule", "prepare", "forward", "sample")
+PHASES = ("schedule", "prepare", "forward", "sample", "update")
 
 
 class ZeroCostModel(torch.nn.Module):
-    """Stands in for the runner's model: hidden states and logits are preallocated zeros, sliced to size."""
+    """Stands in for a loaded model: its shapes, but hidden states and logits are preallocated zeros."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, hidden_size: int, vocab_size: int, device: torch.device):
+    def __init__(self, real: torch.nn.Module, max_tokens: int, max_seqs: int, hidden_size: int, vocab_size: int):
         super().__init__()
+        device = next(real.parameters()).device
+        self.num_layers, self.num_kv_heads, self.head_dim = real.num_layers, real.num_kv_heads, real.head_dim
+        self.sliding_windows = real.sliding_windows
         self._hidden = torch.zeros(max_tokens, hidden_size, device=device)
         self._logits = torch.zeros(max_seqs, vocab_size, device=device)
 
@@ -57,18 +61,15 @@ class ZeroCostModel(torch.nn.Module):
         return self._logits[: hidden.shape[0]]
 
 
-class _Timed:
-    """Callable wrapper that adds its call's duration to `totals[name]`."""
+class _PhaseTotals:
+    """A step observer adding up each phase's time."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, totals: dict[str, float]) -> None:
-        self._fn, self._name, self._totals = fn, name, totals
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return self._fn(*args, **kwargs)
-        finally:
-            self._totals[self._name] += time.perf_counter() - start
+    def on_step(self, record: StepRecord) -> None:
+        for phase, seconds in record.phase_seconds.items():
+            self.seconds[phase] += seconds
 
 
 @dataclass
@@ -87,6 +88,7 @@ def _generated_tokens(options: OverheadOptions) -> int:
 
 def _engine(model_dir: Path, num_seqs: int, options: OverheadOptions) -> EngineCore:
     from engine import EngineConfig, EngineCore
+    from engine.loader import load_model
 
     tokens_per_seq = options.prompt_len + _generated_tokens(options)
     config = EngineConfig(
@@ -102,12 +104,15 @@ def _engine(model_dir: Path, num_seqs: int, options: OverheadOptions) -> EngineC
         max_num_seqs=num_seqs,
         max_queue_size=0,
     )
-    engine = EngineCore(config)
-    hidden = int(engine.hf_config.hidden_size)
-    engine.runner.model = ZeroCostModel(
-        config.max_batch_tokens, num_seqs, hidden, int(engine.hf_config.vocab_size), engine.device
+    loaded = load_model(config)
+    fake = ZeroCostModel(
+        loaded.model,
+        config.max_batch_tokens,
+        num_seqs,
+        int(loaded.hf_config.hidden_size),
+        int(loaded.hf_config.vocab_size),
     )
-    return engine
+    return EngineCore(config, loaded=dataclasses.replace(loaded, model=fake))
 
 
 def _measure(num_seqs: int, model_dir: Path, options: OverheadOptions) -> dict[str, object]:
@@ -129,21 +134,18 @@ def _measure(num_seqs: int, model_dir: Path, options: OverheadOptions) -> dict[s
         engine.step()
         step_seconds.append(time.perf_counter() - start)
 
-    # A second pass with timers around each phase: the breakdown, kept apart so the headline has no wrappers.
-    totals = dict.fromkeys(PHASES, 0.0)
-    engine.scheduler.schedule = _Timed(engine.scheduler.schedule, "schedule", totals)  # type: ignore[method-assign]
-    engine.runner.prepare = _Timed(engine.runner.prepare, "prepare", totals)  # type: ignore[method-assign]
-    engine.runner.run = _Timed(engine.runner.run, "forward", totals)  # type: ignore[method-assign]
-    engine.sampler = _Timed(engine.sampler, "sample", totals)  # type: ignore[assignment]
+    # A second pass observed phase by phase: the breakdown, kept apart so the headline has no observer.
+    totals = _PhaseTotals()
+    engine.observers.append(totals)
     start = time.perf_counter()
     for _ in range(options.steps):
         engine.step()
-    wrapped_total = time.perf_counter() - start
+    observed_total = time.perf_counter() - start
     if engine.stats().num_running != num_seqs:
         raise RuntimeError("sequences finished during the measurement; the running set was not constant")
 
-    breakdown = {name: 1e6 * seconds / options.steps for name, seconds in totals.items()}
-    breakdown["other"] = 1e6 * wrapped_total / options.steps - sum(breakdown.values())
+    breakdown = {name: 1e6 * seconds / options.steps for name, seconds in totals.seconds.items()}
+    breakdown["other"] = 1e6 * observed_total / options.steps - sum(breakdown.values())
     ordered = sorted(step_seconds)
     return {
         "running_sequences": num_seqs,
@@ -189,7 +191,8 @@ def format_overhead(report: dict[str, object]) -> str:
         for r in report["results"]
     ]
     note = (
-        "engine step with a zero-cost model (decode only, CPU); phase columns from a second, instrumented pass;"
-        " forward = runner.run around the fake model; other = block tables, advance, stop checks, output deltas"
+        "engine step with a zero-cost model (decode only, CPU); phase columns from a second, observed pass;"
+        " forward = runner.forward around the fake model; update = token appends, stop rules, page commits, output"
+        " deltas; other = the step's own bookkeeping and the observer"
     )
     return "\n".join(["ferry bench overhead: CPU microseconds per engine step", format_table(headers, rows), note])

@@ -59,7 +59,9 @@ def generate_batch(
     per_request = params if isinstance(params, list) else [params] * len(inputs)
     if len(per_request) != len(inputs):
         raise ValueError(f"{len(per_request)} SamplingParams for {len(inputs)} inputs")
-    requests = [EngineRequest(f"req_{i}", list(ids), p) for i, (ids, p) in enumerate(zip(inputs, per_request))]
+    requests = [
+        EngineRequest(f"req_{i}", list(ids), p) for i, (ids, p) in enumerate(zip(inputs, per_request, strict=True))
+    ]
     with tqdm(total=len(inputs), disable=not progress_bar, desc="generate_batch") as bar:
         batch = _Batch(engine, requests, bar)
         EngineLoop(engine, batch, batch.publish).run()

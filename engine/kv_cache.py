@@ -50,7 +50,6 @@ def sliding_pool_pages(window: int, page_size: int, max_num_seqs: int, max_batch
     return max_num_seqs * per_sequence + -(-max_batch_tokens // page_size)
 
 
-
 def pool_pages(
     layouts: list[GroupLayout],
     *,
@@ -73,7 +72,9 @@ def pool_pages(
     if num_pages:
         primary = num_pages
     else:
-        secondary = sum(cap * len(layout.layers) * layer_page_bytes for cap, layout in zip(caps, layouts[1:]))
+        secondary = sum(
+            cap * len(layout.layers) * layer_page_bytes for cap, layout in zip(caps, layouts[1:], strict=True)
+        )
         primary = int((budget_bytes - secondary) // (len(layouts[0].layers) * layer_page_bytes))
         if caps and primary < max(caps):
             # Too small a budget for the sliding pools' caps: split it evenly, every pool the same pages.

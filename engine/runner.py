@@ -124,9 +124,9 @@ class ModelRunner:
         prepared = time.perf_counter()
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
-        sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples) if samples]
+        sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples, strict=True) if samples]
         result = self.sampler(logits, sampling)
-        for seq, token in zip(sampling, result.token_ids):
+        for seq, token in zip(sampling, result.token_ids, strict=True):
             seq.output_ids.append(token)
         return ModelRunnerOutput(
             result.token_ids,

@@ -1,9 +1,10 @@
 """Iteration-level scheduling: which requests run in the next step, and how many tokens each computes; and,
 after the step, what it did to each request (tokens appended, stop rules, finishing, freeing).
 
-Only the scheduler changes a `Request`. Pure Python (no torch). A request's progress is `num_computed_tokens` out of `num_tokens`, so prefill, chunked
-prefill, decode and recompute after preemption are the same thing: compute the missing tokens, within the
-step's token budget (`max_batch_tokens`) and sequence limit (`max_num_seqs`).
+Only the scheduler changes a `Request`. Pure Python (no torch). A request's progress is `num_computed_tokens`
+out of `num_tokens`, so prefill, chunked prefill, decode and recompute after preemption are the same thing:
+compute the missing tokens, within the step's token budget (`max_batch_tokens`) and sequence limit
+(`max_num_seqs`).
 
 Memory pressure is handled by preemption with recompute: the newest running request gives back its pages and
 goes back to the front of the waiting queue, keeping its generated tokens; on resume it re-matches the prefix
@@ -179,7 +180,7 @@ class Scheduler:
         if len(result.token_ids) != plan.num_sampling or len(result.logprobs) != plan.num_sampling:
             raise ValueError(f"the plan samples {plan.num_sampling} requests, the result has other counts")
         outputs, self._pending = self._pending, []
-        sampled = zip(result.token_ids, result.logprobs)
+        sampled = zip(result.token_ids, result.logprobs, strict=True)
         now = time.monotonic()
         for request, num_new, samples in zip(requests, plan.num_new_tokens, plan.samples, strict=True):
             token, logprob = next(sampled) if samples else (None, None)
@@ -209,15 +210,14 @@ class Scheduler:
             num_computed_tokens=tuple(starts),
             num_new_tokens=tuple(builder.num_new_tokens),
             token_ids=tuple(
-                r.token_slice(start, start + n) for r, start, n in zip(requests, starts, builder.num_new_tokens)
+                r.token_slice(start, start + n)
+                for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
             ),
             samples=tuple(
-                start + n == r.num_tokens for r, start, n in zip(requests, starts, builder.num_new_tokens)
+                start + n == r.num_tokens for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
             ),
             new_requests=tuple(self._new_request(r) for r in requests if r.request_id in builder.admitted),
-            new_pages=tuple(
-                (rid, grant) for rid, grant in builder.grants.items() if rid not in builder.admitted
-            ),
+            new_pages=tuple((rid, grant) for rid, grant in builder.grants.items() if rid not in builder.admitted),
             preempted_ids=tuple(r.request_id for r in builder.preempted),
             finished_ids=tuple(finished),
         )

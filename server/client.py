@@ -22,19 +22,10 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
+from engine.driver import AbortRequests, AddRequests, EngineRequest, Heartbeat, Rejection, Shutdown, StepMessage
 from engine.request import QueueFull, RequestRejected, StepOutput
 from server.engine_process import run_engine_process
-from server.ipc import (
-    AbortRequests,
-    AddRequests,
-    EngineFailed,
-    EngineReady,
-    EngineRequest,
-    Heartbeat,
-    Rejection,
-    Shutdown,
-    StepMessage,
-)
+from server.ipc import EngineFailed, EngineReady
 
 if TYPE_CHECKING:
     from engine.stats import EngineStats

@@ -1,8 +1,6 @@
-"""The engine process: owns the EngineCore and runs its loop; the front end talks to it over two pipes.
-
-Loop: drain incoming messages (adds, aborts, shutdown), run one `step()` when there is work, send ONE message
-per step with every request's deltas and the engine's stats. When idle it blocks on the request pipe (no
-spinning) and sends a heartbeat each second so the front end can tell the loop is alive.
+"""The engine process: owns the EngineCore and runs the engine's own loop (`engine.driver.EngineLoop`) with the
+request pipe as its inbox and the output pipe as its outbox. When idle the loop blocks on the request pipe (no
+spinning) and a heartbeat goes out each second so the front end can tell the loop is alive.
 
 It exits when the front end says so, when either pipe closes (the front end died), or when its parent pid
 changes; on Linux the kernel also kills it with its parent, even in the middle of loading the model.
@@ -19,30 +17,13 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.request import QueueFull, RequestRejected
-from server.ipc import (
-    AbortRequests,
-    AddRequests,
-    EngineFailed,
-    EngineReady,
-    EngineRequest,
-    Heartbeat,
-    Rejection,
-    Shutdown,
-    StepMessage,
-)
-
-if TYPE_CHECKING:
-    from engine.core import EngineCore
+from engine.driver import EngineInput, EngineLoop, Shutdown
+from server.ipc import EngineFailed, EngineReady
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 1.0
-# Messages handled between two steps at most, so a flood of adds cannot stall requests already running.
-MAX_MESSAGES_PER_STEP = 256
 _PR_SET_PDEATHSIG = 1
 
 
@@ -69,7 +50,7 @@ def run_engine_process(
     gc.freeze()
     try:
         outputs.send(EngineReady(engine.max_model_len, engine.eos_token_ids, engine.model_name))
-        _EngineLoop(engine, requests, outputs, parent_pid).run()
+        EngineLoop(engine, _PipeInbox(requests, parent_pid), outputs.send).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("Front end went away; engine exiting")
     except Exception:
@@ -78,65 +59,20 @@ def run_engine_process(
         sys.exit(1)
 
 
-class _EngineLoop:
-    def __init__(self, engine: EngineCore, requests: Connection, outputs: Connection, parent_pid: int) -> None:
-        self.engine = engine
+class _PipeInbox:
+    """The engine loop's inbox over the request pipe; a parent that went away reads as a shutdown."""
+
+    def __init__(self, requests: Connection, parent_pid: int) -> None:
         self.requests = requests
-        self.outputs = outputs
         self.parent_pid = parent_pid
-        self.accepted: list[str] = []
-        self.rejected: list[Rejection] = []
 
-    def run(self) -> None:
-        while True:
-            busy = self.engine.has_unfinished()
-            if self.requests.poll(0 if busy else HEARTBEAT_INTERVAL_S):
-                if not self._drain_requests():
-                    return
-            elif not busy:
-                if os.getppid() != self.parent_pid:
-                    return
-                self.outputs.send(Heartbeat(self.engine.stats()))
-                continue
-            # Pending aborts count as unfinished: their final ABORT outputs (and freed pages) come from a step.
-            stepped = self.engine.has_unfinished()
-            step_outputs = self.engine.step() if stepped else []
-            if stepped or self.accepted or self.rejected:
-                self.outputs.send(StepMessage(self.engine.stats(), step_outputs, self.accepted, self.rejected))
-            self.accepted, self.rejected = [], []
-
-    def _drain_requests(self) -> bool:
-        """Handle the messages waiting on the pipe; False once told to shut down."""
-        for _ in range(MAX_MESSAGES_PER_STEP):
-            if not self.requests.poll(0):
-                break
-            message = self.requests.recv()
-            if isinstance(message, AddRequests):
-                for request in message.requests:
-                    self._add(request)
-            elif isinstance(message, AbortRequests):
-                for request_id in message.request_ids:
-                    self.engine.abort_request(request_id)
-            elif isinstance(message, Shutdown):
-                return False
-            else:
-                raise TypeError(f"unexpected message from the front end: {message!r}")
-        return True
-
-    def _add(self, request: EngineRequest) -> None:
-        request_id = request.request_id
-        try:
-            self.engine.add_request(request_id, request.prompt_ids, request.params)
-        except QueueFull as exc:
-            self.rejected.append(Rejection(request_id, "queue_full", str(exc), "queue_full"))
-        except RequestRejected as exc:
-            self.rejected.append(Rejection(request_id, "invalid", str(exc), exc.code))
-        except Exception as exc:
-            # One bad request must not take down everyone else's: report it and keep serving.
-            logger.exception("add_request(%s) failed", request_id)
-            self.rejected.append(Rejection(request_id, "internal", f"{type(exc).__name__}: {exc}", "internal_error"))
-        else:
-            self.accepted.append(request_id)
+    def receive(self, timeout: float, limit: int) -> list[EngineInput]:
+        if not self.requests.poll(timeout):
+            return [Shutdown()] if os.getppid() != self.parent_pid else []
+        messages = []
+        while len(messages) < limit and self.requests.poll(0):
+            messages.append(self.requests.recv())
+        return messages
 
 
 def _die_with_parent(parent_pid: int) -> None:

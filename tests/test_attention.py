@@ -11,20 +11,58 @@ import random
 
 import pytest
 import torch
+from transformers import PretrainedConfig
 
 from engine.attention import TorchPagedBackend
-from engine.kv_groups import GroupLayout
-from engine.request import Request, SamplingParams
+from engine.config import EngineConfig
+from engine.kv_cache import GroupLayout
+from engine.loader import LoadedModel
+from engine.request import SamplingParams
 from engine.runner import ModelRunner
+from engine.step import NewRequest, SchedulerOutput
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 ONE_GROUP = [GroupLayout(None, (0,))]
+CPU = torch.device("cpu")
 
 
 class _Shapes(torch.nn.Module):
     """Just the attributes ModelRunner sizes its cache from."""
 
     num_layers, num_kv_heads, head_dim = 1, KV_HEADS, DIM
+
+
+def attention_runner(
+    shapes: torch.nn.Module,
+    num_pages: int,
+    page_size: int,
+    *,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+    max_model_len: int = 512,
+) -> ModelRunner:
+    """A runner around a model that has only the shapes the KV cache is sized from (its attention is tested)."""
+    loaded = LoadedModel(
+        shapes, PretrainedConfig(vocab_size=16), frozenset(), max_model_len, device, dtype, True, TorchPagedBackend()
+    )
+    config = EngineConfig(model="unused", page_size=page_size, max_batch_tokens=4096, max_num_seqs=64)
+    return ModelRunner(loaded, ONE_GROUP, [num_pages], config)
+
+
+def fresh_plan(shapes: list[tuple[int, int]], tables: list[list[int]]) -> SchedulerOutput:
+    """A step of fresh sequences: sequence i has `computed` tokens cached and computes `new` more."""
+    ids = tuple(str(i) for i in range(len(shapes)))
+    return SchedulerOutput(
+        request_ids=ids,
+        num_computed_tokens=tuple(c for c, _ in shapes),
+        num_new_tokens=tuple(n for _, n in shapes),
+        token_ids=tuple(list(range(c, c + n)) for c, n in shapes),
+        samples=(True,) * len(shapes),
+        new_requests=tuple(
+            NewRequest(rid, tuple(range(c + n)), (), SamplingParams(), frozenset(), 0, (tuple(table),))
+            for rid, (c, n), table in zip(ids, shapes, tables, strict=True)
+        ),
+    )
 
 
 def _reference(q, cache, table, computed, new, page_size, window):
@@ -52,33 +90,17 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
     rng.shuffle(shapes)
     tables_needed = [-(-(c + n) // page_size) for c, n in shapes]
     num_pages = sum(tables_needed) + 3
-    runner = ModelRunner(
-        _Shapes(),
-        TorchPagedBackend(),
-        ONE_GROUP,
-        [num_pages],
-        page_size,
-        4096,
-        64,
-        512,
-        torch.device("cpu"),
-        torch.float32,
-    )
+    runner = attention_runner(_Shapes(), num_pages, page_size)
     free = list(range(num_pages))
     rng.shuffle(free)
-    requests, tables = [], []
-    for i, ((computed, new), pages) in enumerate(zip(shapes, tables_needed, strict=True)):
-        request = Request(str(i), list(range(computed + new)), SamplingParams(), frozenset())
-        request.num_computed_tokens = computed
-        requests.append(request)
-        tables.append([free.pop() for _ in range(pages)])
+    tables = [[free.pop() for _ in range(pages)] for pages in tables_needed]
     host_tables = [list(t) for t in tables]
     if window is not None:
         for table, (computed, _new) in zip(host_tables, shapes, strict=True):
             first_key = max(0, computed - window + 1)
             for page in range(first_key // page_size):
                 table[page] = -1  # released by the window: never read
-    inputs = runner.prepare(requests, [n for _, n in shapes], [host_tables], [True] * len(shapes))
+    inputs = runner.prepare(fresh_plan(shapes, host_tables))
     generator = torch.Generator().manual_seed(0)
     total = sum(n for _, n in shapes)
     q, k, v = (torch.randn(total, h, DIM, generator=generator) for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -95,20 +117,15 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
 
 def test_decodes_of_similar_length_share_one_group() -> None:
     """Grouping is what makes decode cheap: 20 decodes of near-equal length (7-8 pages) are one attention call."""
-    runner = ModelRunner(
-        _Shapes(), TorchPagedBackend(), ONE_GROUP, [200], 16, 4096, 64, 512, torch.device("cpu"), torch.float32
-    )
+    runner = attention_runner(_Shapes(), 200, 16)
     lengths = [100 + i for i in range(20)] + [400]
-    requests, tables = [], []
+    tables = []
     next_page = 0
-    for i, length in enumerate(lengths):
-        request = Request(str(i), list(range(length)), SamplingParams(), frozenset())
-        request.num_computed_tokens = length - 1
-        requests.append(request)
+    for length in lengths:
         pages = -(-length // 16)
         tables.append(list(range(next_page, next_page + pages)))
         next_page += pages
-    inputs = runner.prepare(requests, [1] * len(lengths), [tables], [True] * len(lengths))
+    inputs = runner.prepare(fresh_plan([(length - 1, 1) for length in lengths], tables))
     plan = TorchPagedBackend._build_plan(inputs.meta, None, torch.float32)
     assert [len(g.rows) for g in plan.groups] == [20, 1]
     assert plan.chunks == []

@@ -221,7 +221,7 @@ def test_overhead_reports_microseconds_per_step() -> None:
     for result in report["results"]:
         assert len(result["step_seconds"]) == 5
         assert result["us_per_step_mean"] > 0
-        assert set(result["breakdown_us"]) == {"schedule", "prepare", "forward", "sample", "other"}
+        assert set(result["breakdown_us"]) == {"schedule", "prepare", "forward", "sample", "update", "other"}
     assert "running seqs" in format_overhead(report)
 
 

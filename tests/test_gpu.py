@@ -12,9 +12,7 @@ from transformers import AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import TorchPagedBackend
 from engine.attention.flash import FlashBackend, flash_available
-from engine.kv_groups import GroupLayout
-from engine.request import Request
-from engine.runner import ModelRunner
+from tests.test_attention import attention_runner, fresh_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -54,27 +52,14 @@ class _Shapes(torch.nn.Module):
 @pytest.mark.skipif(not flash_available(), reason="needs flash-attn")
 def test_flash_backend_matches_torch_backend() -> None:
     page, heads = 256, 8
-    runner = ModelRunner(
-        _Shapes(),
-        TorchPagedBackend(),
-        [GroupLayout(None, (0,))],
-        [12],
-        page,
-        1024,
-        8,
-        2048,
-        torch.device("cuda"),
-        torch.bfloat16,
+    runner = attention_runner(
+        _Shapes(), 12, page, device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=2048
     )
     # A fresh prompt, a decode deep into its context, and a chunk over cached history: every kind of sequence.
     shapes = [(0, 100), (600, 1), (300, 80)]
-    requests, tables, pages = [], [], iter(range(12))
-    for i, (computed, new) in enumerate(shapes):
-        request = Request(str(i), list(range(computed + new)), SamplingParams(), frozenset())
-        request.num_computed_tokens = computed
-        requests.append(request)
-        tables.append([next(pages) for _ in range(-(-(computed + new) // page))])
-    inputs = runner.prepare(requests, [n for _, n in shapes], [tables], [True] * len(shapes))
+    pages = iter(range(12))
+    tables = [[next(pages) for _ in range(-(-(computed + new) // page))] for computed, new in shapes]
+    inputs = runner.prepare(fresh_plan(shapes, tables))
     total = sum(n for _, n in shapes)
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (

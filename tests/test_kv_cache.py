@@ -1,4 +1,4 @@
-"""KV-cache groups: one page pool per attention kind, so a hybrid model's sliding layers forget old pages.
+"""KVCacheManager: one page pool per attention kind (group), so a hybrid model's sliding layers forget old pages.
 
 Pure Python, no model: a primary (full attention) pool next to a sliding-window pool.
 """
@@ -7,24 +7,25 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import BlockManager
-from engine.kv_groups import GroupLayout, KVCacheGroups, group_layers, sliding_pool_pages
-from tests.test_kv_cache import make_request
+from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, sliding_pool_pages
+from engine.page_pool import PagePool
+from engine.request import Request
+from tests.test_page_pool import make_request
 
 WINDOW, PAGE = 8, 4
 
 
-def hybrid(primary_pages: int = 32, sliding_pages: int = 16) -> KVCacheGroups:
+def hybrid(primary_pages: int = 32, sliding_pages: int = 16) -> KVCacheManager:
     layouts = [GroupLayout(None, (0, 2)), GroupLayout(WINDOW, (1, 3))]
-    managers = [
-        BlockManager(primary_pages, PAGE, debug_checks=True),
-        BlockManager(sliding_pages, PAGE, sliding_window=WINDOW, debug_checks=True),
+    pools = [
+        PagePool(primary_pages, PAGE, debug_checks=True),
+        PagePool(sliding_pages, PAGE, sliding_window=WINDOW, debug_checks=True),
     ]
-    return KVCacheGroups(layouts, managers)
+    return KVCacheManager(layouts, pools)
 
 
-def compute(groups: KVCacheGroups, request, num_new: int) -> None:
-    assert groups.allocate(request, num_new)
+def compute(groups: KVCacheManager, request: Request, num_new: int) -> None:
+    assert groups.allocate(request, num_new) is not None
     request.num_computed_tokens += num_new
     groups.commit(request)
 
@@ -47,11 +48,11 @@ def test_sliding_pool_releases_while_primary_keeps_every_page() -> None:
     request = make_request("a", list(range(40)))
     assert groups.match_prefix(request) == 0
     compute(groups, request, 40)
-    primary, sliding = groups.block_tables(["a"])
-    assert len(primary[0]) == 10 and -1 not in primary[0]
-    assert sliding[0][:8] == [-1] * 8, "pages before the window of the next token are released"
-    assert [p for p in sliding[0] if p >= 0] == sliding[0][8:]
-    assert groups.managers[1].num_free_blocks == 16 - 2
+    primary, sliding = groups.page_tables("a")
+    assert len(primary) == 10 and -1 not in primary
+    assert sliding[:8] == (-1,) * 8, "pages before the window of the next token are released"
+    assert tuple(p for p in sliding if p >= 0) == sliding[8:]
+    assert groups.pools[1].num_free_pages == 16 - 2
     groups.free("a")
     assert groups.all_free()
     groups.check_invariants()
@@ -62,8 +63,8 @@ def test_allocation_is_all_pools_or_none() -> None:
     request = make_request("a", list(range(20)))
     groups.match_prefix(request)
     # The sliding pool cannot hold 5 pages at once: nothing is taken from the primary pool either.
-    assert not groups.allocate(request, 20)
-    assert groups.managers[0].num_free_blocks == 32 and groups.managers[1].num_free_blocks == 3
+    assert groups.allocate(request, 20) is None
+    assert groups.pools[0].num_free_pages == 32 and groups.pools[1].num_free_pages == 3
     # In chunks it fits: the window lets go of pages as it moves.
     for _ in range(5):
         compute(groups, request, 4)
@@ -81,18 +82,18 @@ def test_prefix_hit_is_one_every_pool_holds() -> None:
     groups.free("a")
     # The primary pool kept every page of the prefix; the small sliding pool has had to reuse its early pages.
     same = make_request("b", list(range(33)))
-    primary_hit = groups.managers[0].cached_prefix_tokens(same)
-    sliding_hit = groups.managers[1].cached_prefix_tokens(same)
+    primary_hit = groups.pools[0].cached_prefix_tokens(same)
+    sliding_hit = groups.pools[1].cached_prefix_tokens(same)
     assert primary_hit == 32
     short = make_request("c", list(range(9)))
-    assert groups.managers[0].cached_prefix_tokens(short) == 8
-    assert groups.managers[1].cached_prefix_tokens(short) == 0, "the sliding pool reused its first pages"
+    assert groups.pools[0].cached_prefix_tokens(short) == 8
+    assert groups.pools[1].cached_prefix_tokens(short) == 0, "the sliding pool reused its first pages"
     assert groups.match_prefix(short) == 0
     groups.free("c")
     hit = groups.match_prefix(same)
     assert hit == min(primary_hit, sliding_hit)
     same.num_computed_tokens = hit
-    assert groups.block_tables(["b"])[0][0] != []
+    assert groups.page_tables("b")[0] != ()
     compute(groups, same, same.num_tokens - hit)
     groups.free("b")
     assert groups.all_free()
@@ -101,25 +102,25 @@ def test_prefix_hit_is_one_every_pool_holds() -> None:
 
 def test_sliding_pool_hits_need_only_the_window() -> None:
     """A continuation reads only its window: earlier pages may be gone and the prefix still counts."""
-    bm = BlockManager(6, PAGE, sliding_window=WINDOW, debug_checks=True)
+    pool = PagePool(6, PAGE, sliding_window=WINDOW, debug_checks=True)
     request = make_request("a", list(range(25)))
     for _ in range(6):
-        assert bm.allocate(request, 4)
+        assert pool.allocate(request, 4) is not None
         request.num_computed_tokens += 4
-        bm.commit(request)
-    bm.free("a")
+        pool.commit(request)
+    pool.free("a")
     # Evict the first cached pages by taking pages for an unrelated request.
     other = make_request("x", [999] * 8)
-    assert bm.allocate(other, 8)
-    bm.free("x")
+    assert pool.allocate(other, 8) is not None
+    pool.free("x")
     again = make_request("b", list(range(25)))
-    assert bm.cached_prefix_tokens(again) == 24
-    assert bm.match_prefix(again) == 24
-    assert bm.block_table("b")[:4] == [-1] * 4
-    bm.free("b")
-    bm.check_invariants()
+    assert pool.cached_prefix_tokens(again) == 24
+    assert pool.match_prefix(again) == 24
+    assert pool.page_table("b")[:4] == [-1] * 4
+    pool.free("b")
+    pool.check_invariants()
 
 
-def test_groups_need_one_manager_each() -> None:
+def test_groups_need_one_pool_each() -> None:
     with pytest.raises(ValueError):
-        KVCacheGroups([GroupLayout(None, (0,))], [])
+        KVCacheManager([GroupLayout(None, (0,))], [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -10,11 +11,16 @@ from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
+from engine.kv_cache import GroupLayout, KVCacheManager
+from engine.page_pool import PagePool
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from engine.scheduler import RequestQueue, ScheduledBatch, Scheduler
+from engine.scheduler import RequestQueue, Scheduler
+from engine.step import ModelRunnerOutput, SchedulerOutput
 
 _fresh_bases = itertools.count(1)
+
+MAX_MODEL_LEN = 1 << 20
+"""Far beyond any test sequence: requests end by max_new_tokens (LENGTH), never by the model's context length."""
 
 
 def make_request(request_id: str, prompt: list[int] | int, max_new_tokens: int = 4) -> Request:
@@ -31,42 +37,58 @@ def make_request(request_id: str, prompt: list[int] | int, max_new_tokens: int =
 
 
 def make_scheduler(
-    num_blocks: int = 64,
+    num_pages: int = 64,
     page_size: int = 4,
     *,
     caching: bool = True,
     window: int | None = None,
     **config: object,
 ) -> Scheduler:
-    bm = BlockManager(num_blocks, page_size, enable_prefix_caching=caching, sliding_window=window, debug_checks=True)
-    return Scheduler(EngineConfig(model="unused", page_size=page_size, **config), bm)  # type: ignore[arg-type]
+    pool = PagePool(num_pages, page_size, enable_prefix_caching=caching, sliding_window=window, debug_checks=True)
+    kv_cache = KVCacheManager([GroupLayout(window, (0,))], [pool])
+    engine_config = EngineConfig(model="unused", page_size=page_size, **config)  # type: ignore[arg-type]
+    return Scheduler(engine_config, kv_cache, MAX_MODEL_LEN)
 
 
 def next_token(request: Request) -> int:
-    """Deterministic in the sequence so far: equal prompts generate equal outputs (and share output pages)."""
+    """Deterministic in the sequence so far: equal prompts generate equal outputs (and share output pages).
+
+    Always 3..9: never the EOS id (2), so requests stop only at max_new_tokens."""
     tokens = request.all_token_ids
     return 3 + (tokens[-1] * 31 + len(tokens)) % 7
 
 
-def finish_computed(scheduler: Scheduler, batch: ScheduledBatch) -> None:
-    """The engine's part after advance(): sample for every sequence that computed its last token."""
-    for request in batch.requests:
-        if request.finished or request.num_computed_tokens != request.num_tokens:
-            continue
-        request.output_ids.append(next_token(request))
-        if len(request.output_ids) == request.params.max_new_tokens:
-            scheduler.finish(request, FinishReason.LENGTH)
+def result(*tokens: int) -> ModelRunnerOutput:
+    return ModelRunnerOutput(list(tokens), [None] * len(tokens))
 
 
-def step(scheduler: Scheduler) -> ScheduledBatch:
-    batch = scheduler.schedule()
-    scheduler.advance(batch)
-    finish_computed(scheduler, batch)
-    return batch
+def sample(scheduler: Scheduler, plan: SchedulerOutput) -> ModelRunnerOutput:
+    """The model's part of a step: a token for every request that computes its last token, in plan order.
+
+    Computed before update() appends it, from the sequence so far."""
+    tokens = []
+    for request_id, samples in zip(plan.request_ids, plan.samples, strict=True):
+        if samples:
+            request = scheduler.running.get(request_id)
+            # Aborted since the plan: update() drops its token, any will do.
+            tokens.append(3 if request is None else next_token(request))
+    return result(*tokens)
 
 
-def planned(batch: ScheduledBatch) -> list[tuple[str, int]]:
-    return [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens, strict=True)]
+def step(scheduler: Scheduler) -> SchedulerOutput:
+    plan = scheduler.schedule()
+    scheduler.update(plan, sample(scheduler, plan))
+    return plan
+
+
+def planned(plan: SchedulerOutput) -> list[tuple[str, int]]:
+    return list(zip(plan.request_ids, plan.num_new_tokens, strict=True))
+
+
+def table(scheduler: Scheduler, request_id: str) -> list[int]:
+    """The request's page table in the scheduler's single pool."""
+    (pages,) = scheduler.kv_cache.page_tables(request_id)
+    return list(pages)
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> int:
@@ -124,12 +146,12 @@ def test_max_num_seqs_is_respected() -> None:
     s = make_scheduler(max_num_seqs=2)
     for i in range(5):
         s.add(make_request(f"r{i}", 3, max_new_tokens=3))
-    batch = step(s)
-    assert planned(batch) == [("r0", 3), ("r1", 3)]
+    plan = step(s)
+    assert planned(plan) == [("r0", 3), ("r1", 3)]
     assert len(s.running) == 2 and len(s.waiting) == 3
     while s.has_unfinished:
-        batch = step(s)
-        assert len(batch.requests) <= 2
+        plan = step(s)
+        assert len(plan.request_ids) <= 2
         assert len(s.running) <= 2
 
 
@@ -159,20 +181,20 @@ def test_finished_slot_is_reused_in_the_next_schedule() -> None:
 
 
 def test_finished_pages_admit_the_next_request_immediately() -> None:
-    s = make_scheduler(num_blocks=4, page_size=4)
+    s = make_scheduler(num_pages=4, page_size=4)
     a, b = make_request("a", 12, max_new_tokens=2), make_request("b", 12)
     s.add(a)
     s.add(b)
-    batch = s.schedule()
-    assert planned(batch) == [("a", 12)]  # b needs 3 pages, 1 left
-    s.advance(batch)
-    s.finish(a, FinishReason.STOP)
-    assert s.block_manager.num_free_blocks == 4
+    plan = s.schedule()
+    assert planned(plan) == [("a", 12)]  # b needs 3 pages, 1 left
+    s.update(plan, result(2))  # a samples EOS: STOP, and its pages are free before the next plan
+    assert a.finish_reason is FinishReason.STOP
+    assert s.kv_cache.num_free_pages == 4
     assert planned(s.schedule()) == [("b", 12)]
 
 
 def test_no_skipping_ahead_of_a_request_that_does_not_fit() -> None:
-    s = make_scheduler(num_blocks=4, page_size=4)
+    s = make_scheduler(num_pages=4, page_size=4)
     s.add(make_request("a", 8, max_new_tokens=2))
     s.add(make_request("big", 12))
     s.add(make_request("small", 2))
@@ -181,29 +203,29 @@ def test_no_skipping_ahead_of_a_request_that_does_not_fit() -> None:
 
 
 def test_safety_margin_blocks_admission() -> None:
-    s = make_scheduler(num_blocks=10, page_size=4, safety_margin=0.5)
+    s = make_scheduler(num_pages=10, page_size=4, safety_margin=0.5)
     s.add(make_request("a", 7, max_new_tokens=8))
     assert planned(step(s)) == [("a", 7)]  # 2 pages; nothing was running, so the margin did not apply
     s.add(make_request("b", 12))  # 3 pages: 8 - 3 = 5 left, exactly the margin
     s.add(make_request("c", 4))  # 1 more page would leave 4 < 5
     assert planned(step(s)) == [("a", 1), ("b", 12)]  # a's 8th token still fits its second page
     assert [r.request_id for r in s.waiting] == ["c"]
-    assert s.block_manager.num_free_blocks == 5
+    assert s.kv_cache.num_free_pages == 5
 
 
 def test_safety_margin_blocks_a_prompt_that_would_cross_it() -> None:
-    s = make_scheduler(num_blocks=10, page_size=4, safety_margin=0.5)
+    s = make_scheduler(num_pages=10, page_size=4, safety_margin=0.5)
     s.add(make_request("a", 7, max_new_tokens=8))
     step(s)
     s.add(make_request("big", 16))  # 4 pages would leave 8 - 4 = 4 < 5
     s.add(make_request("small", 4))  # would fit, but may not overtake
     assert planned(step(s)) == [("a", 1)]
     assert [r.request_id for r in s.waiting] == ["big", "small"]
-    assert s.block_manager.block_table("big") == []
+    assert table(s, "big") == []
 
 
 def test_safety_margin_is_whole_pages_without_float_noise() -> None:
-    s = make_scheduler(num_blocks=100, page_size=1, safety_margin=0.07)  # 0.07 * 100 == 7.000000000000001
+    s = make_scheduler(num_pages=100, page_size=1, safety_margin=0.07)  # 0.07 * 100 == 7.000000000000001
     s.add(make_request("a", 1, max_new_tokens=8))
     step(s)
     s.add(make_request("b", 91))  # leaves exactly 7 pages after a's second token
@@ -211,13 +233,13 @@ def test_safety_margin_is_whole_pages_without_float_noise() -> None:
 
 
 def test_margin_does_not_block_an_idle_engine() -> None:
-    s = make_scheduler(num_blocks=10, page_size=4, safety_margin=0.9)
+    s = make_scheduler(num_pages=10, page_size=4, safety_margin=0.9)
     s.add(make_request("a", 20, max_new_tokens=1))
     assert planned(s.schedule()) == [("a", 20)]
 
 
 def test_prefix_hit_at_admission() -> None:
-    s = make_scheduler(num_blocks=16, page_size=4)
+    s = make_scheduler(num_pages=16, page_size=4)
     system = list(range(500, 512))  # three pages
     a = make_request("a", [*system, 1, 2], max_new_tokens=1)
     s.add(a)
@@ -226,13 +248,13 @@ def test_prefix_hit_at_admission() -> None:
     s.add(b)
     assert planned(s.schedule()) == [("b", 1)]
     assert b.num_cached_tokens == 12 and b.num_computed_tokens == 12
-    bm = s.block_manager
-    assert (bm.prefix_queries, bm.prefix_hits) == (14 + 13, 12)
+    kv = s.kv_cache
+    assert (kv.prefix_queries, kv.prefix_hits) == (14 + 13, 12)
 
 
 def test_concurrent_requests_share_a_prefix_being_computed() -> None:
     """n choices of one prompt (or one system prompt under load): computed once, then shared."""
-    s = make_scheduler(num_blocks=32, page_size=4)
+    s = make_scheduler(num_pages=32, page_size=4)
     prompt = list(range(700, 718))  # four full pages before the last token's page
     choices = [make_request(f"c{i}", prompt) for i in range(3)]
     for request in choices:
@@ -244,28 +266,28 @@ def test_concurrent_requests_share_a_prefix_being_computed() -> None:
     # Its pages are committed: the copies take them and compute only the last, partial page.
     assert planned(step(s)) == [("c0", 1), ("c1", 2), ("c2", 2), ("other", 5)]
     assert choices[1].num_cached_tokens == choices[2].num_cached_tokens == 16
-    bm = s.block_manager
-    shared = bm.block_table("c0")[:4]
-    assert bm.block_table("c1")[:4] == shared == bm.block_table("c2")[:4]
+    kv = s.kv_cache
+    shared = table(s, "c0")[:4]
+    assert table(s, "c1")[:4] == shared == table(s, "c2")[:4]
     run_to_completion(s)
-    assert bm.num_free_blocks == bm.num_blocks
+    assert kv.num_free_pages == kv.num_pages
 
 
 def test_a_preempted_owner_no_longer_holds_back_its_copies() -> None:
-    s = make_scheduler(num_blocks=32, page_size=4)
+    s = make_scheduler(num_pages=32, page_size=4)
     prompt = list(range(800, 818))
     owner, copy = make_request("owner", prompt), make_request("copy", prompt)
     s.add(owner)
     s.schedule()  # admitted: its prompt pages are in flight
     s.add(copy)
-    assert s.block_manager.prefix_in_flight(copy)
+    assert s.kv_cache.prefix_in_flight(copy)
     s.abort("owner")
-    assert not s.block_manager.prefix_in_flight(copy)
+    assert not s.kv_cache.prefix_in_flight(copy)
     assert planned(s.schedule()) == [("copy", 18)]
 
 
 def test_prompt_fully_cached_still_computes_its_last_token() -> None:
-    s = make_scheduler(num_blocks=16, page_size=4)
+    s = make_scheduler(num_pages=16, page_size=4)
     prompt = list(range(600, 608))
     s.add(make_request("a", prompt, max_new_tokens=1))
     run_to_completion(s)
@@ -276,25 +298,25 @@ def test_prompt_fully_cached_still_computes_its_last_token() -> None:
 
 
 def test_failed_admission_keeps_no_pages_and_counts_once() -> None:
-    s = make_scheduler(num_blocks=4, page_size=4)
+    s = make_scheduler(num_pages=4, page_size=4)
     system = list(range(700, 708))
     s.add(make_request("warm", [*system, 1], max_new_tokens=1))
     run_to_completion(s)  # leaves the system prompt's two pages cached-free
     hog = make_request("hog", 5, max_new_tokens=50)
     s.add(hog)
     step(s)  # hog takes the two free pages; its next 3 tokens fit in them
-    bm = s.block_manager
-    counters = (bm.prefix_queries, bm.prefix_hits)
+    kv = s.kv_cache
+    counters = (kv.prefix_queries, kv.prefix_hits)
     b = make_request("b", [*system, 1, 2, 3])  # 2 cached pages + 1 new one, and none is left after the hit
     s.add(b)
     for _ in range(3):
-        batch = step(s)
-        assert planned(batch) == [("hog", 1)]
-        assert bm.block_table("b") == [] and b.num_computed_tokens == 0
-    assert (bm.prefix_queries, bm.prefix_hits) == counters
+        plan = step(s)
+        assert planned(plan) == [("hog", 1)]
+        assert table(s, "b") == [] and b.num_computed_tokens == 0
+    assert (kv.prefix_queries, kv.prefix_hits) == counters
     s.abort("hog")
     assert planned(s.schedule()) == [("b", 3)]
-    assert (bm.prefix_queries - counters[0], bm.prefix_hits - counters[1]) == (11, 8)
+    assert (kv.prefix_queries - counters[0], kv.prefix_hits - counters[1]) == (11, 8)
     assert b.num_cached_tokens == 8
 
 
@@ -327,14 +349,14 @@ def test_fifo_admits_waiting_in_arrival_order() -> None:
     s = make_scheduler(max_batch_tokens=100)
     for name in ("x", "y", "z"):
         s.add(make_request(name, 4))
-    assert [r.request_id for r in s.schedule().requests] == ["x", "y", "z"]
+    assert list(s.schedule().request_ids) == ["x", "y", "z"]
 
 
 # -- preemption ---------------------------------------------------------------------------------------------------
 
 
 def test_preempts_the_newest_and_requeues_it_at_the_front() -> None:
-    s = make_scheduler(num_blocks=6, page_size=4)
+    s = make_scheduler(num_pages=6, page_size=4)
     a, b, c = (make_request(name, 8, max_new_tokens=50) for name in "abc")
     for r in (a, b, c):
         s.add(r)
@@ -343,116 +365,112 @@ def test_preempts_the_newest_and_requeues_it_at_the_front() -> None:
     s.add(waiting)
     outputs_c = list(c.output_ids)
     # Each now decodes its 9th token, which needs a third page: a preempts c, b gets c's second page.
-    batch = s.schedule()
-    assert batch.preempted == [c]
-    assert planned(batch) == [("a", 1), ("b", 1)]
+    plan = s.schedule()
+    assert plan.preempted_ids == ("c",)
+    assert planned(plan) == [("a", 1), ("b", 1)]
     assert c.status is RequestStatus.WAITING
     assert c.num_computed_tokens == 0 and c.output_ids == outputs_c
     assert c.num_preemptions == 1 and s.num_preemptions == 1
-    assert s.block_manager.block_table("c") == []
+    assert table(s, "c") == []
     assert [r.request_id for r in s.waiting] == ["c", "w"]  # ahead of the request already waiting
 
 
 def test_several_preemptions_keep_admission_order_at_the_front() -> None:
-    s = make_scheduler(num_blocks=6, page_size=4, max_batch_tokens=12)
+    s = make_scheduler(num_pages=6, page_size=4, max_batch_tokens=12)
     a = make_request("a", 16, max_new_tokens=50)
     b, c = make_request("b", 4, max_new_tokens=50), make_request("c", 4, max_new_tokens=50)
     for r in (a, b, c):
         s.add(r)
     assert planned(step(s)) == [("a", 12)]
     assert planned(step(s)) == [("a", 4), ("b", 4), ("c", 4)]  # all 6 pages in use
-    batch = s.schedule()
+    plan = s.schedule()
     # a's 17th token needs a page: c (newest) goes. b then needs a page and is itself the newest.
-    assert batch.preempted == [c, b]
-    assert planned(batch) == [("a", 1)]
+    assert plan.preempted_ids == ("c", "b")
+    assert planned(plan) == [("a", 1)]
     assert [r.request_id for r in s.waiting] == ["b", "c"]
-    s.advance(batch)
-    finish_computed(s, batch)
+    s.update(plan, sample(s, plan))
 
 
 def test_self_preemption_when_the_newest_needs_a_page() -> None:
-    s = make_scheduler(num_blocks=4, page_size=4)
+    s = make_scheduler(num_pages=4, page_size=4)
     a = make_request("a", 7, max_new_tokens=50)  # 2 pages, room for one more token in the second
     b = make_request("b", 8, max_new_tokens=50)  # 2 pages, full
     s.add(a)
     s.add(b)
     step(s)
-    batch = s.schedule()  # a fits in place; b (the newest) needs a page and can only preempt itself
-    assert planned(batch) == [("a", 1)]
-    assert batch.preempted == [b]
+    plan = s.schedule()  # a fits in place; b (the newest) needs a page and can only preempt itself
+    assert planned(plan) == [("a", 1)]
+    assert plan.preempted_ids == ("b",)
     assert s.waiting.first() is b
 
 
 def test_no_admission_attempt_in_a_step_that_preempted(monkeypatch: pytest.MonkeyPatch) -> None:
-    s = make_scheduler(num_blocks=4, page_size=4)
+    s = make_scheduler(num_pages=4, page_size=4)
     a = make_request("a", 8, max_new_tokens=50)
     b = make_request("b", 8, max_new_tokens=50)
     s.add(a)
     s.add(b)
     step(s)
     lookups: list[str] = []
-    real_match = s.block_manager.match_prefix
+    real_match = s.kv_cache.match_prefix
 
     def spy(request: Request) -> int:
         lookups.append(request.request_id)
         return real_match(request)
 
-    monkeypatch.setattr(s.block_manager, "match_prefix", spy)
-    batch = s.schedule()
+    monkeypatch.setattr(s.kv_cache, "match_prefix", spy)
+    plan = s.schedule()
     # a took b's pages: b cannot fit again this step, and trying would only re-hash its tokens.
-    assert batch.preempted == [b]
-    assert planned(batch) == [("a", 1)]
+    assert plan.preempted_ids == ("b",)
+    assert planned(plan) == [("a", 1)]
     assert lookups == []
     assert s.waiting.first() is b
 
 
 def test_resume_rematches_its_own_pages_and_keeps_generated_tokens() -> None:
-    s = make_scheduler(num_blocks=5, page_size=4)
+    s = make_scheduler(num_pages=5, page_size=4)
     a = make_request("a", 8, max_new_tokens=50)
     b = make_request("b", 8, max_new_tokens=6)
     s.add(a)
     s.add(b)
     step(s)
     first_scheduled = b.first_scheduled_time
-    batch = s.schedule()  # a takes the free page, b (newest) preempts itself; its full pages stay cached
-    assert batch.preempted == [b]
-    s.advance(batch)
-    finish_computed(s, batch)
-    bm = s.block_manager
-    counters = (bm.prefix_queries, bm.prefix_hits)
+    plan = s.schedule()  # a takes the free page, b (newest) preempts itself; its full pages stay cached
+    assert plan.preempted_ids == ("b",)
+    s.update(plan, sample(s, plan))
+    kv = s.kv_cache
+    counters = (kv.prefix_queries, kv.prefix_hits)
     s.abort("a")
-    batch = s.schedule()
+    plan = s.schedule()
     # 8 prompt tokens come back from the cache; only the generated token needs computing.
-    assert planned(batch) == [("b", 1)]
+    assert planned(plan) == [("b", 1)]
     assert b.num_computed_tokens == 8
     assert b.num_cached_tokens == 0  # usage reports the first admission's hit, not the resume's
-    assert (bm.prefix_queries, bm.prefix_hits) == counters
+    assert (kv.prefix_queries, kv.prefix_hits) == counters
     assert b.first_scheduled_time == first_scheduled
-    s.advance(batch)
-    finish_computed(s, batch)
+    s.update(plan, sample(s, plan))
     run_to_completion(s)
     assert len(b.output_ids) == 6
 
 
 def test_prefill_first_preempting_a_request_admitted_in_the_same_step() -> None:
-    s = make_scheduler(num_blocks=5, page_size=2, max_batch_tokens=6, scheduler_policy="prefill_first")
+    s = make_scheduler(num_pages=5, page_size=2, max_batch_tokens=6, scheduler_policy="prefill_first")
     a, b = make_request("a", 2, max_new_tokens=50), make_request("b", 6, max_new_tokens=50)
     s.add(a)
     s.add(b)
     assert planned(step(s)) == [("a", 2), ("b", 4)]  # 3 pages; b's prompt continues next step
     w = make_request("w", 4)
     s.add(w)
-    batch = s.schedule()
+    plan = s.schedule()
     # w is admitted first, into the last 2 pages. a then needs a page and preempts the newest, w: it leaves
-    # the batch and its 4 tokens of budget come back, so b's chunk is not cut short.
-    assert batch.preempted == [w]
-    assert planned(batch) == [("a", 1), ("b", 2)]
-    assert batch.total_tokens == 3
+    # the plan and its 4 tokens of budget come back, so b's chunk is not cut short.
+    assert plan.preempted_ids == ("w",)
+    assert planned(plan) == [("a", 1), ("b", 2)]
+    assert plan.num_tokens == 3
     assert s.waiting.first() is w and w.status is RequestStatus.WAITING
-    assert s.block_manager.block_table("w") == []
-    s.advance(batch)
-    finish_computed(s, batch)
-    s.block_manager.check_invariants()
+    assert table(s, "w") == []
+    s.update(plan, sample(s, plan))
+    s.kv_cache.check_invariants()
 
 
 def test_prefill_first_does_not_grow_running_beyond_max_num_seqs() -> None:
@@ -461,7 +479,7 @@ def test_prefill_first_does_not_grow_running_beyond_max_num_seqs() -> None:
     s.add(make_request("b", 3, max_new_tokens=50))
     step(s)
     s.add(make_request("c", 3))
-    # Admitting c would push a running decode out of the batch, step after step.
+    # Admitting c would push a running decode out of the plan, step after step.
     assert planned(s.schedule()) == [("a", 1), ("b", 1)]
     assert [r.request_id for r in s.waiting] == ["c"]
 
@@ -475,40 +493,54 @@ def test_abort_is_idempotent_everywhere() -> None:
     s.add(running)
     s.add(waiting)
     step(s)
-    assert s.block_manager.block_table("run")
-    assert s.abort("run") is running
+    assert table(s, "run")
+    assert s.abort("run") is True
     assert running.finish_reason is FinishReason.ABORT and running.finished
-    assert s.block_manager.block_table("run") == []
-    assert s.abort("run") is None
-    assert s.abort("wait") is waiting
+    assert table(s, "run") == []
+    assert s.abort("run") is False
+    assert s.abort("wait") is True
     assert waiting.finish_reason is FinishReason.ABORT
-    assert s.abort("wait") is None
-    assert s.abort("unknown") is None
+    assert s.abort("wait") is False
+    assert s.abort("unknown") is False
+    assert not s.running and not s.waiting
+    assert s.kv_cache.num_free_pages == s.kv_cache.num_pages
+    # Nothing left to run; the aborts' final outputs (once each) come with the next update().
+    outputs = s.update(s.schedule(), result())
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [
+        ("run", FinishReason.ABORT),
+        ("wait", FinishReason.ABORT),
+    ]
     assert not s.has_unfinished
-    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
 
 
-def test_finish_is_idempotent_and_keeps_the_first_reason() -> None:
+def test_a_finished_request_keeps_its_first_reason() -> None:
     s = make_scheduler()
     r = make_request("r", 3)
     s.add(r)
     step(s)
-    s.finish(r, FinishReason.STOP)
-    s.finish(r, FinishReason.LENGTH)
+    s.update(s.schedule(), result(2))  # EOS
     assert r.finish_reason is FinishReason.STOP
-    assert s.abort("r") is None
+    assert s.abort("r") is False
+    assert r.finish_reason is FinishReason.STOP
+    # The other way round: aborted while its step ran, the step's EOS does not turn it into STOP.
+    q = make_request("q", 3)
+    s.add(q)
+    plan = s.schedule()
+    assert s.abort("q") is True
+    s.update(plan, result(2))
+    assert q.finish_reason is FinishReason.ABORT and q.output_ids == []
 
 
-def test_abort_between_schedule_and_advance() -> None:
+def test_abort_between_schedule_and_update() -> None:
     s = make_scheduler()
     r, other = make_request("r", 6), make_request("other", 6)
     s.add(r)
     s.add(other)
-    batch = s.schedule()
+    plan = s.schedule()
     s.abort("r")
-    s.advance(batch)
+    s.update(plan, sample(s, plan))
     assert other.num_computed_tokens == 6
-    s.block_manager.check_invariants()
+    s.kv_cache.check_invariants()
 
 
 def test_duplicate_id_is_rejected() -> None:
@@ -518,23 +550,35 @@ def test_duplicate_id_is_rejected() -> None:
         s.add(make_request("r", 3))
 
 
+def test_a_result_without_the_sampled_token_is_a_loud_error() -> None:
+    s = make_scheduler()
+    s.add(make_request("r", 3))
+    plan = s.schedule()
+    assert plan.samples == (True,)
+    with pytest.raises(ValueError, match="the plan samples 1 requests"):
+        s.update(plan, result())  # the engine "forgets" to sample
+
+
 def test_running_request_without_work_is_a_loud_error() -> None:
     s = make_scheduler()
     r = make_request("r", 3)
     s.add(r)
-    s.advance(s.schedule())  # the engine "forgets" to sample
+    plan = s.schedule()
+    # The engine "forgets" to sample, and so does the plan it hands back: the counts agree, no token comes.
+    s.update(dataclasses.replace(plan, samples=(False,)), result())
+    assert r.num_computed_tokens == r.num_tokens
     with pytest.raises(RuntimeError, match="nothing to compute"):
         s.schedule()
 
 
 def test_request_larger_than_the_cache_does_not_hang_schedule() -> None:
-    s = make_scheduler(num_blocks=2, page_size=4, max_batch_tokens=4)
+    s = make_scheduler(num_pages=2, page_size=4, max_batch_tokens=4)
     huge = make_request("huge", 20)
     s.add(huge)
     for _ in range(5):  # each call returns; the core rejects such requests at submission
-        batch = step(s)
-        assert batch.total_tokens <= 4
-    s.block_manager.check_invariants()
+        plan = step(s)
+        assert plan.num_tokens <= 4
+    s.kv_cache.check_invariants()
 
 
 # -- page sizes and sliding window ------------------------------------------------------------------------------------
@@ -542,33 +586,33 @@ def test_request_larger_than_the_cache_does_not_hang_schedule() -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16, 256])
 def test_page_sizes_end_to_end(page_size: int) -> None:
-    num_blocks = 4096 // page_size + 2
-    s = make_scheduler(num_blocks, page_size, max_batch_tokens=64, max_num_seqs=8)
+    num_pages = 4096 // page_size + 2
+    s = make_scheduler(num_pages, page_size, max_batch_tokens=64, max_num_seqs=8)
     shared = list(range(2000, 2300))
     requests = [make_request(f"r{i}", [*shared, i], max_new_tokens=5 + i) for i in range(12)]
     for r in requests:
         s.add(r)
     run_to_completion(s)
     assert all(len(r.output_ids) == r.params.max_new_tokens for r in requests)
-    bm = s.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert bm.prefix_hits > 0
+    kv = s.kv_cache
+    assert kv.num_free_pages == kv.num_pages
+    assert kv.prefix_hits > 0
 
 
 def test_sliding_window_keeps_memory_bounded() -> None:
-    s = make_scheduler(num_blocks=6, page_size=4, window=8, max_batch_tokens=8)
+    s = make_scheduler(num_pages=6, page_size=4, window=8, max_batch_tokens=8)
     r = make_request("r", 8, max_new_tokens=60)  # 68 tokens would need 17 pages without the window
     s.add(r)
     while s.has_unfinished:
         step(s)
         if not r.finished:
-            table = s.block_manager.block_table("r")
+            pages = table(s, "r")
             released = max(0, r.num_computed_tokens - 8) // 4
-            assert table[:released] == [-1] * released
-            assert all(p >= 0 for p in table[released:])
-            assert len(table) - released <= 4
+            assert pages[:released] == [-1] * released
+            assert all(p >= 0 for p in pages[released:])
+            assert len(pages) - released <= 4
     assert len(r.output_ids) == 60
-    assert s.block_manager.num_free_blocks == 6
+    assert s.kv_cache.num_free_pages == 6
 
 
 # -- random property test -----------------------------------------------------------------------------------------
@@ -586,31 +630,36 @@ class KVOracle:
     window: int | None
     slots: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
 
-    def run(self, scheduler: Scheduler, batch: ScheduledBatch) -> None:
+    def run(self, scheduler: Scheduler, plan: SchedulerOutput, requests: dict[str, Request]) -> None:
         ps = self.page_size
-        for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            table = scheduler.block_manager.block_table(request.request_id)
+        for i, (request_id, n) in enumerate(zip(plan.request_ids, plan.num_new_tokens, strict=True)):
+            request = requests[request_id]
+            pages = table(scheduler, request_id)
             start = request.num_computed_tokens
             tokens = request.all_token_ids
-            assert len(table) * ps >= start + n
+            # What the runner computes is what the plan says.
+            assert plan.num_computed_tokens[i] == start
+            assert list(plan.token_ids[i]) == tokens[start : start + n]
+            assert len(pages) * ps >= start + n
             first_read = 0 if self.window is None else max(0, start - self.window)
             for pos in range(first_read, start):
-                page = table[pos // ps]
+                page = pages[pos // ps]
                 assert page >= 0, f"{request.request_id}: position {pos} is still in the window"
                 assert self.slots.get((page, pos % ps)) == tuple(tokens[: pos + 1]), (
                     f"{request.request_id}: wrong K/V at position {pos} (page {page})"
                 )
             for pos in range(start, start + n):
-                self.slots[(table[pos // ps], pos % ps)] = tuple(tokens[: pos + 1])
+                self.slots[(pages[pos // ps], pos % ps)] = tuple(tokens[: pos + 1])
 
 
-def check_step(s: Scheduler, batch: ScheduledBatch) -> None:
+def check_step(s: Scheduler, plan: SchedulerOutput, requests: dict[str, Request]) -> None:
     cfg = s.config
-    assert batch.total_tokens <= cfg.max_batch_tokens
-    assert len(batch.requests) <= cfg.max_num_seqs
+    assert plan.num_tokens <= cfg.max_batch_tokens
+    assert len(plan.request_ids) <= cfg.max_num_seqs
     assert len(s.running) <= cfg.max_num_seqs
-    assert len({r.request_id for r in batch.requests}) == len(batch.requests)
-    for request, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+    assert len(set(plan.request_ids)) == len(plan.request_ids)
+    for request_id, n in zip(plan.request_ids, plan.num_new_tokens, strict=True):
+        request = requests[request_id]
         assert request.status is RequestStatus.RUNNING and request in s.running
         assert 1 <= n <= request.num_tokens - request.num_computed_tokens
     for request in s.running:
@@ -618,8 +667,8 @@ def check_step(s: Scheduler, batch: ScheduledBatch) -> None:
     for request in s.waiting:
         assert request.status is RequestStatus.WAITING
         assert request.num_computed_tokens == 0
-        assert s.block_manager.block_table(request.request_id) == []
-    s.block_manager.check_invariants()
+        assert table(s, request.request_id) == []
+    s.kv_cache.check_invariants()
 
 
 # Shared prefixes first: generation favours (and shrinking moves towards) the first entry.
@@ -665,9 +714,9 @@ def test_random_workloads_keep_invariants_and_finish(
     operations: list[tuple],
 ) -> None:
     # Sized in tokens, so that every page size sees the same memory pressure (and preemptions).
-    num_blocks = -(-cache_tokens // page_size)
+    num_pages = -(-cache_tokens // page_size)
     s = make_scheduler(
-        num_blocks,
+        num_pages,
         page_size,
         caching=caching,
         window=window,
@@ -676,20 +725,20 @@ def test_random_workloads_keep_invariants_and_finish(
         scheduler_policy=policy,
         safety_margin=safety_margin,
     )
-    bm = s.block_manager
+    kv = s.kv_cache
     oracle = KVOracle(page_size, window)
     submitted: list[Request] = []
+    by_id: dict[str, Request] = {}
     aborted: set[str] = set()
 
     def run_step() -> None:
-        batch = s.schedule()
-        check_step(s, batch)
-        if s.has_unfinished:
-            assert batch.requests, "no progress with work pending"
-        oracle.run(s, batch)
-        s.advance(batch)
-        finish_computed(s, batch)
-        check_step(s, ScheduledBatch())
+        plan = s.schedule()
+        check_step(s, plan, by_id)
+        if s.running or s.waiting:
+            assert plan.request_ids, "no progress with work pending"
+        oracle.run(s, plan, by_id)
+        s.update(plan, sample(s, plan))
+        check_step(s, SchedulerOutput(), by_id)
 
     for op in [*burst, *operations]:
         if op[0] in ("add", "follow_up", "repeat"):
@@ -704,16 +753,17 @@ def test_random_workloads_keep_invariants_and_finish(
                 prompt = list(submitted[which % len(submitted)].prompt_ids)
             request = make_request(f"r{len(submitted)}", prompt, max_new_tokens=max_new)
             # What the core rejects at submission: an empty prompt, more pages than the whole cache.
-            if not prompt or bm.blocks_needed(len(prompt) + max_new) > num_blocks:
+            if not prompt or not kv.fits(len(prompt) + max_new):
                 continue
             s.add(request)
             submitted.append(request)
+            by_id[request.request_id] = request
         elif op[0] == "step":
             for _ in range(op[1]):
                 run_step()
         elif submitted:
             victim = submitted[op[1] % len(submitted)]
-            if s.abort(victim.request_id) is not None:
+            if s.abort(victim.request_id):
                 aborted.add(victim.request_id)
             assert victim.finished
 
@@ -724,7 +774,7 @@ def test_random_workloads_keep_invariants_and_finish(
     assert not s.has_unfinished, "requests left unfinished: deadlock or starvation"
     # Steer the search towards the interesting cases.
     target(float(s.num_preemptions), label="preemptions")
-    target(float(bm.prefix_hits), label="prefix hits")
+    target(float(kv.prefix_hits), label="prefix hits")
 
     for request in submitted:
         assert request.finished
@@ -733,14 +783,14 @@ def test_random_workloads_keep_invariants_and_finish(
         else:
             assert request.finish_reason is FinishReason.LENGTH
             assert len(request.output_ids) == request.params.max_new_tokens
-    assert bm.num_free_blocks == bm.num_blocks
-    assert bm.usage == 0.0
-    bm.check_invariants()
+    assert kv.num_free_pages == kv.num_pages
+    assert kv.usage == 0.0
+    kv.check_invariants()
     admitted = [r for r in submitted if r.first_scheduled_time is not None]
     if caching:
-        assert bm.prefix_queries == sum(r.num_prompt_tokens for r in admitted)
-        assert bm.prefix_hits == sum(r.num_cached_tokens for r in admitted)
+        assert kv.prefix_queries == sum(r.num_prompt_tokens for r in admitted)
+        assert kv.prefix_hits == sum(r.num_cached_tokens for r in admitted)
     else:
-        assert (bm.prefix_queries, bm.prefix_hits) == (0, 0)
+        assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
     for request in admitted:
         assert request.num_cached_tokens < request.num_prompt_tokens

@@ -19,9 +19,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.driver import EngineRequest
 from engine.request import QueueFull, RequestRejected, StepOutput
 from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
-from server.ipc import EngineRequest
 from server.lifecycle import Lifecycle
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
