@@ -1,12 +1,10 @@
-"""`ferry`, the command line: `ferry serve` runs the OpenAI-compatible server (and `ferry bench` the benchmarks,
-when the bench package provides them)."""
+"""`ferry serve`: the OpenAI-compatible server's command line (ferry/cli.py hangs it under the `ferry` command)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -246,8 +244,8 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    # Imported here, not at the top: the spawned engine process re-imports this module (multiprocessing's
-    # spawn re-imports __main__), and it needs neither the web stack nor the tokenizer libraries.
+    # Imported here, not at the top: multiprocessing's spawn re-runs the `ferry` script's imports in the engine
+    # process, this module among them, and the engine needs neither the web stack nor the tokenizer libraries.
     import uvicorn
 
     from server.app import create_app
@@ -268,23 +266,3 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     FerryServer(config, lifecycle).run()
     return lifecycle.exit_code
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ferry", description="Ferry: an OpenAI-compatible LLM inference server.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_serve_parser(subparsers)
-    # `ferry bench` lives in the bench package; serving must work without it.
-    try:
-        from bench.cli import add_bench_parser
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("bench", "bench.cli"):
-            raise
-    else:
-        add_bench_parser(subparsers)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import ferry.cli
 from engine.config import EngineConfig
 from server import cli
 
@@ -20,7 +21,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def test_every_engine_option_is_a_documented_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        cli.main(["serve", "--help"])
+        ferry.cli.main(["serve", "--help"])
     assert info.value.code == 0
     help_text = capsys.readouterr().out
     for field in dataclasses.fields(EngineConfig):
