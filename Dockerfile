@@ -35,6 +35,7 @@ COPY pyproject.toml README.md /src/
 COPY engine /src/engine
 COPY server /src/server
 COPY bench /src/bench
+COPY ferry /src/ferry
 # A regular (non-editable) install: the runtime stage needs the venv only, not /src.
 RUN pip install /src
 
@@ -91,6 +92,7 @@ COPY pyproject.toml README.md /src/
 COPY engine /src/engine
 COPY server /src/server
 COPY bench /src/bench
+COPY ferry /src/ferry
 RUN pip install "/src[gpu]"
 
 # ---------------------------------------------------------------------------------------------------

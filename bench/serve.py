@@ -231,7 +231,7 @@ def _local_server(options: ServeOptions) -> Iterator[str]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
-        sys.executable, "-m", "server.cli", "serve", "--model", options.model,
+        sys.executable, "-m", "ferry", "serve", "--model", options.model,
         # Quiet by default (one access-log line per request would bury the table); later flags override.
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *options.server_args,
     ]  # fmt: skip

@@ -1,54 +1,76 @@
-"""Every engine option in one dataclass; the CLI, the manager and the benchmarks all build one of these."""
+"""Every engine option in one dataclass; the CLI, the manager and the benchmarks all build one of these.
+
+Each field's docstring is also its `ferry serve --help` text, and its metadata the help section it is listed
+under (server/flags.py turns every field into a flag); `"flag": False` marks a field the CLI fills in itself.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 SchedulerPolicy = Literal["fifo", "prefill_first"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+_MODEL = {"group": "model"}
+_KV_CACHE = {"group": "KV cache"}
+_SCHEDULING = {"group": "scheduling"}
 
 
 @dataclass
 class EngineConfig:
-    model: str
-    """A local Hugging Face model directory (config.json, safetensors, tokenizer files)."""
-    dtype: str = "auto"
-    """`auto` (bfloat16 on GPU, float32 on CPU), `float32`, `bfloat16` or `float16`."""
-    device: str = "auto"
-    """`auto` (cuda when available), `cpu` or `cuda[:N]`."""
-    load_format: Literal["auto", "dummy"] = "auto"
-    """`dummy` builds random weights from config.json alone, for benchmarking big models without weights."""
-    page_size: int = 16
+    model: str = field(metadata={"flag": False})
+    """A local Hugging Face model directory (config.json, safetensors, tokenizer files). No flag of its own:
+    `ferry serve` resolves it from --model, or serves the model embedded in the package."""
+    dtype: DType = field(default="auto", metadata=_MODEL)
+    """Weights and activations dtype; `auto` is bfloat16 on GPU, float32 on CPU."""
+    device: str = field(default="auto", metadata=_MODEL)
+    """Device the engine runs on: `auto` (cuda when available), `cpu` or `cuda[:N]`."""
+    load_format: Literal["auto", "dummy"] = field(default="auto", metadata=_MODEL)
+    """`auto` reads the weights in the model directory; `dummy` builds random weights from config.json
+    alone, for benchmarking big models without weights."""
+    page_size: int = field(default=16, metadata=_KV_CACHE)
     """Tokens per KV-cache page."""
-    num_blocks: int | None = None
-    """Number of KV-cache pages; derived from the memory budget when None."""
-    max_memory_percent: float = 0.9
+    num_blocks: int | None = field(default=None, metadata=_KV_CACHE)
+    """Number of KV-cache pages (named `num_blocks` as in transformers' continuous batching); by default
+    derived from the memory budget: max_memory_percent on GPU, cpu_kv_cache_gib on CPU."""
+    max_memory_percent: float = field(default=0.9, metadata=_KV_CACHE)
     """GPU: fraction of free device memory (after loading the model) given to the KV cache."""
-    cpu_kv_cache_gib: float = 1.0
+    cpu_kv_cache_gib: float = field(default=1.0, metadata=_KV_CACHE)
     """CPU: GiB given to the KV cache."""
-    max_batch_tokens: int = 2048
-    """Token budget of one step: decode tokens plus prefill chunks."""
-    max_num_seqs: int = 256
-    """Most sequences in one step."""
-    max_model_len: int | None = None
-    """Longest prompt + output; defaults to the model's `max_position_embeddings`."""
-    scheduler_policy: SchedulerPolicy = "fifo"
-    safety_margin: float = 0.0
+    max_batch_tokens: int = field(default=2048, metadata=_SCHEDULING)
+    """Token budget of one engine step: decode tokens plus prefill chunks."""
+    max_num_seqs: int = field(default=256, metadata=_SCHEDULING)
+    """Most sequences in one engine step."""
+    max_model_len: int | None = field(default=None, metadata=_MODEL)
+    """Longest prompt + output in tokens; by default the model's `max_position_embeddings`."""
+    scheduler_policy: SchedulerPolicy = field(default="fifo", metadata=_SCHEDULING)
+    """Who gets each step's token budget first. `fifo`: running requests, then waiting ones in arrival order;
+    `prefill_first`: waiting requests, then running ones."""
+    safety_margin: float = field(default=0.0, metadata=_SCHEDULING)
     """Fraction of all pages kept free for running sequences to grow into: no new prefill is admitted below it."""
-    enable_prefix_caching: bool = True
-    max_queue_size: int = 1024
-    """Most requests waiting for admission; the server answers 429 beyond it. 0 means unbounded."""
-    seed: int = 0
+    enable_prefix_caching: bool = field(default=True, metadata=_KV_CACHE)
+    """Share KV-cache pages between requests with a common prompt prefix (full pages, matched by a hash chain
+    over their tokens); freed pages stay cached until evicted, least recently used first."""
+    max_queue_size: int = field(default=1024, metadata=_SCHEDULING)
+    """Most requests waiting for admission; beyond it the server answers 429 with Retry-After. 0 means
+    unbounded."""
+    seed: int = field(default=0, metadata=_SCHEDULING)
     """Seed for requests that sample without a seed of their own."""
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
-    model_impl: Literal["auto", "native", "transformers"] = "auto"
+    attention_backend: Literal["auto", "torch", "flash"] = field(default="auto", metadata=_MODEL)
+    """Attention kernels: `torch` (any device; gathers each sequence's pages every step) or `flash` (flash-attn
+    on CUDA, reads the pages in place); `auto` takes flash on CUDA when flash-attn is installed and the page
+    size suits it, torch otherwise."""
+    model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
     """`auto` uses the native Llama-family modules where they exist and the transformers adapter otherwise."""
-    cpu_threads: int | None = 1
-    """CPU: torch threads for the engine (None leaves torch's setting alone). One by default: a step is many small
-    ops, and OpenMP barriers across threads stall whenever another process competes for the cores (measured on
-    2 cores: 756 tok/s with 1 thread, 17 tok/s with 2 while a second process ran)."""
-    debug_checks: bool = False
-    """Assert page-accounting invariants inside the block manager (tests turn this on)."""
+    cpu_threads: int | None = field(default=1, metadata=_SCHEDULING)
+    """CPU: torch threads in the engine process (None, from Python, leaves torch's setting alone). One by default,
+    and more helps only on cores nothing else uses: a step is many small ops, and OpenMP barriers across threads
+    stall whenever another process competes for the cores (measured on 2 cores: 756 tok/s with 1 thread,
+    17 tok/s with 2 while a second process ran)."""
+    debug_checks: bool = field(default=False, metadata=_SCHEDULING)
+    """Assert KV-cache page-accounting invariants inside the block manager after every change (slow; tests turn
+    this on)."""
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

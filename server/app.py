@@ -1,7 +1,7 @@
 """The FastAPI app: routes, OpenAI-shaped errors for every failure, guards, and the engine's start and stop.
 
 Uvicorn starts serving while the model loads in the background, so /health and /ready answer during loading
-(/ready says 503 until the engine is up). Generation routes hand off to `OpenAIServing`.
+(/ready says 503 until the engine is up). Generation routes hand off to server/openai/chat.py and completions.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.metrics import ServerMetrics, rejection_reason
 from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from server.openai.chat import serve_chat_completion
+from server.openai.completions import serve_completion
 from server.openai.errors import APIError, ErrorResponse, invalid_request, service_unavailable
+from server.openai.generation import ServingContext
 from server.openai.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -37,7 +40,6 @@ from server.openai.schemas import (
     ModelCard,
     ModelList,
 )
-from server.openai.serving import OpenAIServing, ServingContext
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
 
@@ -75,7 +77,7 @@ class ServerState:
             on_stats=self.metrics.observe_engine_stats,
             on_death=lifecycle.fail,
         )
-        self.serving: OpenAIServing | None = None
+        self.serving: ServingContext | None = None
 
     async def load(self) -> None:
         """Spawn the engine first, so that it loads the model while this process loads the tokenizer."""
@@ -89,16 +91,14 @@ class ServerState:
             logger.exception("Failed to start serving")
             self.lifecycle.fail()
             return
-        self.serving = OpenAIServing(
-            ServingContext(
-                client=self.client,
-                tokenizer=tokenizer,
-                metrics=self.metrics,
-                lifecycle=self.lifecycle,
-                model_name=self.model_name,
-                max_model_len=info.max_model_len,
-                request_timeout=self.settings.request_timeout or None,
-            )
+        self.serving = ServingContext(
+            client=self.client,
+            tokenizer=tokenizer,
+            metrics=self.metrics,
+            lifecycle=self.lifecycle,
+            model_name=self.model_name,
+            max_model_len=info.max_model_len,
+            request_timeout=self.settings.request_timeout or None,
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -109,7 +109,7 @@ class ServerState:
         self.lifecycle.set_ready()
         logger.info("Serving %s (max_model_len=%d)", self.model_name, info.max_model_len)
 
-    def get_serving(self) -> OpenAIServing:
+    def get_serving(self) -> ServingContext:
         if self.serving is None:
             self.lifecycle.check_accepting()
             raise service_unavailable("The engine is not running.", "engine_dead")
@@ -144,15 +144,15 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_RESPONSE)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await state.get_serving().chat(body, request)
+        return await serve_chat_completion(state.get_serving(), body, request)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAM_RESPONSE)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await state.get_serving().completions(body, request)
+        return await serve_completion(state.get_serving(), body, request)
 
     def model_card() -> ModelCard:
         serving = state.get_serving()
-        return ModelCard(id=state.model_name, created=state.created, max_model_len=serving.ctx.max_model_len)
+        return ModelCard(id=state.model_name, created=state.created, max_model_len=serving.max_model_len)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -1,21 +1,44 @@
-"""Options of the HTTP server itself (the engine's live in engine.config.EngineConfig)."""
+"""Options of the HTTP server itself (the engine's live in engine.config.EngineConfig).
+
+As there, each field's docstring is its `ferry serve --help` text and its metadata the help section it is listed
+under (server/flags.py turns every field into a flag).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+_MODEL = {"group": "model"}
+_SERVER = {"group": "server"}
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    """When set, /v1/* requires `Authorization: Bearer <api_key>`."""
-    served_model_name: str | None = None
-    """The `model` clients send; defaults to the model directory's name."""
-    request_timeout: float = 600.0
-    """Seconds from arrival to the end of the response; 0 disables."""
-    max_request_bytes: int = 8 * 1024 * 1024
-    drain_timeout: float = 30.0
-    """Seconds in-flight requests get to finish after SIGTERM."""
-    log_level: str = "info"
+    host: str = field(default="127.0.0.1", metadata=_SERVER)
+    """Address to listen on (0.0.0.0 for all interfaces, e.g. in a container)."""
+    port: int = field(default=8000, metadata=_SERVER)
+    """Port to listen on."""
+    api_key: str | None = field(default=None, metadata=_SERVER)
+    """Require `Authorization: Bearer KEY` on /v1/* (probes and /metrics stay open). `ferry serve` falls back to
+    $FERRY_API_KEY, which keeps the key out of `ps` output and shell history; neither means no key."""
+    served_model_name: str | None = field(default=None, metadata=_MODEL)
+    """Name clients send as `model`; by default the model directory's name."""
+    request_timeout: float = field(default=600.0, metadata=_SERVER)
+    """Seconds a request may take from arrival to its last byte before it is aborted (504); 0 disables."""
+    max_request_bytes: int = field(default=8 * 1024 * 1024, metadata=_SERVER)
+    """Largest request body accepted (413 beyond)."""
+    drain_timeout: float = field(default=30.0, metadata=_SERVER)
+    """On SIGTERM, seconds in-flight requests get to finish before the server exits."""
+    log_level: LogLevel = field(default="info", metadata=_SERVER)
+    """Log level of the server and the engine process."""
+
+    def __post_init__(self) -> None:
+        if self.request_timeout < 0:
+            raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")

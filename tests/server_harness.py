@@ -97,7 +97,7 @@ def server_process(model_dir: Path | None, *extra_args: str) -> Iterator[ServerP
         model_args = [] if model_dir is None else ["--model", str(model_dir)]
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "server.cli", "serve", *model_args, "--host", "127.0.0.1",
+                [sys.executable, "-m", "ferry", "serve", *model_args, "--host", "127.0.0.1",
                  "--port", str(port), *extra_args],
                 cwd=REPO_ROOT,
                 stdout=log,

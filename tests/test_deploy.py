@@ -253,7 +253,7 @@ def test_every_engine_option_is_a_chart_value(helm: ModuleType) -> None:
 
 
 def _serve_help(capsys: pytest.CaptureFixture[str]) -> str:
-    from server.cli import main
+    from ferry.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])

@@ -1,0 +1,97 @@
+"""/v1/completions: prompt(s) -> generation -> the response, or a stream of the same object, one choice delta each.
+
+`prompt` may be a string, a list of strings, a list of token ids or a list of token-id lists; each prompt gets
+n choices, numbered prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from server.openai.choices import ChoiceState
+from server.openai.errors import invalid_request
+from server.openai.generation import Generation, ServingContext, start_generation
+from server.openai.logprobs import completion_logprobs
+from server.openai.schemas import CompletionChoice, CompletionRequest, CompletionResponse
+from server.tokens import Tokenizer
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for completions (chat's is the whole context)."""
+
+
+async def serve_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    ctx.check_request(body)
+    generation = await start_generation(
+        ctx,
+        f"cmpl-{uuid.uuid4().hex}",
+        _prompts(body, ctx.tokenizer),
+        body,
+        body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS,
+        logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
+        param="prompt",
+        arrival=arrival,
+    )
+    if body.stream:
+        return generation.stream_response(CompletionResponse, _chunk_choices(generation, body, ctx.tokenizer))
+    return await generation.json_response(
+        request, CompletionResponse, lambda choice: _final_choice(choice, body, ctx.tokenizer)
+    )
+
+
+def _prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise invalid_request("'prompt' must not be empty.", "prompt")
+    if isinstance(prompt[0], str):
+        return [tokenizer.encode(text) for text in prompt]  # type: ignore[arg-type]
+    if isinstance(prompt[0], int):
+        return [_checked_token_ids(prompt, tokenizer)]  # type: ignore[arg-type]
+    return [_checked_token_ids(ids, tokenizer) for ids in prompt]  # type: ignore[arg-type]
+
+
+def _checked_token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
+    vocab_size = tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid_request(f"Token id {bad} is outside the vocabulary [0, {vocab_size}).", "prompt")
+    return ids
+
+
+def _final_choice(choice: ChoiceState, body: CompletionRequest, tokenizer: Tokenizer) -> CompletionChoice:
+    return CompletionChoice(
+        index=choice.index,
+        text=choice.full_text,
+        logprobs=completion_logprobs(tokenizer, choice.logprobs, 0) if body.logprobs is not None else None,
+        finish_reason=choice.finish_reason,  # type: ignore[arg-type]
+    )
+
+
+async def _chunk_choices(
+    generation: Generation, body: CompletionRequest, tokenizer: Tokenizer
+) -> AsyncIterator[list[CompletionChoice]]:
+    # Where each choice's next logprob token starts in its text (completions report text offsets).
+    offsets = [0] * len(generation.choices)
+    async for index, update in generation.updates():
+        if not (update.text or update.logprobs or update.finish_reason):
+            continue
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, update.logprobs, offsets[index])
+            offsets[index] += sum(len(token) for token in logprobs.tokens)
+        yield [
+            CompletionChoice(
+                index=index,
+                text=update.text,
+                logprobs=logprobs,
+                finish_reason=update.finish_reason,  # type: ignore[arg-type]
+            )
+        ]

@@ -1,0 +1,305 @@
+"""What /v1/chat/completions and /v1/completions share: one API call's engine requests, from admission to cleanup.
+
+A request becomes n engine requests per prompt (same prompt ids, so the prefix cache can share its pages;
+choice i seeded with seed + i). Admission is awaited before any byte is sent, so a full queue is a 429 and a
+too-long prompt a 400 even for a stream. After that, every engine delta goes through the choice's
+detokenizer and stop-string matcher; errors after the first streamed byte become an SSE error event.
+The endpoints (chat.py, completions.py) differ only in how they build the prompts and the choice objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from engine.driver import EngineRequest
+from engine.request import QueueFull, RequestRejected, StepOutput
+from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
+from server.lifecycle import Lifecycle
+from server.metrics import RequestTimer, ServerMetrics, rejection_reason
+from server.openai.choices import ChoiceState, ChoiceUpdate
+from server.openai.errors import APIError, engine_failure, invalid_request
+from server.openai.schemas import PromptTokensDetails, SamplingRequest, Usage
+from server.sse import SSE_DONE, SSEResponse, sse_data
+from server.tokens import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
+"""Suggested back-off after a 429: the waiting queue moves on within a few engine steps."""
+
+
+@dataclass
+class ServingContext:
+    client: EngineClient
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+    lifecycle: Lifecycle
+    model_name: str
+    """The name clients must send as `model`."""
+    max_model_len: int
+    request_timeout: float | None
+
+    def check_request(self, body: SamplingRequest) -> None:
+        """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
+        self.lifecycle.check_accepting()
+        if body.model != self.model_name:
+            raise APIError(404, f"The model '{body.model}' does not exist.", param="model", code="model_not_found")
+        body.check_supported()
+
+
+class Generation:
+    """One API call in flight: its engine requests, its choices, its deadline, and its cleanup."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        response_id: str,
+        prompts: list[list[int]],
+        num_choices: int,
+        group: RequestGroup,
+        choices: list[ChoiceState],
+        arrival: float,
+        include_usage: bool,
+    ) -> None:
+        self.ctx = ctx
+        self.id = response_id
+        self.created = int(time.time())
+        self.prompts = prompts
+        self.num_choices = num_choices
+        self.group = group
+        self.choices = choices
+        self.include_usage = include_usage
+        """A stream's chunks carry `usage` (null, then the totals in a last chunk of their own)."""
+        self.timers = [RequestTimer(ctx.metrics, arrival) for _ in choices]
+        self._unfinished = len(choices)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._closed = False
+        ctx.lifecycle.request_started()
+        if ctx.request_timeout:
+            remaining = max(0.0, arrival + ctx.request_timeout - time.monotonic())
+            timeout = APIError(
+                504,
+                f"The request did not finish within the server's request timeout ({ctx.request_timeout:g}s).",
+                type="timeout_error",
+                code="request_timeout",
+            )
+            self._deadline = asyncio.get_running_loop().call_later(remaining, group.fail, timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._unfinished == 0
+
+    async def admitted(self) -> None:
+        """Wait until the engine took every request; map its refusal to the API's error."""
+        try:
+            await self.group.wait_admitted()
+        except QueueFull as exc:
+            raise APIError(
+                429,
+                f"The server's request queue is full ({exc}); retry after {RETRY_AFTER_SECONDS}s.",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from exc
+        except RequestRejected as exc:
+            raise invalid_request(str(exc), code=exc.code) from exc
+        except (EngineDeadError, EngineAddFailed) as exc:
+            raise engine_failure(str(exc)) from exc
+        for prompt in self.prompts:
+            self.ctx.metrics.prompt_tokens.inc(len(prompt) * self.num_choices)
+
+    async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+        """Each engine delta folded into its choice, with the choice's index, until every choice has finished."""
+        while not self.done:
+            try:
+                index, output, received = await self.group.get()
+            except EngineDeadError as exc:
+                raise engine_failure(str(exc)) from exc
+            update = self._apply(index, output, received)
+            if update is not None:
+                yield index, update
+
+    def _apply(self, index: int, output: StepOutput, received: float) -> ChoiceUpdate | None:
+        """None for leftovers of a choice already finished (a stop string ended it before the engine did)."""
+        choice = self.choices[index]
+        if choice.finished:
+            return None
+        update = choice.consume(output)
+        timer = self.timers[index]
+        timer.on_output(received, len(output.new_token_ids), output.queue_seconds)
+        if update.finish_reason is not None:
+            if not output.finished:
+                self.group.abort(index)  # a stop string ended it before the engine would have
+            timer.on_finish(received, update.finish_reason)
+            self._unfinished -= 1
+        return update
+
+    def usage(self) -> Usage:
+        """OpenAI counts a prompt once however many choices share it; cached tokens likewise."""
+        n = self.num_choices
+        cached = sum(
+            max(c.num_cached_tokens for c in self.choices[p * n : (p + 1) * n]) for p in range(len(self.prompts))
+        )
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+    def _envelope(self, response_type: type[BaseModel], choices: Sequence[BaseModel], usage: Usage | None) -> BaseModel:
+        """A response or chunk object: the fields every one of them repeats around its choices."""
+        return response_type(id=self.id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage)
+
+    async def json_response(
+        self, request: Request, response_type: type[BaseModel], final_choice: Callable[[ChoiceState], BaseModel]
+    ) -> Response:
+        """Run every choice to its end, then answer with one `response_type` holding `final_choice` of each."""
+
+        async def collect() -> Response:
+            async for _ in self.updates():
+                pass
+            response = self._envelope(response_type, [final_choice(c) for c in self.choices], self.usage())
+            return Response(response.model_dump_json(), media_type="application/json")
+
+        return await _unless_disconnected(request, collect(), self)
+
+    def stream_response(
+        self, chunk_type: type[BaseModel], chunk_choices: AsyncIterator[Sequence[BaseModel]]
+    ) -> SSEResponse:
+        """Send each list of chunk choices as one `chunk_type` event, then the usage chunk if asked for, then
+        [DONE]; an error after the first byte becomes `data: {"error": ...}` before the [DONE]."""
+        return SSEResponse(self._events(chunk_type, chunk_choices), on_close=self.close)
+
+    async def _events(
+        self, chunk_type: type[BaseModel], chunk_choices: AsyncIterator[Sequence[BaseModel]]
+    ) -> AsyncIterator[bytes]:
+        exclude = None if self.include_usage else {"usage"}
+
+        def event(choices: Sequence[BaseModel], usage: Usage | None = None) -> bytes:
+            return sse_data(self._envelope(chunk_type, choices, usage).model_dump_json(exclude=exclude))
+
+        try:
+            async for choices in chunk_choices:
+                yield event(choices)
+            if self.include_usage:
+                yield event([], self.usage())
+        except APIError as exc:
+            reason = rejection_reason(exc.status_code)
+            if reason is not None:
+                self.ctx.metrics.count_rejection(reason)
+            yield sse_data(exc.json())
+        except Exception:
+            logger.exception("Stream failed")
+            yield sse_data(APIError(500, "Internal server error.", type="server_error", code="internal_error").json())
+        yield SSE_DONE
+
+    def close(self) -> None:
+        """Abort what still runs and release everything; idempotent, called however the response ended."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self.group.close()
+        self.ctx.lifecycle.request_finished()
+
+
+async def start_generation(
+    ctx: ServingContext,
+    response_id: str,
+    prompts: list[list[int]],
+    body: SamplingRequest,
+    max_tokens: int | None,
+    *,
+    logprobs: bool,
+    top_logprobs: int,
+    param: str,
+    arrival: float,
+) -> Generation:
+    """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
+
+    `param` names the request field the prompts came from, for length errors; `max_tokens` None means up to
+    the context length.
+    """
+    n = body.num_choices
+    requests: list[EngineRequest] = []
+    choices: list[ChoiceState] = []
+    for p, prompt in enumerate(prompts):
+        max_new_tokens = _max_new_tokens(ctx.max_model_len, prompt, max_tokens, param)
+        for i in range(n):
+            params = body.sampling_params(
+                max_new_tokens=max_new_tokens, choice_index=i, logprobs=logprobs, top_logprobs=top_logprobs
+            )
+            requests.append(EngineRequest(f"{response_id}-{p}-{i}", prompt, params))
+            choices.append(
+                ChoiceState(
+                    index=p * n + i,
+                    tokenizer=ctx.tokenizer,
+                    prompt_ids=prompt,
+                    stop=body.stop_strings,
+                    keep_logprobs=logprobs and not body.stream,
+                )
+            )
+    try:
+        group = ctx.client.submit(requests)
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), type="service_unavailable_error", code="engine_dead") from exc
+    generation = Generation(ctx, response_id, prompts, n, group, choices, arrival, body.include_usage)
+    try:
+        await generation.admitted()
+    except BaseException:
+        generation.close()
+        raise
+    return generation
+
+
+def _max_new_tokens(limit: int, prompt: Sequence[int], requested: int | None, param: str) -> int:
+    if not prompt:
+        raise invalid_request(f"'{param}' must not be empty.", param)
+    if requested is None and len(prompt) < limit:
+        return limit - len(prompt)
+    wanted = len(prompt) + (requested or 1)
+    if wanted > limit:
+        raise invalid_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
+            f"({len(prompt)} in the {param}, {wanted - len(prompt)} in the completion). "
+            f"Please reduce the length of the {param} or completion.",
+            param,
+            code="context_length_exceeded",
+        )
+    assert requested is not None
+    return requested
+
+
+async def _unless_disconnected(
+    request: Request, work: Coroutine[Any, Any, Response], generation: Generation
+) -> Response:
+    """Run a non-streaming response's work, abandoning it (and its engine requests) if the client leaves."""
+    work_task = asyncio.ensure_future(work)
+    disconnect_task = asyncio.ensure_future(_client_disconnected(request))
+    try:
+        await asyncio.wait({work_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task.done():
+            return work_task.result()
+        return Response(status_code=499)  # nobody is listening; the status only shows in the access log
+    finally:
+        for task in (work_task, disconnect_task):
+            task.cancel()
+        generation.close()
+
+
+async def _client_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
