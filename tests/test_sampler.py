@@ -112,13 +112,13 @@ def test_blockwise_argmax_is_torch_argmax_first_maximum_included(width: int) -> 
     assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
 
 
-def test_all_greedy_batch_draws_no_noise(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
-    sampler = Sampler(50, device, 0)
-
-    def no_noise(*_: object) -> torch.Tensor:
+class _NoNoiseSampler(Sampler):
+    def _gumbel_noise(self, *_: object) -> torch.Tensor:
         raise AssertionError("an all-greedy batch must not draw noise")
 
-    monkeypatch.setattr(sampler, "_gumbel_noise", no_noise)
+
+def test_all_greedy_batch_draws_no_noise(device: torch.device) -> None:
+    sampler = _NoNoiseSampler(50, device, 0)
     logits = random_logits(4, 50, seed=2, device=device)
     requests = [make_request(SamplingParams(top_k=1, temperature=0.7)), make_request()]
     assert sampler.apply_penalties(logits, requests) is logits

@@ -36,18 +36,31 @@ def make_request(request_id: str, prompt: list[int] | int, max_new_tokens: int =
     )
 
 
+class LookupCountingKVCache(KVCacheManager):
+    """A KV-cache manager that keeps the ids of the requests whose prefix it was asked to match."""
+
+    def __init__(self, layouts: list[GroupLayout], pools: list[PagePool]) -> None:
+        super().__init__(layouts, pools)
+        self.lookups: list[str] = []
+
+    def match_prefix(self, request: Request) -> int:
+        self.lookups.append(request.request_id)
+        return super().match_prefix(request)
+
+
 def make_scheduler(
     num_pages: int = 64,
     page_size: int = 4,
     *,
     caching: bool = True,
     window: int | None = None,
+    max_model_len: int = MAX_MODEL_LEN,
     **config: object,
 ) -> Scheduler:
     pool = PagePool(num_pages, page_size, enable_prefix_caching=caching, sliding_window=window, debug_checks=True)
-    kv_cache = KVCacheManager([GroupLayout(window, (0,))], [pool])
+    kv_cache = LookupCountingKVCache([GroupLayout(window, (0,))], [pool])
     engine_config = EngineConfig(model="unused", page_size=page_size, **config)  # type: ignore[arg-type]
-    return Scheduler(engine_config, kv_cache, MAX_MODEL_LEN)
+    return Scheduler(engine_config, kv_cache, max_model_len)
 
 
 def next_token(request: Request) -> int:
@@ -404,26 +417,20 @@ def test_self_preemption_when_the_newest_needs_a_page() -> None:
     assert s.waiting.first() is b
 
 
-def test_no_admission_attempt_in_a_step_that_preempted(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_admission_attempt_in_a_step_that_preempted() -> None:
     s = make_scheduler(num_pages=4, page_size=4)
     a = make_request("a", 8, max_new_tokens=50)
     b = make_request("b", 8, max_new_tokens=50)
     s.add(a)
     s.add(b)
     step(s)
-    lookups: list[str] = []
-    real_match = s.kv_cache.match_prefix
-
-    def spy(request: Request) -> int:
-        lookups.append(request.request_id)
-        return real_match(request)
-
-    monkeypatch.setattr(s.kv_cache, "match_prefix", spy)
+    assert isinstance(s.kv_cache, LookupCountingKVCache)
+    s.kv_cache.lookups.clear()
     plan = s.schedule()
     # a took b's pages: b cannot fit again this step, and trying would only re-hash its tokens.
     assert plan.preempted_ids == ("b",)
     assert planned(plan) == [("a", 1)]
-    assert lookups == []
+    assert s.kv_cache.lookups == []
     assert s.waiting.first() is b
 
 
@@ -794,3 +801,46 @@ def test_random_workloads_keep_invariants_and_finish(
         assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
     for request in admitted:
         assert request.num_cached_tokens < request.num_prompt_tokens
+
+
+# -- stop rules: update() finishes requests -------------------------------------------------------------------
+
+
+def _decode_with(s: Scheduler, tokens: list[int]) -> list[list]:
+    """Feed `tokens` to the single running request, one per step; each step's outputs."""
+    steps = []
+    for token in tokens:
+        plan = s.schedule()
+        steps.append(s.update(plan, ModelRunnerOutput([token] * plan.num_sampling, [None] * plan.num_sampling)))
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "reason", "generated"),
+    [
+        (SamplingParams(max_new_tokens=5), [7, 2], FinishReason.STOP, 2),  # EOS
+        (SamplingParams(max_new_tokens=5, ignore_eos=True), [2, 2, 2, 2, 2], FinishReason.LENGTH, 5),
+        (SamplingParams(max_new_tokens=5, stop_token_ids=(9,)), [7, 9], FinishReason.STOP, 2),
+        # EOS before min_new_tokens does not stop (the sampler bans it; update must not stop on it either).
+        (SamplingParams(max_new_tokens=5, min_new_tokens=3), [2, 2, 2], FinishReason.STOP, 3),
+        (SamplingParams(max_new_tokens=3), [7, 7, 7], FinishReason.LENGTH, 3),
+    ],
+)
+def test_update_applies_every_stop_rule(
+    params: SamplingParams, tokens: list[int], reason: FinishReason, generated: int
+) -> None:
+    s = make_scheduler()
+    request = Request("r", [5, 6, 7], params, frozenset({2}))
+    s.add(request)
+    steps = _decode_with(s, tokens)
+    assert request.finish_reason is reason and len(request.output_ids) == generated
+    assert [out.finished for outs in steps for out in outs] == [False] * (generated - 1) + [True]
+    assert not s.has_unfinished and s.kv_cache.all_free()
+
+
+def test_update_stops_at_the_model_length() -> None:
+    s = make_scheduler(max_model_len=6)
+    request = Request("r", [5, 6, 7, 8], SamplingParams(max_new_tokens=50), frozenset({2}))
+    s.add(request)
+    _decode_with(s, [7, 7])
+    assert request.finish_reason is FinishReason.LENGTH and request.num_tokens == 6
