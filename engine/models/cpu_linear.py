@@ -25,12 +25,14 @@ _ROWS_HINT = 64
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack linears of `dtype` here; bfloat16 needs AVX512 (or AVX-NE-CONVERT) on the CPU."""
     return (
         device.type == "cpu"
         and dtype in _PACKABLE_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
