@@ -225,7 +225,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     overhead = commands.add_parser(
         "overhead",
         help="CPU microseconds per engine step with a zero-cost model",
-        description="Runs the real engine step (scheduler, block manager, runner, sampler, outputs) around a "
+        description="Runs the real engine step (scheduler, KV-cache manager, runner, sampler, outputs) around a "
         "model that returns zeros, at each number of running sequences, and reports microseconds per step.",
     )
     overhead.add_argument("--sizes", type=_ints, default=(64, 256, 1024), help="running sequences, e.g. 64,256,1024")

@@ -69,7 +69,7 @@ class EngineConfig:
     stall whenever another process competes for the cores (measured on 2 cores: 756 tok/s with 1 thread,
     17 tok/s with 2 while a second process ran)."""
     debug_checks: bool = field(default=False, metadata=_SCHEDULING)
-    """Assert KV-cache page-accounting invariants inside the block manager after every change (slow; tests turn
+    """Assert KV-cache page-accounting invariants inside the page pools after every change (slow; tests turn
     this on)."""
 
     def __post_init__(self) -> None:

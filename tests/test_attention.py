@@ -2,7 +2,7 @@
 
 One packed step holds every kind of sequence: fresh prompts, chunks over cached history, and decodes of many
 lengths (so they fall into several length groups), over shuffled pages, with and without a sliding window
-(pages the window released are marked -1, as the block manager does).
+(pages the window released are marked -1, as the page pool does).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """flash-attn over the pages in place (GPU only): nothing is gathered into a contiguous copy.
 
-A step with only decode tokens uses `flash_attn_with_kvcache` (one query per sequence, block table); any step
-with a multi-token chunk uses `flash_attn_varlen_func` with the block table, which serves prefill chunks over
-cached pages and decodes in the same call. Upstream flash-attn reads paged K/V only when the page size is a
-multiple of 256, so `auto` falls back to the torch backend for smaller pages.
+A step with only decode tokens uses `flash_attn_with_kvcache` (one query per sequence, and the page table, which
+flash-attn calls `block_table`); any step with a multi-token chunk uses `flash_attn_varlen_func` with the page
+table, which serves prefill chunks over cached pages and decodes in the same call. Upstream flash-attn reads
+paged K/V only when the page size is a multiple of 256, so `auto` falls back to the torch backend for smaller
+pages.
 """
 
 from __future__ import annotations
