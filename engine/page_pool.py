@@ -206,7 +206,10 @@ class PagePool:
         """
         seq = self._seqs.get(request.request_id)
         have = len(seq.table) if seq is not None else 0
-        needed = self.pages_needed(request.num_computed_tokens + num_new_tokens) - have
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.page_size) - have
+        # Hot path (every running request, every step): the last page still has room.
+        if needed <= 0 and seq is not None and seq.pending_stats is None:
+            return []
         if needed > self.num_free_pages - keep_free:
             return None
         if seq is None:

@@ -132,6 +132,9 @@ class Request:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
         n = len(self.prompt_ids)
         if start >= n:
+            # A decode step: the one token sampled last.
+            if end == start + 1 == n + len(self.output_ids):
+                return [self.output_ids[-1]]
             return self.output_ids[start - n : end - n]
         if end <= n:
             return self.prompt_ids[start:end]

@@ -79,6 +79,7 @@ class _StepBuilder:
     def __init__(self, max_tokens: int, max_seqs: int) -> None:
         self.requests: list[Request] = []
         self.num_new_tokens: list[int] = []
+        self.samples: list[bool] = []
         self.preempted: list[Request] = []
         self.admitted: set[str] = set()
         """Requests admitted this step: new to the runner."""
@@ -91,9 +92,11 @@ class _StepBuilder:
     def full(self) -> bool:
         return self.budget == 0 or len(self.requests) >= self._max_seqs
 
-    def add(self, request: Request, num_new_tokens: int, grant: PageTables) -> None:
+    def add(self, request: Request, num_new_tokens: int, samples: bool, grant: PageTables) -> None:
+        """`samples`: this step computes the request's last known token, so a new one is sampled after it."""
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
+        self.samples.append(samples)
         self.budget -= num_new_tokens
         if any(grant):
             self.grants[request.request_id] = grant
@@ -106,6 +109,7 @@ class _StepBuilder:
         for i, scheduled in enumerate(self.requests):
             if scheduled is request:
                 del self.requests[i]
+                del self.samples[i]
                 self.budget += self.num_new_tokens.pop(i)
                 return
 
@@ -213,9 +217,7 @@ class Scheduler:
                 r.token_slice(start, start + n)
                 for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
             ),
-            samples=tuple(
-                start + n == r.num_tokens for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
-            ),
+            samples=tuple(builder.samples),
             new_requests=tuple(self._new_request(r) for r in requests if r.request_id in builder.admitted),
             new_pages=tuple((rid, grant) for rid, grant in builder.grants.items() if rid not in builder.admitted),
             preempted_ids=tuple(r.request_id for r in builder.preempted),
@@ -270,7 +272,7 @@ class Scheduler:
             num_new = min(needed, builder.budget)
             grant = self._reserve_pages(request, num_new, builder)
             if grant is not None:
-                builder.add(request, num_new, grant)
+                builder.add(request, num_new, num_new == needed, grant)
 
     def _reserve_pages(self, request: Request, num_new: int, builder: _StepBuilder) -> PageTables | None:
         """Allocate pages for `num_new` more tokens, preempting the newest running requests until they fit.
@@ -315,7 +317,8 @@ class Scheduler:
                 return
             hit = kv.match_prefix(request)
             request.num_computed_tokens = hit
-            num_new = min(request.num_tokens - hit, builder.budget)
+            needed = request.num_tokens - hit
+            num_new = min(needed, builder.budget)
             grant = kv.allocate(request, num_new, keep_free=reserve)
             if grant is None:
                 # Give back the prefix pages just matched: holding them while waiting could keep an older
@@ -331,7 +334,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             builder.admitted.add(request.request_id)
-            builder.add(request, num_new, grant)
+            builder.add(request, num_new, num_new == needed, grant)
 
 
 def _delta(
