@@ -165,6 +165,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Require `Authorization: Bearer KEY` on /v1/* (default: $FERRY_API_KEY; neither means no key).",
     )
     server.add_argument(
+        "--ui",
+        action=argparse.BooleanOptionalAction,
+        default=ServerSettings.ui,
+        help="Serve the built-in chat playground and engine view at / (--no-ui: / answers 404).",
+    )
+    server.add_argument(
         "--request-timeout",
         type=float,
         default=ServerSettings.request_timeout,
@@ -237,6 +243,7 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         port=args.port,
         # The environment variable keeps the key out of `ps` output and shell history.
         api_key=args.api_key or os.environ.get("FERRY_API_KEY") or None,
+        ui=args.ui,
         served_model_name=args.served_model_name,
         request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes,

@@ -11,6 +11,8 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None
     """When set, /v1/* requires `Authorization: Bearer <api_key>`."""
+    ui: bool = True
+    """Serve the built-in page (chat playground and engine view) at `/`; without it `/` answers 404."""
     served_model_name: str | None = None
     """The `model` clients send; defaults to the model directory's name."""
     request_timeout: float = 600.0
