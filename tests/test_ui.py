@@ -12,6 +12,7 @@ screenshot of the page after the conversation (the one in README.md).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -41,7 +42,7 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 API_KEY = "sk-ui-test"
 MODEL = "default_model"  # the embedded demo model's directory name
 WAIT_SECONDS = 20.0
-USER_PROMPTS = [{"role": "user", "content": "Tell me about ferry boats."}]
+TRAFFIC_MESSAGES = [{"role": "user", "content": "Tell me about ferry boats."}]
 
 
 def app_client(**settings: Any) -> TestClient:
@@ -152,6 +153,19 @@ def test_the_docker_image_gets_the_page() -> None:
 # ------------------------------------------------------------------------------------------- browser
 
 
+def _browser_missing() -> str | None:
+    missing = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.is_file()]
+    if missing:
+        return f"needs Debian's chromium and chromium-driver ({', '.join(missing)} missing; .ci/run installs them)"
+    if importlib.util.find_spec("selenium") is None:
+        return "needs selenium (in the test extra)"
+    return None
+
+
+# A mark, not a skip inside a fixture: without a browser, the server is not even started.
+needs_browser = pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing()))
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     with server_process(None, "--api-key", API_KEY, "--log-level", "warning") as running:
@@ -160,9 +174,7 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not (CHROMIUM.is_file() and CHROMEDRIVER.is_file()):
-        pytest.skip(f"needs Debian's chromium and chromium-driver ({CHROMIUM}, {CHROMEDRIVER}); .ci/run installs them")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (the test extra)")
+    from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     with tempfile.TemporaryDirectory(prefix="ferry-chromium-") as profile:
@@ -206,7 +218,7 @@ def page(server: ServerProcess, browser: Any) -> Iterator[Any]:
     """The page, loaded with the key already given, connected to the model; no console errors by the end."""
     browser.get(server.base_url)
     js(browser, "sessionStorage.setItem('ferry.apiKey', arguments[0])", API_KEY)
-    browser.refresh()
+    browser.get(server.base_url)  # a fresh load (a reload would restore the previous test's form values)
     wait_for(browser, lambda d: js(d, "return document.getElementById('model-name').textContent") == MODEL)
     yield browser
     assert not console_errors(browser)
@@ -269,12 +281,13 @@ def stats(server: ServerProcess) -> dict[str, Any]:
     return httpx.get(f"{server.base_url}/metrics.json", timeout=10).json()
 
 
+@needs_browser
 def test_api_key_prompt(server: ServerProcess, browser: Any) -> None:
     from selenium.webdriver.common.by import By
 
     browser.get(server.base_url)
     js(browser, "sessionStorage.clear()")
-    browser.refresh()
+    browser.get(server.base_url)
     dialog_open = "return document.getElementById('key-dialog').open"
     wait_for(browser, lambda d: js(d, dialog_open))
     assert text_of(browser, "server-status") == "API key required"
@@ -287,6 +300,7 @@ def test_api_key_prompt(server: ServerProcess, browser: Any) -> None:
     assert not console_errors(browser)
 
 
+@needs_browser
 def test_conversation_streams_and_the_engine_view_moves(server: ServerProcess, page: Any) -> None:
     from selenium.webdriver.common.by import By
 
@@ -337,7 +351,7 @@ def save_screenshot(page: Any, server: ServerProcess, path: Path) -> None:
     """Some traffic from other clients first (bursts of concurrent requests), so the chart has a shape to show."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as client:
-        body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True, "messages": USER_PROMPTS}
+        body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True, "messages": TRAFFIC_MESSAGES}
         for burst in (2, 4, 8, 3, 6):
             with ThreadPoolExecutor(burst) as pool:
                 list(pool.map(lambda _: client.post("/v1/chat/completions", json=body), range(burst)))
@@ -347,6 +361,7 @@ def save_screenshot(page: Any, server: ServerProcess, path: Path) -> None:
     page.save_screenshot(str(path))
 
 
+@needs_browser
 def test_stop_aborts_the_request(server: ServerProcess, page: Any) -> None:
     from selenium.webdriver.common.by import By
 
@@ -397,6 +412,7 @@ SCRIPTED_CHUNKS = [
 ]  # fmt: skip
 
 
+@needs_browser
 def test_model_output_is_shown_never_run(page: Any) -> None:
     js(
         page,
@@ -454,6 +470,7 @@ MARKDOWN_CASES = [
 ]  # fmt: skip
 
 
+@needs_browser
 def test_markdown_renderer(page: Any) -> None:
     rendered = js(
         page,
@@ -468,6 +485,7 @@ def test_markdown_renderer(page: Any) -> None:
         assert html == expected, text
 
 
+@needs_browser
 def test_tool_call_deltas_merge(page: Any) -> None:
     merged = js(
         page,

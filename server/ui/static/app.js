@@ -260,8 +260,7 @@ const FerryChat = (() => {
 
   function setBusy(busy) {
     $("send").hidden = busy;
-    $("stop").hidden = !busy;
-    $("prompt").disabled = busy;
+    $("stop").hidden = !busy; // the prompt stays editable: the next question can be typed meanwhile
     updateRegenerate();
     if (!busy) $("prompt").focus();
   }
