@@ -87,6 +87,9 @@ def pool_pages(
 PageTables = tuple[tuple[int, ...], ...]
 """One request's pages per group, in group order (-1: a page the sliding window released)."""
 
+NO_NEW_PAGES: PageTables = ((),)
+"""What a one-pool `allocate` returns when the request's last page still has room (most decode steps)."""
+
 
 class KVCacheManager:
     """The only KV-cache interface the scheduler sees: one `PagePool` per group, driven together.
@@ -166,7 +169,9 @@ class KVCacheManager:
         """
         if self._single:
             pages = self._primary.allocate(request, num_new_tokens, keep_free)
-            return None if pages is None else (tuple(pages),)
+            if pages is None:
+                return None
+            return (tuple(pages),) if pages else NO_NEW_PAGES
         if not self._primary.can_allocate(request, num_new_tokens, keep_free) or not all(
             pool.can_allocate(request, num_new_tokens) for pool in self.pools[1:]
         ):

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import NO_NEW_PAGES, KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus, StepOutput, TokenLogprob
 from engine.step import ModelRunnerOutput, NewRequest, PageTables, SchedulerOutput
 
@@ -98,7 +98,7 @@ class _StepBuilder:
         self.num_new_tokens.append(num_new_tokens)
         self.samples.append(samples)
         self.budget -= num_new_tokens
-        if any(grant):
+        if grant is not NO_NEW_PAGES and any(grant):
             self.grants[request.request_id] = grant
 
     def preempt(self, request: Request) -> None:
@@ -186,17 +186,18 @@ class Scheduler:
         outputs, self._pending = self._pending, []
         sampled = zip(result.token_ids, result.logprobs, strict=True)
         now = time.monotonic()
+        commit, stop_reason = self.kv_cache.commit, self._stop_reason  # bound once: this loop is per request
         for request, num_new, samples in zip(requests, plan.num_new_tokens, plan.samples, strict=True):
             token, logprob = next(sampled) if samples else (None, None)
             # Aborted while the step ran: its pages are already free and its final output queued.
             if request.finished:
                 continue
             request.num_computed_tokens += num_new
-            self.kv_cache.commit(request)
+            commit(request)
             if token is None:
                 continue
             request.output_ids.append(token)
-            reason = self._stop_reason(request, token)
+            reason = stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(_delta(request, [token], logprob, [now] if request.params.record_timestamps else None))

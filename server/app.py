@@ -42,6 +42,7 @@ from server.openai.schemas import (
 )
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
+from server.ui import mount_ui
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class ServerState:
         gc.freeze()
         self.lifecycle.set_ready()
         logger.info("Serving %s (max_model_len=%d)", self.model_name, info.max_model_len)
+        if self.settings.ui:
+            logger.info("Playground and engine view: http://%s:%d/", self.settings.host, self.settings.port)
 
     def get_serving(self) -> ServingContext:
         if self.serving is None:
@@ -184,9 +187,17 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/metrics.json")
+    async def metrics_json() -> dict[str, Any]:
+        """The headline numbers of /metrics as one JSON object (what the built-in page's engine view reads)."""
+        return state.metrics.snapshot()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": ferry_version()}
+
+    if settings.ui:
+        mount_ui(app)
 
     return app
 

@@ -6,7 +6,8 @@ latency buckets fine enough for fast GPUs (inter-token latency from 1 ms).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import time
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -24,6 +25,20 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                  40.0, 80.0, 160.0, 320.0, 640.0)  # fmt: skip
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# What /metrics.json carries (and the built-in page's engine view reads): every gauge and counter of /metrics.
+SNAPSHOT_SAMPLES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "request_success_total",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "num_preemptions_total",
+    "request_rejected_total",
+)
 
 
 class ServerMetrics:
@@ -111,6 +126,25 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def snapshot(self) -> dict[str, Any]:
+        """/metrics' gauges and counters as one JSON-ready dict (sample names without the `ferry:` prefix, each
+        summed over its other labels), plus the derived prefix-cache hit rate and the server's clock.
+
+        Read back from the registry, not from separate bookkeeping, so that it always agrees with /metrics.
+        """
+        totals: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.labels.get("model_name") == self._model_name:
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        snapshot: dict[str, Any] = {"model_name": self._model_name, "time": time.time()}
+        for name in SNAPSHOT_SAMPLES:
+            value = totals.get(f"ferry:{name}", 0.0)
+            snapshot[name] = value if name == "kv_cache_usage_perc" else int(value)
+        queries = snapshot["prefix_cache_queries_total"]
+        snapshot["prefix_cache_hit_rate"] = snapshot["prefix_cache_hits_total"] / queries if queries else None
+        return snapshot
 
 
 def rejection_reason(status_code: int) -> RejectionReason | None:

@@ -24,6 +24,8 @@ class ServerSettings:
     api_key: str | None = field(default=None, metadata=_SERVER)
     """Require `Authorization: Bearer KEY` on /v1/* (probes and /metrics stay open). `ferry serve` falls back to
     $FERRY_API_KEY, which keeps the key out of `ps` output and shell history; neither means no key."""
+    ui: bool = field(default=True, metadata=_SERVER)
+    """Serve the built-in chat playground and engine view at / (with --no-ui, / and /ui/* answer 404)."""
     served_model_name: str | None = field(default=None, metadata=_MODEL)
     """Name clients send as `model`; by default the model directory's name."""
     request_timeout: float = field(default=600.0, metadata=_SERVER)

@@ -1,0 +1,396 @@
+// The chat playground: a conversation streamed through /v1/chat/completions, like any OpenAI client would.
+// URLs are relative, so the page also works behind a proxy that serves Ferry under a path prefix.
+//
+// Everything the model says reaches the page through FerryMarkdown.render or textContent, never innerHTML.
+// With `ferry serve --api-key`, /v1/* answers 401 until the page sends the key: the page asks for it once,
+// keeps it in sessionStorage (this tab only) and sends it as `Authorization: Bearer`.
+"use strict";
+
+const FerryChat = (() => {
+  const KEY_STORAGE = "ferry.apiKey";
+  const $ = (id) => document.getElementById(id);
+
+  const state = {
+    model: null,
+    history: [], // {role, content, node}: what the next request sends (node: its <article>)
+    controller: null, // the AbortController of the answer being streamed, if any
+  };
+
+  // ------------------------------------------------------------------------------------------ API access
+
+  function authHeaders() {
+    const key = sessionStorage.getItem(KEY_STORAGE);
+    return key ? { Authorization: `Bearer ${key}` } : {};
+  }
+
+  class APIError extends Error {
+    constructor(message, status) {
+      super(message);
+      this.status = status;
+    }
+  }
+
+  // An error response (OpenAI's {"error": {"message": ...}}) as an APIError.
+  async function responseError(response) {
+    let message = `${response.status} ${response.statusText}`;
+    try {
+      const body = await response.json();
+      if (body && body.error && body.error.message) message = body.error.message;
+    } catch {
+      // not JSON: keep the status line
+    }
+    return new APIError(message, response.status);
+  }
+
+  // The events of an OpenAI stream (`data: {json}` ... `data: [DONE]`), yielded as one array per network read,
+  // so that the page redraws once per read rather than once per token.
+  async function* sseEvents(body) {
+    const reader = body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      const events = [];
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const frame = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        for (const line of frame.split("\n")) {
+          if (!line.startsWith("data:")) continue;
+          const data = line.slice(5).trim();
+          if (data === "[DONE]") {
+            if (events.length) yield events;
+            return;
+          }
+          events.push(JSON.parse(data));
+        }
+      }
+      if (events.length) yield events;
+    }
+  }
+
+  // Fold tool-call deltas into `calls` (by index), the way the OpenAI SDKs accumulate a stream: strings
+  // (name, arguments) arrive in pieces and are concatenated. A whole `message.tool_calls` array (no index)
+  // folds the same way. Tools are not in Ferry's API yet; this is ready for when they are.
+  function mergeToolCalls(calls, deltas) {
+    deltas.forEach((delta, position) => {
+      const index = Number.isInteger(delta.index) ? delta.index : position;
+      const call = calls[index] || (calls[index] = { id: "", name: "", arguments: "" });
+      if (delta.id) call.id = delta.id;
+      const fn = delta.function || {};
+      if (typeof fn.name === "string") call.name += fn.name;
+      if (typeof fn.arguments === "string") call.arguments += fn.arguments;
+    });
+    return calls;
+  }
+
+  // ------------------------------------------------------------------------------------------ connecting
+
+  function setStatus(text, kind) {
+    const status = $("server-status");
+    status.textContent = text;
+    status.dataset.kind = kind;
+  }
+
+  function setReady(ready) {
+    $("send").disabled = !ready;
+    $("prompt").disabled = !ready;
+    updateRegenerate();
+  }
+
+  // /v1/models gives the served model's name and its context length, and is the one call that tells whether a
+  // key is needed (401). While the model loads it says 503: try again shortly.
+  async function connect() {
+    let response;
+    try {
+      response = await fetch("v1/models", { headers: authHeaders() });
+    } catch {
+      setStatus("server unreachable", "error");
+      setTimeout(connect, 2000);
+      return;
+    }
+    if (response.status === 401) {
+      setStatus("API key required", "error");
+      $("key-button").hidden = false;
+      askForKey(sessionStorage.getItem(KEY_STORAGE) ? "The server refused that key." : "");
+      return;
+    }
+    if (!response.ok) {
+      const error = await responseError(response);
+      setStatus(response.status === 503 ? "loading model…" : error.message, "waiting");
+      setTimeout(connect, 1000);
+      return;
+    }
+    const models = await response.json();
+    const card = models.data[0];
+    state.model = card.id;
+    $("model-name").textContent = card.id;
+    if (card.max_model_len) {
+      $("max-tokens").max = card.max_model_len;
+      $("model-name").title = `Served model · context ${card.max_model_len} tokens`;
+    }
+    setStatus("ready", "ok");
+    setReady(true);
+    $("prompt").focus();
+  }
+
+  function askForKey(error) {
+    const dialog = $("key-dialog");
+    $("key-error").textContent = error;
+    $("key-error").hidden = !error;
+    $("key-input").value = "";
+    if (!dialog.open) dialog.showModal();
+    $("key-input").focus();
+  }
+
+  function onKeySubmit(event) {
+    event.preventDefault();
+    const key = $("key-input").value.trim();
+    if (!key) return;
+    sessionStorage.setItem(KEY_STORAGE, key);
+    $("key-dialog").close();
+    setReady(false);
+    connect();
+  }
+
+  // -------------------------------------------------------------------------------------------- messages
+
+  function addMessage(role, text) {
+    $("empty-hint").hidden = true;
+    const article = document.createElement("article");
+    article.className = `msg ${role}`;
+    const label = document.createElement("div");
+    label.className = "role";
+    label.textContent = role;
+    const body = document.createElement("div");
+    body.className = role === "assistant" ? "body md" : "body plain";
+    body.textContent = text; // user text is shown exactly as typed
+    article.append(label, body);
+    if (role === "assistant") {
+      const tools = document.createElement("div");
+      tools.className = "tool-calls";
+      const meta = document.createElement("div");
+      meta.className = "meta";
+      article.append(tools, meta);
+    }
+    $("messages").append(article);
+    scrollToEnd();
+    return article;
+  }
+
+  function scrollToEnd() {
+    const messages = $("messages");
+    messages.scrollTop = messages.scrollHeight;
+  }
+
+  function renderToolCalls(container, calls) {
+    container.replaceChildren(
+      ...calls.filter(Boolean).map((call) => {
+        const box = document.createElement("div");
+        box.className = "tool-call";
+        const name = document.createElement("div");
+        name.className = "tool-name";
+        name.textContent = `tool call · ${call.name || "?"}`;
+        const args = document.createElement("pre");
+        args.className = "tool-arguments";
+        let text = call.arguments;
+        try {
+          text = JSON.stringify(JSON.parse(call.arguments), null, 2); // pretty once the arguments are complete
+        } catch {
+          // still streaming, or not JSON: show as received
+        }
+        args.textContent = text;
+        box.append(name, args);
+        return box;
+      }),
+    );
+  }
+
+  function formatMs(ms) {
+    return ms < 1000 ? `${Math.round(ms)} ms` : `${(ms / 1000).toFixed(2)} s`;
+  }
+
+  // The line under an answer: tokens, time to first token, decode speed, how it ended.
+  function describe(result) {
+    const parts = [];
+    if (result.usage) {
+      parts.push(`${result.usage.completion_tokens} tokens`, `prompt ${result.usage.prompt_tokens}`);
+    }
+    if (result.ttft !== null) parts.push(`TTFT ${formatMs(result.ttft)}`);
+    if (result.usage && result.usage.completion_tokens > 1 && result.ttft !== null) {
+      const seconds = (result.elapsed - result.ttft) / 1000;
+      if (seconds > 0) parts.push(`${((result.usage.completion_tokens - 1) / seconds).toFixed(1)} tok/s`);
+    }
+    if (result.finish) parts.push(`finish: ${result.finish}`);
+    if (result.outcome === "stopped") parts.push("stopped");
+    return parts.join(" · ");
+  }
+
+  // ---------------------------------------------------------------------------------------------- asking
+
+  function settings() {
+    const temperature = parseFloat($("temperature").value);
+    const maxTokens = parseInt($("max-tokens").value, 10);
+    return {
+      system: $("system-prompt").value.trim(),
+      temperature: Number.isFinite(temperature) ? temperature : 0.7,
+      maxTokens: Number.isFinite(maxTokens) && maxTokens > 0 ? maxTokens : null,
+    };
+  }
+
+  function requestBody() {
+    const { system, temperature, maxTokens } = settings();
+    const messages = [];
+    if (system) messages.push({ role: "system", content: system });
+    for (const entry of state.history) {
+      if (entry.content) messages.push({ role: entry.role, content: entry.content });
+    }
+    const body = {
+      model: state.model,
+      messages,
+      stream: true,
+      stream_options: { include_usage: true },
+      temperature,
+    };
+    if (maxTokens) body.max_tokens = maxTokens;
+    return body;
+  }
+
+  function setBusy(busy) {
+    $("send").hidden = busy;
+    $("stop").hidden = !busy; // the prompt stays editable: the next question can be typed meanwhile
+    updateRegenerate();
+    if (!busy) $("prompt").focus();
+  }
+
+  function updateRegenerate() {
+    const last = state.history[state.history.length - 1];
+    $("regenerate").disabled = state.controller !== null || !state.model || !last || last.role !== "assistant";
+  }
+
+  // Stream one answer to the conversation so far into a new assistant message.
+  async function answer() {
+    const article = addMessage("assistant", "");
+    const body = article.querySelector(".body");
+    const meta = article.querySelector(".meta");
+    const toolBox = article.querySelector(".tool-calls");
+    const entry = { role: "assistant", content: "", node: article };
+    const controller = new AbortController();
+    state.controller = controller;
+    setBusy(true);
+    article.dataset.state = "streaming";
+    meta.textContent = "waiting for the first token…";
+
+    const started = performance.now();
+    const result = { ttft: null, usage: null, finish: null, elapsed: 0, outcome: "done" };
+    const toolCalls = [];
+    let content = "";
+    try {
+      const response = await fetch("v1/chat/completions", {
+        method: "POST",
+        headers: { "Content-Type": "application/json", ...authHeaders() },
+        body: JSON.stringify(requestBody()),
+        signal: controller.signal,
+      });
+      if (!response.ok) throw await responseError(response);
+      for await (const events of sseEvents(response.body)) {
+        for (const event of events) {
+          if (event.error) throw new APIError(event.error.message, 500);
+          if (event.usage) result.usage = event.usage;
+          for (const choice of event.choices || []) {
+            const delta = choice.delta || choice.message || {};
+            if (typeof delta.content === "string" && delta.content) content += delta.content;
+            if (Array.isArray(delta.tool_calls)) mergeToolCalls(toolCalls, delta.tool_calls);
+            if (result.ttft === null && (delta.content || delta.tool_calls)) {
+              result.ttft = performance.now() - started;
+            }
+            if (choice.finish_reason) result.finish = choice.finish_reason;
+          }
+        }
+        body.replaceChildren(FerryMarkdown.render(content));
+        renderToolCalls(toolBox, toolCalls);
+        if (result.ttft !== null) meta.textContent = `streaming… TTFT ${formatMs(result.ttft)}`;
+        scrollToEnd();
+      }
+    } catch (error) {
+      if (error.name === "AbortError") {
+        result.outcome = "stopped";
+      } else {
+        result.outcome = "error";
+        const problem = document.createElement("div");
+        problem.className = "error";
+        problem.textContent = error.message || String(error);
+        article.append(problem);
+        if (error.status === 401) askForKey("The server refused the key.");
+      }
+    }
+    result.elapsed = performance.now() - started;
+    body.replaceChildren(FerryMarkdown.render(content));
+    renderToolCalls(toolBox, toolCalls);
+    entry.content = content;
+    if (article.isConnected) state.history.push(entry); // not when Clear removed it mid-stream
+    article.dataset.state = result.outcome;
+    if (result.usage) article.dataset.completionTokens = result.usage.completion_tokens;
+    if (result.ttft !== null) article.dataset.ttftMs = result.ttft.toFixed(1);
+    meta.textContent = describe(result);
+    state.controller = null;
+    setBusy(false);
+    scrollToEnd();
+  }
+
+  function onSend(event) {
+    event.preventDefault();
+    const text = $("prompt").value.trim();
+    if (!text || state.controller || !state.model) return;
+    $("prompt").value = "";
+    state.history.push({ role: "user", content: text, node: addMessage("user", text) });
+    answer();
+  }
+
+  function onStop() {
+    if (state.controller) state.controller.abort();
+  }
+
+  // Ask again for the last answer: drop it and stream a new one to the same conversation.
+  function onRegenerate() {
+    const last = state.history[state.history.length - 1];
+    if (state.controller || !last || last.role !== "assistant") return;
+    state.history.pop();
+    last.node.remove();
+    answer();
+  }
+
+  function onClear() {
+    onStop();
+    state.history = [];
+    for (const node of $("messages").querySelectorAll(".msg")) node.remove();
+    $("empty-hint").hidden = false;
+    updateRegenerate();
+  }
+
+  function start() {
+    $("composer").addEventListener("submit", onSend);
+    $("prompt").addEventListener("keydown", (event) => {
+      // Enter sends, Shift+Enter is a new line; not while an input method is composing a character.
+      if (event.key === "Enter" && !event.shiftKey && !event.isComposing) onSend(event);
+    });
+    $("stop").addEventListener("click", onStop);
+    $("regenerate").addEventListener("click", onRegenerate);
+    $("clear").addEventListener("click", onClear);
+    $("key-form").addEventListener("submit", onKeySubmit);
+    $("key-button").addEventListener("click", () => askForKey(""));
+    const temperature = $("temperature");
+    const shown = () => ($("temperature-value").textContent = parseFloat(temperature.value).toFixed(2));
+    temperature.addEventListener("input", shown);
+    shown();
+    setReady(false);
+    connect();
+  }
+
+  return { start, mergeToolCalls, sseEvents };
+})();
+
+window.FerryChat = FerryChat;
+document.addEventListener("DOMContentLoaded", FerryChat.start);
