@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SchedulerPolicy = Literal["fifo", "prefill_first"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 _MODEL = {"group": "model"}
@@ -47,6 +48,11 @@ class EngineConfig:
     scheduler_policy: SchedulerPolicy = field(default="fifo", metadata=_SCHEDULING)
     """Who gets each step's token budget first. `fifo`: running requests, then waiting ones in arrival order;
     `prefill_first`: waiting requests, then running ones."""
+    scheduling_policy: SchedulingPolicy = field(default="fcfs", metadata=_SCHEDULING)
+    """Order of the waiting queue and choice of preemption victims (vLLM's option). `fcfs`: arrival order, the
+    newest running request is preempted first; `priority`: by each request's `priority` (lower runs first, ties in
+    arrival order), running requests get the step's budget in that order, and the lowest-priority running request
+    is preempted first."""
     safety_margin: float = field(default=0.0, metadata=_SCHEDULING)
     """Fraction of all pages kept free for running sequences to grow into: no new prefill is admitted below it."""
     enable_prefix_caching: bool = field(default=True, metadata=_KV_CACHE)
@@ -83,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
         if not 0.0 < self.max_memory_percent <= 1.0:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.scheduler_policy not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_policy must be 'fifo' or 'prefill_first', got {self.scheduler_policy!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

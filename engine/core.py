@@ -84,7 +84,8 @@ class EngineCore:
 
     # -- requests in ---------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Queue a request; `priority` (lower runs first) needs the `priority` scheduling policy."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", code="invalid_prompt")
         if request_id in self.scheduler.waiting or request_id in self.scheduler.running:
@@ -105,10 +106,18 @@ class EngineCore:
         vocab = self.hf_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})", code="invalid_prompt")
+        if priority and self.config.scheduling_policy != "priority":
+            raise RequestRejected(
+                f"priority {priority} was given, but the server schedules first come, first served: start it with "
+                "--scheduling-policy priority to use priorities",
+                code="invalid_priority",
+            )
         if self.config.max_queue_size and len(self.scheduler.waiting) >= self.config.max_queue_size:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting")
         eos = frozenset(params.eos_token_ids) if params.eos_token_ids is not None else self.eos_token_ids
-        request = Request(request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id))
+        request = Request(
+            request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id), priority=priority
+        )
         self.scheduler.add(request)
 
     def _seed_for(self, request_id: str) -> int:

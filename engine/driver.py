@@ -39,6 +39,8 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0
+    """Lower runs first (only with the `priority` scheduling policy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,7 @@ class EngineLoop:
     def _add(self, request: EngineRequest) -> None:
         request_id = request.request_id
         try:
-            self.engine.add_request(request_id, request.prompt_ids, request.params)
+            self.engine.add_request(request_id, request.prompt_ids, request.params, request.priority)
         except QueueFull as exc:
             self._rejected.append(Rejection(request_id, "queue_full", str(exc), "queue_full"))
         except RequestRejected as exc:

@@ -115,6 +115,8 @@ class Request:
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     generator_seed: int = 0
+    priority: int = 0
+    """Lower runs first under the `priority` scheduling policy."""
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ cache (its own pages are often still cached) and recomputes the rest.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import OrderedDict
@@ -73,6 +74,58 @@ class RequestQueue:
         return self._items.pop(request_id, None)
 
 
+def priority_key(request: Request) -> tuple[int, float]:
+    """Order under the `priority` policy: lower priority value first, then earlier arrival."""
+    return (request.priority, request.arrival_time)
+
+
+class PriorityRequestQueue:
+    """Waiting requests kept sorted by `priority_key`: the same interface as RequestQueue, where `append` places
+    a request by its key (so a preempted request goes back ahead of later arrivals of its priority)."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Request] = {}
+        self._order: list[tuple[tuple[int, float], str]] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (self._items[request_id] for _, request_id in self._order)
+
+    def __contains__(self, item: object) -> bool:
+        if isinstance(item, Request):
+            return self._items.get(item.request_id) is item
+        return item in self._items
+
+    def __repr__(self) -> str:
+        return f"PriorityRequestQueue({[request_id for _, request_id in self._order]})"
+
+    def get(self, request_id: str) -> Request | None:
+        return self._items.get(request_id)
+
+    def first(self) -> Request:
+        return self._items[self._order[0][1]]
+
+    def last(self) -> Request:
+        return self._items[self._order[-1][1]]
+
+    def append(self, request: Request) -> None:
+        self._items[request.request_id] = request
+        bisect.insort(self._order, (priority_key(request), request.request_id))
+
+    def popleft(self) -> Request:
+        _, request_id = self._order.pop(0)
+        return self._items.pop(request_id)
+
+    def remove(self, request_id: str) -> Request | None:
+        """Remove and return the request, or None if it is not here."""
+        request = self._items.pop(request_id, None)
+        if request is not None:
+            self._order.remove((priority_key(request), request_id))
+        return request
+
+
 class _StepBuilder:
     """One step's plan under construction, with the budget left."""
 
@@ -125,8 +178,11 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
-        self.waiting = RequestQueue()
-        """Arrival order; preempted requests go back to the front."""
+        self._by_priority = config.scheduling_policy == "priority"
+        self.waiting: RequestQueue | PriorityRequestQueue = (
+            PriorityRequestQueue() if self._by_priority else RequestQueue()
+        )
+        """Arrival order, preempted requests back at the front (`fcfs`); or by `priority_key` (`priority`)."""
         self.running = RequestQueue()
         """Admission order: the last one is the newest, the first to be preempted."""
         self.num_preemptions = 0
@@ -164,12 +220,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts (see the module docstring for the rules)."""
         builder = _StepBuilder(self.config.max_batch_tokens, self.config.max_num_seqs)
+        # Under the priority policy the most important running requests get the budget first.
+        running = sorted(self.running, key=priority_key) if self._by_priority else list(self.running)
         if self.config.scheduler_policy == "prefill_first":
-            already_running = list(self.running)
             self._admit_waiting(builder)
-            self._schedule_running(already_running, builder)
+            self._schedule_running(running, builder)
         else:
-            self._schedule_running(list(self.running), builder)
+            self._schedule_running(running, builder)
             # Pages just taken from a preempted request go to running ones: admitting now would only thrash.
             if not builder.preempted:
                 self._admit_waiting(builder)
@@ -276,13 +333,14 @@ class Scheduler:
                 builder.add(request, num_new, num_new == needed, grant)
 
     def _reserve_pages(self, request: Request, num_new: int, builder: _StepBuilder) -> PageTables | None:
-        """Allocate pages for `num_new` more tokens, preempting the newest running requests until they fit.
+        """Allocate pages for `num_new` more tokens, preempting running requests until they fit: the newest, or
+        under the priority policy the lowest-priority one (the latest arrival among equals).
 
         Returns None when the request had to preempt itself. Terminates: every failed try removes one request
         from `running`, and the request itself is in it.
         """
         while (grant := self.kv_cache.allocate(request, num_new)) is None:
-            victim = self.running.last()
+            victim = max(self.running, key=priority_key) if self._by_priority else self.running.last()
             self._preempt(victim, builder)
             if victim is request:
                 return None
@@ -295,9 +353,12 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        # Front of the queue: it was admitted before everything still waiting. Victims are taken newest first,
-        # so several preempted in one step end up in their original admission order.
-        self.waiting.appendleft(request)
+        if isinstance(self.waiting, PriorityRequestQueue):
+            self.waiting.append(request)
+        else:
+            # Front of the queue: it was admitted before everything still waiting. Victims are taken newest
+            # first, so several preempted in one step end up in their original admission order.
+            self.waiting.appendleft(request)
         builder.preempt(request)
 
     def _admit_waiting(self, builder: _StepBuilder) -> None:

@@ -178,3 +178,19 @@ def test_results_are_handed_out_once_then_forgotten(engine: EngineCore) -> None:
         result = manager.get_result(timeout=30)
         assert result is not None and result.request_id == second
         assert manager.get_result(timeout=0.05) is None
+
+
+def test_priorities_need_the_priority_policy(tiny_llama: Path) -> None:
+    from engine import RequestRejected
+
+    fcfs = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=64))
+    with pytest.raises(RequestRejected) as refused:
+        fcfs.add_request("p", [5, 6, 7], SamplingParams(max_new_tokens=2), priority=1)
+    assert refused.value.code == "invalid_priority" and "--scheduling-policy priority" in str(refused.value)
+    by_priority = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=64, scheduling_policy="priority"))
+    by_priority.add_request("later", [5, 6, 7], SamplingParams(max_new_tokens=2), priority=2)
+    by_priority.add_request("sooner", [5, 6, 8], SamplingParams(max_new_tokens=2), priority=-2)
+    assert [r.request_id for r in by_priority.scheduler.waiting] == ["sooner", "later"]
+    while by_priority.has_unfinished():
+        by_priority.step()
+    assert by_priority.is_idle_and_clean()

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import GroupLayout, KVCacheManager
 from engine.page_pool import PagePool
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from engine.scheduler import RequestQueue, Scheduler
+from engine.scheduler import PriorityRequestQueue, RequestQueue, Scheduler
 from engine.step import ModelRunnerOutput, SchedulerOutput
 
 _fresh_bases = itertools.count(1)
@@ -844,3 +844,60 @@ def test_update_stops_at_the_model_length() -> None:
     s.add(request)
     _decode_with(s, [7, 7])
     assert request.finish_reason is FinishReason.LENGTH and request.num_tokens == 6
+
+
+# -- priority scheduling ----------------------------------------------------------------------------------------
+
+
+def _with_priority(request_id: str, prompt: int, priority: int, max_new_tokens: int = 4) -> Request:
+    request = make_request(request_id, prompt, max_new_tokens)
+    request.priority = priority
+    return request
+
+
+def test_priority_orders_admission_and_ties_keep_arrival_order() -> None:
+    s = make_scheduler(scheduling_policy="priority", max_num_seqs=1)
+    for request in (_with_priority("low", 4, 5), _with_priority("high", 4, -1), _with_priority("mid", 4, 0)):
+        s.add(request)
+    s.add(_with_priority("mid-later", 4, 0))
+    assert [r.request_id for r in s.waiting] == ["high", "mid", "mid-later", "low"]
+    admitted = []
+    while s.has_unfinished:
+        plan = step(s)
+        admitted += [r.request_id for r in plan.new_requests]
+    assert admitted == ["high", "mid", "mid-later", "low"]
+
+
+def test_fcfs_ignores_priorities_it_was_not_asked_for() -> None:
+    s = make_scheduler(max_num_seqs=1)
+    s.add(_with_priority("first", 4, 5))
+    s.add(_with_priority("second", 4, -1))
+    assert [r.request_id for r in s.waiting] == ["first", "second"]
+
+
+def test_priority_preempts_the_least_important_running_request() -> None:
+    # 6 pages of 4 tokens: three 8-token prompts fill 6 pages; the next decode needs a page, someone must go.
+    s = make_scheduler(num_pages=6, page_size=4, scheduling_policy="priority")
+    requests = [_with_priority("a", 8, 1, 50), _with_priority("b", 8, 9, 50), _with_priority("c", 8, 0, 50)]
+    for request in requests:
+        s.add(request)
+    step(s)
+    assert {r.request_id for r in s.running} == {"a", "b", "c"}
+    plan = s.schedule()
+    # fcfs would preempt the newest (c); priority preempts b, the least important, although it is older than c.
+    assert plan.preempted_ids == ("b",)
+    assert s.waiting.first() is requests[1]
+    assert [rid for rid, _ in planned(plan)] == ["c", "a"], "the running requests are served by priority"
+
+
+def test_a_preempted_request_returns_ahead_of_later_arrivals_of_its_priority() -> None:
+    q = PriorityRequestQueue()
+    early, late, urgent = _with_priority("early", 4, 3), _with_priority("late", 4, 3), _with_priority("urgent", 4, 1)
+    late.arrival_time, early.arrival_time = early.arrival_time + 1.0, early.arrival_time
+    q.append(late)
+    q.append(urgent)
+    q.append(early)  # preempted: it arrived before `late`
+    assert [r.request_id for r in q] == ["urgent", "early", "late"]
+    assert q.remove("early") is early and q.remove("early") is None
+    assert "late" in q and early not in q and len(q) == 2
+    assert q.popleft() is urgent and q.first() is late is q.last()

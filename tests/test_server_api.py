@@ -336,6 +336,7 @@ LONG_PROMPT = [10 + i % 300 for i in range(450)]
         ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt", "invalid_value"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt", "invalid_value"),
         ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+        ("/v1/completions", {"prompt": "x", "priority": 3}, 400, "priority", "invalid_priority"),
         ("/v1/completions", {}, 400, "prompt", "missing_required_parameter"),
     ],
 )  # fmt: skip

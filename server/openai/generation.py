@@ -111,7 +111,8 @@ class Generation:
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from exc
         except RequestRejected as exc:
-            raise invalid_request(str(exc), code=exc.code) from exc
+            param = "priority" if exc.code == "invalid_priority" else None
+            raise invalid_request(str(exc), param=param, code=exc.code) from exc
         except (EngineDeadError, EngineAddFailed) as exc:
             raise engine_failure(str(exc)) from exc
         for prompt in self.prompts:
@@ -242,7 +243,7 @@ async def start_generation(
             params = body.sampling_params(
                 max_new_tokens=max_new_tokens, choice_index=i, logprobs=logprobs, top_logprobs=top_logprobs
             )
-            requests.append(EngineRequest(f"{response_id}-{p}-{i}", prompt, params))
+            requests.append(EngineRequest(f"{response_id}-{p}-{i}", prompt, params, body.priority))
             choices.append(
                 ChoiceState(
                     index=p * n + i,

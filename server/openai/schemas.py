@@ -15,6 +15,7 @@ from engine.request import SamplingParams
 from server.openai.errors import invalid_request, unsupported_parameter
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FinishReasonName = Literal["stop", "length"]
 
 
@@ -49,6 +50,12 @@ class SamplingRequest(_RequestModel):
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    priority: int = Field(
+        0,
+        ge=INT32_MIN,
+        le=INT32_MAX,
+        description="Lower runs first; only with `ferry serve --scheduling-policy priority` (400 otherwise).",
+    )
 
     @property
     def num_choices(self) -> int:
