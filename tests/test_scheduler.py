@@ -701,6 +701,7 @@ operation = st.one_of(
     max_batch_tokens=st.integers(1, 48),
     max_num_seqs=st.integers(1, 6),
     policy=st.sampled_from(["fifo", "prefill_first"]),
+    scheduling=st.sampled_from(["fcfs", "priority"]),
     safety_margin=st.sampled_from([0.0, 0.1, 0.3]),
     caching=st.booleans(),
     window=st.sampled_from([None, 1, 3, 5, 8]),
@@ -714,6 +715,7 @@ def test_random_workloads_keep_invariants_and_finish(
     max_batch_tokens: int,
     max_num_seqs: int,
     policy: str,
+    scheduling: str,
     safety_margin: float,
     caching: bool,
     window: int | None,
@@ -730,6 +732,7 @@ def test_random_workloads_keep_invariants_and_finish(
         max_batch_tokens=max_batch_tokens,
         max_num_seqs=max_num_seqs,
         scheduler_policy=policy,
+        scheduling_policy=scheduling,
         safety_margin=safety_margin,
     )
     kv = s.kv_cache
@@ -759,6 +762,8 @@ def test_random_workloads_keep_invariants_and_finish(
             else:
                 prompt = list(submitted[which % len(submitted)].prompt_ids)
             request = make_request(f"r{len(submitted)}", prompt, max_new_tokens=max_new)
+            if scheduling == "priority":
+                request.priority = len(submitted) * 7 % 3 - 1  # -1, 1, 0, -1, ...: every order of arrivals
             # What the core rejects at submission: an empty prompt, more pages than the whole cache.
             if not prompt or not kv.fits(len(prompt) + max_new):
                 continue
