@@ -106,6 +106,8 @@ class EngineCore:
         vocab = self.hf_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})", code="invalid_prompt")
+        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
+            raise RequestRejected(f"logit_bias token ids must be in [0, {vocab})", code="invalid_logit_bias")
         if priority and self.config.scheduling_policy != "priority":
             raise RequestRejected(
                 f"priority {priority} was given, but the server schedules first come, first served: start it with "

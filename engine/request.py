@@ -59,6 +59,8 @@ class SamplingParams:
     """None means the model's own EOS ids (from its generation config)."""
     ignore_eos: bool = False
     record_timestamps: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before anything else (OpenAI's `logit_bias`; -100 bans)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -78,6 +80,10 @@ class SamplingParams:
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs}"),
+            (
+                all(-100 <= bias <= 100 for _, bias in self.logit_bias),
+                "logit_bias values must be in [-100, 100]",
+            ),
         ]
         for ok, message in checks:
             if not ok:

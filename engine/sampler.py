@@ -121,7 +121,8 @@ class Sampler:
         return self._collect(logits, tokens, requests)
 
     def apply_penalties(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
-        """Logits after repetition, presence, frequency penalties and the min_new_tokens ban, in that order.
+        """Logits after logit_bias, repetition, presence, frequency penalties and the min_new_tokens ban, in that
+        order.
 
         Returns `logits` itself when no request needs any of them, so the common case costs nothing; otherwise
         a penalised copy. Greedy requests are penalised too: penalties change which token is the most likely.
@@ -138,8 +139,16 @@ class Sampler:
         freq_tokens: list[int] = []
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
         for row, request in enumerate(requests):
             params = request.params
+            if params.logit_bias:
+                bias_rows += [row] * len(params.logit_bias)
+                for token, bias in params.logit_bias:
+                    bias_tokens.append(token)
+                    bias_values.append(bias)
             if params.repetition_penalty != 1.0:
                 # Hugging Face semantics: every token of the prompt and of the output, each counted once.
                 rep_rows.append(row)
@@ -162,9 +171,16 @@ class Sampler:
                 in_vocab = [token for token in banned if 0 <= token < self.vocab_size]
                 ban_rows += [row] * len(in_vocab)
                 ban_tokens += in_vocab
-        if not (rep_rows or freq_rows or ban_rows):
+        if not (bias_rows or rep_rows or freq_rows or ban_rows):
             return logits
         work = logits.clone()
+        if bias_rows:
+            # Accumulate: a token listed twice for one request gets the sum of its biases, in any order.
+            work.index_put_(
+                (self._tensor(bias_rows, torch.long), self._tensor(bias_tokens, torch.long)),
+                self._tensor(bias_values, torch.float32),
+                accumulate=True,
+            )
         if rep_rows:
             lengths = self._tensor(rep_lengths, torch.long)
             rows = self._repeat(rep_rows, torch.long, lengths, len(rep_tokens))

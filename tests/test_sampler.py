@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from engine.request import Request, SamplingParams
+from engine.request import Request, RequestRejected, SamplingParams
 from engine.sampler import Sampler, argmax_rows
 
 EOS = 2
@@ -390,3 +390,26 @@ def test_one_device_to_host_sync_per_call() -> None:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_logit_bias_is_added_per_request(device: torch.device) -> None:
+    sampler = Sampler(50, device, 0)
+    logits = random_logits(3, 50, seed=7, device=device)
+    plain = logits.argmax(dim=-1).tolist()
+    forced = 1 if plain[0] != 1 else 2
+    requests = [
+        make_request(SamplingParams(logit_bias=((forced, 100.0),))),
+        make_request(SamplingParams(logit_bias=((plain[1], -100.0),))),
+        make_request(),
+    ]
+    work = sampler.apply_penalties(logits, requests)
+    assert work is not logits and torch.equal(logits, random_logits(3, 50, seed=7, device=device)), "input untouched"
+    torch.testing.assert_close(work[0, forced], logits[0, forced] + 100)
+    assert torch.equal(work[2], logits[2])
+    tokens = sampler(logits, requests).token_ids
+    assert tokens[0] == forced and tokens[1] != plain[1] and tokens[2] == plain[2]
+
+
+def test_logit_bias_values_are_bounded() -> None:
+    with pytest.raises(RequestRejected):
+        SamplingParams(logit_bias=((3, 101.0),))

@@ -246,6 +246,22 @@ def test_openai_value_ranges_are_accepted(http: httpx.Client, fields: dict[str, 
     assert len(completion["choices"]) == fields.get("n", 1)
 
 
+def test_logit_bias_forces_and_bans_tokens(http: httpx.Client, model_dir: Callable[[str], Path]) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    forced = 100
+    body = {"prompt": "Ferry boats", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    biased = complete(http, **body, logit_bias={str(forced): 100})
+    assert biased["choices"][0]["text"] == tokenizer.decode([forced] * 3)
+    # Every token but one banned: only that one can come out.
+    ban_all_but = {str(token): -100 for token in range(len(tokenizer)) if token != forced + 1}
+    banned = complete(http, **body, logit_bias=ban_all_but)
+    assert banned["choices"][0]["text"] == tokenizer.decode([forced + 1] * 3)
+    response = http.post("/v1/completions", json={"model": MODEL, **body, "logit_bias": {"999999": 1}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias"
+
+
 def test_usage_reports_prefix_cache_hits(http: httpx.Client) -> None:
     prompt = [(7 * i) % 300 + 10 for i in range(40)]  # 2 full pages of 16, then the page of the last token
     first = complete(http, prompt=prompt, max_tokens=2)

@@ -59,7 +59,6 @@ def test_what_langchain_and_the_sdk_send_is_accepted() -> None:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -69,6 +68,16 @@ def test_fields_that_cannot_be_honoured_are_refused_by_name(fields: dict[str, An
     with pytest.raises(APIError) as info:
         chat(**fields).check_supported()
     assert info.value.status_code == 400 and info.value.info.param == param
+
+
+def test_logit_bias_keys_become_token_ids() -> None:
+    params = chat(logit_bias={"1": 5, " 20": -100}).sampling_params(
+        max_new_tokens=4, choice_index=0, logprobs=False, top_logprobs=0
+    )
+    assert params.logit_bias == ((1, 5.0), (20, -100.0))
+    with pytest.raises(APIError) as info:
+        chat(logit_bias={"hello": 1}).sampling_params(max_new_tokens=4, choice_index=0, logprobs=False, top_logprobs=0)
+    assert info.value.info.param == "logit_bias"
 
 
 @pytest.mark.parametrize(("fields", "param"), [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),

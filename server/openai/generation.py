@@ -111,7 +111,7 @@ class Generation:
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from exc
         except RequestRejected as exc:
-            param = "priority" if exc.code == "invalid_priority" else None
+            param = {"invalid_priority": "priority", "invalid_logit_bias": "logit_bias"}.get(exc.code)
             raise invalid_request(str(exc), param=param, code=exc.code) from exc
         except (EngineDeadError, EngineAddFailed) as exc:
             raise engine_failure(str(exc)) from exc

@@ -7,7 +7,7 @@ names them; fields with no effect on generation (`user`, `metadata`, `store`, ..
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -41,7 +41,9 @@ class SamplingRequest(_RequestModel):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100], added to that token's logit."
+    )
     user: str | None = None
     # Extras, as in vLLM.
     top_k: int | None = Field(None, ge=-1, description="0 or -1 disables top-k.")
@@ -73,8 +75,6 @@ class SamplingRequest(_RequestModel):
 
     def check_supported(self) -> None:
         """Raise a 400 naming the first field whose meaning the server cannot honour."""
-        if self.logit_bias:
-            raise unsupported_parameter("logit_bias")
         if self.stream_options is not None:
             if not self.stream:
                 raise invalid_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
@@ -104,7 +104,17 @@ class SamplingRequest(_RequestModel):
             top_logprobs=top_logprobs,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """OpenAI's string keys as token ids (the engine checks they are in the vocabulary)."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise invalid_request(f"'logit_bias' keys must be token ids, got {key!r}.", "logit_bias")
+            bias.append((int(key), value))
+        return tuple(bias)
 
 
 # ------------------------------------------------------------------------------------------------ chat
