@@ -59,6 +59,9 @@ class SamplingParams:
     """None means the model's own EOS ids (from its generation config)."""
     ignore_eos: bool = False
     record_timestamps: bool = False
+    prompt_logprobs: int | None = None
+    """Also return each prompt token's logprob (from the second token on), with this many alternatives; such a
+    request computes its whole prompt (no prefix-cache hits: cached positions have no logits)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits before anything else (OpenAI's `logit_bias`; -100 bans)."""
 
@@ -80,6 +83,10 @@ class SamplingParams:
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs}"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+            ),
             (
                 all(-100 <= bias <= 100 for _, bias in self.logit_bias),
                 "logit_bias values must be in [-100, 100]",
@@ -123,6 +130,8 @@ class Request:
     generator_seed: int = 0
     priority: int = 0
     """Lower runs first under the `priority` scheduling policy."""
+    num_prompt_logprobs: int = 0
+    """Prompt positions whose logprobs were already reported (a recompute after preemption repeats none)."""
 
     @property
     def num_tokens(self) -> int:
@@ -171,6 +180,8 @@ class StepOutput:
     """Set when the request failed inside the engine (finish_reason is then ABORT)."""
     queue_seconds: float | None = None
     """Set on the first delta of a request: seconds from arrival to first being scheduled."""
+    new_prompt_logprobs: list[TokenLogprob] | None = None
+    """Logprobs of the next prompt tokens, in order from the second (with `prompt_logprobs`)."""
 
     @property
     def finished(self) -> bool:
@@ -189,6 +200,8 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With `prompt_logprobs`: one entry per prompt token from the second on."""
 
     @property
     def finished(self) -> bool:
@@ -196,6 +209,8 @@ class GenerationOutput:
 
     def merge(self, delta: StepOutput) -> None:
         self.generated_ids.extend(delta.new_token_ids)
+        if delta.new_prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + delta.new_prompt_logprobs
         if delta.new_logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.new_logprobs
         if delta.new_timestamps is not None:

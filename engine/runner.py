@@ -22,9 +22,9 @@ from engine.attention import StepMetadata
 from engine.config import EngineConfig
 from engine.kv_cache import GroupLayout
 from engine.loader import LoadedModel
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprob
 from engine.sampler import Sampler
-from engine.step import ModelRunnerOutput, NewRequest, SchedulerOutput
+from engine.step import ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -39,6 +39,8 @@ class _Sequence:
     generator_seed: int
     prompt_ids: tuple[int, ...]
     output_ids: list[int]
+    prompt_logprobs: int | None
+    """Alternatives per prompt-token logprob, for a request that asked for prompt logprobs."""
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +52,13 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     metas: list[StepMetadata]
     """One per KV-cache group (positions shared, page tables and slot mappings its own)."""
-    logits_rows: torch.Tensor  # [S] packed-row index of each sampling sequence's last token
+    logits_rows: torch.Tensor  # [S + P] packed-row index of each sampling sequence's last token, then prompt rows
+    num_sampling: int
+    """S: the first rows of the logits are the sampling sequences'; the P after them score prompt tokens."""
+    prompt_spans: list[tuple[str, int, int]]
+    """(request id, first prompt position scored, count) per sequence that wants prompt logprobs, row order."""
+    prompt_targets: list[int]
+    """The prompt token each of the P prompt rows scores."""
 
     @property
     def meta(self) -> StepMetadata:
@@ -87,6 +95,8 @@ class ModelRunner:
         self._tables = [np.zeros((max_seqs, max_pages), dtype=np.int32) for _ in layouts]
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._seqs: dict[str, _Sequence] = {}
+        self._scoring_prompts: set[str] = set()
+        """Sequences that want prompt logprobs: the only ones a step looks at for prompt rows."""
         pin = device.type == "cuda"
         # Host staging buffers, reused every step; on CUDA they are pinned so copies to the device are async.
         self._host = {
@@ -94,7 +104,8 @@ class ModelRunner:
             "positions": torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin),
             "query_start_loc": torch.zeros(max_seqs + 1, dtype=torch.int32, pin_memory=pin),
             "seq_lens": torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin),
-            "logits_rows": torch.zeros(max_seqs, dtype=torch.int64, pin_memory=pin),
+            # Sampling rows (one per sequence), then rows scoring prompt tokens (at most the step's tokens).
+            "logits_rows": torch.zeros(max_seqs + max_tokens, dtype=torch.int64, pin_memory=pin),
         }
         for g in range(len(layouts)):
             self._host[f"slot_mapping{g}"] = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin)
@@ -125,12 +136,13 @@ class ModelRunner:
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
         sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples, strict=True) if samples]
-        result = self.sampler(logits, sampling)
+        result = self.sampler(logits[: inputs.num_sampling], sampling)
         for seq, token in zip(sampling, result.token_ids, strict=True):
             seq.output_ids.append(token)
         return ModelRunnerOutput(
             result.token_ids,
             result.logprobs,
+            self._score_prompts(logits[inputs.num_sampling :], inputs) if inputs.prompt_spans else [],
             prepare_seconds=prepared - started,
             forward_seconds=forwarded - prepared,
             sample_seconds=time.perf_counter() - forwarded,
@@ -142,6 +154,7 @@ class ModelRunner:
             seq = self._seqs.pop(request_id, None)
             if seq is not None:
                 self._free_rows.append(seq.row)
+                self._scoring_prompts.discard(request_id)
         for new in plan.new_requests:
             self._add(new)
         for request_id, grant in plan.new_pages:
@@ -169,14 +182,17 @@ class ModelRunner:
         self._np["query_start_loc"][: num_seqs + 1] = cu_q
         self._np["seq_lens"][:num_seqs] = seq_lens
         rows = cu_q[1:][np.asarray(plan.samples, dtype=bool)] - 1
-        self._np["logits_rows"][: len(rows)] = rows
+        num_sampling = len(rows)
+        self._np["logits_rows"][:num_sampling] = rows
+        spans, targets = self._prompt_rows(plan, cu_q, num_sampling) if self._scoring_prompts else ([], [])
+        num_rows = num_sampling + len(targets)
 
         sizes = {
             "input_ids": total,
             "positions": total,
             "query_start_loc": num_seqs + 1,
             "seq_lens": num_seqs,
-            "logits_rows": len(rows),
+            "logits_rows": num_rows,
         }
         dev = {name: self._to_device(name, n) for name, n in sizes.items()}
         max_seq_len = int(seq_lens.max())
@@ -207,7 +223,51 @@ class ModelRunner:
             )
             self.backend.prepare(meta)
             metas.append(meta)
-        return StepInputs(dev["input_ids"], metas, dev["logits_rows"])
+        return StepInputs(dev["input_ids"], metas, dev["logits_rows"], num_sampling, spans, targets)
+
+    def _prompt_rows(
+        self, plan: SchedulerOutput, cu_q: np.ndarray, offset: int
+    ) -> tuple[list[tuple[str, int, int]], list[int]]:
+        """Append, after the sampling rows, the packed rows whose logits score the next prompt token."""
+        spans: list[tuple[str, int, int]] = []
+        targets: list[int] = []
+        for i, request_id in enumerate(plan.request_ids):
+            if request_id not in self._scoring_prompts:
+                continue
+            prompt = self._seqs[request_id].prompt_ids
+            start, n = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+            # Position p's logits predict token p + 1; the last prompt position predicts the first output token.
+            count = min(start + n, len(prompt) - 1) - start
+            if count <= 0:
+                continue
+            self._np["logits_rows"][offset : offset + count] = np.arange(cu_q[i], cu_q[i] + count)
+            offset += count
+            spans.append((request_id, start + 1, count))
+            targets += prompt[start + 1 : start + 1 + count]
+        return spans, targets
+
+    def _score_prompts(self, logits: torch.Tensor, inputs: StepInputs) -> list[PromptLogprobs]:
+        """Each prompt row's logprob of its target token and its top alternatives, in one host transfer."""
+        logprobs = torch.log_softmax(logits[:, : self.sampler.vocab_size].float(), dim=-1)
+        targets = torch.tensor(inputs.prompt_targets, device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        num_top = max(self._seqs[request_id].prompt_logprobs or 0 for request_id, _, _ in inputs.prompt_spans)
+        num_top = min(num_top, logprobs.shape[-1])
+        top = logprobs.topk(num_top, dim=-1)
+        # float64 holds every token id exactly, so ids and logprobs come to the host together.
+        host = torch.cat([chosen.double(), top.values.double().flatten(), top.indices.double().flatten()]).tolist()
+        num_rows = len(inputs.prompt_targets)
+        values, ids = host[num_rows : num_rows * (1 + num_top)], host[num_rows * (1 + num_top) :]
+        results, row = [], 0
+        for request_id, first, count in inputs.prompt_spans:
+            wanted = self._seqs[request_id].prompt_logprobs or 0
+            entries = []
+            for r in range(row, row + count):
+                alternatives = [(int(ids[r * num_top + k]), values[r * num_top + k]) for k in range(wanted)]
+                entries.append(TokenLogprob(inputs.prompt_targets[r], host[r], alternatives))
+            results.append(PromptLogprobs(request_id, first, entries))
+            row += count
+        return results
 
     def _add(self, new: NewRequest) -> None:
         if new.request_id in self._seqs:
@@ -226,7 +286,10 @@ class ModelRunner:
             new.generator_seed,
             new.prompt_ids,
             list(new.output_ids),
+            new.params.prompt_logprobs,
         )
+        if new.params.prompt_logprobs is not None:
+            self._scoring_prompts.add(new.request_id)
 
     def _to_device(self, name: str, n: int) -> torch.Tensor:
         host = self._host[name][:n]

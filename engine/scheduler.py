@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from engine.config import EngineConfig
 from engine.kv_cache import NO_NEW_PAGES, KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus, StepOutput, TokenLogprob
-from engine.step import ModelRunnerOutput, NewRequest, PageTables, SchedulerOutput
+from engine.step import ModelRunnerOutput, NewRequest, PageTables, PromptLogprobs, SchedulerOutput
 
 
 class RequestQueue:
@@ -244,6 +244,7 @@ class Scheduler:
         sampled = zip(result.token_ids, result.logprobs, strict=True)
         now = time.monotonic()
         commit, stop_reason = self.kv_cache.commit, self._stop_reason  # bound once: this loop is per request
+        scored = {entry.request_id: entry for entry in result.prompt_logprobs}
         for request, num_new, samples in zip(requests, plan.num_new_tokens, plan.samples, strict=True):
             token, logprob = next(sampled) if samples else (None, None)
             # Aborted while the step ran: its pages are already free and its final output queued.
@@ -251,14 +252,28 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_new
             commit(request)
+            prompt_logprobs = self._fresh_prompt_logprobs(request, scored.get(request.request_id)) if scored else None
             if token is None:
+                if prompt_logprobs:
+                    outputs.append(_delta(request, [], None, None, prompt_logprobs))
                 continue
             request.output_ids.append(token)
             reason = stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
-            outputs.append(_delta(request, [token], logprob, [now] if request.params.record_timestamps else None))
+            timestamps = [now] if request.params.record_timestamps else None
+            outputs.append(_delta(request, [token], logprob, timestamps, prompt_logprobs))
         return outputs
+
+    @staticmethod
+    def _fresh_prompt_logprobs(request: Request, scored: PromptLogprobs | None) -> list[TokenLogprob] | None:
+        """The prompt-token logprobs of this step not reported before (a recompute after preemption repeats
+        positions already handed out)."""
+        if scored is None:
+            return None
+        fresh = scored.entries[max(0, request.num_prompt_logprobs + 1 - scored.first_position) :]
+        request.num_prompt_logprobs += len(fresh)
+        return fresh or None
 
     # -- internals -----------------------------------------------------------------------------------------------
 
@@ -375,9 +390,11 @@ class Scheduler:
             request = self.waiting.first()
             # Its prefix is being computed right now: wait for it (a step or two) and share it, rather than compute
             # it twice. No skipping ahead, so the queue behind it waits too.
-            if kv.prefix_in_flight(request):
+            scores_prompt = request.params.prompt_logprobs is not None
+            if not scores_prompt and kv.prefix_in_flight(request):
                 return
-            hit = kv.match_prefix(request)
+            # A request scoring its prompt computes all of it: cached positions would have no logits.
+            hit = 0 if scores_prompt else kv.match_prefix(request)
             request.num_computed_tokens = hit
             needed = request.num_tokens - hit
             num_new = min(needed, builder.budget)
@@ -400,7 +417,11 @@ class Scheduler:
 
 
 def _delta(
-    request: Request, tokens: list[int], logprob: TokenLogprob | None, timestamps: list[float] | None
+    request: Request,
+    tokens: list[int],
+    logprob: TokenLogprob | None,
+    timestamps: list[float] | None,
+    prompt_logprobs: list[TokenLogprob] | None = None,
 ) -> StepOutput:
     """One request's news from one step."""
     queue = None
@@ -415,4 +436,5 @@ def _delta(
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
         queue_seconds=queue,
+        new_prompt_logprobs=prompt_logprobs,
     )

@@ -62,11 +62,22 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first_position ...` of one request, each given the tokens before it."""
+
+    request_id: str
+    first_position: int
+    entries: list[TokenLogprob]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     """What the step produced: per sampling request, in plan order, its token and (when asked) logprobs."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    """For requests with `prompt_logprobs` whose prompt this step computed part of."""
     prepare_seconds: float = 0.0
     """Host time building the step's input tensors."""
     forward_seconds: float = 0.0

@@ -149,3 +149,37 @@ def test_hybrid_model_sliding_layers_release_pages(model_dir: Callable[[str], Pa
     while engine.has_unfinished():
         engine.step()
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("setup", ["mixed", "chunked", "preempt"])
+def test_prompt_logprobs_equal_the_models_own(model_dir: Callable[[str], Path], setup: str) -> None:
+    """Every prompt token's logprob given the tokens before it (and the top alternatives), as the model computes
+    them in one forward pass, under chunked prefill and recompute after preemption, next to requests that share a
+    cached prefix."""
+    path = model_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts, max_new = _prompts(hf.config.vocab_size, shared_prefix=16)
+    config = EngineConfig(model=str(path), debug_checks=True, **{"num_blocks": 512, **CONFIGS[setup]})
+    engine = EngineCore(config)
+    scored = [i % 2 == 0 for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=n, prompt_logprobs=3 if s else None) for n, s in zip(max_new, scored, strict=True)
+    ]
+    results = generate_batch(prompts, params=params, engine=engine)
+    for i, prompt in enumerate(prompts):
+        got = results[f"req_{i}"].prompt_logprobs
+        if not scored[i]:
+            assert got is None
+            continue
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        assert got is not None and [e.token_id for e in got] == prompt[1:]
+        chosen = torch.tensor([e.logprob for e in got])
+        torch.testing.assert_close(
+            chosen, want.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1), atol=1e-4, rtol=0
+        )
+        top = want.topk(3, dim=-1)
+        assert [[t for t, _ in e.top] for e in got] == top.indices.tolist()
+    assert engine.is_idle_and_clean()
+    if setup == "preempt":
+        assert engine.scheduler.num_preemptions > 0
