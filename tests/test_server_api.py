@@ -262,6 +262,31 @@ def test_logit_bias_forces_and_bans_tokens(http: httpx.Client, model_dir: Callab
     assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias"
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_streamed_or_not(http: httpx.Client, server: ServerProcess) -> None:
+    prompt = "Ferry boats cross the river"
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "echo": True}
+    plain = complete(http, **body)["choices"][0]
+    assert plain["text"].startswith(prompt) and plain["logprobs"] is None
+    scored = complete(http, **body, logprobs=2)["choices"][0]
+    assert scored["text"] == plain["text"]
+    logprobs = scored["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(lp is not None and lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+    assert len(logprobs["tokens"]) == complete(http, **body, logprobs=2)["usage"]["prompt_tokens"] + 5
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+    sdk_body = {k: v for k, v in body.items() if k != "ignore_eos"}
+    chunks = list(
+        client.completions.create(model=MODEL, stream=True, logprobs=2, extra_body={"ignore_eos": True}, **sdk_body)
+    )
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert streamed[0].text == prompt and "".join(c.text for c in streamed) == scored["text"]
+    tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
+    values = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
+    assert tokens == logprobs["tokens"] and values == logprobs["token_logprobs"]
+
+
 def test_usage_reports_prefix_cache_hits(http: httpx.Client) -> None:
     prompt = [(7 * i) % 300 + 10 for i in range(40)]  # 2 full pages of 16, then the page of the last token
     first = complete(http, prompt=prompt, max_tokens=2)
@@ -351,7 +376,6 @@ LONG_PROMPT = [10 + i % 300 for i in range(450)]
          "context_length_exceeded"),
         ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt", "invalid_value"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt", "invalid_value"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
         ("/v1/completions", {"prompt": "x", "priority": 3}, 400, "priority", "invalid_priority"),
         ("/v1/completions", {}, 400, "prompt", "missing_required_parameter"),
     ],

@@ -15,6 +15,8 @@ class ChoiceUpdate:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob]
+    """Of prompt tokens (from the second on), for an echoed prompt with logprobs."""
 
 
 @dataclass
@@ -29,6 +31,8 @@ class ChoiceState:
     """Accumulate logprobs for a non-streaming response (a stream sends them with each delta instead)."""
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Kept like `logprobs`, for an echoed prompt."""
     num_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -49,8 +53,10 @@ class ChoiceState:
         self.num_tokens += len(output.new_token_ids)
         self.num_cached_tokens = output.num_cached_tokens
         new_logprobs = output.new_logprobs or []
+        prompt_logprobs = output.new_prompt_logprobs or []
         if self.keep_logprobs:
             self.logprobs.extend(new_logprobs)
+            self.prompt_logprobs.extend(prompt_logprobs)
         text = self._detokenizer.push(output.new_token_ids)
         if output.finished:
             text += self._detokenizer.flush()
@@ -61,7 +67,7 @@ class ChoiceState:
             emitted += self._stop.flush()
             self.finish_reason = output.finish_reason.value
         self.text.append(emitted)
-        return ChoiceUpdate(emitted, new_logprobs, self.finish_reason)
+        return ChoiceUpdate(emitted, new_logprobs, self.finish_reason, prompt_logprobs)
 
     @property
     def full_text(self) -> str:

@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.request import TokenLogprob
 from server.openai.choices import ChoiceState
 from server.openai.errors import invalid_request
 from server.openai.generation import Generation, ServingContext, start_generation
-from server.openai.logprobs import completion_logprobs
-from server.openai.schemas import CompletionChoice, CompletionRequest, CompletionResponse
+from server.openai.logprobs import completion_logprobs, echoed_prompt_logprobs, joined
+from server.openai.schemas import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.tokens import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16
@@ -27,10 +28,12 @@ DEFAULT_MAX_TOKENS = 16
 async def serve_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     ctx.check_request(body)
+    prompts = _prompts(body, ctx.tokenizer)
+    echo = _Echo(body, prompts, ctx.tokenizer) if body.echo else None
     generation = await start_generation(
         ctx,
         f"cmpl-{uuid.uuid4().hex}",
-        _prompts(body, ctx.tokenizer),
+        prompts,
         body,
         body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS,
         logprobs=body.logprobs is not None,
@@ -39,10 +42,33 @@ async def serve_completion(ctx: ServingContext, body: CompletionRequest, request
         arrival=arrival,
     )
     if body.stream:
-        return generation.stream_response(CompletionResponse, _chunk_choices(generation, body, ctx.tokenizer))
+        return generation.stream_response(CompletionResponse, _chunk_choices(generation, body, ctx.tokenizer, echo))
     return await generation.json_response(
-        request, CompletionResponse, lambda choice: _final_choice(choice, body, ctx.tokenizer)
+        request, CompletionResponse, lambda choice: _final_choice(choice, body, ctx.tokenizer, echo)
     )
+
+
+class _Echo:
+    """`echo`: each choice's text starts with its prompt (and, with logprobs, the prompt's tokens are scored)."""
+
+    def __init__(self, body: CompletionRequest, prompts: list[list[int]], tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.num_choices = body.num_choices
+        self.prompts = prompts
+        # A text prompt comes back as the client wrote it; token ids as their text.
+        if isinstance(body.prompt, str):
+            self.texts = [body.prompt]
+        elif isinstance(body.prompt[0], str):
+            self.texts = list(body.prompt)  # type: ignore[arg-type]
+        else:
+            self.texts = [tokenizer.decode(ids) for ids in prompts]
+        self.logprobs = body.logprobs is not None
+
+    def text(self, choice_index: int) -> str:
+        return self.texts[choice_index // self.num_choices]
+
+    def prompt_logprobs(self, choice_index: int, scored: list[TokenLogprob]) -> CompletionLogprobs:
+        return echoed_prompt_logprobs(self.tokenizer, self.prompts[choice_index // self.num_choices], scored)
 
 
 def _prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
@@ -66,23 +92,42 @@ def _checked_token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def _final_choice(choice: ChoiceState, body: CompletionRequest, tokenizer: Tokenizer) -> CompletionChoice:
+def _final_choice(
+    choice: ChoiceState, body: CompletionRequest, tokenizer: Tokenizer, echo: _Echo | None
+) -> CompletionChoice:
+    prefix = echo.text(choice.index) if echo is not None else ""
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(tokenizer, choice.logprobs, len(prefix))
+        if echo is not None:
+            logprobs = joined(echo.prompt_logprobs(choice.index, choice.prompt_logprobs), logprobs)
     return CompletionChoice(
         index=choice.index,
-        text=choice.full_text,
-        logprobs=completion_logprobs(tokenizer, choice.logprobs, 0) if body.logprobs is not None else None,
+        text=prefix + choice.full_text,
+        logprobs=logprobs,
         finish_reason=choice.finish_reason,  # type: ignore[arg-type]
     )
 
 
 async def _chunk_choices(
-    generation: Generation, body: CompletionRequest, tokenizer: Tokenizer
+    generation: Generation, body: CompletionRequest, tokenizer: Tokenizer, echo: _Echo | None
 ) -> AsyncIterator[list[CompletionChoice]]:
     # Where each choice's next logprob token starts in its text (completions report text offsets).
     offsets = [0] * len(generation.choices)
+    # An echoed prompt goes out in the choice's first chunk; its logprobs arrive with the prefill steps, which
+    # all come before (or with) the first generated token.
+    unechoed = set(range(len(generation.choices))) if echo is not None else set()
+    scored_prompts: dict[int, list[TokenLogprob]] = {}
     async for index, update in generation.updates():
+        scored_prompts.setdefault(index, []).extend(update.prompt_logprobs)
         if not (update.text or update.logprobs or update.finish_reason):
             continue
+        if echo is not None and index in unechoed:
+            unechoed.discard(index)
+            text = echo.text(index)
+            prompt_logprobs = echo.prompt_logprobs(index, scored_prompts.pop(index)) if echo.logprobs else None
+            offsets[index] = len(text)
+            yield [CompletionChoice(index=index, text=text, logprobs=prompt_logprobs, finish_reason=None)]
         logprobs = None
         if body.logprobs is not None:
             logprobs = completion_logprobs(tokenizer, update.logprobs, offsets[index])

@@ -43,3 +43,29 @@ def completion_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob], 
         top_logprobs=[{tokenizer.token_text(t): _clamp(lp) for t, lp in entry.top} for entry in logprobs],
         text_offset=offsets,
     )
+
+
+def echoed_prompt_logprobs(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob] | None
+) -> CompletionLogprobs:
+    """An echoed prompt's tokens in completions' columns: nothing precedes the first, so it has no logprob.
+
+    `scored` is the engine's entries for the tokens after the first; None when logprobs were not asked for.
+    """
+    first = tokenizer.token_text(prompt_ids[0])
+    rest = completion_logprobs(tokenizer, scored or [], len(first))
+    return CompletionLogprobs(
+        tokens=[first, *rest.tokens],
+        token_logprobs=[None, *rest.token_logprobs],
+        top_logprobs=[None, *(rest.top_logprobs or [])],
+        text_offset=[0, *rest.text_offset],
+    )
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=(first.top_logprobs or []) + (then.top_logprobs or []),
+        text_offset=first.text_offset + then.text_offset,
+    )

@@ -105,7 +105,13 @@ class SamplingRequest(_RequestModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
             logit_bias=self._logit_bias(),
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt-token logprob to ask the engine for; None: the prompt is not scored."""
+        return None
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """OpenAI's string keys as token ids (the engine checks they are in the vocabulary)."""
@@ -312,10 +318,13 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
+    @property
+    def prompt_logprobs(self) -> int | None:
+        # echo with logprobs reports the prompt's tokens too, as OpenAI does.
+        return self.logprobs if self.echo and self.logprobs is not None else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise unsupported_parameter("echo")
         if self.suffix:
             raise unsupported_parameter("suffix")
         if self.best_of not in (None, 1):
@@ -324,8 +333,9 @@ class CompletionRequest(SamplingRequest):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    """None for an echoed prompt's first token, which nothing precedes."""
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
