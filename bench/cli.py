@@ -95,6 +95,8 @@ def _offline(args: argparse.Namespace) -> int:
         plot=args.plot,
         repeat=args.repeat,
         profile=args.profile,
+        vllm_python=args.vllm_python,
+        threads=args.threads,
     )
     try:
         report = run_offline(options)
@@ -173,9 +175,22 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="slots: static wave size, transformers' max_requests_per_batch, Ferry's max_num_seqs",
     )
-    offline.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (both CB systems)")
+    offline.add_argument(
+        "--max-batch-tokens", type=int, default=2048, help="token budget per step (every continuous-batching system)"
+    )
     offline.add_argument("--page-size", type=int, default=16, help="Ferry's KV page size")
-    offline.add_argument("--systems", default="static,transformers-cb,ferry")
+    offline.add_argument(
+        "--systems",
+        default="static,transformers-cb,ferry",
+        help="comma-separated, run in this order: static, transformers-cb, transformers-cb-default, vllm, ferry",
+    )
+    offline.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="the python of an environment with vLLM installed (../shared/peers/install-vllm-cpu.sh makes one), "
+        "for the vllm system; without it that system is skipped with a note",
+    )
     offline.add_argument(
         "--check",
         choices=("strict", "report", "off"),

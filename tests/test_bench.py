@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -89,6 +91,10 @@ def test_equality_check_finds_the_first_differing_token() -> None:
     ]
 
 
+IN_PROCESS = tuple(system for system in SYSTEMS if system != "vllm")
+"""Every system but vLLM, which runs in an interpreter of its own (tested below when one is given)."""
+
+
 def test_offline_runs_every_system_with_identical_tokens(tiny_llama: Path, tmp_path: Path) -> None:
     options = OfflineOptions(
         model=str(tiny_llama),
@@ -100,18 +106,18 @@ def test_offline_runs_every_system_with_identical_tokens(tiny_llama: Path, tmp_p
         page_size=4,
         warmup=False,
         plot=tmp_path / "timeline.png",
-        systems=SYSTEMS,
+        systems=IN_PROCESS,
     )
     report = run_offline(options)
     assert report["check"]["identical"] is True
-    assert report["check"]["systems"] == list(SYSTEMS)
+    assert report["check"]["systems"] == list(IN_PROCESS)
     systems = report["systems"]
     expected = sum(report["workload"]["output_lens"])
-    for name in SYSTEMS:
+    for name in IN_PROCESS:
         assert systems[name]["generated_tokens"] == expected
         assert len(systems[name]["traces"]) == SMALL.num_requests
     assert systems["static"]["details"]["waves"] == 2
-    assert set(report["ratios"]["ferry"]) == set(SYSTEMS) - {"ferry"}
+    assert set(report["ratios"]["ferry"]) == set(IN_PROCESS) - {"ferry"}
     assert report["floor"]["steps"] == systems["ferry"]["details"]["steps"]
     assert report["efficiency"] > 0
     assert (tmp_path / "timeline.png").stat().st_size > 0
@@ -125,6 +131,21 @@ def _two_systems(model: Path, **options: object) -> OfflineOptions:
     """transformers' continuous batching and Ferry on the small workload, no warm-up."""
     base = dict(model=str(model), device="cpu", workload=SMALL, batch_size=3, page_size=4, warmup=False)
     return OfflineOptions(**base, systems=("transformers-cb", "ferry"), **options)  # type: ignore[arg-type]
+
+
+def test_vllm_without_its_python_is_skipped_with_a_note(tiny_llama: Path) -> None:
+    report = run_offline(dataclasses.replace(_two_systems(tiny_llama, floor=False), systems=("vllm", "ferry")))
+    assert set(report["systems"]) == {"ferry"}
+    assert report["skipped"] == {"vllm": "no --vllm-python given"}
+    assert "vllm skipped: no --vllm-python given" in format_offline(report)
+
+
+@pytest.mark.skipif(not os.environ.get("FERRY_VLLM_PYTHON"), reason="set FERRY_VLLM_PYTHON to vLLM's interpreter")
+def test_vllm_offline_agrees_with_ferry(tiny_llama: Path) -> None:
+    options = _two_systems(tiny_llama, floor=False, vllm_python=Path(os.environ["FERRY_VLLM_PYTHON"]))
+    report = run_offline(dataclasses.replace(options, systems=("vllm", "ferry")))
+    assert report["check"]["identical"] is True and set(report["systems"]) == {"vllm", "ferry"}
+    assert report["systems"]["vllm"]["generated_tokens"] == sum(report["workload"]["output_lens"])
 
 
 def test_offline_repeats_report_the_median_run_and_profile_ferry(tiny_llama: Path, tmp_path: Path) -> None:
