@@ -119,6 +119,8 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         url=args.url,
         model=args.model,
+        server=args.server,
+        vllm_python=args.vllm_python,
         server_args=tuple(args.server_arg),
         workload=_workload(args),
         vocab_size=args.vocab_size,
@@ -223,7 +225,19 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     target = serve.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")
-    target.add_argument("--model", help="start `ferry serve MODEL` on a free local port for the run")
+    target.add_argument("--model", help="start a server for MODEL on a free local port for the run (see --server)")
+    serve.add_argument(
+        "--server",
+        choices=("ferry", "vllm"),
+        default="ferry",
+        help="the server --model starts: `ferry serve`, or `vllm serve` from --vllm-python's environment",
+    )
+    serve.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="the python of an environment with vLLM installed, for --server vllm",
+    )
     serve.add_argument(
         "--server-arg", action="append", default=[], help="extra argument for the started server (repeatable)"
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import socket
 import subprocess
@@ -22,6 +23,8 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import httpx
 
@@ -48,7 +51,11 @@ class RequestSample:
 class ServeOptions:
     url: str | None = None
     model: str | None = None
-    """Model to serve when no URL is given: Ferry is started on a free local port and stopped afterwards."""
+    """Model to serve when no URL is given: the server is started on a free local port and stopped afterwards."""
+    server: Literal["ferry", "vllm"] = "ferry"
+    """Which server to start for `model`: `ferry serve`, or `vllm serve` from `vllm_python`'s environment."""
+    vllm_python: Path | None = None
+    """The python of an environment with vLLM installed (its `vllm` command sits beside it)."""
     server_args: tuple[str, ...] = ()
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     vocab_size: int = 256
@@ -225,24 +232,40 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@contextlib.contextmanager
-def _local_server(options: ServeOptions) -> Iterator[str]:
-    """Start `ferry serve` for `options.model` on a free port; stop it on exit."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[str, str], str]:
+    """The command line, environment and readiness path of the server to start."""
+    assert options.model is not None
+    if options.server == "vllm":
+        if options.vllm_python is None:
+            raise ValueError("--server vllm needs --vllm-python")
+        command = [
+            str(options.vllm_python.parent / "vllm"), "serve", options.model,
+            "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests", *options.server_args,
+        ]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        return command, {**env, "HF_HUB_OFFLINE": "1"}, "/health"
     command = [
         sys.executable, "-m", "ferry", "serve", "--model", options.model,
         # Quiet by default (one access-log line per request would bury the table); later flags override.
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *options.server_args,
     ]  # fmt: skip
-    process = subprocess.Popen(command)
+    return command, dict(os.environ), "/ready"
+
+
+@contextlib.contextmanager
+def _local_server(options: ServeOptions) -> Iterator[str]:
+    """Start the chosen server for `options.model` on a free port; stop it on exit."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command, env, ready_path = _server_command(options, port)
+    process = subprocess.Popen(command, env=env)
     try:
         deadline = time.monotonic() + options.startup_timeout
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"the server exited with code {process.returncode} before it was ready")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200:
+                if httpx.get(f"{url}{ready_path}", timeout=2.0).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server was not ready after {options.startup_timeout:.0f} s")
@@ -268,6 +291,7 @@ def run_serve(options: ServeOptions, transport: httpx.AsyncBaseTransport | None 
         "benchmark": "serve",
         **stamp(),
         "url": options.url,
+        "server": options.server if options.url is None else "given by URL",
         "workload": options.workload.describe(),
         "vocab_size": options.vocab_size,
         **result,

@@ -313,6 +313,24 @@ def test_serve_command_against_a_started_ferry_server(tiny_llama: Path, tmp_path
         assert len(point["samples"]) == 3 and all(len(s["itl"]) <= 3 for s in point["samples"])
 
 
+@pytest.mark.skipif(not os.environ.get("FERRY_VLLM_PYTHON"), reason="set FERRY_VLLM_PYTHON to vLLM's interpreter")
+def test_serve_command_against_a_started_vllm_server(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    status = main([
+        "serve", "--model", str(tiny_llama), "--server", "vllm", "--vllm-python", os.environ["FERRY_VLLM_PYTHON"],
+        "--server-arg=--dtype=float32", "--num-requests", "3", "--prompt-len", "uniform:3:8",
+        "--output-len", "fixed:4", "--concurrency", "3", "--json", str(out),
+    ])  # fmt: skip
+    assert status == 0
+    (point,) = json.loads(out.read_text())["points"]
+    assert (point["completed"], point["errors"], point["output_tokens"]) == (3, 0, 12)
+
+
+def test_serve_needs_vllms_python_to_start_vllm(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="--vllm-python"):
+        run_serve(ServeOptions(model=str(tiny_llama), server="vllm"))
+
+
 def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0
