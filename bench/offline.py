@@ -20,7 +20,7 @@ from bench.floor import Floor, measure_floor
 from bench.models import BenchModel, WeightsMode, prepare_model
 from bench.report import fmt, format_table, stamp
 from bench.results import SystemRun
-from bench.vllm import run_vllm, vllm_missing
+from bench.vllm_baseline import run_vllm, vllm_missing
 from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
 
 if TYPE_CHECKING:

@@ -240,7 +240,7 @@ def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[s
             raise ValueError("--server vllm needs --vllm-python")
         command = [
             str(options.vllm_python.parent / "vllm"), "serve", options.model,
-            "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests", *options.server_args,
+            "--host", "127.0.0.1", "--port", str(port), "--no-enable-log-requests", *options.server_args,
         ]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         return command, {**env, "HF_HUB_OFFLINE": "1"}, "/health"

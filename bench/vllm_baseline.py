@@ -65,7 +65,8 @@ def run_vllm(
     with tempfile.TemporaryDirectory(prefix="ferry-vllm-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
-        subprocess.run([str(python), str(RUNNER), str(job_path), str(out_path)], env=env, check=True)
+        # -P: bench/ must not shadow vLLM's own imports (the runner sits beside this file).
+        subprocess.run([str(python), "-P", str(RUNNER), str(job_path), str(out_path)], env=env, check=True)
         result = json.loads(out_path.read_text())
     details = {
         "startup_seconds": result["startup_seconds"],
