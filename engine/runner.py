@@ -121,11 +121,6 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * page_size * model.num_kv_heads * model.head_dim * element
 
-    @property
-    def num_sequences(self) -> int:
-        """Sequences the runner keeps state for (the running ones, once the plan's deltas are applied)."""
-        return len(self._seqs)
-
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one planned step: pack, forward, sample."""
         started = time.perf_counter()
