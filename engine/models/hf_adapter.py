@@ -1,57 +1,43 @@
-"""Any transformers causal LM, driven through a registered paged attention function: the breadth path.
+"""Any transformers causal LM, driven through paged attention: the breadth path.
 
-The model runs on the packed `[1, T]` row with per-token `position_ids`; its attention layers call
-`paged_attention`, which hands their Q/K/V to the step's paged backend. The step's metadata reaches those calls
-through `_active`, set around each forward, because transformers offers no per-call channel down to every
-architecture's attention. A custom implementation name also stops transformers from building masks per step.
+The model runs on the packed `[1, T]` row with per-token `position_ids`; its attention layers reach the step's
+paged backend through `engine/models/hf_attention.py`. A custom implementation name also stops transformers from
+building masks per step. The output projection runs apart from the model (logits only at the sampled rows), so the
+logit post-processing some models apply after it (soft-capping, scaling) is reproduced here.
+
+What a config does not say, running the model does: `check_runs_exactly` probes it at load and refuses a model
+whose attention the adapter cannot reach or does not implement, whose output depends on its neighbours in the
+packed row, or whose logits are post-processed in a way `compute_logits` does not reproduce.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
+import numpy as np
 import torch
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 
-from engine.attention import AttentionBackend, StepMetadata
+from engine.attention import AttentionBackend, StepMetadata, TorchPagedBackend
+from engine.models.hf_attention import (
+    ATTN_IMPLEMENTATION,
+    KNOWN_ARGUMENT_FEATURES,
+    AttentionCall,
+    StepContext,
+    alibi_slopes,
+    num_kv_heads,
+    step_context,
+)
 from engine.models.llama import sliding_window_of_layer
+from engine.models.support import UnsupportedModelError
 
-ATTN_IMPLEMENTATION = "ferry_paged"
+__all__ = ["ATTN_IMPLEMENTATION", "TransformersCausalLM"]
 
-
-@dataclass
-class _StepContext:
-    layer_metas: list[StepMetadata]
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    backend: AttentionBackend
-
-
-_active: _StepContext | None = None
-
-
-def paged_attention(
-    module: nn.Module,
-    query: torch.Tensor,  # [1, H, T, D]
-    key: torch.Tensor,  # [1, Hkv, T, D]
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    if _active is None:
-        raise RuntimeError("ferry_paged attention called outside an engine step")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    out = _active.backend.forward(
-        q, k, v, _active.kv_caches[module.layer_idx], _active.layer_metas[module.layer_idx], scale, window
-    )
-    return out.unsqueeze(0), None  # [1, T, H, D], as transformers' attention functions return
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+"""Largest difference, relative to the largest magnitude, between two computations of the same values that the
+probe accepts: what packing or a different matmul shape may change, far below what a missing feature changes."""
 
 
 class TransformersCausalLM(nn.Module):
@@ -62,10 +48,16 @@ class TransformersCausalLM(nn.Module):
         self.hf_model = hf_model
         self.backend = backend
         config = hf_model.config
+        self.model_type = config.model_type
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.num_kv_heads = num_kv_heads(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.sliding_windows = [sliding_window_of_layer(config, i) for i in range(self.num_layers)]
+        # A plain attribute, not a buffer: it stays float32 (flash-attn's requirement) whatever the model's dtype.
+        self.alibi_slopes = alibi_slopes(config, next(hf_model.parameters()).device)
+        self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
+        self.logit_scale: float | None = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
+        self.logits_scaling: float | None = getattr(config, "logits_scaling", None)  # Granite: logits / it
 
     def forward(
         self,
@@ -74,16 +66,156 @@ class TransformersCausalLM(nn.Module):
         layer_metas: list[StepMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        global _active
-        _active = _StepContext(layer_metas, kv_caches, self.backend)
-        try:
-            out = self.hf_model.base_model(
-                input_ids=input_ids[None], position_ids=positions[None], use_cache=False, return_dict=True
-            )
-        finally:
-            _active = None
+        with step_context(StepContext(layer_metas, kv_caches, self.backend, self.alibi_slopes)):
+            return self._hidden(input_ids, positions)
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.hf_model.base_model(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, return_dict=True
+        )
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Looked up each call: loading may swap the head for a packed CPU linear after this wrapper is built.
-        return self.hf_model.get_output_embeddings()(hidden).float()
+        logits = self.hf_model.get_output_embeddings()(hidden).float()
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        if self.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
+
+    @torch.inference_mode()
+    def check_runs_exactly(self) -> None:
+        """Raise UnsupportedModelError for what only running the model reveals.
+
+        Three forward passes over a few tokens: a 3-token prompt alone, the same prompt packed after a 2-token one,
+        and the model's own forward (its head included) over the prompt alone. Every layer must call the paged
+        attention once, with nothing it does not implement; the packed prompt must come out as it does alone; and
+        the model's own logits must equal `compute_logits` of the hidden states.
+        """
+        device = next(self.hf_model.parameters()).device
+        dtype = next(self.hf_model.parameters()).dtype
+        vocab = self.hf_model.config.vocab_size
+        prompt, other = [1 % vocab, 2 % vocab, 3 % vocab], [4 % vocab, 5 % vocab]
+        try:
+            alone = self._probe_pass([prompt], device, dtype, check_calls=True)
+        except UnsupportedModelError:
+            raise
+        except Exception as error:  # whatever the model's own code raises without the masks or caches it expects
+            raise UnsupportedModelError(
+                self.model_type, f"code that does not run on paged attention ({type(error).__name__}: {error})"
+            ) from error
+        packed = self._probe_pass([other, prompt], device, dtype)[len(other) :]
+        tolerance = _PROBE_TOLERANCE.get(dtype, 2e-2)
+        if not _close(packed, alone, tolerance):
+            raise UnsupportedModelError(
+                self.model_type,
+                "outputs that change when another sequence shares the batch (positions taken from the row instead "
+                "of position_ids, or tokens mixing across sequences)",
+            )
+        with self._probe_context([prompt], device, dtype):
+            own_logits = self.hf_model(
+                input_ids=torch.tensor([prompt], device=device),
+                position_ids=torch.arange(len(prompt), device=device)[None],
+                use_cache=False,
+                return_dict=True,
+            ).logits[0]
+        if not _close(self.compute_logits(alone), own_logits.float(), tolerance):
+            raise UnsupportedModelError(
+                self.model_type, "logits post-processed after the output projection in a way Ferry does not reproduce"
+            )
+
+    def _probe_pass(
+        self, prompts: list[list[int]], device: torch.device, dtype: torch.dtype, check_calls: bool = False
+    ) -> torch.Tensor:
+        calls: list[AttentionCall] = []
+        with self._probe_context(prompts, device, dtype, self._checking(calls) if check_calls else None):
+            ids = torch.tensor([t for p in prompts for t in p], device=device)
+            positions = torch.tensor([i for p in prompts for i in range(len(p))], device=device)
+            hidden = self._hidden(ids, positions)
+        if check_calls:
+            called = sorted(call.layer for call in calls)
+            if not called:
+                raise UnsupportedModelError(
+                    self.model_type, "attention computed outside transformers' attention interface (no paged version)"
+                )
+            if called != list(range(self.num_layers)):
+                raise UnsupportedModelError(
+                    self.model_type,
+                    f"layers whose attention is not one call each of the attention interface (called: {called})",
+                )
+        return hidden
+
+    def _checking(self, calls: list[AttentionCall]) -> Callable[[AttentionCall], None]:
+        def check(call: AttentionCall) -> None:
+            calls.append(call)
+            feature = self._unsupported_call(call)
+            if feature is not None:
+                raise UnsupportedModelError(self.model_type, feature)
+
+        return check
+
+    def _unsupported_call(self, call: AttentionCall) -> str | None:
+        if call.unimplemented:
+            return ", ".join(
+                f"{KNOWN_ARGUMENT_FEATURES.get(name, 'the attention argument')} ({name})" for name in call.unimplemented
+            )
+        if not call.causal:
+            return "non-causal attention"
+        if call.own_mask:
+            return "an attention mask the model builds itself"
+        if call.value_dim != call.key_dim:
+            return f"value heads of {call.value_dim} dimensions beside key heads of {call.key_dim}"
+        if (call.kv_heads, call.key_dim) != (self.num_kv_heads, self.head_dim):
+            return (
+                f"K/V heads laid out as {call.kv_heads} x {call.key_dim} where its config implies "
+                f"{self.num_kv_heads} x {self.head_dim}"
+            )
+        if call.sliding_window != self.sliding_windows[call.layer]:
+            return (
+                f"a sliding window of {call.sliding_window} in layer {call.layer} where its config implies "
+                f"{self.sliding_windows[call.layer]}"
+            )
+        return None
+
+    def _probe_context(
+        self,
+        prompts: list[list[int]],
+        device: torch.device,
+        dtype: torch.dtype,
+        on_call: Callable[[AttentionCall], None] | None = None,
+    ) -> AbstractContextManager[None]:
+        """A step context over one page per prompt, on fresh caches, with the reference torch backend."""
+        page_size = max(len(p) for p in prompts)
+        lens = [len(p) for p in prompts]
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        tables = np.arange(len(prompts), dtype=np.int32)[:, None]
+        slots = np.concatenate([page * page_size + np.arange(n) for page, n in enumerate(lens)])
+        meta = StepMetadata(
+            positions=torch.tensor(np.concatenate([np.arange(n) for n in lens]), device=device),
+            slot_mapping=torch.tensor(slots, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            page_tables=torch.tensor(tables, device=device),
+            page_tables_host=tables,
+            query_start_loc_host=starts.tolist(),
+            query_lens_host=lens,
+            seq_lens_host=lens,
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            page_size=page_size,
+        )
+        shape = (len(prompts), page_size, self.num_kv_heads, self.head_dim)
+        caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(self.num_layers)
+        ]
+        context = StepContext([meta] * self.num_layers, caches, TorchPagedBackend(), self.alibi_slopes, on_call)
+        return step_context(context)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> bool:
+    scale = want.abs().max().clamp_min(1e-6)
+    return bool(((got.float() - want.float()).abs().max() / scale) <= tolerance)
