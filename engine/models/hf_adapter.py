@@ -35,6 +35,8 @@ from engine.models.support import UnsupportedModelError
 
 __all__ = ["ATTN_IMPLEMENTATION", "TransformersCausalLM"]
 
+_PROBE_PAGE = 4
+"""Tokens per page in the probe's caches: one page holds each of its sequences."""
 _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 """Largest difference, relative to the largest magnitude, between two computations of the same values that the
 probe accepts: what packing or a different matmul shape may change, far below what a missing feature changes."""
@@ -54,7 +56,7 @@ class TransformersCausalLM(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.sliding_windows = [sliding_window_of_layer(config, i) for i in range(self.num_layers)]
         # A plain attribute, not a buffer: it stays float32 (flash-attn's requirement) whatever the model's dtype.
-        self.alibi_slopes = alibi_slopes(config, next(hf_model.parameters()).device)
+        self.alibi_slopes = alibi_slopes(config, hf_model.device)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
         self.logit_scale: float | None = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
         self.logits_scaling: float | None = getattr(config, "logits_scaling", None)  # Granite: logits / it
@@ -90,32 +92,50 @@ class TransformersCausalLM(nn.Module):
     def check_runs_exactly(self) -> None:
         """Raise UnsupportedModelError for what only running the model reveals.
 
-        Three forward passes over a few tokens: a 3-token prompt alone, the same prompt packed after a 2-token one,
-        and the model's own forward (its head included) over the prompt alone. Every layer must call the paged
-        attention once, with nothing it does not implement; the packed prompt must come out as it does alone; and
-        the model's own logits must equal `compute_logits` of the hidden states.
+        A few forward passes over a 3-token prompt: alone (every layer must call the paged attention once, with
+        nothing it does not implement), packed after a 2-token prompt (it must come out as it does alone), its last
+        token in a step of its own over the cached keys of the others (likewise), and the model's own forward, head
+        included (its logits must equal `compute_logits` of the hidden states).
         """
-        device = next(self.hf_model.parameters()).device
-        dtype = next(self.hf_model.parameters()).dtype
         vocab = self.hf_model.config.vocab_size
         prompt, other = [1 % vocab, 2 % vocab, 3 % vocab], [4 % vocab, 5 % vocab]
+        calls: list[AttentionCall] = []
         try:
-            alone = self._probe_pass([prompt], device, dtype, check_calls=True)
+            alone = self._probe_step([(prompt, 0)], self._probe_caches(1), self._checking(calls))
         except UnsupportedModelError:
             raise
         except Exception as error:  # whatever the model's own code raises without the masks or caches it expects
             raise UnsupportedModelError(
                 self.model_type, f"code that does not run on paged attention ({type(error).__name__}: {error})"
             ) from error
-        packed = self._probe_pass([other, prompt], device, dtype)[len(other) :]
-        tolerance = _PROBE_TOLERANCE.get(dtype, 2e-2)
+        called = sorted(call.layer for call in calls)
+        if not called:
+            raise UnsupportedModelError(
+                self.model_type, "attention computed outside transformers' attention interface (no paged version)"
+            )
+        if called != list(range(self.num_layers)):
+            raise UnsupportedModelError(
+                self.model_type, f"layers whose attention is not one call each of the attention interface ({called})"
+            )
+        tolerance = _PROBE_TOLERANCE.get(alone.dtype, 2e-2)
+        packed = self._probe_step([(other, 0), (prompt, 0)], self._probe_caches(2))[len(other) :]
         if not _close(packed, alone, tolerance):
             raise UnsupportedModelError(
                 self.model_type,
-                "outputs that change when another sequence shares the batch (positions taken from the row instead "
-                "of position_ids, or tokens mixing across sequences)",
+                "outputs that change when another sequence shares the batch (tokens mixing across sequences, or "
+                "positions taken from the row instead of position_ids)",
             )
-        with self._probe_context([prompt], device, dtype):
+        caches = self._probe_caches(1)
+        self._probe_step([(prompt[:-1], 0)], caches)
+        resumed = self._probe_step([(prompt[-1:], len(prompt) - 1)], caches)
+        if not _close(resumed, alone[-1:], tolerance):
+            raise UnsupportedModelError(
+                self.model_type,
+                "outputs that change when earlier tokens come from the KV cache (positions taken from the row "
+                "instead of position_ids)",
+            )
+        device = alone.device
+        with self._probe_context([(prompt, 0)], self._probe_caches(1)):
             own_logits = self.hf_model(
                 input_ids=torch.tensor([prompt], device=device),
                 position_ids=torch.arange(len(prompt), device=device)[None],
@@ -126,27 +146,6 @@ class TransformersCausalLM(nn.Module):
             raise UnsupportedModelError(
                 self.model_type, "logits post-processed after the output projection in a way Ferry does not reproduce"
             )
-
-    def _probe_pass(
-        self, prompts: list[list[int]], device: torch.device, dtype: torch.dtype, check_calls: bool = False
-    ) -> torch.Tensor:
-        calls: list[AttentionCall] = []
-        with self._probe_context(prompts, device, dtype, self._checking(calls) if check_calls else None):
-            ids = torch.tensor([t for p in prompts for t in p], device=device)
-            positions = torch.tensor([i for p in prompts for i in range(len(p))], device=device)
-            hidden = self._hidden(ids, positions)
-        if check_calls:
-            called = sorted(call.layer for call in calls)
-            if not called:
-                raise UnsupportedModelError(
-                    self.model_type, "attention computed outside transformers' attention interface (no paged version)"
-                )
-            if called != list(range(self.num_layers)):
-                raise UnsupportedModelError(
-                    self.model_type,
-                    f"layers whose attention is not one call each of the attention interface (called: {called})",
-                )
-        return hidden
 
     def _checking(self, calls: list[AttentionCall]) -> Callable[[AttentionCall], None]:
         def check(call: AttentionCall) -> None:
@@ -180,38 +179,56 @@ class TransformersCausalLM(nn.Module):
             )
         return None
 
+    def _probe_caches(self, num_seqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Fresh K/V caches of one probe page per sequence."""
+        shape = (num_seqs, _PROBE_PAGE, self.num_kv_heads, self.head_dim)
+        dtype, device = self.hf_model.dtype, self.hf_model.device
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(self.num_layers)
+        ]
+
+    def _probe_step(
+        self,
+        seqs: list[tuple[list[int], int]],
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        on_call: Callable[[AttentionCall], None] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of one step computing, for each sequence, its tokens after `computed` cached ones."""
+        device = caches[0][0].device
+        ids = torch.tensor([t for tokens, _ in seqs for t in tokens], device=device)
+        positions = torch.tensor([c + i for tokens, c in seqs for i in range(len(tokens))], device=device)
+        with self._probe_context(seqs, caches, on_call):
+            return self._hidden(ids, positions)
+
     def _probe_context(
         self,
-        prompts: list[list[int]],
-        device: torch.device,
-        dtype: torch.dtype,
+        seqs: list[tuple[list[int], int]],
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
         on_call: Callable[[AttentionCall], None] | None = None,
     ) -> AbstractContextManager[None]:
-        """A step context over one page per prompt, on fresh caches, with the reference torch backend."""
-        page_size = max(len(p) for p in prompts)
-        lens = [len(p) for p in prompts]
+        """A step context where sequence i owns page i of `caches`, on the reference torch backend."""
+        device = caches[0][0].device
+        lens = [len(tokens) for tokens, _ in seqs]
+        totals = [c + n for (_, c), n in zip(seqs, lens, strict=True)]
         starts = np.concatenate([[0], np.cumsum(lens)])
-        tables = np.arange(len(prompts), dtype=np.int32)[:, None]
-        slots = np.concatenate([page * page_size + np.arange(n) for page, n in enumerate(lens)])
+        positions = np.concatenate([np.arange(c, t) for (_, c), t in zip(seqs, totals, strict=True)])
+        pages = np.repeat(np.arange(len(seqs)), lens)
+        tables = np.arange(len(seqs), dtype=np.int32)[:, None]
         meta = StepMetadata(
-            positions=torch.tensor(np.concatenate([np.arange(n) for n in lens]), device=device),
-            slot_mapping=torch.tensor(slots, device=device),
+            positions=torch.tensor(positions, device=device),
+            slot_mapping=torch.tensor(pages * _PROBE_PAGE + positions, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(totals, dtype=torch.int32, device=device),
             page_tables=torch.tensor(tables, device=device),
             page_tables_host=tables,
             query_start_loc_host=starts.tolist(),
             query_lens_host=lens,
-            seq_lens_host=lens,
+            seq_lens_host=totals,
             max_query_len=max(lens),
-            max_seq_len=max(lens),
-            page_size=page_size,
+            max_seq_len=max(totals),
+            page_size=_PROBE_PAGE,
         )
-        shape = (len(prompts), page_size, self.num_kv_heads, self.head_dim)
-        caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(self.num_layers)
-        ]
         context = StepContext([meta] * self.num_layers, caches, TorchPagedBackend(), self.alibi_slopes, on_call)
         return step_context(context)
 

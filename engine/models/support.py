@@ -56,8 +56,6 @@ _REFUSED: tuple[_Check, ...] = (
 _REFUSED_NATIVE: tuple[_Check, ...] = (
     _activation,
     _flag("quantization_config", "quantized weights"),
-    _flag("attn_logit_softcapping", "attention logit soft-capping"),
-    _flag("final_logit_softcapping", "final logit soft-capping"),
 )
 """Features the native modules lack (the transformers adapter may run them)."""
 
