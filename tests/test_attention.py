@@ -141,3 +141,16 @@ def test_decodes_of_similar_length_share_one_group() -> None:
     plan = TorchPagedBackend._build_plan(inputs.meta, None, torch.float32)
     assert [len(g.rows) for g in plan.groups] == [20, 1]
     assert plan.chunks == []
+
+
+def test_alibi_masks_are_built_once_per_step_not_per_layer() -> None:
+    """Layers sharing the model's slopes tensor share one plan: its biased masks are built on the first layer."""
+    runner = attention_runner(_Shapes(), 16, 4)
+    inputs = runner.prepare(fresh_plan([(0, 6), (9, 1), (5, 3)], [[0, 1], [2, 3, 4], [5, 6]]))
+    q, k, v = torch.randn(10, HEADS, DIM), torch.randn(10, KV_HEADS, DIM), torch.randn(10, KV_HEADS, DIM)
+    cache = tuple(torch.zeros(c.shape) for c in runner.kv_caches[0])
+    backend = TorchPagedBackend()
+    for _layer in range(3):
+        backend.forward(q, k, v, cache, inputs.meta, DIM**-0.5, None, alibi_slopes=ALIBI_SLOPES)
+    backend.forward(q, k, v, cache, inputs.meta, DIM**-0.5, None)
+    assert set(inputs.meta.backend_state) == {(None, id(ALIBI_SLOPES)), (None, None)}

@@ -143,7 +143,7 @@ def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, set
         assert engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom"])
 def test_prefix_sharing_greedy(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
     prompts, max_new, expected, _ = _reference(path, arch, shared_prefix=40)
