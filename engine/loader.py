@@ -16,7 +16,9 @@ from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig
 from engine.models.cpu_linear import onednn_linear_available, pack_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
-from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM
+from engine.models.hf_attention import replace_own_attention
+from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,11 +90,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_model_len = config.max_model_len or limit or 4096
     if limit is not None and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+    # `auto` takes the native modules where they run the model exactly, the transformers adapter otherwise.
     native = config.model_impl == "native" or (
-        config.model_impl == "auto" and hf_config.model_type in NATIVE_MODEL_TYPES
+        config.model_impl == "auto" and unsupported_feature(hf_config, native=True) is None
     )
-    if native and hf_config.model_type not in NATIVE_MODEL_TYPES:
-        raise ValueError(f"no native implementation for model_type {hf_config.model_type!r}")
+    check_supported(hf_config, native)
     torch.manual_seed(config.seed)
     if native:
         with torch.device(device):
@@ -103,20 +105,42 @@ def load_model(config: EngineConfig) -> LoadedModel:
             model.load_weights(_checkpoint_tensors(config.model))
         model = model.to(dtype)
     else:
-        hf_config._attn_implementation = ATTN_IMPLEMENTATION
-        if config.load_format == "dummy":
-            hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-        else:
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-            )
-        model = TransformersCausalLM(hf_model.to(device), backend)
+        model = _load_transformers_model(config, hf_config, dtype, device, backend)
     model.eval()
     if onednn_linear_available(device, dtype):
         pack_linears(model)
     return LoadedModel(
         model, hf_config, _eos_ids(config.model, hf_config), max_model_len, device, dtype, native, backend
     )
+
+
+def _load_transformers_model(
+    config: EngineConfig,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+) -> TransformersCausalLM:
+    hf_config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        if config.load_format == "dummy":
+            hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+            )
+    except KeyError as error:
+        if error.args != (ATTN_IMPLEMENTATION,):
+            raise
+        # The model looks its attention classes up in a table of its own, which has no paged entry.
+        raise UnsupportedModelError(
+            hf_config.model_type, "attention classes from a table of the model's own with no paged entry"
+        ) from error
+    hf_model.eval()
+    replace_own_attention(hf_model)
+    model = TransformersCausalLM(hf_model.to(device), backend)
+    model.check_runs_exactly()
+    return model
 
 
 @torch.no_grad()

@@ -31,6 +31,60 @@ ARCHITECTURES: dict[str, dict] = {
     ),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
     "gpt_neox": dict(model_type="gpt_neox", num_attention_heads=4, rotary_pct=0.5),
+    # Caps small enough to bend these tiny models' scores and logits (the defaults, 50 and 30, barely would);
+    # layer 0 slides over 16 tokens, layer 1 attends to everything.
+    "gemma2": dict(
+        model_type="gemma2",
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "bloom": dict(model_type="bloom", n_head=4),  # ALiBi
+    "falcon": dict(model_type="falcon"),  # the default: multi-query, parallel attention, rotary
+    "falcon_gqa": dict(model_type="falcon", new_decoder_architecture=True, num_kv_heads=2),
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+    "phi3": dict(model_type="phi3", num_key_value_heads=2),
+    "starcoder2": dict(model_type="starcoder2", num_key_value_heads=2, sliding_window=24),
+    # Logits scaled after the head: Cohere multiplies them, Granite divides them (and scales attention itself).
+    "cohere": dict(model_type="cohere", num_key_value_heads=2, logit_scale=0.5),
+    "granite": dict(
+        model_type="granite",
+        num_key_value_heads=2,
+        logits_scaling=2.0,
+        attention_multiplier=0.2,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+    ),
+    "stablelm": dict(model_type="stablelm", num_key_value_heads=2, partial_rotary_factor=0.5, qk_layernorm=True),
+    # Refused at load (tests/test_model_support.py): attention sinks, an attention-class table without a paged
+    # entry, and a model whose own code needs the masks paged attention does not build.
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+    ),
+    "gpt_neo": dict(model_type="gpt_neo", num_heads=4, num_layers=2, attention_types=[[["global", "local"], 1]]),
+    "mpt": dict(model_type="mpt", n_heads=4, n_layers=2, d_model=64),
 }
 
 

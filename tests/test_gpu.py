@@ -68,16 +68,19 @@ def test_flash_backend_matches_torch_backend() -> None:
     history = [
         torch.randn(c.shape, device="cuda", dtype=torch.bfloat16, generator=generator) for c in runner.kv_caches[0]
     ]
-    outputs = []
-    for backend, window in [
-        (TorchPagedBackend(), None),
-        (FlashBackend(page), None),
-        (TorchPagedBackend(), 64),
-        (FlashBackend(page), 64),
-    ]:
-        cache = (history[0].clone(), history[1].clone())
-        inputs.meta.backend_state.clear()
-        backend.prepare(inputs.meta)
-        outputs.append(backend.forward(q, k, v, cache, inputs.meta, 64**-0.5, window))
-    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(outputs[3], outputs[2], atol=2e-2, rtol=2e-2)
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(heads)], device="cuda")
+    # Plain, with a sliding window, with soft-capped scores, and with ALiBi biases: flash-attn's own arguments
+    # must compute what the torch backend (checked against float64 in test_attention.py) computes.
+    variants = [(None, None, None), (64, None, None), (None, 2.0, None), (None, None, slopes)]
+    for window, softcap, alibi_slopes in variants:
+        outputs = []
+        for backend in (TorchPagedBackend(), FlashBackend(page)):
+            cache = (history[0].clone(), history[1].clone())
+            inputs.meta.backend_state.clear()
+            backend.prepare(inputs.meta)
+            outputs.append(
+                backend.forward(
+                    q, k, v, cache, inputs.meta, 64**-0.5, window, softcap=softcap, alibi_slopes=alibi_slopes
+                )
+            )
+        torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
