@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,13 +65,38 @@ def _eos_ids(model_dir: str, hf_config: PretrainedConfig) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: str) -> dict[str, list[str] | None]:
+    """Each safetensors file to read, with the tensor names to read from it (None: all of them).
+
+    With an index (`model.safetensors.index.json`, what sharded checkpoints carry) exactly the files and tensors
+    it lists: a repository may hold other safetensors beside the shards (Mistral's `consolidated.safetensors`
+    repeats every weight under other names). Without one, every `*.safetensors` file in the directory.
+    """
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        names_by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            names_by_file.setdefault(os.path.join(model_dir, file), []).append(name)
+        missing = sorted(os.path.basename(path) for path in names_by_file if not os.path.isfile(path))
+        if missing:
+            raise FileNotFoundError(f"{index_path} lists shards that are not in {model_dir}: {', '.join(missing)}")
+        return {path: names for path, names in names_by_file.items()}
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (use load_format='dummy' for random ones)")
-    for path in files:
+    return dict.fromkeys(files)
+
+
+def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors one at a time, each read from disk only when it is asked for."""
+    for path, names in checkpoint_files(model_dir).items():
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+            for name in f.keys() if names is None else names:
                 yield name, f.get_tensor(name)
 
 
@@ -94,16 +120,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if native and hf_config.model_type not in NATIVE_MODEL_TYPES:
         raise ValueError(f"no native implementation for model_type {hf_config.model_type!r}")
     torch.manual_seed(config.seed)
+    # Weights go straight into `dtype` on `device`: each checkpoint tensor is converted as it is copied into its
+    # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
     if native:
-        with torch.device(device):
-            model = LlamaFamilyForCausalLM(hf_config, backend, max_positions=max_model_len)
+        model = LlamaFamilyForCausalLM.empty(hf_config, backend, max_model_len, device, dtype)
         if config.load_format == "dummy":
             _init_dummy(model)
         else:
             model.load_weights(_checkpoint_tensors(config.model))
-        model = model.to(dtype)
     else:
         hf_config._attn_implementation = ATTN_IMPLEMENTATION
+        # Built (or loaded) in `dtype` on the CPU, then moved: loading straight onto a GPU (`device_map`) would
+        # need accelerate.
         if config.load_format == "dummy":
             hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         else:
