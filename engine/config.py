@@ -17,6 +17,11 @@ _KV_CACHE = {"group": "KV cache"}
 _SCHEDULING = {"group": "scheduling"}
 
 
+class EngineStartupError(ValueError):
+    """The options cannot run on this model and machine (found while the engine starts): the message names the
+    flags to change."""
+
+
 @dataclass
 class EngineConfig:
     model: str = field(metadata={"flag": False})

@@ -107,8 +107,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     if device.type == "cpu" and config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
-    backend = select_backend(config.attention_backend, device.type, config.page_size)
     dtype = resolve_dtype(config.dtype, device)
+    backend = select_backend(config.attention_backend, device.type, config.page_size, dtype)
     hf_config = AutoConfig.from_pretrained(config.model)
     limit = getattr(hf_config, "max_position_embeddings", None)
     max_model_len = config.max_model_len or limit or 4096
