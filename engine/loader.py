@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from engine.attention import AttentionBackend, select_backend
+from engine.checkpoint import checkpoint_files
 from engine.config import EngineConfig
 from engine.models.cpu_linear import onednn_linear_available, pack_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
@@ -63,33 +62,6 @@ def _eos_ids(model_dir: str, hf_config: PretrainedConfig) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
-
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def checkpoint_files(model_dir: str) -> dict[str, list[str] | None]:
-    """Each safetensors file to read, with the tensor names to read from it (None: all of them).
-
-    With an index (`model.safetensors.index.json`, what sharded checkpoints carry) exactly the files and tensors
-    it lists: a repository may hold other safetensors beside the shards (Mistral's `consolidated.safetensors`
-    repeats every weight under other names). Without one, every `*.safetensors` file in the directory.
-    """
-    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        names_by_file: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            names_by_file.setdefault(os.path.join(model_dir, file), []).append(name)
-        missing = sorted(os.path.basename(path) for path in names_by_file if not os.path.isfile(path))
-        if missing:
-            raise FileNotFoundError(f"{index_path} lists shards that are not in {model_dir}: {', '.join(missing)}")
-        return {path: names for path, names in names_by_file.items()}
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (use load_format='dummy' for random ones)")
-    return dict.fromkeys(files)
 
 
 def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

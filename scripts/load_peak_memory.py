@@ -55,7 +55,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def _checkpoint_bytes(model_dir: str, element_bytes: int) -> int:
     from safetensors import safe_open
 
-    from engine.loader import checkpoint_files
+    from engine.checkpoint import checkpoint_files
 
     total = 0
     for path, names in checkpoint_files(model_dir).items():

@@ -69,7 +69,9 @@ class ServerState:
         self.engine_config = engine_config
         self.settings = settings
         self.lifecycle = lifecycle
-        self.model_name = settings.served_model_name or Path(engine_config.model).name
+        self.model_names = settings.served_model_name or (Path(engine_config.model).name,)
+        """Every name clients may send as `model`; the first is the one responses report."""
+        self.model_name = self.model_names[0]
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self.client = EngineClient(
@@ -84,7 +86,7 @@ class ServerState:
         """Spawn the engine first, so that it loads the model while this process loads the tokenizer."""
         try:
             self.client.start()
-            tokenizer = await asyncio.to_thread(Tokenizer.load, self.engine_config.model)
+            tokenizer = await asyncio.to_thread(Tokenizer.load, self.settings.tokenizer or self.engine_config.model)
             info = await self.client.wait_ready()
         except EngineDeadError:
             return  # the client has already reported the death to the lifecycle
@@ -97,7 +99,7 @@ class ServerState:
             tokenizer=tokenizer,
             metrics=self.metrics,
             lifecycle=self.lifecycle,
-            model_name=self.model_name,
+            model_names=self.model_names,
             max_model_len=info.max_model_len,
             request_timeout=self.settings.request_timeout or None,
         )
@@ -153,19 +155,19 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serve_completion(state.get_serving(), body, request)
 
-    def model_card() -> ModelCard:
+    def model_card(name: str) -> ModelCard:
         serving = state.get_serving()
-        return ModelCard(id=state.model_name, created=state.created, max_model_len=serving.max_model_len)
+        return ModelCard(id=name, created=state.created, max_model_len=serving.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_ERRORS)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(name) for name in state.model_names])
 
     @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id != state.model_name:
+        if model_id not in state.model_names:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from engine.checkpoint import SAFETENSORS_INDEX, checkpoint_files
 from engine.config import EngineConfig
-from engine.loader import SAFETENSORS_INDEX, checkpoint_files, load_model
+from engine.loader import load_model
 from tests.model_factory import build_model_dir
 from tests.server_harness import REPO_ROOT
 
