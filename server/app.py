@@ -22,12 +22,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.metrics import ServerMetrics, rejection_reason
-from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
 from server.openai.errors import APIError, ErrorResponse, invalid_request, service_unavailable
@@ -77,6 +78,7 @@ class ServerState:
         self.client = EngineClient(
             engine_config,
             log_level=settings.log_level,
+            log_format=settings.log_format,
             on_stats=self.metrics.observe_engine_stats,
             on_death=lifecycle.fail,
         )
@@ -127,6 +129,14 @@ class ServerState:
         return self.lifecycle.phase is Phase.LOADING or self.client.healthy
 
 
+class _FerryApp(FastAPI):
+    """FastAPI with the request-id middleware around its whole stack, Starlette's own error middleware included,
+    so that every response (an unhandled error's 500 too) carries X-Request-Id."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return RequestIdMiddleware(super().build_middleware_stack())
+
+
 def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:
     state = ServerState(engine_config, settings, lifecycle)
 
@@ -140,7 +150,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             loading.cancel()
             await state.client.shutdown()
 
-    app = FastAPI(title="Ferry", version=ferry_version(), lifespan=lifespan)
+    app = _FerryApp(title="Ferry", version=ferry_version(), lifespan=lifespan)
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from pathlib import Path
 
@@ -120,10 +119,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
     from server.lifecycle import FerryServer, Lifecycle
+    from server.logs import configure_logging
 
     engine_config = build_engine_config(args)
     settings = resolve_tokenizer(args, build_settings(args))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     lifecycle = Lifecycle(settings.drain_timeout)
     app = create_app(engine_config, settings, lifecycle)
     config = uvicorn.Config(
@@ -131,6 +131,8 @@ def run_serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # No logging config of uvicorn's own: its loggers (the access log included) go through ours.
+        log_config=None,
         timeout_graceful_shutdown=UVICORN_GRACEFUL_SHUTDOWN_SECONDS,
         lifespan="on",
     )
