@@ -41,6 +41,14 @@ from server.openai.schemas import (
     ModelCard,
     ModelList,
 )
+from server.openai.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    serve_detokenize,
+    serve_tokenize,
+)
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
 from server.ui import mount_ui
@@ -178,6 +186,16 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         if model_id not in state.model_names:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
         return model_card(model_id)
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's: a prompt or a conversation (through the chat template) to the model's token ids."""
+        return serve_tokenize(state.get_serving(), body)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's: token ids to the text they stand for (special tokens included)."""
+        return serve_detokenize(state.get_serving(), body)
 
     @app.get("/health")
     async def health() -> JSONResponse:

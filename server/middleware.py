@@ -58,8 +58,13 @@ class RequestIdMiddleware:
             request_id.reset(token)
 
 
+GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+"""Where the API key is required: the API itself (probes, /metrics and the page at / stay open)."""
+
+
 class APIKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on /v1/*; probes and /metrics stay open for orchestrators."""
+    """Require `Authorization: Bearer <key>` on the API (GUARDED_PATHS); probes and /metrics stay open for
+    orchestrators."""
 
     def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
         self.app = app
@@ -67,7 +72,7 @@ class APIKeyMiddleware:
         self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS):
             scheme, _, provided = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # Constant-time: the comparison must not reveal how much of a guessed key was right.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(provided.strip(), self._expected):

@@ -23,8 +23,9 @@ class ServerSettings:
     port: int = field(default=8000, metadata=_SERVER)
     """Port to listen on."""
     api_key: str | None = field(default=None, metadata=_SERVER)
-    """Require `Authorization: Bearer KEY` on /v1/* (probes and /metrics stay open). `ferry serve` falls back to
-    $FERRY_API_KEY, which keeps the key out of `ps` output and shell history; neither means no key."""
+    """Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (probes and /metrics stay open).
+    `ferry serve` falls back to $FERRY_API_KEY, which keeps the key out of `ps` output and shell history; neither
+    means no key."""
     ui: bool = field(default=True, metadata=_SERVER)
     """Serve the built-in chat playground and engine view at / (with --no-ui, / and /ui/* answer 404)."""
     served_model_name: tuple[str, ...] | None = field(default=None, metadata=_MODEL)

@@ -62,6 +62,14 @@ class ServingContext:
         self.lifecycle.check_accepting()
         self.check_model(body.model)
         body.check_supported()
+        vocab_size = self.tokenizer.vocab_size
+        bad = next((i for i, token in enumerate(body.stop_token_ids or ()) if token >= vocab_size), None)
+        if bad is not None:
+            # It could never be generated, so it would never stop anything: refused rather than silently inert.
+            raise invalid_request(
+                f"Token id {body.stop_token_ids[bad]} is outside the vocabulary [0, {vocab_size}).",  # type: ignore[index]
+                f"stop_token_ids[{bad}]",
+            )
 
 
 class Generation:

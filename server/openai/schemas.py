@@ -7,9 +7,10 @@ names them; fields with no effect on generation (`user`, `metadata`, `store`, ..
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_serializer, model_validator
 
 from engine.request import SamplingParams
 from server.openai.errors import invalid_request, unsupported_parameter
@@ -19,7 +20,40 @@ FinishReasonName = Literal["stop", "length"]
 
 
 class _RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # No infinities or NaNs (Python's JSON parser reads `1e400` and `NaN`): every number must mean something.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        """Refuse lone UTF-16 surrogates (`"\\ud800"` is valid JSON but no character): no tokenizer, response or log
+        could encode them. Raised as the API's 400 itself, so that it names the exact field."""
+        _refuse_lone_surrogates(data, "")
+        return data
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        found = _LONE_SURROGATE.search(value)
+        if found:
+            surrogate = f"U+{ord(found.group()):04X}"
+            raise invalid_request(
+                f"Invalid value for '{where or 'body'}': it holds a lone UTF-16 surrogate ({surrogate}), which is not "
+                "a character; text must be valid Unicode.",
+                where or None,
+                code="invalid_unicode",
+            )
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{where}.{key}" if where else str(key)
+            _refuse_lone_surrogates(key, name)
+            _refuse_lone_surrogates(item, name)
 
 
 class StreamOptions(_RequestModel):
@@ -48,7 +82,7 @@ class SamplingRequest(_RequestModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
 
     @property
     def num_choices(self) -> int:
