@@ -19,8 +19,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
@@ -49,14 +49,20 @@ from server.openai.tokenize import (
     serve_detokenize,
     serve_tokenize,
 )
+from server.openapi import openapi_document
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
 from server.ui import mount_ui
 
 logger = logging.getLogger(__name__)
 
+PROMETHEUS_TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""/metrics' format, named exactly: prometheus_client's CONTENT_TYPE_LATEST moved on to 1.0.0, which Prometheus
+servers before 3.0 do not know."""
+
 # Documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape).
 _ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
+_UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse}}
 _STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"description": "With `stream: true`: `data: {chunk}` events, then "
                                                            "`data: [DONE]`."}}},
@@ -137,12 +143,26 @@ class ServerState:
         return self.lifecycle.phase is Phase.LOADING or self.client.healthy
 
 
+# The request bodies: their own JSON schemas go into the OpenAPI document (server/openapi.py).
+_REQUEST_MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+
+
 class _FerryApp(FastAPI):
     """FastAPI with the request-id middleware around its whole stack, Starlette's own error middleware included,
-    so that every response (an unhandled error's 500 too) carries X-Request-Id."""
+    so that every response (an unhandled error's 500 too) carries X-Request-Id; and an OpenAPI document that says
+    exactly what the server accepts."""
+
+    def __init__(self, model_names: tuple[str, ...], **options: Any) -> None:
+        super().__init__(**options)
+        self.model_names = model_names
 
     def build_middleware_stack(self) -> ASGIApp:
         return RequestIdMiddleware(super().build_middleware_stack())
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            self.openapi_schema = openapi_document(self, _REQUEST_MODELS, self.model_names)
+        return self.openapi_schema
 
 
 def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:
@@ -158,7 +178,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             loading.cancel()
             await state.client.shutdown()
 
-    app = _FerryApp(title="Ferry", version=ferry_version(), lifespan=lifespan)
+    app = _FerryApp(state.model_names, title="Ferry", version=ferry_version(), lifespan=lifespan)
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
@@ -197,14 +217,14 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         """vLLM's: token ids to the text they stand for (special tokens included)."""
         return serve_detokenize(state.get_serving(), body)
 
-    @app.get("/health")
+    @app.get("/health", responses=_UNAVAILABLE)
     async def health() -> JSONResponse:
         """Liveness: 200 while the engine process is alive and its loop makes progress."""
         if state.healthy:
             return JSONResponse({"status": "ok"})
         return service_unavailable("The engine is not running.", "engine_dead").response()
 
-    @app.get("/ready")
+    @app.get("/ready", responses=_UNAVAILABLE)
     async def ready() -> JSONResponse:
         """Readiness: 200 only when new requests are accepted (not while loading or draining)."""
         try:
@@ -213,9 +233,10 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             return exc.response()
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus' text exposition format, version 0.0.4 (what every Prometheus scrapes)."""
+        return Response(state.metrics.render(), media_type=PROMETHEUS_TEXT_CONTENT_TYPE)
 
     @app.get("/metrics.json")
     async def metrics_json() -> dict[str, Any]:

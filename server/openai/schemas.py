@@ -1,6 +1,7 @@
 """OpenAI request and response shapes, and how a request maps onto the engine's SamplingParams.
 
-Requests are validated strictly (no string-to-number coercion, unknown fields refused) as OpenAI does. Fields
+Requests are validated strictly (no string-to-number coercion, unknown fields refused) as OpenAI does; a number
+that JSON writes with a zero fraction (`2.0`) is the integer it equals, as JSON Schema has it. Fields
 that change generation but that the server cannot honour yet are refused by `check_supported()` with a 400 that
 names them; fields with no effect on generation (`user`, `metadata`, `store`, ...) are accepted.
 """
@@ -8,7 +9,7 @@ names them; fields with no effect on generation (`user`, `metadata`, `store`, ..
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_serializer, model_validator
 
@@ -25,35 +26,44 @@ class _RequestModel(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _text_is_unicode(cls, data: Any) -> Any:
-        """Refuse lone UTF-16 surrogates (`"\\ud800"` is valid JSON but no character): no tokenizer, response or log
-        could encode them. Raised as the API's 400 itself, so that it names the exact field."""
-        _refuse_lone_surrogates(data, "")
-        return data
+    def _json_values(cls, data: Any) -> Any:
+        return _checked_json(data, "")
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _refuse_lone_surrogates(value: Any, where: str) -> None:
+def _checked_json(value: Any, where: str) -> Any:
+    """The request body as JSON means it, checked before the fields are: `where` is the value's path.
+
+    - A number written with a fraction that it does not have (`2.0`) is the integer it equals: JSON Schema, and so
+      the OpenAPI document, counts it as an integer, and clients that serialise every number as a float send it.
+    - A lone UTF-16 surrogate (`"\\ud800"`: valid JSON, but no character) is refused with a 400 naming the exact
+      field; no tokenizer, response or log line could encode it.
+    """
     if isinstance(value, str):
         found = _LONE_SURROGATE.search(value)
         if found:
             surrogate = f"U+{ord(found.group()):04X}"
+            # Raised as the API's error itself (pydantic passes it through), so that it names the exact field.
             raise invalid_request(
                 f"Invalid value for '{where or 'body'}': it holds a lone UTF-16 surrogate ({surrogate}), which is not "
                 "a character; text must be valid Unicode.",
                 where or None,
                 code="invalid_unicode",
             )
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _refuse_lone_surrogates(item, f"{where}[{i}]")
-    elif isinstance(value, dict):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_checked_json(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        checked = {}
         for key, item in value.items():
             name = f"{where}.{key}" if where else str(key)
-            _refuse_lone_surrogates(key, name)
-            _refuse_lone_surrogates(item, name)
+            checked[_checked_json(key, name)] = _checked_json(item, name)
+        return checked
+    return value
 
 
 class StreamOptions(_RequestModel):
@@ -321,8 +331,19 @@ class ChatCompletionChunk(BaseModel):
 # ------------------------------------------------------------------------------------------------ completions
 
 
+_T = TypeVar("_T")
+_NonEmpty = Annotated[_T, Field(min_length=1)]
+_Text = _NonEmpty[str]
+_TokenIds = _NonEmpty[list[NonNegativeInt]]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        _Text
+        | Annotated[list[_Text], Field(min_length=1)]
+        | _TokenIds
+        | Annotated[list[_TokenIds], Field(min_length=1)]
+    )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
