@@ -63,12 +63,12 @@ class ServingContext:
         self.check_model(body.model)
         body.check_supported()
         vocab_size = self.tokenizer.vocab_size
-        bad = next((i for i, token in enumerate(body.stop_token_ids or ()) if token >= vocab_size), None)
+        stop_ids = body.stop_token_ids or []
+        bad = next((i for i, token in enumerate(stop_ids) if token >= vocab_size), None)
         if bad is not None:
             # It could never be generated, so it would never stop anything: refused rather than silently inert.
             raise invalid_request(
-                f"Token id {body.stop_token_ids[bad]} is outside the vocabulary [0, {vocab_size}).",  # type: ignore[index]
-                f"stop_token_ids[{bad}]",
+                f"Token id {stop_ids[bad]} is outside the vocabulary [0, {vocab_size}).", f"stop_token_ids[{bad}]"
             )
 
 
