@@ -18,6 +18,11 @@ _KV_CACHE = {"group": "KV cache"}
 _SCHEDULING = {"group": "scheduling"}
 
 
+class EngineStartupError(ValueError):
+    """The options cannot run on this model and machine (found while the engine starts): the message names the
+    flags to change."""
+
+
 @dataclass
 class EngineConfig:
     model: str = field(metadata={"flag": False})
@@ -36,7 +41,8 @@ class EngineConfig:
     """Number of KV-cache pages (named `num_blocks` as in transformers' continuous batching); by default
     derived from the memory budget: max_memory_percent on GPU, cpu_kv_cache_gib on CPU."""
     max_memory_percent: float = field(default=0.9, metadata=_KV_CACHE)
-    """GPU: fraction of free device memory (after loading the model) given to the KV cache."""
+    """GPU: fraction of the device memory free once the model is loaded that the KV cache and the largest step's
+    activations may take together (the activations are measured by a profiling step at start-up)."""
     cpu_kv_cache_gib: float = field(default=1.0, metadata=_KV_CACHE)
     """CPU: GiB given to the KV cache."""
     max_batch_tokens: int = field(default=2048, metadata=_SCHEDULING)
@@ -44,7 +50,8 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata=_SCHEDULING)
     """Most sequences in one engine step."""
     max_model_len: int | None = field(default=None, metadata=_MODEL)
-    """Longest prompt + output in tokens; by default the model's `max_position_embeddings`."""
+    """Longest prompt + output in tokens; by default the model's `max_position_embeddings`, lowered (with a
+    warning) to what the KV cache holds. A value set here that the cache cannot hold stops the start-up."""
     scheduler_policy: SchedulerPolicy = field(default="fifo", metadata=_SCHEDULING)
     """Who gets each step's token budget first. `fifo`: running requests, then waiting ones in arrival order;
     `prefill_first`: waiting requests, then running ones."""

@@ -6,17 +6,17 @@ through the one loop in `engine/driver.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import time
 from collections.abc import Iterable
 
-import torch
-
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineStartupError
 from engine.kv_cache import KVCacheManager, group_layers, pool_pages
 from engine.loader import LoadedModel, load_model
+from engine.memory import kv_cache_budget_bytes
 from engine.observer import StepObserver, StepRecord
 from engine.page_pool import PagePool
 from engine.request import QueueFull, Request, RequestRejected, SamplingParams, StepOutput
@@ -41,20 +41,27 @@ class EngineCore:
         self.model_name = os.path.basename(os.path.normpath(config.model))
         if loaded is None:
             loaded = load_model(config)
-        self.hf_config = loaded.hf_config
-        self.max_model_len = loaded.max_model_len
-        self.eos_token_ids = loaded.eos_token_ids
-        self.device = loaded.device
         layouts = group_layers(loaded.model.sliding_windows)
+        layer_page_bytes = ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype)
+        budget = 0.0
+        if not config.num_blocks:
+            budget = kv_cache_budget_bytes(config, loaded, layouts, layer_page_bytes * loaded.model.num_layers)
         pages = pool_pages(
             layouts,
             num_pages=config.num_blocks,
-            budget_bytes=_kv_budget_bytes(config, loaded.device) if not config.num_blocks else 0,
-            layer_page_bytes=ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype),
+            budget_bytes=budget,
+            layer_page_bytes=layer_page_bytes,
             page_size=config.page_size,
             max_num_seqs=config.max_num_seqs,
             max_batch_tokens=config.max_batch_tokens,
         )
+        loaded = dataclasses.replace(
+            loaded, max_model_len=_fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.page_size)
+        )
+        self.hf_config = loaded.hf_config
+        self.max_model_len = loaded.max_model_len
+        self.eos_token_ids = loaded.eos_token_ids
+        self.device = loaded.device
         pools = [
             PagePool(
                 n,
@@ -177,9 +184,28 @@ class EngineCore:
         return not self.has_unfinished() and self.kv_cache.all_free()
 
 
-def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> float:
-    """Bytes the KV cache may take: a share of free GPU memory after loading, or a fixed amount on CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free * config.max_memory_percent
-    return config.cpu_kv_cache_gib * 2**30
+def _fit_max_model_len(config: EngineConfig, loaded: LoadedModel, cache_tokens: int) -> int:
+    """The longest request the engine takes: the model's limit, unless the whole KV cache holds fewer tokens.
+
+    A cache that cannot hold one request of an explicitly asked `max_model_len` is refused (every request that
+    leaves its length to the server would otherwise be refused); a default one is lowered to what fits.
+    """
+    wanted = loaded.max_model_len
+    if wanted <= cache_tokens:
+        return wanted
+    budget_flag = "--max-memory-percent" if loaded.device.type == "cuda" else "--cpu-kv-cache-gib"
+    if config.max_model_len is not None:
+        raise EngineStartupError(
+            f"the KV cache holds {cache_tokens} tokens ({cache_tokens // config.page_size} pages of "
+            f"{config.page_size}), fewer than one request of --max-model-len {wanted} needs: lower --max-model-len "
+            f"to at most {cache_tokens}, or give the cache more room with --num-blocks or {budget_flag}"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens, fewer than the model's %d: max_model_len lowered to %d (choose it with "
+        "--max-model-len, or give the cache more room with --num-blocks or %s)",
+        cache_tokens,
+        wanted,
+        cache_tokens,
+        budget_flag,
+    )
+    return cache_tokens

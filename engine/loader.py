@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from engine.attention import AttentionBackend, select_backend
+from engine.checkpoint import checkpoint_files
 from engine.config import EngineConfig
 from engine.models.cpu_linear import onednn_linear_available, pack_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
@@ -67,12 +67,10 @@ def _eos_ids(model_dir: str, hf_config: PretrainedConfig) -> frozenset[int]:
 
 
 def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (use load_format='dummy' for random ones)")
-    for path in files:
+    """The checkpoint's tensors one at a time, each read from disk only when it is asked for."""
+    for path, names in checkpoint_files(model_dir).items():
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+            for name in f.keys() if names is None else names:
                 yield name, f.get_tensor(name)
 
 
@@ -83,8 +81,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     if device.type == "cpu" and config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
-    backend = select_backend(config.attention_backend, device.type, config.page_size)
     dtype = resolve_dtype(config.dtype, device)
+    backend = select_backend(config.attention_backend, device.type, config.page_size, dtype)
     hf_config = AutoConfig.from_pretrained(config.model)
     limit = getattr(hf_config, "max_position_embeddings", None)
     max_model_len = config.max_model_len or limit or 4096
@@ -96,14 +94,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     )
     check_supported(hf_config, native)
     torch.manual_seed(config.seed)
+    # Weights go straight into `dtype` on `device`: each checkpoint tensor is converted as it is copied into its
+    # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
     if native:
-        with torch.device(device):
-            model = LlamaFamilyForCausalLM(hf_config, backend, max_positions=max_model_len)
+        model = LlamaFamilyForCausalLM.empty(hf_config, backend, max_model_len, device, dtype)
         if config.load_format == "dummy":
             _init_dummy(model)
         else:
             model.load_weights(_checkpoint_tensors(config.model))
-        model = model.to(dtype)
     else:
         model = _load_transformers_model(config, hf_config, dtype, device, backend)
     model.eval()
@@ -138,6 +136,8 @@ def _load_transformers_model(
         ) from error
     hf_model.eval()
     replace_own_attention(hf_model)
+    # Built (or loaded) in `dtype` on the CPU, then moved: loading straight onto a GPU (`device_map`) would need
+    # accelerate.
     model = TransformersCausalLM(hf_model.to(device), backend)
     model.check_runs_exactly()
     return model

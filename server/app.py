@@ -19,15 +19,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.metrics import ServerMetrics, rejection_reason
-from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
 from server.openai.errors import APIError, ErrorResponse, invalid_request, service_unavailable
@@ -40,14 +41,28 @@ from server.openai.schemas import (
     ModelCard,
     ModelList,
 )
+from server.openai.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    serve_detokenize,
+    serve_tokenize,
+)
+from server.openapi import openapi_document
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
 from server.ui import mount_ui
 
 logger = logging.getLogger(__name__)
 
+PROMETHEUS_TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""/metrics' format, named exactly: prometheus_client's CONTENT_TYPE_LATEST moved on to 1.0.0, which Prometheus
+servers before 3.0 do not know."""
+
 # Documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape).
 _ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
+_UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse}}
 _STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"description": "With `stream: true`: `data: {chunk}` events, then "
                                                            "`data: [DONE]`."}}},
@@ -69,12 +84,15 @@ class ServerState:
         self.engine_config = engine_config
         self.settings = settings
         self.lifecycle = lifecycle
-        self.model_name = settings.served_model_name or Path(engine_config.model).name
+        self.model_names = settings.served_model_name or (Path(engine_config.model).name,)
+        """Every name clients may send as `model`; the first is the one responses report."""
+        self.model_name = self.model_names[0]
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self.client = EngineClient(
             engine_config,
             log_level=settings.log_level,
+            log_format=settings.log_format,
             on_stats=self.metrics.observe_engine_stats,
             on_death=lifecycle.fail,
         )
@@ -84,7 +102,7 @@ class ServerState:
         """Spawn the engine first, so that it loads the model while this process loads the tokenizer."""
         try:
             self.client.start()
-            tokenizer = await asyncio.to_thread(Tokenizer.load, self.engine_config.model)
+            tokenizer = await asyncio.to_thread(Tokenizer.load, self.settings.tokenizer or self.engine_config.model)
             info = await self.client.wait_ready()
         except EngineDeadError:
             return  # the client has already reported the death to the lifecycle
@@ -97,7 +115,7 @@ class ServerState:
             tokenizer=tokenizer,
             metrics=self.metrics,
             lifecycle=self.lifecycle,
-            model_name=self.model_name,
+            model_names=self.model_names,
             max_model_len=info.max_model_len,
             request_timeout=self.settings.request_timeout or None,
         )
@@ -125,6 +143,28 @@ class ServerState:
         return self.lifecycle.phase is Phase.LOADING or self.client.healthy
 
 
+# The request bodies: their own JSON schemas go into the OpenAPI document (server/openapi.py).
+_REQUEST_MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+
+
+class _FerryApp(FastAPI):
+    """FastAPI with the request-id middleware around its whole stack, Starlette's own error middleware included,
+    so that every response (an unhandled error's 500 too) carries X-Request-Id; and an OpenAPI document that says
+    exactly what the server accepts."""
+
+    def __init__(self, model_names: tuple[str, ...], **options: Any) -> None:
+        super().__init__(**options)
+        self.model_names = model_names
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return RequestIdMiddleware(super().build_middleware_stack())
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            self.openapi_schema = openapi_document(self, _REQUEST_MODELS, self.model_names)
+        return self.openapi_schema
+
+
 def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:
     state = ServerState(engine_config, settings, lifecycle)
 
@@ -138,7 +178,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             loading.cancel()
             await state.client.shutdown()
 
-    app = FastAPI(title="Ferry", version=ferry_version(), lifespan=lifespan)
+    app = _FerryApp(state.model_names, title="Ferry", version=ferry_version(), lifespan=lifespan)
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
@@ -153,28 +193,38 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serve_completion(state.get_serving(), body, request)
 
-    def model_card() -> ModelCard:
+    def model_card(name: str) -> ModelCard:
         serving = state.get_serving()
-        return ModelCard(id=state.model_name, created=state.created, max_model_len=serving.max_model_len)
+        return ModelCard(id=name, created=state.created, max_model_len=serving.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_ERRORS)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(name) for name in state.model_names])
 
     @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id != state.model_name:
+        if model_id not in state.model_names:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
-        return model_card()
+        return model_card(model_id)
 
-    @app.get("/health")
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's: a prompt or a conversation (through the chat template) to the model's token ids."""
+        return serve_tokenize(state.get_serving(), body)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's: token ids to the text they stand for (special tokens included)."""
+        return serve_detokenize(state.get_serving(), body)
+
+    @app.get("/health", responses=_UNAVAILABLE)
     async def health() -> JSONResponse:
         """Liveness: 200 while the engine process is alive and its loop makes progress."""
         if state.healthy:
             return JSONResponse({"status": "ok"})
         return service_unavailable("The engine is not running.", "engine_dead").response()
 
-    @app.get("/ready")
+    @app.get("/ready", responses=_UNAVAILABLE)
     async def ready() -> JSONResponse:
         """Readiness: 200 only when new requests are accepted (not while loading or draining)."""
         try:
@@ -183,9 +233,10 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             return exc.response()
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus' text exposition format, version 0.0.4 (what every Prometheus scrapes)."""
+        return Response(state.metrics.render(), media_type=PROMETHEUS_TEXT_CONTENT_TYPE)
 
     @app.get("/metrics.json")
     async def metrics_json() -> dict[str, Any]:

@@ -39,21 +39,29 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: it rewrites text depending on what follows, which would make the decode of a
         # prefix disagree with the prefix of the decode.
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level BPE's `Ġ` for a space included), as vLLM reports."""
+        return self._tokenizer.convert_ids_to_tokens(list(token_ids))
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as reported in logprobs (special tokens included)."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
         """Render the conversation with the model's template and tokenize it.
 
         transformers renders chat templates in jinja2's ImmutableSandboxedEnvironment, so a template (or
         message content) cannot reach Python internals. The rendered text already holds the template's special
-        tokens (BOS and the like), so it is tokenized without adding them a second time.
+        tokens (BOS and the like), so by default it is tokenized without adding them a second time.
         """
         if not self._tokenizer.chat_template:
             raise ChatTemplateError("This model has no chat template; use /v1/completions with a plain prompt.")
@@ -63,7 +71,7 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"The chat template rejected the messages: {exc}") from exc
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode, prompt_ids)

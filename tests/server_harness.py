@@ -88,9 +88,11 @@ def _children(pid: int) -> list[int]:
 
 
 @contextmanager
-def server_process(model_dir: Path | None, *extra_args: str) -> Iterator[ServerProcess]:
-    """A ready `ferry serve --model model_dir ...extra_args` (no --model: the embedded default), stopped (SIGTERM)
-    on exit."""
+def server_process(
+    model_dir: Path | None, *extra_args: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """A ready `ferry serve --model model_dir ...extra_args` (no --model: the embedded default, or whatever
+    `extra_args` name), stopped (SIGTERM) on exit; `env` adds to the environment it runs in."""
     with tempfile.TemporaryDirectory(prefix="ferry-serve-") as tmp:
         log_path = Path(tmp) / "server.log"
         port = free_port()
@@ -104,7 +106,7 @@ def server_process(model_dir: Path | None, *extra_args: str) -> Iterator[ServerP
                 stderr=subprocess.STDOUT,
                 # One torch thread: on a shared 2-core machine, two spinning OpenMP threads make a tiny model's
                 # step ~30x slower than one.
-                env={"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"},
+                env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
             )  # fmt: skip
         server = ServerProcess(process, log_path, port)
         try:

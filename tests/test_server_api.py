@@ -92,6 +92,13 @@ def test_probes_models_version_and_openapi(server: ServerProcess, http: httpx.Cl
     assert "HTTPValidationError" not in schema["components"]["schemas"], "no route advertises FastAPI's 422 shape"
 
 
+def test_tokenize_and_detokenize_need_the_key(server: ServerProcess, http: httpx.Client) -> None:
+    bare = httpx.Client(base_url=server.base_url)
+    for path, body in (("/tokenize", {"prompt": "Ferry"}), ("/detokenize", {"tokens": [5]})):
+        assert bare.post(path, json=body).status_code == 401
+        assert http.post(path, json=body).status_code == 200
+
+
 def test_openai_sdk_sync_chat_and_completions(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
     chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0)

@@ -143,3 +143,66 @@ def test_completion_prompt_forms() -> None:
     for prompt in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
         assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompt == prompt
     assert api_error(CompletionRequest, {"model": "m", "prompt": [1, "a"]}).info.param == "prompt"
+
+
+# A value each field of REFUSED_VALUES refuses, and where in a request it goes: what the OpenAPI document says is
+# refused must be refused, and everything refused must be in the document.
+REFUSED_EXAMPLES: dict[tuple[str, str], Any] = {
+    ("ChatCompletionRequest", "logit_bias"): {"1": 5},
+    ("ChatCompletionRequest", "tools"): [{"type": "function", "function": {"name": "f"}}],
+    ("ChatCompletionRequest", "tool_choice"): "auto",
+    ("ChatCompletionRequest", "functions"): [{"name": "f"}],
+    ("ChatCompletionRequest", "function_call"): "auto",
+    ("ChatCompletionRequest", "response_format"): {"type": "json_object"},
+    ("ChatCompletionRequest", "audio"): {"voice": "alloy", "format": "wav"},
+    ("ChatCompletionRequest", "modalities"): ["text", "audio"],
+    ("ChatCompletionRequest", "prediction"): {"type": "content", "content": "x"},
+    ("ChatCompletionRequest", "reasoning_effort"): "low",
+    ("ChatCompletionRequest", "verbosity"): "low",
+    ("ChatCompletionRequest", "web_search_options"): {},
+    ("ChatMessage", "role"): "tool",
+    ("ChatMessage", "tool_calls"): [{"id": "t"}],
+    ("ChatMessage", "function_call"): {"name": "f", "arguments": "{}"},
+    ("ChatMessage", "audio"): {"id": "a"},
+    ("ContentPart", "type"): "image_url",
+    ("ContentPart", "text"): None,
+    ("StreamOptions", "include_obfuscation"): True,
+    ("CompletionRequest", "logit_bias"): {"1": 5},
+    ("CompletionRequest", "echo"): True,
+    ("CompletionRequest", "suffix"): "x",
+    ("CompletionRequest", "best_of"): 3,
+}
+
+
+def _request_with(schema: str, field: str, value: Any) -> tuple[type, dict[str, Any]]:
+    message: dict[str, Any] = {"role": "user", "content": "hi"}
+    if schema == "CompletionRequest":
+        return CompletionRequest, {"model": "m", "prompt": "x", field: value}
+    if schema == "ChatMessage":
+        message[field] = value
+    elif schema == "ContentPart":
+        message["content"] = [{"type": "text", "text": "hi", field: value}]
+    body: dict[str, Any] = {"model": "m", "messages": [message]}
+    if schema == "StreamOptions":
+        body.update(stream=True, stream_options={field: value})
+    elif schema == "ChatCompletionRequest":
+        body[field] = value
+    return ChatCompletionRequest, body
+
+
+def test_what_the_openapi_document_calls_refused_is_refused() -> None:
+    from server.openapi import REFUSED_VALUES
+
+    assert {(schema, field) for schema, fields in REFUSED_VALUES.items() for field in fields} == set(REFUSED_EXAMPLES)
+    for (schema, field), value in REFUSED_EXAMPLES.items():
+        model, body = _request_with(schema, field, value)
+        request = model.model_validate(body)
+        with pytest.raises(APIError) as info:
+            request.check_supported()
+            if isinstance(request, ChatCompletionRequest):
+                request.template_messages()
+        assert info.value.status_code == 400, (schema, field)
+        # The field itself; or the part's type for a content part without text; or, for a message's legacy
+        # function_call, the tool_calls it stands for.
+        named = info.value.info.param
+        assert named is not None and named.split(".")[-1].split("[")[0] in (field, "type", "tool_calls"), named

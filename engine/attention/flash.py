@@ -20,6 +20,8 @@ import torch
 from engine.attention.base import AttentionBackend, StepMetadata, write_kv
 
 PAGE_MULTIPLE = 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""What flash-attn computes in."""
 
 
 def flash_available() -> bool:

@@ -140,16 +140,45 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # cos/sin for every position, computed by the transformers rotary module itself (all rope scaling types).
-        rotary = LlamaRotaryEmbedding(config)
-        positions = torch.arange(max_positions)[None, :]
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-        self.register_buffer("cos_cache", cos[0], persistent=False)
-        self.register_buffer("sin_cache", sin[0], persistent=False)
+        self.max_positions = max_positions
+        cos, sin = self._rotary_tables(torch.get_default_dtype())
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = self.model.layers[0].self_attn.head_dim
         self.sliding_windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+
+    def _rotary_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for every position, computed in float32 by the transformers rotary module itself (all rope
+        scaling types), then stored in `dtype`."""
+        rotary = LlamaRotaryEmbedding(self.config)
+        positions = torch.arange(self.max_positions)[None, :]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+        return cos[0].to(dtype), sin[0].to(dtype)
+
+    @classmethod
+    def empty(
+        cls,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> LlamaFamilyForCausalLM:
+        """The model with uninitialised parameters of `dtype` on `device`, for weights to be loaded into.
+
+        Built on the meta device first: nothing is initialised only to be overwritten, and no float32 copy of the
+        parameters ever exists. The rotary tables, which are computed rather than loaded, are filled in.
+        """
+        with torch.device("meta"):
+            model = cls(config, backend, max_positions)
+        model = model.to(dtype).to_empty(device=device)
+        if model.tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        with torch.device(device):
+            model.cos_cache, model.sin_cache = model._rotary_tables(dtype)
+        return model
 
     def forward(
         self,

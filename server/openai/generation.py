@@ -43,17 +43,33 @@ class ServingContext:
     tokenizer: Tokenizer
     metrics: ServerMetrics
     lifecycle: Lifecycle
-    model_name: str
-    """The name clients must send as `model`."""
+    model_names: tuple[str, ...]
+    """The names clients may send as `model`."""
     max_model_len: int
     request_timeout: float | None
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report (the first served name, as vLLM does)."""
+        return self.model_names[0]
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
 
     def check_request(self, body: SamplingRequest) -> None:
         """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
         self.lifecycle.check_accepting()
-        if body.model != self.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist.", param="model", code="model_not_found")
+        self.check_model(body.model)
         body.check_supported()
+        vocab_size = self.tokenizer.vocab_size
+        stop_ids = body.stop_token_ids or []
+        bad = next((i for i, token in enumerate(stop_ids) if token >= vocab_size), None)
+        if bad is not None:
+            # It could never be generated, so it would never stop anything: refused rather than silently inert.
+            raise invalid_request(
+                f"Token id {stop_ids[bad]} is outside the vocabulary [0, {vocab_size}).", f"stop_token_ids[{bad}]"
+            )
 
 
 class Generation:
