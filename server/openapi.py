@@ -19,7 +19,6 @@ _NULL = {"type": "null"}
 
 REFUSED_VALUES: dict[str, dict[str, dict[str, Any]]] = {
     "ChatCompletionRequest": {
-        "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]},
         "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
         "tool_choice": {"enum": ["none", None]},
         "functions": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
@@ -46,8 +45,6 @@ REFUSED_VALUES: dict[str, dict[str, dict[str, Any]]] = {
     "ContentPart": {"type": {"const": "text"}, "text": {"type": "string"}},
     "StreamOptions": {"include_obfuscation": {"enum": [False, None]}},
     "CompletionRequest": {
-        "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]},
-        "echo": {"enum": [False, None]},
         "suffix": {"anyOf": [{"type": "string", "maxLength": 0}, _NULL]},
         "best_of": {"enum": [1, None]},
     },

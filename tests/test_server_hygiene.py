@@ -225,7 +225,10 @@ def test_the_openapi_document_states_exact_bounds_and_refusals(http: httpx.Clien
     assert chat["model"]["enum"] == list(NAMES)
     assert {"type": "array", "maxItems": 0} in chat["tools"]["anyOf"]
     assert chat["reasoning_effort"]["type"] == "null"
-    assert schemas["CompletionRequest"]["properties"]["echo"]["enum"] == [False, None]
+    completion = schemas["CompletionRequest"]["properties"]
+    assert {"type": "string", "maxLength": 0} in completion["suffix"]["anyOf"]
+    assert (completion["priority"]["minimum"], completion["priority"]["maximum"]) == (-(2**31), 2**31 - 1)
+    assert completion["echo"]["anyOf"][0]["type"] == "boolean", "echo is honoured, so any boolean is accepted"
     metrics = document["paths"]["/metrics"]["get"]["responses"]["200"]
     assert list(metrics["content"]) == ["text/plain"]
     assert http.get("/metrics").headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
