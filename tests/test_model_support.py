@@ -35,6 +35,8 @@ def _refusal(path: Path, **config) -> UnsupportedModelError:
         ("gpt_oss", {}, "attention sinks (s_aux)"),
         ("gpt_neo", {}, "attention classes from a table of the model's own with no paged entry"),
         ("mpt", {}, "code that does not run on paged attention"),
+        ("jamba", {}, "layers whose attention is not one call each of the attention interface ([1])"),
+        ("deepseek_v3", {}, "value heads of 8 dimensions beside key heads of 16"),
     ],
 )
 def test_features_the_engine_lacks_are_refused_at_load(
@@ -47,7 +49,12 @@ def test_features_the_engine_lacks_are_refused_at_load(
 
 
 @pytest.mark.parametrize(
-    ("model_type", "feature"), [("bart", "an encoder-decoder architecture"), ("t5", "no causal language-model class")]
+    ("model_type", "feature"),
+    [
+        ("bart", "an encoder-decoder architecture"),
+        ("t5", "no causal language-model class"),
+        ("gemma3", "a composite (multimodal) config with text_config, vision_config"),
+    ],
 )
 def test_config_refusals_come_before_any_weights(tmp_path: Path, model_type: str, feature: str) -> None:
     AutoConfig.for_model(model_type).save_pretrained(tmp_path)  # a config alone: nothing else is read
