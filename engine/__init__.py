@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestRejected": "engine.request",
     "SamplingParams": "engine.request",
     "StepOutput": "engine.request",
+    "UnsupportedModelError": "engine.models.support",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -75,7 +75,8 @@ class EngineConfig:
     on CUDA, reads the pages in place); `auto` takes flash on CUDA when flash-attn is installed and the page
     size suits it, torch otherwise."""
     model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
-    """`auto` uses the native Llama-family modules where they exist and the transformers adapter otherwise."""
+    """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
+    otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""
     cpu_threads: int | None = field(default=1, metadata=_SCHEDULING)
     """CPU: torch threads in the engine process (None, from Python, leaves torch's setting alone). One by default,
     and more helps only on cores nothing else uses: a step is many small ops, and OpenMP barriers across threads

@@ -74,7 +74,8 @@ ARCHITECTURES: dict[str, dict] = {
     ),
     "stablelm": dict(model_type="stablelm", num_key_value_heads=2, partial_rotary_factor=0.5, qk_layernorm=True),
     # Refused at load (tests/test_model_support.py): attention sinks, an attention-class table without a paged
-    # entry, and a model whose own code needs the masks paged attention does not build.
+    # entry, a model whose own code needs the masks paged attention does not build, Mamba layers beside attention
+    # ones, and multi-head latent attention (value heads narrower than key heads).
     "gpt_oss": dict(
         model_type="gpt_oss",
         num_key_value_heads=2,
@@ -85,6 +86,32 @@ ARCHITECTURES: dict[str, dict] = {
     ),
     "gpt_neo": dict(model_type="gpt_neo", num_heads=4, num_layers=2, attention_types=[[["global", "local"], 1]]),
     "mpt": dict(model_type="mpt", n_heads=4, n_layers=2, d_model=64),
+    "jamba": dict(
+        model_type="jamba",
+        num_key_value_heads=2,
+        num_experts=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
 }
 
 

@@ -13,11 +13,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine import EngineConfig, EngineCore, SamplingParams, UnsupportedModelError, generate_batch
 from engine.attention import TorchPagedBackend
 from engine.loader import load_model
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
-from engine.models.support import UnsupportedModelError
 from tests.model_factory import ARCHITECTURES, build_model_dir
 
 
@@ -35,6 +34,8 @@ def _refusal(path: Path, **config) -> UnsupportedModelError:
         ("gpt_oss", {}, "attention sinks (s_aux)"),
         ("gpt_neo", {}, "attention classes from a table of the model's own with no paged entry"),
         ("mpt", {}, "code that does not run on paged attention"),
+        ("jamba", {}, "layers whose attention is not one call each of the attention interface ([1])"),
+        ("deepseek_v3", {}, "value heads of 8 dimensions beside key heads of 16"),
     ],
 )
 def test_features_the_engine_lacks_are_refused_at_load(
@@ -47,7 +48,12 @@ def test_features_the_engine_lacks_are_refused_at_load(
 
 
 @pytest.mark.parametrize(
-    ("model_type", "feature"), [("bart", "an encoder-decoder architecture"), ("t5", "no causal language-model class")]
+    ("model_type", "feature"),
+    [
+        ("bart", "an encoder-decoder architecture"),
+        ("t5", "no causal language-model class"),
+        ("gemma3", "a composite (multimodal) config with text_config, vision_config"),
+    ],
 )
 def test_config_refusals_come_before_any_weights(tmp_path: Path, model_type: str, feature: str) -> None:
     AutoConfig.for_model(model_type).save_pretrained(tmp_path)  # a config alone: nothing else is read
@@ -65,7 +71,7 @@ def test_a_feature_the_native_modules_lack_sends_auto_to_the_adapter(tmp_path: P
     path = build_model_dir(tmp_path, "llama", hidden_act="gelu")
     assert _refusal(path, model_impl="native").feature.startswith("hidden_act='gelu'")
     engine = EngineCore(EngineConfig(model=str(path), num_blocks=64, debug_checks=True))
-    assert not engine.runner.model.__class__.__name__.startswith("Llama")
+    assert isinstance(engine.runner.model, TransformersCausalLM)
     prompts = [[10, 20, 30, 40, 50], [60, 70, 80]]
     results = generate_batch(prompts, params=SamplingParams(max_new_tokens=8), engine=engine)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

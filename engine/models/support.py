@@ -45,7 +45,14 @@ def _activation(config: PretrainedConfig) -> str | None:
     return None if act == "silu" else f"hidden_act={act!r} on the native path (its MLP is SiLU-gated)"
 
 
+def _composite(config: PretrainedConfig) -> str | None:
+    # A text model inside a multimodal one (sub-configs that only group options, like MPT's, do not count).
+    parts = sorted(getattr(config, "sub_configs", None) or {})
+    return f"a composite (multimodal) config with {', '.join(parts)}" if "text_config" in parts else None
+
+
 _REFUSED: tuple[_Check, ...] = (
+    _composite,
     _flag("is_encoder_decoder", "an encoder-decoder architecture"),
     _flag("add_cross_attention", "cross-attention"),
     _flag("use_bidirectional_attention", "bidirectional attention"),
