@@ -30,7 +30,7 @@ from server.metrics import ServerMetrics, rejection_reason
 from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
-from server.openai.errors import APIError, ErrorResponse, invalid_request, service_unavailable
+from server.openai.errors import APIError, ErrorResponse, internal_error, invalid_request, service_unavailable
 from server.openai.generation import ServingContext
 from server.openai.schemas import (
     ChatCompletionRequest,
@@ -100,6 +100,7 @@ class ServerState:
             model_name=self.model_name,
             max_model_len=info.max_model_len,
             request_timeout=self.settings.request_timeout or None,
+            sse_ping=self.settings.sse_ping_interval,
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -225,7 +226,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         logger.error("Unhandled error on %s", request.url.path, exc_info=exc)
-        return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
+        return internal_error().response()
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

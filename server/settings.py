@@ -30,6 +30,9 @@ class ServerSettings:
     """Name clients send as `model`; by default the model directory's name."""
     request_timeout: float = field(default=600.0, metadata=_SERVER)
     """Seconds a request may take from arrival to its last byte before it is aborted (504); 0 disables."""
+    sse_ping_interval: float = field(default=15.0, metadata=_SERVER)
+    """Seconds between keep-alive comments (`: ping`) on an open event stream, so that proxies keep a connection
+    open while its request waits in the queue or in a long prefill; 0 sends none."""
     max_request_bytes: int = field(default=8 * 1024 * 1024, metadata=_SERVER)
     """Largest request body accepted (413 beyond)."""
     drain_timeout: float = field(default=30.0, metadata=_SERVER)
@@ -42,5 +45,7 @@ class ServerSettings:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.sse_ping_interval < 0:
+            raise ValueError(f"sse_ping_interval must be >= 0, got {self.sse_ping_interval}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")

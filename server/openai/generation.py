@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from server.client import EngineAddFailed, EngineClient, EngineDeadError, Reques
 from server.lifecycle import Lifecycle
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
-from server.openai.errors import APIError, engine_failure, invalid_request
+from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
 from server.openai.schemas import PromptTokensDetails, SamplingRequest, Usage
 from server.sse import SSE_DONE, SSEResponse, sse_data
 from server.tokens import Tokenizer
@@ -47,6 +47,8 @@ class ServingContext:
     """The name clients must send as `model`."""
     max_model_len: int
     request_timeout: float | None
+    sse_ping: float
+    """Seconds between keep-alive pings on an open stream; 0 sends none."""
 
     def check_request(self, body: SamplingRequest) -> None:
         """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
@@ -180,30 +182,42 @@ class Generation:
     ) -> SSEResponse:
         """Send each list of chunk choices as one `chunk_type` event, then the usage chunk if asked for, then
         [DONE]; an error after the first byte becomes `data: {"error": ...}` before the [DONE]."""
-        return SSEResponse(self._events(chunk_type, chunk_choices), on_close=self.close)
-
-    async def _events(
-        self, chunk_type: type[BaseModel], chunk_choices: AsyncIterator[Sequence[BaseModel]]
-    ) -> AsyncIterator[bytes]:
         exclude = None if self.include_usage else {"usage"}
 
         def event(choices: Sequence[BaseModel], usage: Usage | None = None) -> bytes:
             return sse_data(self._envelope(chunk_type, choices, usage).model_dump_json(exclude=exclude))
 
-        try:
+        async def events() -> AsyncIterator[bytes]:
             async for choices in chunk_choices:
                 yield event(choices)
             if self.include_usage:
                 yield event([], self.usage())
+            yield SSE_DONE
+
+        return self.event_stream(events(), lambda error: [sse_data(error.json()), SSE_DONE])
+
+    def event_stream(
+        self, events: AsyncIterator[bytes], error_events: Callable[[APIError], Iterable[bytes]]
+    ) -> SSEResponse:
+        """Stream SSE frames; a failure after the first byte ends the stream with `error_events(error)`."""
+        return SSEResponse(self._guarded(events, error_events), on_close=self.close, ping_interval=self.ctx.sse_ping)
+
+    async def _guarded(
+        self, events: AsyncIterator[bytes], error_events: Callable[[APIError], Iterable[bytes]]
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for frame in events:
+                yield frame
         except APIError as exc:
             reason = rejection_reason(exc.status_code)
             if reason is not None:
                 self.ctx.metrics.count_rejection(reason)
-            yield sse_data(exc.json())
+            for frame in error_events(exc):
+                yield frame
         except Exception:
             logger.exception("Stream failed")
-            yield sse_data(APIError(500, "Internal server error.", type="server_error", code="internal_error").json())
-        yield SSE_DONE
+            for frame in error_events(internal_error()):
+                yield frame
 
     def close(self) -> None:
         """Abort what still runs and release everything; idempotent, called however the response ended."""
