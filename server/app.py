@@ -40,6 +40,7 @@ from server.openai.schemas import (
     ModelCard,
     ModelList,
 )
+from server.reasoning import ReasoningParser
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
 from server.ui import mount_ui
@@ -85,6 +86,7 @@ class ServerState:
         try:
             self.client.start()
             tokenizer = await asyncio.to_thread(Tokenizer.load, self.engine_config.model)
+            reasoning = ReasoningParser.for_model(self.settings.reasoning_parser, tokenizer)
             info = await self.client.wait_ready()
         except EngineDeadError:
             return  # the client has already reported the death to the lifecycle
@@ -101,6 +103,7 @@ class ServerState:
             max_model_len=info.max_model_len,
             request_timeout=self.settings.request_timeout or None,
             sse_ping=self.settings.sse_ping_interval,
+            reasoning=reasoning,
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -109,7 +112,12 @@ class ServerState:
         gc.collect()
         gc.freeze()
         self.lifecycle.set_ready()
-        logger.info("Serving %s (max_model_len=%d)", self.model_name, info.max_model_len)
+        logger.info(
+            "Serving %s (max_model_len=%d, reasoning parser: %s)",
+            self.model_name,
+            info.max_model_len,
+            reasoning.name if reasoning else "none",
+        )
         if self.settings.ui:
             logger.info("Playground and engine view: http://%s:%d/", self.settings.host, self.settings.port)
 

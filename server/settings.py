@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from server.reasoning import ReasoningParserName
+
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 _MODEL = {"group": "model"}
@@ -28,6 +30,10 @@ class ServerSettings:
     """Serve the built-in chat playground and engine view at / (with --no-ui, / and /ui/* answer 404)."""
     served_model_name: str | None = field(default=None, metadata=_MODEL)
     """Name clients send as `model`; by default the model directory's name."""
+    reasoning_parser: ReasoningParserName = field(default="auto", metadata=_MODEL)
+    """How chat answers are split from the model's `<think>…</think>` reasoning (`reasoning_content`): `qwen3`
+    (reasoning only where the output, or the prompt, opens it), `deepseek_r1` (the output starts in reasoning),
+    `none`; `auto` picks qwen3 for a chat template that knows `</think>`, none otherwise."""
     request_timeout: float = field(default=600.0, metadata=_SERVER)
     """Seconds a request may take from arrival to its last byte before it is aborted (504); 0 disables."""
     sse_ping_interval: float = field(default=15.0, metadata=_SERVER)

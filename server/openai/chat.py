@@ -1,7 +1,8 @@
 """/v1/chat/completions: messages -> prompt (the model's chat template) -> generation -> the response or its chunks.
 
 A stream opens each choice with a role chunk, sends its text (and logprobs) as content deltas, and closes it
-with an empty delta carrying the finish reason, as OpenAI does.
+with an empty delta carrying the finish reason, as OpenAI does. With a reasoning parser, the model's reasoning
+goes to `reasoning_content` (whole, or as deltas of it), never into `content`.
 """
 
 from __future__ import annotations
@@ -34,19 +35,23 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
     ctx.check_request(body)
     messages = body.template_messages()
     try:
-        prompt = ctx.tokenizer.apply_chat_template(messages)
+        prompt_text = ctx.tokenizer.render_chat_template(
+            messages, body.template_kwargs(ctx.tokenizer.chat_template_options)
+        )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from exc
+    reasoning = ctx.reasoning
     generation = await start_generation(
         ctx,
         f"chatcmpl-{uuid.uuid4().hex}",
-        [prompt],
+        [ctx.tokenizer.encode_rendered(prompt_text)],
         body,
         body.requested_max_tokens,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
         param="messages",
         arrival=arrival,
+        reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))
@@ -58,7 +63,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
 def _final_choice(choice: ChoiceState, body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatChoice:
     return ChatChoice(
         index=choice.index,
-        message=ChatResponseMessage(content=choice.full_text),
+        message=ChatResponseMessage(content=choice.full_text, reasoning_content=choice.full_reasoning or None),
         logprobs=chat_logprobs(tokenizer, choice.logprobs) if body.logprobs else None,
         finish_reason=choice.finish_reason,  # type: ignore[arg-type]
     )
@@ -70,8 +75,11 @@ async def _chunk_choices(
     for choice in generation.choices:
         yield [ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))]
     async for index, update in generation.updates():
-        if update.text or update.logprobs:
+        if update.text or update.reasoning or update.logprobs:
             logprobs = chat_logprobs(tokenizer, update.logprobs) if body.logprobs else None
-            yield [ChatChunkChoice(index=index, delta=ChatDelta(content=update.text), logprobs=logprobs)]
+            # Reasoning alone leaves `content` out of the delta; otherwise it is there, if only "".
+            content = update.text if update.text or not update.reasoning else None
+            delta = ChatDelta(content=content, reasoning_content=update.reasoning or None)
+            yield [ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)]
         if update.finish_reason is not None:
             yield [ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=update.finish_reason)]

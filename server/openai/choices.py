@@ -1,4 +1,5 @@
-"""One choice of a response: engine deltas in, text deltas out, with stop strings cut and counted tokens."""
+"""One choice of a response: engine deltas in, text deltas out, with stop strings cut, reasoning split from the
+answer (with a reasoning parser) and counted tokens."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ from dataclasses import dataclass, field
 
 from engine.request import FinishReason, StepOutput, TokenLogprob
 from server.openai.errors import engine_failure
+from server.reasoning import ReasoningSplitter
 from server.tokens import StopStringMatcher, Tokenizer
 
 
 @dataclass(slots=True)
 class ChoiceUpdate:
     text: str
+    """The answer's new text (all of the new text without a reasoning parser)."""
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    reasoning: str = ""
 
 
 @dataclass
@@ -27,7 +31,12 @@ class ChoiceState:
     stop: Sequence[str]
     keep_logprobs: bool = False
     """Accumulate logprobs for a non-streaming response (a stream sends them with each delta instead)."""
+    reasoning_splitter: ReasoningSplitter | None = None
+    """Splits the text after stop strings into reasoning and answer; None leaves it all answer."""
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    num_reasoning_tokens: int = 0
+    """Output tokens up to and including the one that closed the reasoning (all of them while it is open)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
     num_cached_tokens: int = 0
@@ -60,9 +69,31 @@ class ChoiceState:
         elif output.finish_reason is not None:
             emitted += self._stop.flush()
             self.finish_reason = output.finish_reason.value
+        reasoning = ""
+        if self.reasoning_splitter is not None:
+            emitted, reasoning = self._split(emitted, len(output.new_token_ids))
         self.text.append(emitted)
-        return ChoiceUpdate(emitted, new_logprobs, self.finish_reason)
+        self.reasoning.append(reasoning)
+        return ChoiceUpdate(emitted, new_logprobs, self.finish_reason, reasoning)
+
+    def _split(self, text: str, num_new_tokens: int) -> tuple[str, str]:
+        """(answer, reasoning) of the new text."""
+        splitter = self.reasoning_splitter
+        assert splitter is not None
+        was_reasoning = splitter.in_reasoning
+        delta = splitter.feed(text)
+        answer, reasoning = delta.content, delta.reasoning
+        if self.finished:
+            rest = splitter.flush()
+            answer, reasoning = answer + rest.content, reasoning + rest.reasoning
+        if was_reasoning or splitter.in_reasoning:
+            self.num_reasoning_tokens += num_new_tokens
+        return answer, reasoning
 
     @property
     def full_text(self) -> str:
         return "".join(self.text)
+
+    @property
+    def full_reasoning(self) -> str:
+        return "".join(self.reasoning)

@@ -28,6 +28,7 @@ from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
 from server.openai.schemas import PromptTokensDetails, SamplingRequest, Usage
+from server.reasoning import ReasoningParser, ReasoningSplitter
 from server.sse import SSE_DONE, SSEResponse, sse_data
 from server.tokens import Tokenizer
 
@@ -49,13 +50,15 @@ class ServingContext:
     request_timeout: float | None
     sse_ping: float
     """Seconds between keep-alive pings on an open stream; 0 sends none."""
+    reasoning: ReasoningParser | None
+    """Splits chat answers from the model's reasoning; None for a model without (or told to use none)."""
 
     def check_request(self, body: SamplingRequest) -> None:
         """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
         self.lifecycle.check_accepting()
         if body.model != self.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist.", param="model", code="model_not_found")
-        body.check_supported()
+        body.check_supported(self.tokenizer.chat_template_options)
 
 
 class Generation:
@@ -241,11 +244,12 @@ async def start_generation(
     top_logprobs: int,
     param: str,
     arrival: float,
+    reasoning_splitter: Callable[[], ReasoningSplitter] | None = None,
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
     `param` names the request field the prompts came from, for length errors; `max_tokens` None means up to
-    the context length.
+    the context length; `reasoning_splitter` makes each choice's splitter (None: no reasoning split).
     """
     n = body.num_choices
     requests: list[EngineRequest] = []
@@ -264,6 +268,7 @@ async def start_generation(
                     prompt_ids=prompt,
                     stop=body.stop_strings,
                     keep_logprobs=logprobs and not body.stream,
+                    reasoning_splitter=reasoning_splitter() if reasoning_splitter is not None else None,
                 )
             )
     try:

@@ -7,12 +7,14 @@ names them; fields with no effect on generation (`user`, `metadata`, `store`, ..
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from engine.request import SamplingParams
 from server.openai.errors import invalid_request, unsupported_parameter
+from server.openai.template import ReasoningEffort, template_kwargs
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FinishReasonName = Literal["stop", "length"]
@@ -64,8 +66,9 @@ class SamplingRequest(_RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def check_supported(self) -> None:
-        """Raise a 400 naming the first field whose meaning the server cannot honour."""
+    def check_supported(self, template_options: Collection[str] = ()) -> None:
+        """Raise a 400 naming the first field whose meaning the server cannot honour; `template_options` are the
+        variables the model's chat template reads that a request may set (Tokenizer.chat_template_options)."""
         if self.logit_bias:
             raise unsupported_parameter("logit_bias")
         if self.stream_options is not None:
@@ -144,16 +147,25 @@ class ChatCompletionRequest(SamplingRequest):
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="Passed to the chat template as `reasoning_effort`; refused unless the template reads it."
+    )
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    # Extras, as in vLLM.
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='Variables for the model\'s chat template (e.g. `{"enable_thinking": false}`); a name the '
+        "template does not read is refused.",
+    )
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, template_options: Collection[str] = ()) -> None:
+        super().check_supported(template_options)
+        self.template_kwargs(template_options)
         unsupported = {
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none"),
@@ -162,7 +174,6 @@ class ChatCompletionRequest(SamplingRequest):
             "audio": self.audio is not None,
             "modalities": self.modalities not in (None, ["text"]),
             "prediction": self.prediction is not None,
-            "reasoning_effort": self.reasoning_effort is not None,
             "verbosity": self.verbosity is not None,
             "web_search_options": self.web_search_options is not None,
         }
@@ -173,6 +184,15 @@ class ChatCompletionRequest(SamplingRequest):
             raise unsupported_parameter("response_format", "only {'type': 'text'} is available.")
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+
+    def template_kwargs(self, template_options: Collection[str]) -> dict[str, Any]:
+        """What the chat template gets beyond the messages (a 400 for what it would not read)."""
+        return template_kwargs(
+            self.chat_template_kwargs,
+            self.reasoning_effort,
+            effort_param="reasoning_effort",
+            template_options=template_options,
+        )
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template expects it: role and plain-text content."""
@@ -239,6 +259,9 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    reasoning_content: str | None = Field(
+        None, description="The model's reasoning (with --reasoning-parser), kept out of `content`; as in vLLM."
+    )
 
 
 class ChatChoice(BaseModel):
@@ -260,6 +283,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:
@@ -295,8 +319,8 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, template_options: Collection[str] = ()) -> None:
+        super().check_supported(template_options)
         if self.echo:
             raise unsupported_parameter("echo")
         if self.suffix:
