@@ -40,6 +40,7 @@ from server.openai.schemas import (
     ModelCard,
     ModelList,
 )
+from server.openai.tool_parsers import detect_tool_call_parser
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
 from server.ui import mount_ui
@@ -100,6 +101,7 @@ class ServerState:
             model_name=self.model_name,
             max_model_len=info.max_model_len,
             request_timeout=self.settings.request_timeout or None,
+            tool_call_parser=resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer),
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -108,7 +110,12 @@ class ServerState:
         gc.collect()
         gc.freeze()
         self.lifecycle.set_ready()
-        logger.info("Serving %s (max_model_len=%d)", self.model_name, info.max_model_len)
+        logger.info(
+            "Serving %s (max_model_len=%d, tool-call parser: %s)",
+            self.model_name,
+            info.max_model_len,
+            self.serving.tool_call_parser or "none",
+        )
         if self.settings.ui:
             logger.info("Playground and engine view: http://%s:%d/", self.settings.host, self.settings.port)
 
@@ -123,6 +130,13 @@ class ServerState:
         if self.lifecycle.phase is Phase.DEAD:
             return False
         return self.lifecycle.phase is Phase.LOADING or self.client.healthy
+
+
+def resolve_tool_call_parser(setting: str, tokenizer: Tokenizer) -> str | None:
+    """`--tool-call-parser`: a parser's name as given, `auto` the one the chat template shows, `none` None."""
+    if setting == "auto":
+        return detect_tool_call_parser(tokenizer.chat_template)
+    return None if setting == "none" else setting
 
 
 def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:

@@ -1,4 +1,5 @@
-"""One choice of a response: engine deltas in, text deltas out, with stop strings cut and counted tokens."""
+"""One choice of a response: engine deltas in, text and tool-call deltas out, with stop strings cut and counted
+tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.request import FinishReason, StepOutput, TokenLogprob
 from server.openai.errors import engine_failure
+from server.openai.tool_parsers.base import ParsedCall, ToolCallDelta, ToolCallReader
 from server.tokens import StopStringMatcher, Tokenizer
 
 
@@ -15,6 +17,7 @@ class ChoiceUpdate:
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -27,14 +30,18 @@ class ChoiceState:
     stop: Sequence[str]
     keep_logprobs: bool = False
     """Accumulate logprobs for a non-streaming response (a stream sends them with each delta instead)."""
+    tool_reader: ToolCallReader | None = None
+    """Splits the text (after stop strings) into content and tool calls; None: it is all content."""
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ParsedCall] = field(default_factory=list)
     num_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
-        self._detokenizer = self.tokenizer.detokenizer(self.prompt_ids)
+        markers = self.tool_reader.marker_tokens if self.tool_reader is not None else ()
+        self._detokenizer = self.tokenizer.detokenizer(self.prompt_ids, keep_tokens=markers)
         self._stop = StopStringMatcher(self.stop)
 
     @property
@@ -55,13 +62,31 @@ class ChoiceState:
         if output.finished:
             text += self._detokenizer.flush()
         emitted, stopped = self._stop.feed(text)
+        finish_reason = None
         if stopped:
-            self.finish_reason = "stop"
+            finish_reason = "stop"
         elif output.finish_reason is not None:
             emitted += self._stop.flush()
-            self.finish_reason = output.finish_reason.value
+            finish_reason = output.finish_reason.value
+        calls: list[ToolCallDelta] = []
+        if self.tool_reader is not None:
+            read = self.tool_reader.feed(emitted)
+            if finish_reason is not None:
+                read.extend(self.tool_reader.finish())
+            emitted, calls = read.content, read.calls
+            self._collect(calls)
+        if finish_reason == "stop" and self.tool_calls:
+            finish_reason = "tool_calls"
+        self.finish_reason = finish_reason
         self.text.append(emitted)
-        return ChoiceUpdate(emitted, new_logprobs, self.finish_reason)
+        return ChoiceUpdate(emitted, new_logprobs, finish_reason, calls)
+
+    def _collect(self, deltas: list[ToolCallDelta]) -> None:
+        for delta in deltas:
+            if delta.id is not None:
+                self.tool_calls.append(ParsedCall(delta.id, delta.name or "", delta.arguments))
+            else:
+                self.tool_calls[delta.index].arguments += delta.arguments
 
     @property
     def full_text(self) -> str:

@@ -28,6 +28,8 @@ from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, invalid_request
 from server.openai.schemas import PromptTokensDetails, SamplingRequest, Usage
+from server.openai.structured import Constraint
+from server.openai.tool_parsers.base import ToolCallReader
 from server.sse import SSE_DONE, SSEResponse, sse_data
 from server.tokens import Tokenizer
 
@@ -47,6 +49,8 @@ class ServingContext:
     """The name clients must send as `model`."""
     max_model_len: int
     request_timeout: float | None
+    tool_call_parser: str | None = None
+    """The parser that reads `tool_choice: auto` answers (server/openai/tool_parsers); None: no format known."""
 
     def check_request(self, body: SamplingRequest) -> None:
         """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
@@ -227,12 +231,16 @@ async def start_generation(
     top_logprobs: int,
     param: str,
     arrival: float,
+    constraint: Constraint | None = None,
+    tool_reader: Callable[[], ToolCallReader] | None = None,
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
     `param` names the request field the prompts came from, for length errors; `max_tokens` None means up to
-    the context length.
+    the context length. `constraint` is enforced on every choice; `tool_reader` makes each choice's reader of
+    tool calls.
     """
+    structured_output = None if constraint is None else constraint.output
     n = body.num_choices
     requests: list[EngineRequest] = []
     choices: list[ChoiceState] = []
@@ -240,7 +248,11 @@ async def start_generation(
         max_new_tokens = _max_new_tokens(ctx.max_model_len, prompt, max_tokens, param)
         for i in range(n):
             params = body.sampling_params(
-                max_new_tokens=max_new_tokens, choice_index=i, logprobs=logprobs, top_logprobs=top_logprobs
+                max_new_tokens=max_new_tokens,
+                choice_index=i,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                structured_output=structured_output,
             )
             requests.append(EngineRequest(f"{response_id}-{p}-{i}", prompt, params))
             choices.append(
@@ -250,6 +262,7 @@ async def start_generation(
                     prompt_ids=prompt,
                     stop=body.stop_strings,
                     keep_logprobs=logprobs and not body.stream,
+                    tool_reader=None if tool_reader is None else tool_reader(),
                 )
             )
     try:
