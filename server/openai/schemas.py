@@ -369,7 +369,9 @@ class ChatCompletionRequest(SamplingRequest):
                 entry["name"] = message.name
             if message.tool_calls:
                 if message.role != "assistant":
-                    raise invalid_request(f"'{where}.tool_calls' is only allowed on assistant messages.", where)
+                    raise invalid_request(
+                        f"'{where}.tool_calls' is only allowed on assistant messages.", f"{where}.tool_calls"
+                    )
                 calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
                 entry["tool_calls"] = template_tool_calls(calls, f"{where}.tool_calls")
                 called.update((c.id, c.function.name) for c in message.tool_calls)
