@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.request import SamplingParams, StructuredOutput
 from server.openai.errors import invalid_request, unsupported_parameter
@@ -33,12 +33,9 @@ class _RequestModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _OmitNone(BaseModel):
-    """A streamed object that carries only what it has: absent fields are left out, not sent as null."""
-
-    @model_serializer(mode="wrap")
-    def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
+def _omitted_when_none(description: str | None = None) -> Any:
+    """A field left out of the JSON while None (streamed deltas carry only what they have), not sent as null."""
+    return Field(None, description=description, exclude_if=lambda value: value is None)
 
 
 def _tagged_by_type(tags: dict[str, str]) -> Discriminator:
@@ -437,7 +434,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = Field(description="The answer's text; null when it is only tool calls.")
     refusal: str | None = None
-    tool_calls: list[ToolCall] | None = Field(None, description="Present when the answer calls tools.")
+    tool_calls: list[ToolCall] | None = _omitted_when_none("Present when the answer calls tools.")
 
 
 class ChatChoice(BaseModel):
@@ -456,24 +453,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class FunctionCallChunk(_OmitNone):
-    name: str | None = Field(None, description="In a call's first chunk only.")
-    arguments: str | None = Field(None, description="The next piece of the arguments' JSON text.")
+class FunctionCallChunk(BaseModel):
+    name: str | None = _omitted_when_none("In a call's first chunk only.")
+    arguments: str = Field(description="The next piece of the arguments' JSON text ('' in the first chunk).")
 
 
-class ToolCallChunk(_OmitNone):
+class ToolCallChunk(BaseModel):
     index: int = Field(description="Which call of the choice; its pieces share it.")
-    id: str | None = Field(None, description="In a call's first chunk only, with `type` and `function.name`.")
-    type: Literal["function"] | None = None
+    id: str | None = _omitted_when_none("In a call's first chunk only, with `type` and `function.name`.")
+    type: Literal["function"] | None = _omitted_when_none()
     function: FunctionCallChunk
 
 
-class ChatDelta(_OmitNone):
+class ChatDelta(BaseModel):
     """A delta carries only what changed: `{"content": "x"}`, and `{}` in a choice's last chunk."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallChunk] | None = None
+    role: Literal["assistant"] | None = _omitted_when_none()
+    content: str | None = _omitted_when_none()
+    tool_calls: list[ToolCallChunk] | None = _omitted_when_none()
 
 
 class ChatChunkChoice(BaseModel):
