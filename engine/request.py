@@ -48,11 +48,12 @@ class StructuredOutput:
     `spec` by `kind`:
     - `json_schema`: the JSON Schema, as JSON text (an object). Generated JSON has no free whitespace.
     - `json_object`: empty; any JSON object.
-    - `regex`: a regular expression the whole output must match.
+    - `regex`: a regular expression (Rust `regex` syntax) the whole output must match.
     - `choice`: a JSON array of strings, the output is exactly one of them.
-    - `grammar`: the grammar library's own text (see engine/structured.py for the syntax).
+    - `grammar`: a grammar in llguidance's Lark dialect (`start: ...`; engine/structured.py links its syntax).
 
-    The output ends with an EOS token once the constraint is satisfied, so `ignore_eos` cannot go with it.
+    Once the constraint is satisfied only the request's EOS and stop tokens may follow, so the request ends with
+    `stop`; `ignore_eos` and `min_new_tokens` cannot go with it.
     Checked here for shape only; `engine.structured.check(structured_output, tokenizer_dir)` compiles it, so what
     the grammar library refuses is a 400 before anything streams.
     """
@@ -138,6 +139,10 @@ class SamplingParams:
             (
                 self.structured_output is None or not self.ignore_eos,
                 "ignore_eos cannot go with structured output: a satisfied constraint allows only EOS",
+            ),
+            (
+                self.structured_output is None or not self.min_new_tokens,
+                "min_new_tokens cannot go with structured output: a satisfied constraint allows only EOS",
             ),
         ]
         for ok, message in checks:
