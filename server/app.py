@@ -96,6 +96,7 @@ class ServerState:
         self.serving = ServingContext(
             client=self.client,
             tokenizer=tokenizer,
+            model_dir=self.engine_config.model,
             metrics=self.metrics,
             lifecycle=self.lifecycle,
             model_name=self.model_name,

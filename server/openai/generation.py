@@ -28,7 +28,7 @@ from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, invalid_request
 from server.openai.schemas import PromptTokensDetails, SamplingRequest, Usage
-from server.openai.structured import Constraint
+from server.openai.structured import Constraint, check_constraint
 from server.openai.tool_parsers.base import ToolCallReader
 from server.sse import SSE_DONE, SSEResponse, sse_data
 from server.tokens import Tokenizer
@@ -43,6 +43,8 @@ RETRY_AFTER_SECONDS = 1
 class ServingContext:
     client: EngineClient
     tokenizer: Tokenizer
+    model_dir: str
+    """Where the tokenizer came from: the engine's grammar compiler loads its vocabulary from there."""
     metrics: ServerMetrics
     lifecycle: Lifecycle
     model_name: str
@@ -240,7 +242,10 @@ async def start_generation(
     the context length. `constraint` is enforced on every choice; `tool_reader` makes each choice's reader of
     tool calls.
     """
-    structured_output = None if constraint is None else constraint.output
+    structured_output = None
+    if constraint is not None:
+        await check_constraint(constraint, ctx.model_dir)
+        structured_output = constraint.output
     n = body.num_choices
     requests: list[EngineRequest] = []
     choices: list[ChoiceState] = []

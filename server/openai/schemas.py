@@ -149,11 +149,11 @@ class SamplingRequest(_RequestModel):
             raise invalid_request(
                 f"'min_tokens' ({self.min_tokens}) is larger than the token limit ({max_new_tokens}).", "min_tokens"
             )
-        if structured_output is not None and self.ignore_eos:
-            raise invalid_request(
-                "'ignore_eos' cannot go with a constrained output: once the constraint is met, only EOS may follow.",
-                "ignore_eos",
-            )
+        if structured_output is not None:
+            # Once a constraint is met only EOS may follow: nothing can be generated past it, or kept from it.
+            for name, value in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)):
+                if value:
+                    raise invalid_request(f"'{name}' cannot go with a constrained output, which ends with EOS.", name)
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens or 0,

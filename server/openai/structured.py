@@ -9,12 +9,14 @@ The functions take plain values, so any endpoint (chat, completions, responses) 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
 
+from engine import structured
 from engine.request import RequestRejected, StructuredOutput, StructuredOutputKind
 from server.openai.errors import APIError, invalid_request
 
@@ -66,6 +68,17 @@ def check_json_schema(schema: dict[str, Any], param: str) -> None:
             f"'{param}' is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "") + ".",
             param,
             code="invalid_json_schema",
+        ) from exc
+
+
+async def check_constraint(constraint: Constraint, tokenizer_dir: str) -> None:
+    """Compile the constraint as the engine will (cached there), so that what its grammar library cannot enforce
+    (`uniqueItems`, a bad regex, ...) is a 400 naming the field, before anything is queued or streamed."""
+    try:
+        await asyncio.to_thread(structured.check, constraint.output, tokenizer_dir)
+    except RequestRejected as exc:
+        raise invalid_request(
+            f"'{constraint.param}' cannot be enforced: {exc}.", constraint.param, code="invalid_structured_output"
         ) from exc
 
 
