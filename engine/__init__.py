@@ -20,6 +20,7 @@ _EXPORTS = {
     "RequestRejected": "engine.request",
     "SamplingParams": "engine.request",
     "StepOutput": "engine.request",
+    "StructuredOutput": "engine.request",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -40,6 +40,7 @@ from server.openai.schemas import (
     ModelCard,
     ModelList,
 )
+from server.openai.tool_parsers import detect_tool_call_parser
 from server.reasoning import ReasoningParser
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
@@ -97,6 +98,7 @@ class ServerState:
         self.serving = ServingContext(
             client=self.client,
             tokenizer=tokenizer,
+            model_dir=self.engine_config.model,
             metrics=self.metrics,
             lifecycle=self.lifecycle,
             model_name=self.model_name,
@@ -104,6 +106,7 @@ class ServerState:
             request_timeout=self.settings.request_timeout or None,
             sse_ping=self.settings.sse_ping_interval,
             reasoning=reasoning,
+            tool_call_parser=resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer),
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -113,10 +116,11 @@ class ServerState:
         gc.freeze()
         self.lifecycle.set_ready()
         logger.info(
-            "Serving %s (max_model_len=%d, reasoning parser: %s)",
+            "Serving %s (max_model_len=%d, reasoning parser: %s, tool-call parser: %s)",
             self.model_name,
             info.max_model_len,
             reasoning.name if reasoning else "none",
+            self.serving.tool_call_parser or "none",
         )
         if self.settings.ui:
             logger.info("Playground and engine view: http://%s:%d/", self.settings.host, self.settings.port)
@@ -132,6 +136,13 @@ class ServerState:
         if self.lifecycle.phase is Phase.DEAD:
             return False
         return self.lifecycle.phase is Phase.LOADING or self.client.healthy
+
+
+def resolve_tool_call_parser(setting: str, tokenizer: Tokenizer) -> str | None:
+    """`--tool-call-parser`: a parser's name as given, `auto` the one the chat template shows, `none` None."""
+    if setting == "auto":
+        return detect_tool_call_parser(tokenizer.chat_template)
+    return None if setting == "none" else setting
 
 
 def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:

@@ -12,6 +12,7 @@ from typing import Literal
 from server.reasoning import ReasoningParserName
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+ToolCallParserName = Literal["auto", "none", "hermes", "llama3_json", "mistral"]
 
 _MODEL = {"group": "model"}
 _SERVER = {"group": "server"}
@@ -43,6 +44,11 @@ class ServerSettings:
     """Largest request body accepted (413 beyond)."""
     drain_timeout: float = field(default=30.0, metadata=_SERVER)
     """On SIGTERM, seconds in-flight requests get to finish before the server exits."""
+    tool_call_parser: ToolCallParserName = field(default="auto", metadata=_MODEL)
+    """How `tool_choice: auto` answers are read for calls: hermes (Hermes / Qwen `<tool_call>` JSON), llama3_json
+    (Llama 3.x JSON, `<|python_tag|>`), mistral (`[TOOL_CALLS]`); auto picks the one the chat template writes,
+    and none (or a template that shows none) refuses `auto` with tools. `required` and a named tool_choice need
+    no parser: the grammar enforces them."""
     log_level: LogLevel = field(default="info", metadata=_SERVER)
     """Log level of the server and the engine process."""
 

@@ -35,6 +35,9 @@ class Tokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        self._special_ids = frozenset(tokenizer.all_special_ids) | {
+            token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special
+        }
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Tokenizer:
@@ -47,6 +50,16 @@ class Tokenizer:
         # No clean-up of spaces: it rewrites text depending on what follows, which would make the decode of a
         # prefix disagree with the prefix of the decode.
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def decode_keeping(self, token_ids: Sequence[int], kept: frozenset[int]) -> str:
+        """Decode like `decode`, but keep the special tokens in `kept` (a tool-call format's markers)."""
+        ids = [t for t in token_ids if t in kept or t not in self._special_ids]
+        return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def special_token_ids(self, tokens: Sequence[str]) -> frozenset[int]:
+        """The ids of those of `tokens` that are special tokens of this vocabulary (the rest decode as text anyway)."""
+        vocab = self._tokenizer.get_vocab()
+        return frozenset(vocab[token] for token in tokens if vocab.get(token) in self._special_ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as reported in logprobs (special tokens included)."""
@@ -79,8 +92,10 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The conversation as the model's template writes it; `template_kwargs` become template variables.
+        """The conversation (and the tools offered, in OpenAI's shape) as the model's template writes it;
+        `template_kwargs` become template variables.
 
         transformers renders chat templates in jinja2's ImmutableSandboxedEnvironment, so a template (or
         message content) cannot reach Python internals.
@@ -89,22 +104,36 @@ class Tokenizer:
             raise ChatTemplateError("This model has no chat template; use /v1/completions with a plain prompt.")
         try:
             return self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"The chat template rejected the messages: {exc}") from exc
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Render the conversation and tokenize it. The rendered text already holds the template's special tokens
         (BOS and the like), so it is tokenized without adding them a second time."""
-        return self.encode_rendered(self.render_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        text = self.render_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.encode_rendered(text)
 
     def encode_rendered(self, text: str) -> list[int]:
         """Token ids of a rendered chat prompt (its special tokens are already in the text)."""
         return self.encode(text, add_special_tokens=False)
 
-    def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.decode, prompt_ids)
+    def detokenizer(self, prompt_ids: Sequence[int], keep_tokens: Sequence[str] = ()) -> IncrementalDetokenizer:
+        """`keep_tokens`: special tokens to keep in the text (a tool-call format's markers); others are dropped."""
+        kept = self.special_token_ids(keep_tokens)
+        if not kept:
+            return IncrementalDetokenizer(self.decode, prompt_ids)
+        return IncrementalDetokenizer(lambda ids: self.decode_keeping(ids, kept), prompt_ids)
 
 
 class IncrementalDetokenizer:

@@ -1,5 +1,10 @@
-"""One choice of a response: engine deltas in, text deltas out, with stop strings cut, reasoning split from the
-answer (with a reasoning parser) and counted tokens."""
+"""One choice of a response: engine deltas in, text, reasoning and tool-call deltas out, with stop strings cut and
+counted tokens.
+
+The text goes through three stages in order: stop strings (on all of it), the reasoning splitter (with a reasoning
+parser), then the tool-call reader, which sees only the answer: a call the model writes while it reasons is not
+a call.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.request import FinishReason, StepOutput, TokenLogprob
 from server.openai.errors import engine_failure
+from server.openai.tool_parsers.base import ParsedCall, ToolCallDelta, ToolCallReader
 from server.reasoning import ReasoningSplitter
 from server.tokens import StopStringMatcher, Tokenizer
 
@@ -15,9 +21,10 @@ from server.tokens import StopStringMatcher, Tokenizer
 @dataclass(slots=True)
 class ChoiceUpdate:
     text: str
-    """The answer's new text (all of the new text without a reasoning parser)."""
+    """The answer's new text (all of the new text without a reasoning parser or tool reader)."""
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
     reasoning: str = ""
 
 
@@ -33,17 +40,21 @@ class ChoiceState:
     """Accumulate logprobs for a non-streaming response (a stream sends them with each delta instead)."""
     reasoning_splitter: ReasoningSplitter | None = None
     """Splits the text after stop strings into reasoning and answer; None leaves it all answer."""
+    tool_reader: ToolCallReader | None = None
+    """Splits the answer into content and tool calls; None: it is all content."""
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     num_reasoning_tokens: int = 0
     """Output tokens up to and including the one that closed the reasoning (all of them while it is open)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ParsedCall] = field(default_factory=list)
     num_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
-        self._detokenizer = self.tokenizer.detokenizer(self.prompt_ids)
+        markers = self.tool_reader.marker_tokens if self.tool_reader is not None else ()
+        self._detokenizer = self.tokenizer.detokenizer(self.prompt_ids, keep_tokens=markers)
         self._stop = StopStringMatcher(self.stop)
 
     @property
@@ -64,31 +75,49 @@ class ChoiceState:
         if output.finished:
             text += self._detokenizer.flush()
         emitted, stopped = self._stop.feed(text)
+        finish_reason = None
         if stopped:
-            self.finish_reason = "stop"
+            finish_reason = "stop"
         elif output.finish_reason is not None:
             emitted += self._stop.flush()
-            self.finish_reason = output.finish_reason.value
+            finish_reason = output.finish_reason.value
         reasoning = ""
         if self.reasoning_splitter is not None:
-            emitted, reasoning = self._split(emitted, len(output.new_token_ids))
+            emitted, reasoning = self._split(emitted, len(output.new_token_ids), finished=finish_reason is not None)
+        calls: list[ToolCallDelta] = []
+        if self.tool_reader is not None:
+            read = self.tool_reader.feed(emitted)
+            if finish_reason is not None:
+                read.extend(self.tool_reader.finish())
+            emitted, calls = read.content, read.calls
+            self._collect(calls)
+        if finish_reason == "stop" and self.tool_calls:
+            finish_reason = "tool_calls"
+        self.finish_reason = finish_reason
         self.text.append(emitted)
         self.reasoning.append(reasoning)
-        return ChoiceUpdate(emitted, new_logprobs, self.finish_reason, reasoning)
+        return ChoiceUpdate(emitted, new_logprobs, finish_reason, calls, reasoning)
 
-    def _split(self, text: str, num_new_tokens: int) -> tuple[str, str]:
+    def _split(self, text: str, num_new_tokens: int, finished: bool) -> tuple[str, str]:
         """(answer, reasoning) of the new text."""
         splitter = self.reasoning_splitter
         assert splitter is not None
         was_reasoning = splitter.in_reasoning
         delta = splitter.feed(text)
         answer, reasoning = delta.content, delta.reasoning
-        if self.finished:
+        if finished:
             rest = splitter.flush()
             answer, reasoning = answer + rest.content, reasoning + rest.reasoning
         if was_reasoning or splitter.in_reasoning:
             self.num_reasoning_tokens += num_new_tokens
         return answer, reasoning
+
+    def _collect(self, deltas: list[ToolCallDelta]) -> None:
+        for delta in deltas:
+            if delta.id is not None:
+                self.tool_calls.append(ParsedCall(delta.id, delta.name or "", delta.arguments))
+            else:
+                self.tool_calls[delta.index].arguments += delta.arguments
 
     @property
     def full_text(self) -> str:

@@ -28,6 +28,8 @@ from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
 from server.openai.schemas import PromptTokensDetails, SamplingRequest, Usage
+from server.openai.structured import Constraint, check_constraint
+from server.openai.tool_parsers.base import ToolCallReader
 from server.reasoning import ReasoningParser, ReasoningSplitter
 from server.sse import SSE_DONE, SSEResponse, sse_data
 from server.tokens import Tokenizer
@@ -42,6 +44,8 @@ RETRY_AFTER_SECONDS = 1
 class ServingContext:
     client: EngineClient
     tokenizer: Tokenizer
+    model_dir: str
+    """Where the tokenizer came from: the engine's grammar compiler loads its vocabulary from there."""
     metrics: ServerMetrics
     lifecycle: Lifecycle
     model_name: str
@@ -52,6 +56,8 @@ class ServingContext:
     """Seconds between keep-alive pings on an open stream; 0 sends none."""
     reasoning: ReasoningParser | None
     """Splits chat answers from the model's reasoning; None for a model without (or told to use none)."""
+    tool_call_parser: str | None = None
+    """The parser that reads `tool_choice: auto` answers (server/openai/tool_parsers); None: no format known."""
 
     def check_request(self, body: SamplingRequest) -> None:
         """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
@@ -244,13 +250,20 @@ async def start_generation(
     top_logprobs: int,
     param: str,
     arrival: float,
+    constraint: Constraint | None = None,
+    tool_reader: Callable[[], ToolCallReader] | None = None,
     reasoning_splitter: Callable[[], ReasoningSplitter] | None = None,
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
     `param` names the request field the prompts came from, for length errors; `max_tokens` None means up to
-    the context length; `reasoning_splitter` makes each choice's splitter (None: no reasoning split).
+    the context length. `constraint` is enforced on every choice; `reasoning_splitter` makes each choice's splitter
+    of reasoning from answer, `tool_reader` its reader of tool calls (None: no such stage).
     """
+    structured_output = None
+    if constraint is not None:
+        await check_constraint(constraint, ctx.model_dir)
+        structured_output = constraint.output
     n = body.num_choices
     requests: list[EngineRequest] = []
     choices: list[ChoiceState] = []
@@ -258,7 +271,11 @@ async def start_generation(
         max_new_tokens = _max_new_tokens(ctx.max_model_len, prompt, max_tokens, param)
         for i in range(n):
             params = body.sampling_params(
-                max_new_tokens=max_new_tokens, choice_index=i, logprobs=logprobs, top_logprobs=top_logprobs
+                max_new_tokens=max_new_tokens,
+                choice_index=i,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                structured_output=structured_output,
             )
             requests.append(EngineRequest(f"{response_id}-{p}-{i}", prompt, params))
             choices.append(
@@ -269,6 +286,7 @@ async def start_generation(
                     stop=body.stop_strings,
                     keep_logprobs=logprobs and not body.stream,
                     reasoning_splitter=reasoning_splitter() if reasoning_splitter is not None else None,
+                    tool_reader=None if tool_reader is None else tool_reader(),
                 )
             )
     try:
