@@ -32,6 +32,8 @@ from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
 from server.openai.errors import APIError, ErrorResponse, internal_error, invalid_request, service_unavailable
 from server.openai.generation import ServingContext
+from server.openai.responses import serve_response
+from server.openai.responses_schemas import ResponseObject, ResponsesRequest
 from server.openai.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,6 +55,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5X
 _STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"description": "With `stream: true`: `data: {chunk}` events, then "
                                                            "`data: [DONE]`."}}},
+    **_ERRORS,
+}  # fmt: skip
+_RESPONSES_STREAM: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"description": "With `stream: true`: named events (`event: <type>`, "
+                                                           "`data: {event}`), response.created first and "
+                                                           "response.completed (or .incomplete, .failed) last."}}},
     **_ERRORS,
 }  # fmt: skip
 
@@ -172,6 +180,11 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAM_RESPONSE)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serve_completion(state.get_serving(), body, request)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_RESPONSES_STREAM)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """The Responses API, stateless: the whole conversation comes in `input` every time."""
+        return await serve_response(state.get_serving(), body, request)
 
     def model_card() -> ModelCard:
         serving = state.get_serving()

@@ -56,7 +56,7 @@ def test_reasoning_is_split_from_the_answer(client: openai.OpenAI) -> None:
     """The server runs with the default `--reasoning-parser auto`: the template's `</think>` picked qwen3."""
     reply = client.chat.completions.create(model=MODEL, messages=user(f"Ferries? {REASON}"), temperature=0)
     message = reply.choices[0].message
-    assert (message.content, message.reasoning_content) == (ANSWER, REASONING)  # type: ignore[attr-defined]
+    assert (message.content, message.reasoning_content) == (ANSWER, REASONING)
     assert reply.choices[0].finish_reason == "stop"
 
 
@@ -85,13 +85,13 @@ def test_reasoning_stream_framing(http: httpx.Client) -> None:
 
 def test_output_without_reasoning_is_all_answer(client: openai.OpenAI) -> None:
     message = client.chat.completions.create(model=MODEL, messages=user(PLAIN), temperature=0).choices[0].message
-    assert message.content == "".join(PLAIN_PIECES) and message.reasoning_content is None  # type: ignore[attr-defined]
+    assert message.content == "".join(PLAIN_PIECES) and message.reasoning_content is None
 
 
 def test_reasoning_cut_short_by_the_token_limit_is_all_reasoning(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model=MODEL, messages=user(LONG), temperature=0, max_tokens=2)
     message = reply.choices[0].message
-    assert (message.content, message.reasoning_content) == ("", "Pondering more")  # type: ignore[attr-defined]
+    assert (message.content, message.reasoning_content) == ("", "Pondering more")
     assert reply.choices[0].finish_reason == "length"
 
 

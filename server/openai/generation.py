@@ -12,22 +12,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.driver import EngineRequest
-from engine.request import QueueFull, RequestRejected, StepOutput
+from engine.request import QueueFull, RequestRejected, SamplingParams, StepOutput, StructuredOutput
 from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
 from server.lifecycle import Lifecycle
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
-from server.openai.schemas import PromptTokensDetails, SamplingRequest, Usage
+from server.openai.schemas import PromptTokensDetails, Usage
 from server.openai.structured import Constraint, check_constraint
 from server.openai.tool_parsers.base import ToolCallReader
 from server.reasoning import ReasoningParser, ReasoningSplitter
@@ -38,6 +38,37 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
 """Suggested back-off after a 429: the waiting queue moves on within a few engine steps."""
+
+
+class GenerationRequest(Protocol):
+    """What the generation core reads of an endpoint's request (chat, completions, responses)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def stream(self) -> bool | None: ...
+
+    @property
+    def num_choices(self) -> int: ...
+
+    @property
+    def stop_strings(self) -> list[str]: ...
+
+    @property
+    def include_usage(self) -> bool: ...
+
+    def check_supported(self, template_options: Collection[str] = ()) -> None: ...
+
+    def sampling_params(
+        self,
+        *,
+        max_new_tokens: int,
+        choice_index: int,
+        logprobs: bool,
+        top_logprobs: int,
+        structured_output: StructuredOutput | None = None,
+    ) -> SamplingParams: ...
 
 
 @dataclass
@@ -59,7 +90,7 @@ class ServingContext:
     tool_call_parser: str | None = None
     """The parser that reads `tool_choice: auto` answers (server/openai/tool_parsers); None: no format known."""
 
-    def check_request(self, body: SamplingRequest) -> None:
+    def check_request(self, body: GenerationRequest) -> None:
         """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
         self.lifecycle.check_accepting()
         if body.model != self.model_name:
@@ -178,13 +209,20 @@ class Generation:
     ) -> Response:
         """Run every choice to its end, then answer with one `response_type` holding `final_choice` of each."""
 
-        async def collect() -> Response:
+        async def collect() -> BaseModel:
             async for _ in self.updates():
                 pass
-            response = self._envelope(response_type, [final_choice(c) for c in self.choices], self.usage())
-            return Response(response.model_dump_json(), media_type="application/json")
+            return self._envelope(response_type, [final_choice(c) for c in self.choices], self.usage())
 
-        return await _unless_disconnected(request, collect(), self)
+        return await self.whole_response(request, collect)
+
+    async def whole_response(self, request: Request, build: Callable[[], Awaitable[BaseModel]]) -> Response:
+        """Answer with what `build` makes of the updates (it consumes them), unless the client leaves first."""
+
+        async def work() -> Response:
+            return Response((await build()).model_dump_json(), media_type="application/json")
+
+        return await _unless_disconnected(request, work(), self)
 
     def stream_response(
         self, chunk_type: type[BaseModel], chunk_choices: AsyncIterator[Sequence[BaseModel]]
@@ -243,7 +281,7 @@ async def start_generation(
     ctx: ServingContext,
     response_id: str,
     prompts: list[list[int]],
-    body: SamplingRequest,
+    body: GenerationRequest,
     max_tokens: int | None,
     *,
     logprobs: bool,

@@ -143,17 +143,21 @@ def resolve_tool_use(
 def template_tool_calls(calls: Sequence[tuple[str, str, str]], param: str) -> list[dict[str, Any]]:
     """An assistant message's calls, `(id, name, arguments as JSON text)`, as chat templates take them: arguments
     as an object (templates write them with `tojson`)."""
-    rendered = []
-    for j, (call_id, name, arguments) in enumerate(calls):
-        where = f"{param}[{j}].function.arguments"
-        try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError as exc:
-            raise invalid_request(f"'{where}' is not valid JSON: {exc}.", where) from exc
-        if not isinstance(parsed, dict):
-            raise invalid_request(f"'{where}' must be a JSON object.", where)
-        rendered.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}})
-    return rendered
+    return [
+        template_tool_call(call_id, name, arguments, f"{param}[{j}].function.arguments")
+        for j, (call_id, name, arguments) in enumerate(calls)
+    ]
+
+
+def template_tool_call(call_id: str, name: str, arguments: str, param: str) -> dict[str, Any]:
+    """One call as chat templates take it; `param` names where its arguments came from, for errors."""
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        raise invalid_request(f"'{param}' is not valid JSON: {exc}.", param) from exc
+    if not isinstance(parsed, dict):
+        raise invalid_request(f"'{param}' must be a JSON object.", param)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
 
 
 def _call_schema(tool: FunctionTool) -> dict[str, Any]:
