@@ -3,8 +3,8 @@
 Requests are validated as strictly as chat's. The server is stateless: it keeps no response, so `store: true`,
 `previous_response_id`, `conversation`, `background` and item references are refused by `check_supported()`,
 as is every field whose meaning it cannot honour (hosted tools, images, logprobs, reasoning summaries, ...).
-Input items and tools of kinds the server does not know parse into an `Unsupported*` model, so that the refusal
-names the item rather than failing validation in a way that hides why.
+Input items, content parts, tools and formats of kinds the server does not support parse into `UnsupportedKind`,
+so that the refusal names the field and the kind rather than failing validation in a way that hides why.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic.json_schema import SkipJsonSchema
 
 from engine.request import SamplingParams, StructuredOutput
 from server.openai.errors import invalid_request, unsupported_parameter
@@ -28,25 +29,32 @@ class _RequestModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _Unsupported(BaseModel):
-    """Any other kind of object, kept only to be refused by name."""
+class UnsupportedKind(BaseModel):
+    """An object of a kind the server does not support: parsed only so that its refusal (a 400) can name it, and
+    left out of the unions' schemas, which list what is supported."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
 
 
-def _by_type(known: Collection[str], default: str | None = None) -> Discriminator:
-    """Pick a union member by the object's `type` (`default` where it has none); unknown types go to
-    `Unsupported`, whose refusal names the type."""
+def _by_type(tags: dict[str, str], default: str | None = None) -> Discriminator:
+    """Pick a union member by the object's `type` (`default` where it has none), through `tags` from type to
+    member tag; unknown types go to `UnsupportedKind`. The tags are class-like names, so that an error's `param`
+    names the fields only (server/app.py leaves such segments out)."""
 
     def tag(value: Any) -> str:
         kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-        return kind if kind in known else "Unsupported"
+        return tags.get(kind, "Unsupported") if isinstance(kind, str) else "Unsupported"
 
     return Discriminator(tag)
 
 
 # ------------------------------------------------------------------------------------------------ input
+
+
+def _text_or_list() -> Discriminator:
+    """`str | list[...]` fields: validate against one member only, so that an error inside the list names where."""
+    return Discriminator(lambda value: "Text" if isinstance(value, str) else "List")
 
 
 class InputText(_RequestModel):
@@ -69,12 +77,15 @@ class RefusalPart(_RequestModel):
 
 
 ContentPart = Annotated[
-    Annotated[InputText, Tag("input_text")]
-    | Annotated[OutputTextPart, Tag("output_text")]
-    | Annotated[RefusalPart, Tag("refusal")]
-    | Annotated[_Unsupported, Tag("Unsupported")],
-    _by_type({"input_text", "output_text", "refusal"}),
+    Annotated[InputText, Tag("InputText")]
+    | Annotated[OutputTextPart, Tag("OutputTextPart")]
+    | Annotated[RefusalPart, Tag("RefusalPart")]
+    | Annotated[SkipJsonSchema[UnsupportedKind], Tag("Unsupported")],
+    _by_type({"input_text": "InputText", "output_text": "OutputTextPart", "refusal": "RefusalPart"}),
 ]
+
+
+Content = Annotated[Annotated[str, Tag("Text")] | Annotated[list[ContentPart], Tag("List")], _text_or_list()]
 
 
 class MessageItem(_RequestModel):
@@ -82,7 +93,7 @@ class MessageItem(_RequestModel):
 
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
+    content: Content
     id: str | None = None
     status: ItemStatus | None = None
     phase: Literal["commentary", "final_answer"] | None = None
@@ -104,7 +115,7 @@ class FunctionCallOutputItem(_RequestModel):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[ContentPart]
+    output: Content
     id: str | None = None
     status: ItemStatus | None = None
 
@@ -131,13 +142,24 @@ class ReasoningInputItem(_RequestModel):
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningInputItem, Tag("reasoning")]
-    | Annotated[_Unsupported, Tag("Unsupported")],
-    _by_type({"message", "function_call", "function_call_output", "reasoning"}, default="message"),
+    Annotated[MessageItem, Tag("MessageItem")]
+    | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]
+    | Annotated[ReasoningInputItem, Tag("ReasoningInputItem")]
+    | Annotated[SkipJsonSchema[UnsupportedKind], Tag("Unsupported")],
+    _by_type(
+        {
+            "message": "MessageItem",
+            "function_call": "FunctionCallItem",
+            "function_call_output": "FunctionCallOutputItem",
+            "reasoning": "ReasoningInputItem",
+        },
+        default="message",
+    ),
 ]
+
+
+Input = Annotated[Annotated[str, Tag("Text")] | Annotated[list[InputItem], Tag("List")], _text_or_list()]
 
 
 # ------------------------------------------------------------------------------------------------ tools, text
@@ -154,8 +176,9 @@ class ResponsesFunctionTool(_RequestModel):
 
 
 Tool = Annotated[
-    Annotated[ResponsesFunctionTool, Tag("function")] | Annotated[_Unsupported, Tag("Unsupported")],
-    _by_type({"function"}),
+    Annotated[ResponsesFunctionTool, Tag("FunctionTool")]
+    | Annotated[SkipJsonSchema[UnsupportedKind], Tag("Unsupported")],
+    _by_type({"function": "FunctionTool"}),
 ]
 
 
@@ -165,8 +188,9 @@ class FunctionToolChoice(_RequestModel):
 
 
 ToolChoice = Annotated[
-    Annotated[FunctionToolChoice, Tag("function")] | Annotated[_Unsupported, Tag("Unsupported")],
-    _by_type({"function"}),
+    Annotated[FunctionToolChoice, Tag("FunctionToolChoice")]
+    | Annotated[SkipJsonSchema[UnsupportedKind], Tag("Unsupported")],
+    _by_type({"function": "FunctionToolChoice"}),
 ]
 
 
@@ -187,11 +211,11 @@ class TextFormatJSONSchema(_RequestModel):
 
 
 TextFormat = Annotated[
-    Annotated[TextFormatText, Tag("text")]
-    | Annotated[TextFormatJSONObject, Tag("json_object")]
-    | Annotated[TextFormatJSONSchema, Tag("json_schema")]
-    | Annotated[_Unsupported, Tag("Unsupported")],
-    _by_type({"text", "json_object", "json_schema"}),
+    Annotated[TextFormatText, Tag("TextFormat")]
+    | Annotated[TextFormatJSONObject, Tag("JSONObjectFormat")]
+    | Annotated[TextFormatJSONSchema, Tag("JSONSchemaFormat")]
+    | Annotated[SkipJsonSchema[UnsupportedKind], Tag("Unsupported")],
+    _by_type({"text": "TextFormat", "json_object": "JSONObjectFormat", "json_schema": "JSONSchemaFormat"}),
 ]
 
 
@@ -217,7 +241,7 @@ class ResponsesStreamOptions(_RequestModel):
 
 class ResponsesRequest(_RequestModel):
     model: str
-    input: str | list[InputItem] = Field(description="A user message's text, or the conversation's items.")
+    input: Input = Field(description="A user message's text, or the conversation's items.")
     instructions: str | None = Field(None, description="A system message put before the input.")
     max_output_tokens: int | None = Field(None, ge=1, description="Default: whatever context remains.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 means greedy; default 1.")
@@ -290,11 +314,11 @@ class ResponsesRequest(_RequestModel):
         if self.stream_options is not None and not self.stream:
             raise invalid_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
         for i, tool in enumerate(self.tools or ()):
-            if isinstance(tool, _Unsupported):
+            if isinstance(tool, UnsupportedKind):
                 raise unsupported_parameter(f"tools[{i}].type", f"'{tool.type}' tools (only function tools are).")
-        if isinstance(self.tool_choice, _Unsupported):
+        if isinstance(self.tool_choice, UnsupportedKind):
             raise unsupported_parameter("tool_choice.type", f"'{self.tool_choice.type}' (only function tools are).")
-        if self.text is not None and isinstance(self.text.format, _Unsupported):
+        if self.text is not None and isinstance(self.text.format, UnsupportedKind):
             raise unsupported_parameter("text.format.type", f"'{self.text.format.type}' formats.")
         self.template_kwargs(template_options)
 
