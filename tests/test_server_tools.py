@@ -308,3 +308,25 @@ def test_litellm_with_tools(server: ServerProcess) -> None:
     assert response.choices[0].finish_reason == "tool_calls" and message.tool_calls
     for call in message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), arguments_schema(call.function.name))
+
+
+def test_openapi_describes_every_tool_and_format_field(http: httpx.Client) -> None:
+    schema = http.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    request = components["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls", "response_format", "structured_outputs", "guided_json",
+            "guided_regex", "guided_choice", "guided_grammar"} <= set(request)  # fmt: skip
+    assert {"guided_json", "structured_outputs"} <= set(components["CompletionRequest"]["properties"])
+    formats = {ref["$ref"].rsplit("/", 1)[1] for ref in request["response_format"]["anyOf"][0]["oneOf"]}
+    assert formats == {"ResponseFormatText", "ResponseFormatJSONObject", "ResponseFormatJSONSchema"}
+    assert set(components["JSONSchemaFormat"]["properties"]) == {"name", "description", "schema", "strict"}
+    assert set(components["StructuredOutputsParams"]["properties"]) == {"json", "regex", "choice", "grammar",
+                                                                        "json_object"}  # fmt: skip
+    assert "tool_calls" in components["ChatChoice"]["properties"]["finish_reason"]["enum"]
+    assert components["ChatResponseMessage"]["properties"]["tool_calls"]["anyOf"][0]["items"]["$ref"].endswith(
+        "/ToolCall"
+    )
+    assert set(components["ToolCallChunk"]["properties"]) == {"index", "id", "type", "function"}
+    stream = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    assert stream["schema"]["$ref"].endswith("/ChatCompletionChunk")
+    assert "tool_calls" in components["ChatDelta"]["properties"]
