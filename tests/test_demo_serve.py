@@ -14,15 +14,16 @@ import pytest
 from tests.server_harness import server_process
 from tests.test_demo_model import MAX_NEW_TOKENS, MIN_STOPPED, PROMPTS
 
+CITY = {"type": "string", "enum": ["Paris", "London", "Tokyo"]}
+UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
 WEATHER = {
     "type": "function",
     "function": {
         "name": "get_weather",
         "description": "Current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                       "required": ["city"]},
+        "parameters": {"type": "object", "properties": {"city": CITY, "unit": UNIT}, "required": ["city", "unit"]},
     },
-}  # fmt: skip
+}
 
 
 def _mostly_words(text: str) -> bool:
@@ -61,7 +62,9 @@ def test_default_model_calls_a_tool_and_answers_its_result(client: httpx.Client)
     body = {"model": "default_model", "messages": ask, "tools": [WEATHER], "max_tokens": 64, "temperature": 0}
     # tool_choice auto works with the demo model: its template shows the Hermes format, so the parser is detected.
     assert client.post("/v1/chat/completions", json=body).status_code == 200
-    reply = client.post("/v1/chat/completions", json={**body, "tool_choice": "required"}).json()
+    reply = client.post(
+        "/v1/chat/completions", json={**body, "tool_choice": "required", "parallel_tool_calls": False}
+    ).json()
     choice = reply["choices"][0]
     (call,) = choice["message"]["tool_calls"]
     assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
