@@ -87,7 +87,6 @@ class ModelRunner:
         self.grammar_masker: GrammarMasker | None = None
         """Built with the first constrained sequence: steps without any never touch a grammar."""
         self._max_seqs = config.max_num_seqs
-        self._mask_threads = config.cpu_threads
         self._num_constrained = 0
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
@@ -278,7 +277,6 @@ class ModelRunner:
                 self._max_seqs,
                 self.device,
                 frozenset(self.grammars.tokenizer.eos_tokens),
-                self._mask_threads,
             )
         return self.grammar_masker.bias(states)
 

@@ -21,6 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
@@ -35,6 +37,7 @@ from server.openai.generation import ServingContext
 from server.openai.responses import serve_response
 from server.openai.responses_schemas import ResponseObject, ResponsesRequest
 from server.openai.schemas import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -52,17 +55,38 @@ logger = logging.getLogger(__name__)
 
 # Documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape).
 _ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
-_STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"description": "With `stream: true`: `data: {chunk}` events, then "
-                                                           "`data: [DONE]`."}}},
-    **_ERRORS,
-}  # fmt: skip
 _RESPONSES_STREAM: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"description": "With `stream: true`: named events (`event: <type>`, "
                                                            "`data: {event}`), response.created first and "
-                                                           "response.completed (or .incomplete, .failed) last."}}},
+                                                           "response.completed (or .incomplete, .failed) last, "
+                                                           "carrying a ResponseObject."}}},
     **_ERRORS,
 }  # fmt: skip
+
+
+def _stream_response(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A route's responses: JSON, or with `stream: true` SSE events whose data is a `chunk` (then [DONE])."""
+    events = {
+        "schema": {"$ref": f"#/components/schemas/{chunk.__name__}"},
+        "description": "With `stream: true`: `data: {chunk}` events, then `data: [DONE]`.",
+    }
+    return {200: {"content": {"text/event-stream": events}}, **_ERRORS}  # fmt: skip
+
+
+class FerryAPI(FastAPI):
+    """The app, whose OpenAPI schema also describes the chunks of its streams (no route returns them as JSON)."""
+
+    STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse)
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            _, definitions = models_json_schema(
+                [(chunk, "serialization") for chunk in self.STREAM_CHUNKS], ref_template="#/components/schemas/{model}"
+            )
+            for name, definition in definitions["$defs"].items():
+                schema["components"]["schemas"].setdefault(name, definition)
+        return self.openapi_schema  # type: ignore[return-value]
 
 
 def ferry_version() -> str:
@@ -166,18 +190,20 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             loading.cancel()
             await state.client.shutdown()
 
-    app = FastAPI(title="Ferry", version=ferry_version(), lifespan=lifespan)
+    app = FerryAPI(title="Ferry", version=ferry_version(), lifespan=lifespan)
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, metrics=state.metrics)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_RESPONSE)
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=_stream_response(ChatCompletionChunk)
+    )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve_chat_completion(state.get_serving(), body, request)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAM_RESPONSE)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_stream_response(CompletionResponse))
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serve_completion(state.get_serving(), body, request)
 

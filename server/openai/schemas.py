@@ -2,7 +2,8 @@
 
 Requests are validated strictly (no string-to-number coercion, unknown fields refused) as OpenAI does. Fields
 that change generation but that the server cannot honour yet are refused by `check_supported()` with a 400 that
-names them; fields with no effect on generation (`user`, `metadata`, `store`, ...) are accepted.
+names them; fields with no effect on generation (`user`, `metadata`, `store`, ...) are accepted. Tools and output
+constraints are turned into what the engine runs by server/openai/tools.py and structured.py.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class StructuredOutputsParams(_RequestModel):
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON Schema (object or its text).")
     regex: str | None = Field(None, description="A regular expression the whole output matches.")
     choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
-    grammar: str | None = Field(None, description="A grammar in the engine's grammar syntax.")
+    grammar: str | None = Field(None, description="A grammar in llguidance's Lark dialect (`start: ...`).")
     json_object: bool | None = Field(None, description="true: any JSON object.")
 
 
@@ -274,7 +275,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: whatever context remains.")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(None, description="Function tools, shown to the model by its chat template.")
     tool_choice: ToolChoice | None = Field(
         None,
         description="Default 'auto' with tools, 'none' without. 'required' and a named function are enforced by "

@@ -78,7 +78,9 @@ async def check_constraint(constraint: Constraint, tokenizer_dir: str) -> None:
         await asyncio.to_thread(structured.check, constraint.output, tokenizer_dir)
     except RequestRejected as exc:
         raise invalid_request(
-            f"'{constraint.param}' cannot be enforced: {exc}.", constraint.param, code="invalid_structured_output"
+            f"'{constraint.param}' cannot be enforced: {str(exc).rstrip('.')}.",
+            constraint.param,
+            code="invalid_structured_output",
         ) from exc
 
 
