@@ -4,6 +4,7 @@ OpenAI SDK."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from tests.server_harness import ServerProcess, server_process, sse_payloads
 
 MODEL = "scripted"
 PING_SECONDS = 0.1
+# litellm fetches a model price list at import unless told to use its bundled copy; nothing may leave the machine.
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -72,6 +75,17 @@ def test_reasoning_streams_as_its_own_deltas(client: openai.OpenAI) -> None:
     last_reasoning = max(i for i, (r, _) in enumerate(deltas) if r)
     assert all(not c for _, c in deltas[:last_reasoning]), "the answer starts once the reasoning ended"
     assert not any("think>" in (r or "") + (c or "") for r, c in deltas), "no tag reaches the client"
+
+
+def test_litellm_reads_the_reasoning(server: ServerProcess) -> None:
+    import litellm
+
+    reply = litellm.completion(
+        model=f"openai/{MODEL}", api_base=f"{server.base_url}/v1", api_key="unused", temperature=0,
+        messages=user(f"Ferries? {REASON}"),
+    )  # fmt: skip
+    message = reply.choices[0].message
+    assert (message.content, message.reasoning_content) == (ANSWER, REASONING)
 
 
 def test_reasoning_stream_framing(http: httpx.Client) -> None:

@@ -196,6 +196,31 @@ def test_a_call_written_while_reasoning_is_reasoning_and_the_one_after_is_a_call
     assert follow_up.output_text == AFTER_TOOL_ANSWER
 
 
+def test_langchain_on_the_responses_api(server: ServerProcess) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "Sunny."
+
+    llm = ChatOpenAI(
+        model=MODEL, base_url=f"{server.base_url}/v1", api_key="unused", use_responses_api=True, temperature=0,
+        max_retries=0,
+    )  # fmt: skip
+    assert llm.invoke(f"Ferries? {REASON}").text == ANSWER
+    assert "".join(chunk.text for chunk in llm.stream(f"Ferries? {REASON}")) == ANSWER
+    with_tools = llm.bind_tools([get_weather])
+    question = HumanMessage(f"Weather? {CALL}")
+    asked = with_tools.invoke([question])
+    (call,) = asked.tool_calls
+    assert (call["name"], call["args"]) == (CALL_NAME, CALL_ARGUMENTS)
+    answered = with_tools.invoke([question, asked, ToolMessage(f"Sunny. {TOOL_RESULT}", tool_call_id=call["id"])])
+    assert answered.text == AFTER_TOOL_ANSWER
+
+
 def test_named_tool_choice_is_enforced(client: openai.OpenAI) -> None:
     tool = {**WEATHER, "parameters": PARIS_ONLY}
     response = client.responses.create(
