@@ -270,6 +270,7 @@ def test_reasoning_effort_reaches_the_template(client: openai.OpenAI) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, 400,
          "text.format.schema", "invalid_json_schema"),
         ({"input": [{"role": "user", "content": 5}]}, 400, "input[0].content", "invalid_value"),
+        ({"tools": [{**WEATHER, "parameters": {"type": "array"}}]}, 400, "tools[0].parameters", "invalid_value"),
         ({"frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
         ({"model": "gpt-4o"}, 404, "model", "model_not_found"),
         ({"input": " ferry" * 600}, 400, "input", "context_length_exceeded"),

@@ -60,7 +60,11 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     arrival = time.monotonic()
     ctx.check_request(body)
     tool_use = resolve_tool_use(
-        body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, ctx.tool_call_parser
+        body.function_tools(),
+        body.tool_choice_value(),
+        body.parallel_tool_calls,
+        ctx.tool_call_parser,
+        parameters_field="parameters",
     )
     tool_constraint = tool_use.constraint() if tool_use else None
     format_constraint = body.format_constraint()

@@ -106,9 +106,11 @@ def resolve_tool_use(
     *,
     tools_param: str = "tools",
     choice_param: str = "tool_choice",
+    parameters_field: str = "function.parameters",
 ) -> ToolUse | None:
     """Check the tools and the choice together; None when the request offers no tools (or `tool_choice` none and
-    no tools). `parser` is the server's parser for `auto` (None: it cannot read this model's calls)."""
+    no tools). `parser` is the server's parser for `auto` (None: it cannot read this model's calls);
+    `parameters_field` is where a tool keeps its schema (chat nests it under `function`, responses do not)."""
     tools = tuple(tools or ())
     if not tools:
         if choice not in (None, "none"):
@@ -119,7 +121,7 @@ def resolve_tool_use(
         if names.index(tool.name) != i:
             raise invalid_request(f"'{tools_param}' names the function '{tool.name}' twice.", tools_param)
         if tool.parameters is not None:
-            where = f"{tools_param}[{i}].function.parameters"
+            where = f"{tools_param}[{i}].{parameters_field}"
             if tool.parameters.get("type", "object") != "object":
                 raise invalid_request(f"'{where}' must describe an object (type 'object').", where)
             check_json_schema(tool.parameters, where)
