@@ -14,7 +14,6 @@ from sse_starlette.sse import AppStatus
 from starlette.types import Receive, Scope, Send
 
 SSE_DONE = b"data: [DONE]\n\n"
-PING_FRAME = b": ping\n\n"
 
 # Ferry's Lifecycle drains streams on SIGTERM itself (they finish, or fail at the drain timeout); left on,
 # sse-starlette would cut every open stream as soon as uvicorn is told to exit.

@@ -1,10 +1,11 @@
-"""What /v1/chat/completions and /v1/completions share: one API call's engine requests, from admission to cleanup.
+"""What the generation endpoints share: one API call's engine requests, from admission to cleanup.
 
 A request becomes n engine requests per prompt (same prompt ids, so the prefix cache can share its pages;
 choice i seeded with seed + i). Admission is awaited before any byte is sent, so a full queue is a 429 and a
 too-long prompt a 400 even for a stream. After that, every engine delta goes through the choice's
-detokenizer and stop-string matcher; errors after the first streamed byte become an SSE error event.
-The endpoints (chat.py, completions.py) differ only in how they build the prompts and the choice objects.
+detokenizer, stop-string matcher, reasoning splitter and tool-call reader; errors after the first streamed byte
+become the stream's error events. The endpoints (chat.py, completions.py, responses.py) differ in how they build
+the prompts and what they make of the choices.
 """
 
 from __future__ import annotations
