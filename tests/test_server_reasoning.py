@@ -26,7 +26,7 @@ from tests.scripted_chat import (
 from tests.server_harness import ServerProcess, server_process, sse_payloads
 
 MODEL = "scripted"
-PING_SECONDS = 0.1
+PING_SECONDS = 0.05
 # litellm fetches a model price list at import unless told to use its bundled copy; nothing may leave the machine.
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
