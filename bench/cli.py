@@ -127,10 +127,22 @@ def _serve(args: argparse.Namespace) -> int:
         concurrencies=args.concurrency,
         rates=args.request_rate,
         timeout=args.timeout,
+        structured_outputs=_structured_outputs(args),
     )
     report = run_serve(options)
     _emit(report, format_serve(report), args.json)
     return 0 if all(p["errors"] == 0 for p in report["points"]) else 1
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict[str, object] | None:
+    """--response-format and --schema as the `structured_outputs` every request sends (None: unconstrained)."""
+    if (args.response_format == "json_schema") != (args.schema is not None):
+        args.parser.error("--schema FILE goes with --response-format json_schema, and only with it")
+    if args.response_format == "json_object":
+        return {"json_object": True}
+    if args.response_format == "json_schema":
+        return {"json": json.loads(args.schema.read_text())}
+    return None
 
 
 def _overhead(args: argparse.Namespace) -> int:
@@ -248,8 +260,15 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         "--request-rate", type=_floats, default=(), help="open-loop Poisson rates in requests/s, e.g. 4,16,inf"
     )
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    serve.add_argument(
+        "--response-format",
+        choices=("text", "json_object", "json_schema"),
+        default="text",
+        help="constrain every request's output (sent as structured_outputs, without ignore_eos)",
+    )
+    serve.add_argument("--schema", type=Path, default=None, help="JSON Schema file for --response-format json_schema")
     serve.add_argument("--json", type=Path, default=None, help="write summaries and every raw sample here")
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, parser=serve)
 
     overhead = commands.add_parser(
         "overhead",

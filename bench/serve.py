@@ -5,6 +5,11 @@ one finished) swept over concurrencies, and open loop (Poisson arrivals at a fix
 progress). Prompts are token-id lists sent to /v1/completions with `ignore_eos`, so every request asks for exactly
 its output length. The SSE stream is parsed by hand and every chunk is timestamped on arrival.
 
+With `--response-format json_object|json_schema` the same requests carry a constraint (vLLM's `structured_outputs`,
+which /v1/completions takes) instead of `ignore_eos`, which a constraint refuses: a schema that cannot be complete
+within the output length (bench/schemas/trips.json asks for more trips than fit) keeps every request at exactly its
+output length, so the constrained and the unconstrained figures count the same tokens.
+
 Metric definitions, as vLLM's benchmark: TTFT is the time to the first chunk carrying a choice; ITL are the gaps
 between successive such chunks; E2E latency ends at the last one; TPOT = (E2E - TTFT) / (output tokens - 1);
 output tokens come from the final usage chunk.
@@ -64,6 +69,8 @@ class ServeOptions:
     rates: tuple[float, ...] = ()
     timeout: float = 600.0
     startup_timeout: float = 300.0
+    structured_outputs: dict[str, object] | None = None
+    """Sent as every request's `structured_outputs` (in place of `ignore_eos`); None: unconstrained."""
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -111,19 +118,28 @@ def summarize(samples: list[RequestSample], duration: float) -> dict[str, object
 
 
 async def _send(
-    client: httpx.AsyncClient, url: str, model: str, workload: Workload, index: int, origin: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    workload: Workload,
+    index: int,
+    origin: float,
+    structured_outputs: dict[str, object] | None = None,
 ) -> RequestSample:
     prompt = workload.prompts[index]
     sample = RequestSample(index, len(prompt), time.perf_counter() - origin)
-    body = {
+    body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": workload.output_lens[index],
         "temperature": 0.0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if structured_outputs is None:
+        body["ignore_eos"] = True
+    else:
+        body["structured_outputs"] = structured_outputs
     sent = time.perf_counter()
     last = sent
     try:
@@ -162,7 +178,12 @@ async def _send(
 
 
 async def run_closed_loop(
-    client: httpx.AsyncClient, url: str, model: str, workload: Workload, concurrency: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    workload: Workload,
+    concurrency: int,
+    structured_outputs: dict[str, object] | None = None,
 ) -> tuple[list[RequestSample], float]:
     next_index = iter(range(len(workload)))
     samples: list[RequestSample] = []
@@ -170,14 +191,20 @@ async def run_closed_loop(
 
     async def user() -> None:
         for index in next_index:  # the shared iterator hands each request to exactly one user
-            samples.append(await _send(client, url, model, workload, index, origin))
+            samples.append(await _send(client, url, model, workload, index, origin, structured_outputs))
 
     await asyncio.gather(*(user() for _ in range(min(concurrency, len(workload)))))
     return sorted(samples, key=lambda s: s.index), time.perf_counter() - origin
 
 
 async def run_open_loop(
-    client: httpx.AsyncClient, url: str, model: str, workload: Workload, rate: float, seed: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    workload: Workload,
+    rate: float,
+    seed: int,
+    structured_outputs: dict[str, object] | None = None,
 ) -> tuple[list[RequestSample], float]:
     rng = random.Random(seed)
     origin = time.perf_counter()
@@ -187,7 +214,7 @@ async def run_open_loop(
         delay = arrival - (time.perf_counter() - origin)
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(_send(client, url, model, workload, index, origin)))
+        tasks.append(asyncio.create_task(_send(client, url, model, workload, index, origin, structured_outputs)))
         arrival += rng.expovariate(rate) if rate != float("inf") else 0.0
     samples = await asyncio.gather(*tasks)
     return list(samples), time.perf_counter() - origin
@@ -211,13 +238,17 @@ async def _sweep(
         fixed = LengthDist("fixed", (8.0,))
         warm_spec = WorkloadSpec(1, fixed, fixed, 0, options.workload.seed + 1)
         warm = make_workload(warm_spec, options.vocab_size)
-        await _send(client, url, model, warm.head(1), 0, time.perf_counter())
+        # The constraint too: its grammar compiles once, outside the figures (the server caches it).
+        constraint = options.structured_outputs
+        await _send(client, url, model, warm.head(1), 0, time.perf_counter(), constraint)
         points = []
         for concurrency in options.concurrencies:
-            samples, duration = await run_closed_loop(client, url, model, workload, concurrency)
+            samples, duration = await run_closed_loop(client, url, model, workload, concurrency, constraint)
             points.append(_point("concurrency", concurrency, samples, duration))
         for rate in options.rates:
-            samples, duration = await run_open_loop(client, url, model, workload, rate, options.workload.seed)
+            samples, duration = await run_open_loop(
+                client, url, model, workload, rate, options.workload.seed, constraint
+            )
             points.append(_point("request_rate", rate, samples, duration))
     return {"model": model, "points": points}
 
@@ -294,6 +325,7 @@ def run_serve(options: ServeOptions, transport: httpx.AsyncBaseTransport | None 
         "server": options.server if options.url is None else "given by URL",
         "workload": options.workload.describe(),
         "vocab_size": options.vocab_size,
+        "structured_outputs": options.structured_outputs,
         **result,
     }
 
@@ -328,8 +360,11 @@ def format_serve(report: dict[str, object]) -> str:
             ]
         )
     workload = report["workload"]
+    constraint = report.get("structured_outputs")
     title = (
         f"ferry bench serve: {report['model']}, {workload['num_requests']} requests per point, prompt "
-        f"{workload['prompt_len']}, output {workload['output_len']} (streaming /v1/completions)"
+        f"{workload['prompt_len']}, output {workload['output_len']} (streaming /v1/completions"
+        + (f", constrained: {', '.join(constraint)}" if constraint else "")
+        + ")"
     )
     return "\n".join([title, format_table(headers, rows)])

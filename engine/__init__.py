@@ -21,6 +21,7 @@ _EXPORTS = {
     "SamplingParams": "engine.request",
     "StepOutput": "engine.request",
     "UnsupportedModelError": "engine.models.support",
+    "StructuredOutput": "engine.request",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,16 +2,22 @@
 
 Every driver (generate_batch, the background manager, the server's engine process) runs this same `step`
 through the one loop in `engine/driver.py`.
+
+A request with structured output joins the scheduler only once its grammar compiled (on the compiler's threads,
+engine/structured.py); until then it waits here, counted as waiting, while the other requests keep stepping. The
+scheduler never knows.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
 import os
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from engine.config import EngineConfig, EngineStartupError
 from engine.kv_cache import KVCacheManager, group_layers, pool_pages
@@ -23,6 +29,7 @@ from engine.request import QueueFull, Request, RequestRejected, SamplingParams, 
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
+from engine.structured import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +38,17 @@ class EngineCore:
     """Scheduler, KV-cache manager and runner wired together, with request intake and statistics.
 
     `loaded` is a model already loaded for `config` (the overhead benchmark passes one whose forward pass costs
-    nothing); by default the model `config` names is loaded. `observers` see one `StepRecord` per step.
+    nothing); by default the model `config` names is loaded. `observers` see one `StepRecord` per step. `grammars`
+    compiles structured outputs; by default one for the model directory's tokenizer.
     """
 
     def __init__(
-        self, config: EngineConfig, *, loaded: LoadedModel | None = None, observers: Iterable[StepObserver] = ()
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        observers: Iterable[StepObserver] = (),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         self.model_name = os.path.basename(os.path.normpath(config.model))
@@ -74,7 +87,14 @@ class EngineCore:
         ]
         self.kv_cache = KVCacheManager(layouts, pools)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
-        self.runner = ModelRunner(loaded, layouts, pages, config)
+        self.grammars = grammars or GrammarCompiler(
+            config.model, vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids
+        )
+        self.runner = ModelRunner(loaded, layouts, pages, config, self.grammars)
+        self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        """Constrained requests whose grammar is still compiling, in arrival order."""
+        self._settled: list[tuple[str, RequestRejected | None]] = []
+        """Requests that stopped waiting for their grammar since `settle_grammars` last ran."""
         self.observers: list[StepObserver] = list(observers)
         self._num_steps = 0
         self._last_step_tokens = 0
@@ -91,11 +111,17 @@ class EngineCore:
 
     # -- requests in ---------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
-        """Queue a request; `priority` (lower runs first) needs the `priority` scheduling policy."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> bool:
+        """Take a request, or raise RequestRejected / QueueFull. True when it joined the scheduler; False when it
+        waits for its grammar to compile, and `settle_grammars` later tells whether it joined or was refused.
+        `priority` (lower runs first) needs the `priority` scheduling policy."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", code="invalid_prompt")
-        if request_id in self.scheduler.waiting or request_id in self.scheduler.running:
+        if (
+            request_id in self.scheduler.waiting
+            or request_id in self.scheduler.running
+            or request_id in self._awaiting_grammar
+        ):
             raise RequestRejected(f"request id {request_id!r} is already in flight", code="duplicate_request_id")
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.max_model_len:
@@ -121,13 +147,59 @@ class EngineCore:
                 "--scheduling-policy priority to use priorities",
                 code="invalid_priority",
             )
-        if self.config.max_queue_size and len(self.scheduler.waiting) >= self.config.max_queue_size:
-            raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting")
+        num_waiting = self._num_waiting
+        if self.config.max_queue_size and num_waiting >= self.config.max_queue_size:
+            raise QueueFull(f"{num_waiting} requests are already waiting")
         eos = frozenset(params.eos_token_ids) if params.eos_token_ids is not None else self.eos_token_ids
         request = Request(
             request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id), priority=priority
         )
+        if params.structured_output is not None:
+            end_tokens = eos | frozenset(params.stop_token_ids)
+            if not any(0 <= token < vocab for token in end_tokens):
+                raise RequestRejected(
+                    "structured output needs a token to end with once the constraint is satisfied: the request "
+                    "has no EOS or stop token id in the vocabulary",
+                    code="invalid_structured_output",
+                )
+            grammar = self.grammars.submit(params.structured_output)
+            if not grammar.done():
+                self._awaiting_grammar[request_id] = (request, grammar)
+                return False
+            _raise_if_failed(grammar)
         self.scheduler.add(request)
+        return True
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        return len(self._awaiting_grammar)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a pending grammar is ready, at most `timeout` seconds (the loop calls it when idle)."""
+        futures = [grammar for _, grammar in self._awaiting_grammar.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def settle_grammars(self) -> list[tuple[str, RequestRejected | None]]:
+        """Requests that stopped waiting for their grammar since the last call: None for each that joined the
+        scheduler, the error for each refused (an invalid or unsupported constraint; it never ran)."""
+        for request_id, (request, grammar) in list(self._awaiting_grammar.items()):
+            if not grammar.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            try:
+                _raise_if_failed(grammar)
+            except RequestRejected as exc:
+                self._settled.append((request_id, exc))
+            else:
+                self.scheduler.add(request)
+                self._settled.append((request_id, None))
+        settled, self._settled = self._settled, []
+        return settled
+
+    @property
+    def _num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
 
     def _seed_for(self, request_id: str) -> int:
         """A request without a seed of its own samples from one derived from the engine seed and its id."""
@@ -136,6 +208,11 @@ class EngineCore:
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         """End a request now (idempotent); the next step emits its final output, carrying `error` if given."""
+        held = self._awaiting_grammar.pop(request_id, None)
+        if held is not None:
+            # Taken, then ended before its grammar was ready: it finishes like any abort of a waiting request.
+            self.scheduler.add(held[0])
+            self._settled.append((request_id, None))
         self.scheduler.abort(request_id, error)
 
     # -- the step --------------------------------------------------------------------------------------------
@@ -162,7 +239,7 @@ class EngineCore:
         kv = self.kv_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self._num_waiting,
             num_pages=kv.num_pages,
             num_free_pages=kv.num_free_pages,
             kv_cache_usage=kv.usage,
@@ -177,11 +254,19 @@ class EngineCore:
         """Requests the waiting queue takes before it is full; None when it is unbounded."""
         if not self.config.max_queue_size:
             return None
-        return max(0, self.config.max_queue_size - len(self.scheduler.waiting))
+        return max(0, self.config.max_queue_size - self._num_waiting)
 
     def is_idle_and_clean(self) -> bool:
         """True when nothing is in flight and every page is free or merely cached (tests and debug checks)."""
-        return not self.has_unfinished() and self.kv_cache.all_free()
+        return not self.has_unfinished() and not self._awaiting_grammar and self.kv_cache.all_free()
+
+
+def _raise_if_failed(grammar: Future[CompiledGrammar]) -> None:
+    """Raise a compile failure as a fresh RequestRejected: a cached failure is raised for every request repeating it
+    (the compiler fails only with RequestRejected)."""
+    error = grammar.exception()
+    if error is not None:
+        raise RequestRejected(str(error), code=getattr(error, "code", "invalid_structured_output"))
 
 
 def _fit_max_model_len(config: EngineConfig, loaded: LoadedModel, cache_tokens: int) -> int:

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
@@ -31,9 +32,12 @@ from server.metrics import ServerMetrics, rejection_reason
 from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
-from server.openai.errors import APIError, ErrorResponse, invalid_request, service_unavailable
+from server.openai.errors import APIError, ErrorResponse, internal_error, invalid_request, service_unavailable
 from server.openai.generation import ServingContext
+from server.openai.responses import serve_response
+from server.openai.responses_schemas import ResponseObject, ResponsesRequest
 from server.openai.schemas import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -49,7 +53,9 @@ from server.openai.tokenize import (
     serve_detokenize,
     serve_tokenize,
 )
+from server.openai.tool_parsers import detect_tool_call_parser
 from server.openapi import openapi_document
+from server.reasoning import ReasoningParser
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
 from server.ui import mount_ui
@@ -63,11 +69,38 @@ servers before 3.0 do not know."""
 # Documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape).
 _ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
 _UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse}}
-_STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"description": "With `stream: true`: `data: {chunk}` events, then "
-                                                           "`data: [DONE]`."}}},
+_RESPONSES_STREAM: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"description": "With `stream: true`: named events (`event: <type>`, "
+                                                           "`data: {event}`), response.created first and "
+                                                           "response.completed (or .incomplete, .failed) last, "
+                                                           "carrying a ResponseObject."}}},
     **_ERRORS,
 }  # fmt: skip
+
+
+def _stream_response(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A route's responses: JSON, or with `stream: true` SSE events whose data is a `chunk` (then [DONE])."""
+    events = {
+        "schema": {"$ref": f"#/components/schemas/{chunk.__name__}"},
+        "description": "With `stream: true`: `data: {chunk}` events, then `data: [DONE]`.",
+    }
+    return {200: {"content": {"text/event-stream": events}}, **_ERRORS}  # fmt: skip
+
+
+class FerryAPI(FastAPI):
+    """The app, whose OpenAPI schema also describes the chunks of its streams (no route returns them as JSON)."""
+
+    STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse)
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            _, definitions = models_json_schema(
+                [(chunk, "serialization") for chunk in self.STREAM_CHUNKS], ref_template="#/components/schemas/{model}"
+            )
+            for name, definition in definitions["$defs"].items():
+                schema["components"]["schemas"].setdefault(name, definition)
+        return self.openapi_schema  # type: ignore[return-value]
 
 
 def ferry_version() -> str:
@@ -103,6 +136,7 @@ class ServerState:
         try:
             self.client.start()
             tokenizer = await asyncio.to_thread(Tokenizer.load, self.settings.tokenizer or self.engine_config.model)
+            reasoning = ReasoningParser.for_model(self.settings.reasoning_parser, tokenizer)
             info = await self.client.wait_ready()
         except EngineDeadError:
             return  # the client has already reported the death to the lifecycle
@@ -113,11 +147,15 @@ class ServerState:
         self.serving = ServingContext(
             client=self.client,
             tokenizer=tokenizer,
+            model_dir=self.engine_config.model,
             metrics=self.metrics,
             lifecycle=self.lifecycle,
             model_names=self.model_names,
             max_model_len=info.max_model_len,
             request_timeout=self.settings.request_timeout or None,
+            sse_ping=self.settings.sse_ping_interval,
+            reasoning=reasoning,
+            tool_call_parser=resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer),
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -126,7 +164,13 @@ class ServerState:
         gc.collect()
         gc.freeze()
         self.lifecycle.set_ready()
-        logger.info("Serving %s (max_model_len=%d)", self.model_name, info.max_model_len)
+        logger.info(
+            "Serving %s (max_model_len=%d, reasoning parser: %s, tool-call parser: %s)",
+            self.model_name,
+            info.max_model_len,
+            reasoning.name if reasoning else "none",
+            self.serving.tool_call_parser or "none",
+        )
         if self.settings.ui:
             logger.info("Playground and engine view: http://%s:%d/", self.settings.host, self.settings.port)
 
@@ -144,13 +188,21 @@ class ServerState:
 
 
 # The request bodies: their own JSON schemas go into the OpenAPI document (server/openapi.py).
-_REQUEST_MODELS: list[type[BaseModel]] = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+_REQUEST_MODELS: list[type[BaseModel]] = [
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+]
 
 
 class _FerryApp(FastAPI):
     """FastAPI with the request-id middleware around its whole stack, Starlette's own error middleware included,
     so that every response (an unhandled error's 500 too) carries X-Request-Id; and an OpenAPI document that says
-    exactly what the server accepts."""
+    exactly what the server accepts, the chunks of its streams included (no route returns them as JSON)."""
+
+    STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse)
 
     def __init__(self, model_names: tuple[str, ...], **options: Any) -> None:
         super().__init__(**options)
@@ -161,8 +213,21 @@ class _FerryApp(FastAPI):
 
     def openapi(self) -> dict[str, Any]:
         if self.openapi_schema is None:
-            self.openapi_schema = openapi_document(self, _REQUEST_MODELS, self.model_names)
+            schema = openapi_document(self, _REQUEST_MODELS, self.model_names)
+            _, definitions = models_json_schema(
+                [(chunk, "serialization") for chunk in self.STREAM_CHUNKS], ref_template="#/components/schemas/{model}"
+            )
+            for name, definition in definitions["$defs"].items():
+                schema["components"]["schemas"].setdefault(name, definition)
+            self.openapi_schema = schema
         return self.openapi_schema
+
+
+def resolve_tool_call_parser(setting: str, tokenizer: Tokenizer) -> str | None:
+    """`--tool-call-parser`: a parser's name as given, `auto` the one the chat template shows, `none` None."""
+    if setting == "auto":
+        return detect_tool_call_parser(tokenizer.chat_template)
+    return None if setting == "none" else setting
 
 
 def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:
@@ -185,13 +250,20 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, metrics=state.metrics)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_RESPONSE)
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=_stream_response(ChatCompletionChunk)
+    )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve_chat_completion(state.get_serving(), body, request)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAM_RESPONSE)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_stream_response(CompletionResponse))
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serve_completion(state.get_serving(), body, request)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_RESPONSES_STREAM)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """The Responses API, stateless: the whole conversation comes in `input` every time."""
+        return await serve_response(state.get_serving(), body, request)
 
     def model_card(name: str) -> ModelCard:
         serving = state.get_serving()
@@ -276,7 +348,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         logger.error("Unhandled error on %s", request.url.path, exc_info=exc)
-        return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
+        return internal_error().response()
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -32,7 +32,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="Serve a model over an OpenAI-compatible HTTP API.",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-        "/v1/models, /health, /ready, /metrics, /version).",
+        "/v1/responses, /v1/models, /health, /ready, /metrics, /version).",
         formatter_class=_HelpFormatter,
     )
     model = parser.add_argument_group("model")

@@ -7,10 +7,11 @@ locally with `tokenizers` (with a chat template). Nothing here touches the netwo
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 384
@@ -179,6 +180,57 @@ def build_model_dir(directory: Path, arch: str, seed: int = 0, **overrides) -> P
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.2)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(directory)
+    return directory
+
+
+def build_scripted_model_dir(directory: Path, scripts: Mapping[str, Sequence[str]], chat_template: str) -> Path:
+    """A llama whose greedy output follows a script: `scripts[trigger]` is what it writes after a prompt ending in
+    the token `trigger`, then EOS (after any other token, EOS at once).
+
+    Every trigger and script piece is a token of its own (an added, non-special token, so it decodes to itself).
+    Embeddings are one-hot and every layer's output projections are zero, so the residual stream holds only the
+    last token's embedding; the LM head maps each token of a script to the next one. The weights go through the
+    real loading path like any other model's.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    chain = [piece for trigger, script in scripts.items() for piece in (trigger, *script)]
+    assert len(set(chain)) == len(chain), "each piece may appear once: its token alone decides what follows"
+    tokenizer.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in chain])
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory)
+    vocab_size = len(tokenizer)
+    hidden_size = -(-vocab_size // 64) * 64  # one-hot embeddings need a dimension per token
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    successor = torch.full((vocab_size,), tokenizer.eos_token_id)
+    for trigger, script in scripts.items():
+        ids = [tokenizer.convert_tokens_to_ids(piece) for piece in (trigger, *script)]
+        successor[ids[:-1]] = torch.tensor(ids[1:])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0 if name.endswith("norm.weight") else 0.0)  # RMSNorms pass the one-hot rows through
+        model.model.embed_tokens.weight[:, :vocab_size] = torch.eye(vocab_size)
+        model.lm_head.weight[successor, torch.arange(vocab_size)] = 1.0
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

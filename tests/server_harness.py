@@ -127,12 +127,17 @@ def running_server(model_dir: Path, *extra_args: str) -> Iterator[str]:
 
 
 def sse_payloads(body: bytes) -> list[Any]:
-    """Parse an OpenAI SSE body, checking the framing byte for byte: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`."""
+    """Parse an OpenAI SSE body, checking the framing byte for byte: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`.
+
+    Keep-alive comments (`: ping\\n\\n`, sent on a long stream) are the only other frame allowed, and skipped.
+    """
     assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
     frames = body[: -len(b"data: [DONE]\n\n")].split(b"\n\n")
     assert frames[-1] == b"", "every event ends with a blank line"
     payloads = []
     for frame in frames[:-1]:
+        if frame == b": ping":
+            continue
         assert frame.startswith(b"data: ") and b"\n" not in frame, frame
         payloads.append(json.loads(frame[len(b"data: ") :]))
     return payloads

@@ -344,6 +344,31 @@ def test_serve_needs_vllms_python_to_start_vllm(tiny_llama: Path) -> None:
         run_serve(ServeOptions(model=str(tiny_llama), server="vllm"))
 
 
+def test_serve_sends_a_constraint_in_place_of_ignore_eos(tmp_path: Path) -> None:
+    bodies: list[dict[str, object]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake"}]})
+        bodies.append(json.loads(request.content))
+        events = b'data: {"choices": [{"index": 0, "text": "{"}]}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, content=events, headers={"content-type": "text/event-stream"})
+
+    schema = json.loads((Path(__file__).resolve().parents[1] / "bench" / "schemas" / "trips.json").read_text())
+    workload = WorkloadSpec(
+        num_requests=2, prompt_len=LengthDist.parse("fixed:4"), output_len=LengthDist.parse("fixed:4")
+    )
+    options = ServeOptions(
+        url="http://fake", workload=workload, concurrencies=(2,), structured_outputs={"json": schema}
+    )
+    report = run_serve(options, transport=httpx.MockTransport(handler))
+    assert len(bodies) == 3, "the warm-up request and the two measured ones"
+    assert all(body["structured_outputs"] == {"json": schema} and "ignore_eos" not in body for body in bodies)
+    assert "constrained: json" in format_serve(report)
+    with pytest.raises(SystemExit):
+        main(["serve", "--url", "http://fake", "--schema", str(tmp_path / "s.json")])
+
+
 def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0

@@ -85,6 +85,7 @@ def test_flash_backend_matches_torch_backend() -> None:
             )
         torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
 
+
 def test_cuda_kv_cache_takes_the_memory_flag_after_the_profiled_step(model_dir: Callable[[str], Path]) -> None:
     """The cache gets max_memory_percent of the memory free after loading, less the largest step's activations,
     and the largest step still runs once the cache holds its share."""

@@ -68,3 +68,8 @@ def service_unavailable(message: str, code: str) -> APIError:
 
 def engine_failure(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="engine_error")
+
+
+def internal_error() -> APIError:
+    """What a client learns of a bug: nothing but that it happened (the log has the traceback)."""
+    return APIError(500, "Internal server error.", type="server_error", code="internal_error")
