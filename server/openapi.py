@@ -19,26 +19,15 @@ _NULL = {"type": "null"}
 
 REFUSED_VALUES: dict[str, dict[str, dict[str, Any]]] = {
     "ChatCompletionRequest": {
-        "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
-        "tool_choice": {"enum": ["none", None]},
         "functions": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
         "function_call": {"enum": ["none", None]},
-        "response_format": {
-            "anyOf": [
-                {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]},
-                _NULL,
-            ]
-        },
         "audio": _NULL,
         "modalities": {"enum": [["text"], None]},
         "prediction": _NULL,
-        "reasoning_effort": _NULL,
         "verbosity": _NULL,
         "web_search_options": _NULL,
     },
     "ChatMessage": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
-        "tool_calls": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]},
         "function_call": _NULL,
         "audio": _NULL,
     },

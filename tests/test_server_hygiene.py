@@ -223,8 +223,8 @@ def test_the_openapi_document_states_exact_bounds_and_refusals(http: httpx.Clien
     assert isinstance(seed["maximum"], int)
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["model"]["enum"] == list(NAMES)
-    assert {"type": "array", "maxItems": 0} in chat["tools"]["anyOf"]
-    assert chat["reasoning_effort"]["type"] == "null"
+    assert {"type": "array", "maxItems": 0} in chat["functions"]["anyOf"]
+    assert chat["verbosity"]["type"] == "null"
     completion = schemas["CompletionRequest"]["properties"]
     assert {"type": "string", "maxLength": 0} in completion["suffix"]["anyOf"]
     assert (completion["priority"]["minimum"], completion["priority"]["maximum"]) == (-(2**31), 2**31 - 1)

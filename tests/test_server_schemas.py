@@ -167,19 +167,13 @@ def test_completion_prompt_forms() -> None:
 # A value each field of REFUSED_VALUES refuses, and where in a request it goes: what the OpenAPI document says is
 # refused must be refused, and everything refused must be in the document.
 REFUSED_EXAMPLES: dict[tuple[str, str], Any] = {
-    ("ChatCompletionRequest", "tools"): [{"type": "function", "function": {"name": "f"}}],
-    ("ChatCompletionRequest", "tool_choice"): "auto",
     ("ChatCompletionRequest", "functions"): [{"name": "f"}],
     ("ChatCompletionRequest", "function_call"): "auto",
-    ("ChatCompletionRequest", "response_format"): {"type": "json_object"},
     ("ChatCompletionRequest", "audio"): {"voice": "alloy", "format": "wav"},
     ("ChatCompletionRequest", "modalities"): ["text", "audio"],
     ("ChatCompletionRequest", "prediction"): {"type": "content", "content": "x"},
-    ("ChatCompletionRequest", "reasoning_effort"): "low",
     ("ChatCompletionRequest", "verbosity"): "low",
     ("ChatCompletionRequest", "web_search_options"): {},
-    ("ChatMessage", "role"): "tool",
-    ("ChatMessage", "tool_calls"): [{"id": "t"}],
     ("ChatMessage", "function_call"): {"name": "f", "arguments": "{}"},
     ("ChatMessage", "audio"): {"id": "a"},
     ("ContentPart", "type"): "image_url",
