@@ -415,6 +415,7 @@ CPU_ENGINE_VALUES = {
     "maxNumSeqs": 8,
     "maxModelLen": 256,
     "schedulerPolicy": "fifo",
+    "schedulingPolicy": "fcfs",
     "safetyMargin": 0.0,
     "enablePrefixCaching": True,
     "maxQueueSize": 16,
