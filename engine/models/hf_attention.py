@@ -33,10 +33,9 @@ from engine.attention import AttentionBackend, StepMetadata
 
 ATTN_IMPLEMENTATION = "ferry_paged"
 
-_IMPLEMENTED_ARGUMENTS = frozenset({"scaling", "sliding_window", "softcap"})
+_IMPLEMENTED_ARGUMENTS = frozenset({"sliding_window", "softcap"})  # beside the named `scaling` and `dropout`
 _NO_EFFECT_ARGUMENTS = frozenset(
     {
-        "dropout",  # 0 in eval mode; a non-zero value is reported below
         "is_causal",  # read as `causal` below
         "position_ids",  # positions are already in the rotated Q/K
         "output_attentions",
