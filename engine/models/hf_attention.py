@@ -215,7 +215,10 @@ class PagedBloomAttention(nn.Module):
     """Bloom's attention on the paged backend, over the parameters of the `BloomAttention` it replaces.
 
     ALiBi comes from the step's slopes at each token's own position: the `alibi` tensor BloomModel passes spans
-    the packed row (one position per row index), not a sequence, so it is not used.
+    the packed row (one position per row index), not a sequence, so it is not used. Bloom adds
+    `slope * key_position`; the backends add `slope * (key_position - query_position)`, which differs by a constant
+    per query row that softmax ignores: the same in float32 up to rounding, and in half precision closer to exact
+    than Bloom's own bias, which it rounds at absolute positions.
     """
 
     def __init__(self, original: BloomAttention) -> None:
