@@ -33,10 +33,9 @@ from engine.attention import AttentionBackend, StepMetadata
 
 ATTN_IMPLEMENTATION = "ferry_paged"
 
-_IMPLEMENTED_ARGUMENTS = frozenset({"scaling", "sliding_window", "softcap"})
+_IMPLEMENTED_ARGUMENTS = frozenset({"sliding_window", "softcap"})  # beside the named `scaling` and `dropout`
 _NO_EFFECT_ARGUMENTS = frozenset(
     {
-        "dropout",  # 0 in eval mode; a non-zero value is reported below
         "is_causal",  # read as `causal` below
         "position_ids",  # positions are already in the rotated Q/K
         "output_attentions",
@@ -216,7 +215,10 @@ class PagedBloomAttention(nn.Module):
     """Bloom's attention on the paged backend, over the parameters of the `BloomAttention` it replaces.
 
     ALiBi comes from the step's slopes at each token's own position: the `alibi` tensor BloomModel passes spans
-    the packed row (one position per row index), not a sequence, so it is not used.
+    the packed row (one position per row index), not a sequence, so it is not used. Bloom adds
+    `slope * key_position`; the backends add `slope * (key_position - query_position)`, which differs by a constant
+    per query row that softmax ignores: the same in float32 up to rounding, and in half precision closer to exact
+    than Bloom's own bias, which it rounds at absolute positions.
     """
 
     def __init__(self, original: BloomAttention) -> None:
