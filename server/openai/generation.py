@@ -59,6 +59,9 @@ class GenerationRequest(Protocol):
     @property
     def include_usage(self) -> bool: ...
 
+    @property
+    def priority(self) -> int: ...
+
     def check_supported(self, template_options: Collection[str] = ()) -> None: ...
 
     def sampling_params(

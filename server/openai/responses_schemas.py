@@ -17,7 +17,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from engine.request import SamplingParams, StructuredOutput
 from server.openai.errors import invalid_request, unsupported_parameter
-from server.openai.schemas import FUNCTION_NAME_PATTERN
+from server.openai.schemas import FUNCTION_NAME_PATTERN, INT32_MAX, INT32_MIN
 from server.openai.structured import Constraint, json_object_constraint, json_schema_constraint
 from server.openai.template import ReasoningEffort, template_kwargs
 from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode
@@ -258,6 +258,12 @@ class ResponsesRequest(_RequestModel):
     stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
     store: bool | None = Field(None, description="Only false (or absent): this server keeps no responses.")
+    priority: int = Field(
+        0,
+        ge=INT32_MIN,
+        le=INT32_MAX,
+        description="Lower runs first; only with `ferry serve --scheduling-policy priority` (400 otherwise).",
+    )
     # No effect on generation: accepted (metadata is echoed).
     metadata: dict[str, str] | None = None
     user: str | None = None
