@@ -235,7 +235,7 @@ def test_the_openapi_document_states_exact_bounds_and_refusals(http: httpx.Clien
 
 
 OPERATIONS = [
-    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"), ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"),
     ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/metrics.json"), ("GET", "/version"),
 ]  # fmt: skip
