@@ -58,8 +58,13 @@ class Tokenizer:
 
     def special_token_ids(self, tokens: Sequence[str]) -> frozenset[int]:
         """The ids of those of `tokens` that are special tokens of this vocabulary (the rest decode as text anyway)."""
-        vocab = self._tokenizer.get_vocab()
-        return frozenset(vocab[token] for token in tokens if vocab.get(token) in self._special_ids)
+        kept = set()
+        for token in tokens:
+            token_id = self._tokenizer.convert_tokens_to_ids(token)
+            # An unknown token maps to the unknown-token id, which must not be kept in its place.
+            if token_id in self._special_ids and self._tokenizer.convert_ids_to_tokens(token_id) == token:
+                kept.add(token_id)
+        return frozenset(kept)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as reported in logprobs (special tokens included)."""
