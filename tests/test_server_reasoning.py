@@ -63,6 +63,18 @@ def test_reasoning_is_split_from_the_answer(client: openai.OpenAI) -> None:
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_a_reply_sent_back_brings_its_reasoning_to_the_template(client: openai.OpenAI) -> None:
+    question = user(f"Ferries? {REASON}")
+    reply = client.chat.completions.create(model=MODEL, messages=question, temperature=0).choices[0].message
+    follow_up = [*question, reply, {"role": "user", "content": PLAIN}]  # the SDK sends reasoning_content back
+    with_reasoning = client.chat.completions.create(model=MODEL, messages=follow_up, temperature=0)
+    without = [*question, {"role": "assistant", "content": reply.content}, {"role": "user", "content": PLAIN}]
+    plain = client.chat.completions.create(model=MODEL, messages=without, temperature=0)
+    assert with_reasoning.choices[0].message.content == "".join(PLAIN_PIECES)
+    assert with_reasoning.usage is not None and plain.usage is not None
+    assert with_reasoning.usage.prompt_tokens > plain.usage.prompt_tokens, "the template rendered the reasoning"
+
+
 def test_reasoning_streams_as_its_own_deltas(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL, messages=user(f"Ferries? {REASON}"), temperature=0, stream=True

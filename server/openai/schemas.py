@@ -303,6 +303,9 @@ class ChatMessage(_RequestModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls (rendered by the template).")
     tool_call_id: str | None = Field(None, description="On a tool message: the call it answers.")
+    reasoning_content: str | None = Field(
+        None, description="An assistant's reasoning in an earlier turn (the template shows it where it shows any)."
+    )
     # Fields the SDK echoes back on assistant messages: accepted while empty, refused when they carry what the
     # server cannot render.
     refusal: str | None = None
@@ -455,6 +458,13 @@ class ChatCompletionRequest(SamplingRequest):
             }
             if message.name is not None:
                 entry["name"] = message.name
+            if message.reasoning_content is not None:
+                if message.role != "assistant":
+                    raise invalid_request(
+                        f"'{where}.reasoning_content' is only allowed on assistant messages.",
+                        f"{where}.reasoning_content",
+                    )
+                entry["reasoning_content"] = message.reasoning_content
             if message.tool_calls:
                 if message.role != "assistant":
                     raise invalid_request(
