@@ -78,6 +78,86 @@ class ToolCallReader(ABC):
         return [self._start_call(name), self._arguments(arguments)]
 
 
+class BufferedReader(ToolCallReader):
+    """A reader of a text format: output text gathers in `_pending` until `_drain` can settle it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+
+    def feed(self, text: str) -> ReaderUpdate:
+        self._pending += text
+        return self._drain(final=False)
+
+    def finish(self) -> ReaderUpdate:
+        return self._drain(final=True)
+
+    @abstractmethod
+    def _drain(self, final: bool) -> ReaderUpdate:
+        """What `_pending` settles now; with `final`, everything (the output is complete)."""
+
+
+class MarkedCallsReader(BufferedReader):
+    """A format whose calls follow a marker in the text (Hermes' `<tool_call>`, Mistral's `[TOOL_CALLS]`).
+
+    Text before a marker is content (a part of a marker at the end is held back). What follows a marker is held
+    back until `_read_calls` settles it: sent as calls, or as content (marker included) when it is not calls.
+    Whitespace right after calls is layout, not content.
+    """
+
+    marker: str
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_calls = False
+        self._after_call = False
+
+    @abstractmethod
+    def _read_calls(self, text: str, final: bool) -> tuple[list[tuple[str, str]] | None, int] | None:
+        """Of the text after a marker: the (name, arguments) calls it starts with, or None when it is not calls,
+        and how many characters they take; None while incomplete (never with `final`)."""
+
+    def _drain(self, final: bool) -> ReaderUpdate:
+        update = ReaderUpdate()
+        marker = self.marker
+        while self._pending:
+            if not self._in_calls:
+                start = self._pending.find(marker)
+                if start < 0:
+                    keep = 0 if final else partial_marker_length(self._pending, marker)
+                    update.content += self._content(self._pending[: len(self._pending) - keep])
+                    self._pending = self._pending[len(self._pending) - keep :]
+                    break
+                update.content += self._content(self._pending[:start])
+                self._pending = self._pending[start + len(marker) :]
+                self._in_calls = True
+                continue
+            read = self._read_calls(self._pending, final)
+            if read is None:
+                break
+            calls, used = read
+            raw = marker + self._pending[:used]
+            self._pending = self._pending[used:]
+            self._in_calls = False
+            if calls is None:
+                self._after_call = False
+                update.content += raw
+            else:
+                for name, arguments in calls:
+                    update.calls += self._whole_call(name, arguments)
+                self._after_call = True
+        if final and self._in_calls:  # the output ended right after the marker
+            update.content += marker
+            self._in_calls = False
+        return update
+
+    def _content(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
+
+
 def json_value_end(text: str, start: int) -> int | None:
     """The index just past the JSON object or array opening at `text[start]`, or None while it is incomplete.
 

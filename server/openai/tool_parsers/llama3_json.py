@@ -10,26 +10,18 @@ from __future__ import annotations
 
 import json
 
-from server.openai.tool_parsers.base import ReaderUpdate, ToolCallReader, call_from_json, json_value_end
+from server.openai.tool_parsers.base import BufferedReader, ReaderUpdate, call_from_json, json_value_end
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonToolParser(ToolCallReader):
+class Llama3JsonToolParser(BufferedReader):
     marker_tokens = (PYTHON_TAG,)
 
     def __init__(self) -> None:
         super().__init__()
-        self._pending = ""
         self._mode = "start"
         """start (nothing settled yet), calls (reading call objects) or content (everything else is content)."""
-
-    def feed(self, text: str) -> ReaderUpdate:
-        self._pending += text
-        return self._drain(final=False)
-
-    def finish(self) -> ReaderUpdate:
-        return self._drain(final=True)
 
     def _drain(self, final: bool) -> ReaderUpdate:
         update = ReaderUpdate()

@@ -11,70 +11,23 @@ from __future__ import annotations
 import json
 import re
 
-from server.openai.tool_parsers.base import (
-    ReaderUpdate,
-    ToolCallReader,
-    call_from_json,
-    json_value_end,
-    partial_marker_length,
-)
+from server.openai.tool_parsers.base import MarkedCallsReader, call_from_json, json_value_end
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
 
 
-class MistralToolParser(ToolCallReader):
+class MistralToolParser(MarkedCallsReader):
     marker_tokens = (MARKER, ARGS)
+    marker = MARKER
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._pending = ""
-        self._in_calls = False
-        self._after_call = False
+    def _read_calls(self, text: str, final: bool) -> tuple[list[tuple[str, str]] | None, int] | None:
+        read = self._read_complete_calls(text)
+        # Still incomplete when the output ends: not calls, all of it content.
+        return (None, len(text)) if read is None and final else read
 
-    def feed(self, text: str) -> ReaderUpdate:
-        self._pending += text
-        return self._drain(final=False)
-
-    def finish(self) -> ReaderUpdate:
-        return self._drain(final=True)
-
-    def _drain(self, final: bool) -> ReaderUpdate:
-        update = ReaderUpdate()
-        while self._pending:
-            if not self._in_calls:
-                start = self._pending.find(MARKER)
-                if start < 0:
-                    keep = 0 if final else partial_marker_length(self._pending, MARKER)
-                    update.content += self._content(self._pending[: len(self._pending) - keep])
-                    self._pending = self._pending[len(self._pending) - keep :]
-                    break
-                update.content += self._content(self._pending[:start])
-                self._pending = self._pending[start + len(MARKER) :]
-                self._in_calls = True
-                continue
-            read = self._read_calls(self._pending)
-            if read is None:  # incomplete
-                if not final:
-                    break
-                read = (None, len(self._pending))
-            calls, used = read
-            raw = MARKER + self._pending[:used]
-            self._pending = self._pending[used:]
-            self._in_calls = False
-            if calls is None:
-                self._after_call = False
-                update.content += raw
-            else:
-                for name, arguments in calls:
-                    update.calls += self._whole_call(name, arguments)
-                self._after_call = True
-        if final and self._in_calls:  # the output ended right after the marker
-            update.content += MARKER
-            self._in_calls = False
-        return update
-
-    def _read_calls(self, text: str) -> tuple[list[tuple[str, str]] | None, int] | None:
+    @staticmethod
+    def _read_complete_calls(text: str) -> tuple[list[tuple[str, str]] | None, int] | None:
         """(calls or None if malformed, characters used) of the text after a marker; None while incomplete."""
         offset = len(text) - len(text.lstrip())
         if offset == len(text):
@@ -104,12 +57,6 @@ class MistralToolParser(ToolCallReader):
             return None
         call = call_from_json({"name": name, "arguments": _loads(text[start:end])})
         return (None if call is None else [call]), end
-
-    def _content(self, text: str) -> str:
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
-        return text
 
 
 def _loads(text: str) -> object:
