@@ -19,7 +19,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.openai.choices import ChoiceState
-from server.openai.errors import invalid_request
 from server.openai.generation import Generation, ServingContext, start_generation
 from server.openai.logprobs import chat_logprobs
 from server.openai.schemas import (
@@ -35,9 +34,10 @@ from server.openai.schemas import (
     ToolCall,
     ToolCallChunk,
 )
+from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
 from server.openai.tools import resolve_tool_use
-from server.tokens import ChatTemplateError, Tokenizer
+from server.tokens import Tokenizer
 
 
 async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
@@ -48,14 +48,13 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
     )
     constraint = body.output_constraint(tool_use.constraint() if tool_use else None)
     messages = body.template_messages()
-    try:
-        prompt_text = ctx.tokenizer.render_chat_template(
-            messages,
-            body.template_kwargs(ctx.tokenizer.chat_template_options),
-            tools=tool_use.template_tools() if tool_use else None,
-        )
-    except ChatTemplateError as exc:
-        raise invalid_request(str(exc), "messages") from exc
+    prompt_text = render_conversation(
+        ctx.tokenizer,
+        messages,
+        body.template_kwargs(ctx.tokenizer.chat_template_options),
+        tool_use.template_tools() if tool_use else None,
+        "messages",
+    )
     reasoning = ctx.reasoning if constraint is None else None
     generation = await start_generation(
         ctx,

@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.openai.choices import ChoiceUpdate
-from server.openai.errors import APIError, invalid_request
+from server.openai.errors import APIError
 from server.openai.generation import Generation, ServingContext, start_generation
 from server.openai.responses_input import template_messages
 from server.openai.responses_schemas import (
@@ -47,10 +47,10 @@ from server.openai.responses_schemas import (
     ResponseUsage,
 )
 from server.openai.structured import conflicting_constraints
+from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
 from server.openai.tools import resolve_tool_use
 from server.sse import sse_event
-from server.tokens import ChatTemplateError
 
 Event = dict[str, Any]
 """One stream event: its `type`, `sequence_number` and fields, JSON-ready."""
@@ -72,14 +72,13 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         raise conflicting_constraints(tool_constraint.param, format_constraint.param)
     constraint = tool_constraint or format_constraint
     messages = template_messages(body.instructions, body.input)
-    try:
-        prompt_text = ctx.tokenizer.render_chat_template(
-            messages,
-            body.template_kwargs(ctx.tokenizer.chat_template_options),
-            tools=tool_use.template_tools() if tool_use else None,
-        )
-    except ChatTemplateError as exc:
-        raise invalid_request(str(exc), "input") from exc
+    prompt_text = render_conversation(
+        ctx.tokenizer,
+        messages,
+        body.template_kwargs(ctx.tokenizer.chat_template_options),
+        tool_use.template_tools() if tool_use else None,
+        "input",
+    )
     # A constrained answer is grammar-bound from its first token: it has no reasoning to split off.
     reasoning = ctx.reasoning if constraint is None else None
     response_id = f"resp_{uuid.uuid4().hex}"

@@ -1,5 +1,6 @@
 """What a request passes to the model's chat template beyond its messages: `chat_template_kwargs` and the reasoning
-effort, each checked against the variables the template reads, so that nothing a client sets is silently unused.
+effort, each checked against the variables the template reads, so that nothing a client sets is silently unused;
+and the rendering of a conversation, which chat and the Responses API share.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from server.openai.errors import invalid_request, unsupported_parameter
+from server.tokens import ChatTemplateError, Tokenizer
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 EFFORT_VARIABLE = "reasoning_effort"
@@ -40,3 +42,18 @@ def template_kwargs(
             )
         kwargs[EFFORT_VARIABLE] = reasoning_effort
     return kwargs
+
+
+def render_conversation(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    kwargs: Mapping[str, Any],
+    tools: list[dict[str, Any]] | None,
+    param: str,
+) -> str:
+    """The conversation and the tools offered as the model's chat template writes them; a template that rejects
+    them is a 400 on `param` (the request field the messages came in)."""
+    try:
+        return tokenizer.render_chat_template(messages, kwargs, tools=tools)
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), param) from exc
