@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from bench.models import BenchModel
 from bench.results import RequestTrace, SystemRun
 from bench.workload import Workload
+from engine.config import CompileLevel
 
 if TYPE_CHECKING:
     from engine import EngineCore
@@ -33,7 +34,13 @@ class StepShape:
 
 
 def build_engine(
-    model: BenchModel, workload: Workload, *, slots: int, max_batch_tokens: int, page_size: int
+    model: BenchModel,
+    workload: Workload,
+    *,
+    slots: int,
+    max_batch_tokens: int,
+    page_size: int,
+    compile: CompileLevel = "none",
 ) -> EngineCore:
     from engine import EngineConfig, EngineCore
 
@@ -48,6 +55,7 @@ def build_engine(
         max_num_seqs=slots,
         max_queue_size=0,
         cpu_threads=None,  # every system runs with the thread count --threads set
+        compile=compile,
     )
     return EngineCore(config)
 

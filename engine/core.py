@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 
+from engine.compile import warm_up
 from engine.config import EngineConfig, EngineStartupError
 from engine.kv_cache import KVCacheManager, group_layers, pool_pages
 from engine.loader import LoadedModel, load_model
@@ -91,6 +92,8 @@ class EngineCore:
             config.model, vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids
         )
         self.runner = ModelRunner(loaded, layouts, pages, config, self.grammars)
+        if config.compile != "none":
+            warm_up(self.runner, config)
         self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from engine.attention import AttentionBackend, select_backend
 from engine.checkpoint import checkpoint_files
+from engine.compile import check_compile_level, compile_model
 from engine.config import EngineConfig
 from engine.models.cpu_linear import bf16_matmul_native, onednn_linear_available, pack_linears, widen_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
@@ -93,6 +94,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         config.model_impl == "auto" and unsupported_feature(hf_config, native=True) is None
     )
     check_supported(hf_config, native)
+    check_compile_level(config.compile, native=native, device=device)
     torch.manual_seed(config.seed)
     # Weights go straight into `dtype` on `device`: each checkpoint tensor is converted as it is copied into its
     # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
@@ -109,6 +111,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         pack_linears(model)
     elif dtype == torch.bfloat16 and not bf16_matmul_native(device):
         widen_linears(model)
+    compile_model(model, config.compile)
     return LoadedModel(
         model, hf_config, _eos_ids(config.model, hf_config), max_model_len, device, dtype, native, backend
     )

@@ -422,6 +422,7 @@ CPU_ENGINE_VALUES = {
     "seed": 0,
     "attentionBackend": "torch",
     "modelImpl": "auto",
+    "compile": "none",
     "cpuThreads": 1,
 }
 CPU_SERVER_VALUES = {

@@ -3,6 +3,10 @@
 Differences from the transformers modules are for speed only: fused QKV and gate/up projections, rotary cos/sin
 precomputed once for every position, the packed `[T, ...]` layout with no batch dimension, attention through a
 paged backend, and no mask building per step. The maths (and so greedy output) is the same.
+
+The decoder (`Backbone.forward`, and each `DecoderLayer`) takes and returns tensors only: a layer's attention
+finds the step's metadata through `engine/attention/graph_op.py`, so `engine/compile.py` can compile a layer, or
+the whole decoder, into a graph that does not change from step to step.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.attention import AttentionBackend, StepMetadata
+from engine.attention.graph_op import attention_step, paged_attention
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 
@@ -54,7 +59,7 @@ def sliding_window_of_layer(config: PretrainedConfig, layer: int) -> int | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -72,14 +77,12 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window_of_layer(config, layer)
         self.layer = layer
-        self.backend = backend
 
     def forward(
         self,
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: StepMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -91,7 +94,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        out = paged_attention(q, k, v, kv_cache, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -109,24 +112,39 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, backend)
+        self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, meta, kv_cache) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, meta, kv_cache)
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Tensors in, tensors out (the step's metadata is read by the attention op): what compiles whole."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache)
+        return self.norm(hidden)
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -135,7 +153,8 @@ class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.model = Backbone(config, backend)
+        self.backend = backend
+        self.model = Backbone(config)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tied:
@@ -188,12 +207,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """`layer_metas[i]`: the step metadata of layer i's KV-cache group."""
-        hidden = self.model.embed_tokens(input_ids)
-        cos = self.cos_cache[positions].to(hidden.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(hidden.dtype).unsqueeze(1)
-        for layer, meta, kv_cache in zip(self.model.layers, layer_metas, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, meta, kv_cache)
-        return self.model.norm(hidden)
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        with attention_step(self.backend, dict(zip(self.sliding_windows, layer_metas, strict=True))):
+            return self.model(input_ids, cos, sin, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
