@@ -47,6 +47,8 @@ class OfflineOptions:
     """Slots: static wave size, transformers' max_requests_per_batch, Ferry's max_num_seqs."""
     max_batch_tokens: int = 2048
     page_size: int = 16
+    attention_backend: str = "auto"
+    """Ferry's `attention_backend`."""
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
     check: CheckMode = "strict"
     warmup: bool = True
@@ -179,7 +181,14 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 )
                 runs.append(_median_run(vllm_runs, options.check))
         if "ferry" in options.systems:
-            engine = build_engine(model, workload, slots=slots, max_batch_tokens=budget, page_size=options.page_size)
+            engine = build_engine(
+                model,
+                workload,
+                slots=slots,
+                max_batch_tokens=budget,
+                page_size=options.page_size,
+                attention_backend=options.attention_backend,
+            )
             if options.warmup:
                 run_ferry(engine, warm)
             # Scheduling is deterministic, so every repeat runs the same steps: the first one's shapes serve.
