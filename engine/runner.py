@@ -27,7 +27,7 @@ from engine.kv_cache import GroupLayout
 from engine.loader import LoadedModel
 from engine.request import SamplingParams, TokenLogprob
 from engine.sampler import Sampler
-from engine.step import ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
+from engine.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
 from engine.structured import GrammarCompiler
 from engine.token_masks import GrammarMasker, GrammarState
 
@@ -200,8 +200,12 @@ class ModelRunner:
         total = int(cu_q[-1])
         seq_lens = starts + q_lens
 
-        self._np["input_ids"][:total] = list(itertools.chain.from_iterable(plan.token_ids))
+        input_ids = self._np["input_ids"][:total]
+        input_ids[:] = list(itertools.chain.from_iterable(plan.token_ids))
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        # Planned before the step that samples them (async scheduling): each is its sequence's latest token.
+        for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist():
+            input_ids[token] = self._seqs[plan.request_ids[seq_of_token[token]]].output_ids[-1]
         positions = self._np["positions"][:total]
         positions[:] = np.repeat(starts - cu_q[:-1], q_lens) + np.arange(total)
         self._np["query_start_loc"][: num_seqs + 1] = cu_q
