@@ -15,14 +15,17 @@ from collections.abc import Iterable
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager, group_layers, pool_pages
-from engine.loader import LoadedModel, load_model
+from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
+from engine.loader import LoadedModel, load_model, model_config
 from engine.observer import StepObserver, StepRecord
 from engine.page_pool import PagePool
+from engine.parallel import CollectiveFailed, TensorParallel, init_tensor_parallel, with_rendezvous
 from engine.request import QueueFull, Request, RequestRejected, SamplingParams, StepOutput
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
+from engine.step import SchedulerOutput
+from engine.worker import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -37,24 +40,34 @@ class EngineCore:
     def __init__(
         self, config: EngineConfig, *, loaded: LoadedModel | None = None, observers: Iterable[StepObserver] = ()
     ) -> None:
-        self.config = config
         self.model_name = os.path.basename(os.path.normpath(config.model))
-        if loaded is None:
-            loaded = load_model(config)
+        self.tensor_parallel: TensorParallel | None = None
+        """This process's rank 0 of the tensor-parallel group; None without tensor parallelism."""
+        self._workers: Workers | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a model loaded beforehand cannot be sharded: tensor parallelism loads its own")
+            config = with_rendezvous(config)
+            model_config(config)  # refuse what cannot be sharded before any rank starts
+            self._workers = Workers(config, range(1, config.ranks_per_node), _log_level())
+        self.config = config
+        try:
+            if self._workers is not None:
+                self.tensor_parallel = init_tensor_parallel(config, rank=0)
+            self._build(config, load_model(config, self.tensor_parallel) if loaded is None else loaded)
+        except BaseException:
+            self._release(stopped=False)  # the other ranks may be anywhere in their start-up: no stop for them
+            raise
+        self.observers: list[StepObserver] = list(observers)
+        self._num_steps = 0
+        self._last_step_tokens = 0
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
         self.device = loaded.device
-        layouts = group_layers(loaded.model.sliding_windows)
-        pages = pool_pages(
-            layouts,
-            num_pages=config.num_blocks,
-            budget_bytes=_kv_budget_bytes(config, loaded.device) if not config.num_blocks else 0,
-            layer_page_bytes=ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype),
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_batch_tokens=config.max_batch_tokens,
-        )
+        layouts, pages = kv_cache_layout(config, loaded, self.tensor_parallel)
         pools = [
             PagePool(
                 n,
@@ -68,15 +81,13 @@ class EngineCore:
         self.kv_cache = KVCacheManager(layouts, pools)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(loaded, layouts, pages, config)
-        self.observers: list[StepObserver] = list(observers)
-        self._num_steps = 0
-        self._last_step_tokens = 0
         logger.info(
-            "engine ready: %s (%s, %s, %s backend), %d pages of %d tokens, max_model_len %d",
+            "engine ready: %s (%s, %s, %s backend, tensor-parallel size %d), %d pages of %d tokens, max_model_len %d",
             self.model_name,
             "native" if loaded.native else "transformers",
             loaded.dtype,
             loaded.backend.name,
+            config.tensor_parallel_size,
             pages[0],
             config.page_size,
             self.max_model_len,
@@ -140,6 +151,8 @@ class EngineCore:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.broadcast_plan(plan)
         result = self.runner.execute(plan)
         executed = time.perf_counter()
         outputs = self.scheduler.update(plan, result)
@@ -150,6 +163,46 @@ class EngineCore:
             for observer in self.observers:
                 observer.on_step(record)
         return outputs
+
+    def keep_alive(self) -> None:
+        """Called by the loop while the engine idles: with tensor parallelism an empty plan tells the other ranks
+        the driver is alive (they would take a silence of distributed_timeout for a dead driver) and finds out
+        whether they are; nothing without it."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.broadcast_plan(_IDLE_PLAN)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave their group (nothing without tensor parallelism); the
+        engine cannot step afterwards. Idempotent; after a failed collective the workers are killed instead."""
+        tp = self.tensor_parallel
+        stopped = tp is not None and not tp.failed
+        if stopped:
+            try:
+                tp.send_stop()
+            except CollectiveFailed:
+                logger.warning("the tensor-parallel ranks could not be told to stop; killing them")
+                stopped = False
+        self._release(stopped)
+
+    def _release(self, stopped: bool) -> None:
+        """Wait for stopped workers to leave (kill them otherwise), then leave the process group."""
+        tp, workers = self.tensor_parallel, self._workers
+        self.tensor_parallel = self._workers = None
+        if workers is not None:
+            workers.join() if stopped else workers.kill()
+        if tp is not None:
+            tp.close()
+
+    def __enter__(self) -> EngineCore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The tensor-parallel worker processes this engine started (its node's ranks other than 0)."""
+        return [] if self._workers is None else self._workers.pids
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache
@@ -175,6 +228,35 @@ class EngineCore:
     def is_idle_and_clean(self) -> bool:
         """True when nothing is in flight and every page is free or merely cached (tests and debug checks)."""
         return not self.has_unfinished() and self.kv_cache.all_free()
+
+
+_IDLE_PLAN = SchedulerOutput()
+
+
+def _log_level() -> str:
+    """The level this process logs at, for the workers it starts."""
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+
+
+def kv_cache_layout(
+    config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None = None
+) -> tuple[list[GroupLayout], list[int]]:
+    """The KV-cache groups and the pages of each group's pool. With tensor parallelism every rank sizes its own
+    cache (its KV heads, its device's free memory) and all take the smallest count, since one scheduler hands out
+    the same pages on every rank."""
+    layouts = group_layers(loaded.model.sliding_windows)
+    pages = pool_pages(
+        layouts,
+        num_pages=config.num_blocks,
+        budget_bytes=_kv_budget_bytes(config, loaded.device) if not config.num_blocks else 0,
+        layer_page_bytes=ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype),
+        page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_batch_tokens=config.max_batch_tokens,
+    )
+    if tp is not None:
+        pages = tp.min_over_ranks(pages)
+    return layouts, pages
 
 
 def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> float:

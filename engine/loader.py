@@ -16,7 +16,8 @@ from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig
 from engine.models.cpu_linear import onednn_linear_available, pack_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
-from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM
+from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM, check_tensor_parallel
+from engine.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,29 +75,45 @@ def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """The model of `config` on its device, with the attention backend it runs with (sets torch's CPU threads)."""
+def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
+    """The model's transformers config, and whether it runs on the native modules (else the transformers adapter);
+    raises ValueError for a combination the engine cannot run exactly, tensor parallelism included."""
     if not os.path.isfile(os.path.join(config.model, "config.json")):
         raise FileNotFoundError(f"{config.model!r} is not a model directory (no config.json)")
-    device = resolve_device(config.device)
-    if device.type == "cpu" and config.cpu_threads is not None:
-        torch.set_num_threads(config.cpu_threads)
-    backend = select_backend(config.attention_backend, device.type, config.page_size)
-    dtype = resolve_dtype(config.dtype, device)
     hf_config = AutoConfig.from_pretrained(config.model)
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    max_model_len = config.max_model_len or limit or 4096
-    if limit is not None and max_model_len > limit:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
     native = config.model_impl == "native" or (
         config.model_impl == "auto" and hf_config.model_type in NATIVE_MODEL_TYPES
     )
     if native and hf_config.model_type not in NATIVE_MODEL_TYPES:
         raise ValueError(f"no native implementation for model_type {hf_config.model_type!r}")
+    if config.tensor_parallel_size > 1:
+        if not native:
+            raise ValueError(
+                f"--tensor-parallel-size {config.tensor_parallel_size}: a {hf_config.model_type!r} model runs on the "
+                "transformers adapter, which Ferry cannot shard; tensor parallelism runs the native Llama-family "
+                f"models only ({', '.join(sorted(NATIVE_MODEL_TYPES))}, without --model-impl transformers)"
+            )
+        check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    return hf_config, native
+
+
+def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """The model of `config` on its device, with the attention backend it runs with (sets torch's CPU threads);
+    with `tp`, this rank's shard of it on the rank's device."""
+    hf_config, native = model_config(config)
+    device = resolve_device(config.device) if tp is None else tp.device
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    backend = select_backend(config.attention_backend, device.type, config.page_size)
+    dtype = resolve_dtype(config.dtype, device)
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    max_model_len = config.max_model_len or limit or 4096
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
     torch.manual_seed(config.seed)
     if native:
         with torch.device(device):
-            model = LlamaFamilyForCausalLM(hf_config, backend, max_positions=max_model_len)
+            model = LlamaFamilyForCausalLM(hf_config, backend, max_positions=max_model_len, tp=tp)
         if config.load_format == "dummy":
             _init_dummy(model)
         else:

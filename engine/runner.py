@@ -135,6 +135,8 @@ class ModelRunner:
         prepared = time.perf_counter()
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
+        if logits is None:  # a tensor-parallel rank other than 0: the driver samples, from the gathered logits
+            return ModelRunnerOutput(prepare_seconds=prepared - started, forward_seconds=forwarded - prepared)
         sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples, strict=True) if samples]
         result = self.sampler(logits[: inputs.num_sampling], sampling)
         for seq, token in zip(sampling, result.token_ids, strict=True):
@@ -298,8 +300,9 @@ class ModelRunner:
         return self._device_buffers[name][:n].copy_(host, non_blocking=True)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens (and
+        the prompt rows scored), None on a tensor-parallel rank other than 0."""
         layer_metas = [inputs.metas[g] for g in self.group_of_layer]
         hidden = self.model(inputs.input_ids, inputs.meta.positions, layer_metas, self.kv_caches)
         return self.model.compute_logits(hidden[inputs.logits_rows])

@@ -1,0 +1,137 @@
+"""Tensor-parallel worker ranks: one process each, spawned by the engine process (node 0) or by `ferry serve` on
+the other nodes.
+
+A worker joins the ranks, loads its shard of the model, sizes its KV cache with the others, then runs each plan
+the driver broadcasts through its own runner: the same deltas, the same forward pass on its shard, no sampling
+(the driver samples from the gathered logits, and every token a worker needs comes in the next plan). It leaves
+when the driver says stop, exits non-zero when a collective fails (the driver died or hung), and dies with the
+process that spawned it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+
+from engine.config import EngineConfig
+from engine.lifetime import die_with_parent
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_SECONDS = 10.0
+"""How long stopped workers get to leave on their own before they are killed."""
+
+
+def run_worker(config: EngineConfig, rank: int, parent_pid: int, log_level: str) -> None:
+    """Entry point of a worker process (rank > 0)."""
+    die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group: the process that spawned this one decides what happens. SIGTERM
+    # keeps its default (an engine process started by the server ignores it, and spawned children inherit that).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
+    # Join the ranks as soon as torch is in, so that the driver waits for no more than that import; the model
+    # code (transformers and all) loads while the others load theirs.
+    from engine.parallel import CollectiveFailed, init_tensor_parallel
+
+    try:
+        tp = init_tensor_parallel(config, rank)
+        from engine.core import kv_cache_layout
+        from engine.loader import load_model
+        from engine.runner import ModelRunner
+
+        loaded = load_model(config, tp)
+        layouts, pages = kv_cache_layout(config, loaded, tp)
+        runner = ModelRunner(loaded, layouts, pages, config)
+        logger.info("rank %d of %d ready on %s: %d KV-cache pages", rank, tp.size, tp.device, pages[0])
+        while (plan := tp.receive_plan()) is not None:
+            runner.execute(plan)
+    except CollectiveFailed:
+        logger.exception("rank %d lost its peers; exiting", rank)
+        _leave(1)
+    except Exception:
+        logger.exception("rank %d failed", rank)
+        _leave(1)
+    tp.close()
+    _leave(0)
+
+
+def _leave(status: int) -> None:
+    """Exit now, skipping the interpreter's teardown (over a second with torch loaded): nothing is left to flush
+    but the log."""
+    logging.shutdown()
+    os._exit(status)
+
+
+class Workers:
+    """Worker processes of this node, as their spawner sees them."""
+
+    def __init__(self, config: EngineConfig, ranks: range, log_level: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        # Daemonic: should the spawner exit without stop(), multiprocessing terminates them on its way out.
+        self.processes: list[BaseProcess] = [
+            context.Process(
+                target=run_worker,
+                args=(config, rank, os.getpid(), log_level),
+                name=f"ferry-rank-{rank}",
+                daemon=True,
+            )
+            for rank in ranks
+        ]
+        for process in self.processes:
+            process.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.pid is not None]
+
+    def wait_any(self) -> int:
+        """Block until every worker exited cleanly (0), or one failed: then kill the rest and return 1."""
+        remaining = list(self.processes)
+        while remaining:
+            for sentinel in wait([p.sentinel for p in remaining]):
+                process = next(p for p in remaining if p.sentinel == sentinel)
+                process.join()
+                remaining.remove(process)
+                if process.exitcode != 0:
+                    logger.error("%s exited with %s", process.name, process.exitcode)
+                    self.kill()
+                    return 1
+        return 0
+
+    def join(self, timeout: float = STOP_TIMEOUT_SECONDS) -> None:
+        """Wait up to `timeout` for the workers to leave, then kill whichever has not."""
+        for process in self.processes:
+            process.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+
+def run_node(config: EngineConfig, log_level: str) -> int:
+    """`ferry serve` on a node other than 0: run this node's ranks until node 0 stops them (0) or they fail (1)."""
+    first = config.node_rank * config.ranks_per_node
+    logger.info(
+        "node %d of %d: ranks %d..%d, meeting at %s:%s",
+        config.node_rank,
+        config.nnodes,
+        first,
+        first + config.ranks_per_node - 1,
+        config.master_addr,
+        config.master_port,
+    )
+    workers = Workers(config, range(first, first + config.ranks_per_node), log_level)
+    try:
+        return workers.wait_any()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        workers.kill()
