@@ -118,6 +118,9 @@ class Workers:
 
 def run_node(config: EngineConfig, log_level: str) -> int:
     """`ferry serve` on a node other than 0: run this node's ranks until node 0 stops them (0) or they fail (1)."""
+    from engine.parallel import with_rendezvous
+
+    config = with_rendezvous(config)
     first = config.node_rank * config.ranks_per_node
     logger.info(
         "node %d of %d: ranks %d..%d, meeting at %s:%s",

@@ -70,7 +70,7 @@ class ServerState:
         self.settings = settings
         self.lifecycle = lifecycle
         self.model_name = settings.served_model_name or Path(engine_config.model).name
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, engine_config.tensor_parallel_size)
         self.created = int(time.time())
         self.client = EngineClient(
             engine_config,
@@ -155,7 +155,12 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
 
     def model_card() -> ModelCard:
         serving = state.get_serving()
-        return ModelCard(id=state.model_name, created=state.created, max_model_len=serving.max_model_len)
+        return ModelCard(
+            id=state.model_name,
+            created=state.created,
+            max_model_len=serving.max_model_len,
+            tensor_parallel_size=engine_config.tensor_parallel_size,
+        )
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -88,6 +88,11 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config = build_engine_config(args)
     settings = build_settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    if engine_config.node_rank > 0:
+        # Another node of a multi-node tensor-parallel run: its ranks only, no HTTP; node 0 serves.
+        from engine.worker import run_node
+
+        return run_node(engine_config, settings.log_level)
     lifecycle = Lifecycle(settings.drain_timeout)
     app = create_app(engine_config, settings, lifecycle)
     config = uvicorn.Config(

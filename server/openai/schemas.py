@@ -364,6 +364,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "ferry"
     max_model_len: int
+    tensor_parallel_size: int
+    """Ranks the model is sharded over (1: one device)."""
 
 
 class ModelList(BaseModel):

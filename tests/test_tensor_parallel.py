@@ -1,0 +1,227 @@
+"""Tensor parallelism on CPU (gloo): the oracle at TP=2, through the engine and through `ferry serve` (one node and
+two), the refusals, and what happens when a rank dies or hangs.
+
+Starting ranks is the slow part (a worker imports torch and transformers: several seconds on a busy machine), so
+each engine here runs one config that chunks prefills, preempts and shares a prefix all at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from server.tokens import Tokenizer
+from tests.model_factory import build_model_dir
+from tests.server_harness import free_port, metric, metric_samples, node_process, server_process
+from tests.test_engine_equivalence import _reference, _run
+from tests.test_server_faults import process_gone, read_events, read_rest
+
+pytestmark = pytest.mark.timeout(300)
+
+SHARED_PREFIX = 16
+# Prefills in chunks of 32 tokens, pages of 4, and a cache too small for the batch (preemption), sized in bytes:
+# 48 pages at TP=2, where each rank's cache holds one of the two KV heads.
+SETUP = dict(max_batch_tokens=32, page_size=4, num_blocks=None, cpu_kv_cache_gib=48 * 1024 / 2**30)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], arch: str) -> None:
+    path = model_dir(arch)
+    prompts, max_new, expected = _reference(path, arch, SHARED_PREFIX)
+    tp2, tp2_outputs, tp2_steps = _run(path, prompts, max_new, tensor_parallel_size=2, **SETUP)
+    workers = tp2.worker_pids
+    try:
+        for i, (got, want) in enumerate(zip(tp2_outputs, expected, strict=True)):
+            assert got == want, f"{arch}: request {i} (prompt {len(prompts[i])} tokens) diverged at TP=2"
+        assert max(len(p) for p in prompts) > SETUP["max_batch_tokens"] >= max(sum(lens) for lens in tp2_steps)
+        assert tp2.scheduler.num_preemptions > 0
+        assert tp2.stats().prefix_cache_hits >= SHARED_PREFIX
+        assert tp2.is_idle_and_clean()
+        # A rank's cache holds half the KV heads, so the same bytes hold twice the pages one device's would.
+        assert tp2.runner.kv_caches[0][0].shape[2] == 1
+        assert tp2.kv_cache.num_pages == 2 * EngineCore(EngineConfig(model=str(path), **SETUP)).kv_cache.num_pages
+        pages = tp2.kv_cache.num_pages
+    finally:
+        tp2.close()
+    assert len(workers) == 1
+    assert all(process_gone(pid) for pid in workers), "close() leaves no worker behind"
+    # TP=1 with as many pages plans the very same steps, and computes the same tokens.
+    _, tp1_outputs, tp1_steps = _run(path, prompts, max_new, **{**SETUP, "num_blocks": pages})
+    assert tp1_steps == tp2_steps and tp1_outputs == tp2_outputs
+
+
+def test_fewer_kv_heads_than_ranks_tied_padded_vocab_and_biases(tmp_path: Path) -> None:
+    """One KV head, replicated on both ranks; a vocabulary that does not split evenly (the last rank's part is
+    padded); the LM head tied to the embedding; biases on the row-parallel o and down projections."""
+    path = build_model_dir(
+        tmp_path / "llama-1kv",
+        "llama",
+        num_key_value_heads=1,
+        vocab_size=387,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    prompts, max_new, expected = _reference(path, "llama-1kv", 0)
+    with EngineCore(EngineConfig(model=str(path), tensor_parallel_size=2, num_blocks=256)) as engine:
+        results = generate_batch(prompts, params=[SamplingParams(max_new_tokens=n) for n in max_new], engine=engine)
+        assert engine.runner.kv_caches[0][0].shape[2] == 1
+    assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "message"),
+    [
+        ("llama", dict(tensor_parallel_size=3), "4 attention heads do not divide by 3"),
+        ("gpt2", dict(tensor_parallel_size=2), "transformers adapter, which Ferry cannot shard"),
+        ("llama", dict(tensor_parallel_size=2, model_impl="transformers"), "transformers adapter"),
+    ],
+    ids=["heads-do-not-divide", "breadth-path", "forced-adapter"],
+)
+def test_what_cannot_be_sharded_exactly_is_refused(
+    model_dir: Callable[[str], Path], arch: str, overrides: dict, message: str
+) -> None:
+    config = EngineConfig(model=str(model_dir(arch)), **overrides)
+    with pytest.raises(ValueError, match=message):
+        EngineCore(config)
+
+
+def test_config_checks_the_layout() -> None:
+    with pytest.raises(ValueError, match="nnodes must be >= 1 and divide tensor_parallel_size"):
+        EngineConfig(model="m", tensor_parallel_size=3, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank must be in"):
+        EngineConfig(model="m", tensor_parallel_size=2, nnodes=2, node_rank=2)
+    assert EngineConfig(model="m", tensor_parallel_size=4, nnodes=2).ranks_per_node == 2
+
+
+# ------------------------------------------------------------------------------------------- through the server
+
+MODEL = "tiny"
+SERVE_SETUP = ("--served-model-name", MODEL, "--max-batch-tokens", "16", "--page-size", "4", "--num-blocks", "64",
+               "--log-level", "warning")  # fmt: skip
+PROMPTS = [[1, *range(40, 40 + n)] for n in (5, 23, 37)]
+MAX_TOKENS = [9, 14, 20]
+
+
+def _expected_texts(path: Path) -> list[str]:
+    """What the server should answer: the TP=1 engine's greedy tokens (the oracle above), detokenized as the
+    server does."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    results = generate_batch(PROMPTS, EngineConfig(model=str(path), num_blocks=64, page_size=4), params=params)
+    tokenizer = Tokenizer.load(path)
+    texts = []
+    for i, prompt in enumerate(PROMPTS):
+        detokenizer = tokenizer.detokenizer(prompt)
+        texts.append(detokenizer.push(results[f"req_{i}"].generated_ids) + detokenizer.flush())
+    return texts
+
+
+async def _complete_all(base_url: str) -> list[str]:
+    """The prompts at once, through the OpenAI SDK, greedy."""
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0) as client:
+        replies = await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
+                )
+                for prompt, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+            )
+        )
+    return [reply.choices[0].text for reply in replies]
+
+
+def _reports_tp2(base_url: str) -> None:
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        card = http.get("/v1/models").json()["data"][0]
+        assert card["tensor_parallel_size"] == 2
+        assert metric(metric_samples(http), "ferry:tensor_parallel_size", model_name=MODEL) == 2
+        assert http.get("/metrics.json").json()["tensor_parallel_size"] == 2
+
+
+def test_serve_tp2_answers_as_tp1(model_dir: Callable[[str], Path]) -> None:
+    path = model_dir("llama")
+    expected = _expected_texts(path)
+    with server_process(path, *SERVE_SETUP, "--tensor-parallel-size", "2") as server:
+        assert len(server.worker_pids()) == 1
+        assert asyncio.run(_complete_all(server.base_url)) == expected
+        _reports_tp2(server.base_url)
+        workers = server.worker_pids()
+        assert server.stop() == 0
+    assert all(process_gone(pid) for pid in workers)
+
+
+def test_two_nodes_on_localhost_answer_as_one(model_dir: Callable[[str], Path]) -> None:
+    """Two `ferry serve` processes with --nnodes 2: node 1 runs rank 1 and no HTTP, node 0 serves; node 1 exits
+    (cleanly) when node 0 does."""
+    path = model_dir("llama")
+    expected = _expected_texts(path)
+    layout = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()))  # fmt: skip
+    with node_process(path, *SERVE_SETUP, *layout, "--node-rank", "1") as node1:
+        with server_process(path, *SERVE_SETUP, *layout, "--node-rank", "0") as node0:
+            assert node0.worker_pids() == [], "node 0 runs rank 0 only: one rank per node"
+            assert asyncio.run(_complete_all(node0.base_url)) == expected
+            _reports_tp2(node0.base_url)
+            assert node0.stop() == 0
+        assert node1.wait(timeout=30) == 0
+
+
+# ------------------------------------------------------------------------------------------------------ faults
+
+LONG = {"model": MODEL, "prompt": "Ferry boats", "max_tokens": 480, "ignore_eos": True, "n": 4}
+
+
+async def _stream_then(server_url: str, act: Callable[[], None]) -> tuple[list[bytes], httpx.Response, float, int]:
+    """Stream a long request, `act` three events in, and read until it ends; with the whole of a second request,
+    the seconds from `act` to the end of both, and /health's status by then."""
+    async with httpx.AsyncClient(base_url=server_url, timeout=60) as client:
+        whole = asyncio.create_task(client.post("/v1/completions", json=LONG))
+        async with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as stream:
+            assert stream.status_code == 200
+            chunks = stream.aiter_bytes()
+            first = await read_events(chunks, 3)
+            act()
+            acted = time.monotonic()
+            body = first + await read_rest(chunks)
+        whole_response = await whole
+        elapsed = time.monotonic() - acted
+        health = (await client.get("/health")).status_code
+    return body.split(b"\n\n"), whole_response, elapsed, health
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_dead_or_hung_worker_fails_requests_and_the_server_exits(
+    model_dir: Callable[[str], Path], fault: str
+) -> None:
+    with server_process(
+        model_dir("llama"), "--served-model-name", MODEL, "--num-blocks", "256", "--max-num-seqs", "1",
+        "--tensor-parallel-size", "2", "--distributed-timeout", "3", "--log-level", "warning",
+    ) as server:  # fmt: skip
+        engine = server.engine_pid()
+        (worker,) = server.worker_pids()
+        sig = signal.SIGKILL if fault == "killed" else signal.SIGSTOP
+        frames, whole, elapsed, health = asyncio.run(_stream_then(server.base_url, lambda: os.kill(worker, sig)))
+        # A killed peer fails the next collective at once; a hung one after --distributed-timeout.
+        assert elapsed < (5 if fault == "killed" else 3 + 5), "in-flight requests must end promptly"
+        assert frames[-2:] == [b"data: [DONE]", b""]
+        error = json.loads(frames[-3].removeprefix(b"data: "))["error"]
+        assert error["code"] == "engine_error" and error["type"] == "server_error"
+        assert whole.status_code == 500 and whole.json()["error"]["code"] == "engine_error"
+        assert health == 503
+        assert server.process.wait(timeout=30) != 0
+        assert "tensor-parallel" in server.log() and "a peer rank died or hung" in server.log()
+    for pid in (engine, worker):
+        deadline = time.monotonic() + 10
+        while not process_gone(pid):
+            assert time.monotonic() < deadline, f"process {pid} outlived the server"
+            time.sleep(0.05)
