@@ -65,9 +65,8 @@ class ServerMetrics:
         self.num_requests_waiting = gauge("ferry:num_requests_waiting", "Requests waiting for admission.").labels(
             model_name
         )
-        gauge(
-            "ferry:tensor_parallel_size", "Ranks the model is sharded over (1: one device)."
-        ).labels(model_name).set(tensor_parallel_size)
+        tensor_parallel = gauge("ferry:tensor_parallel_size", "Ranks the model is sharded over (1: one device).")
+        tensor_parallel.labels(model_name).set(tensor_parallel_size)
         self.kv_cache_usage_perc = gauge(
             "ferry:kv_cache_usage_perc", "Fraction of KV-cache pages in use by requests (1 means 100 percent)."
         ).labels(model_name)
