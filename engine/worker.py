@@ -131,6 +131,9 @@ def run_node(config: EngineConfig, log_level: str) -> int:
         config.master_addr,
         config.master_port,
     )
+    # Kubernetes stops a group's pods together: SIGTERM must not take these ranks away while node 0 drains its
+    # requests. They leave when node 0 stops them (or fails); the pod's grace period bounds the wait.
+    signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM: the ranks stay up until node 0 stops them"))
     workers = Workers(config, range(first, first + config.ranks_per_node), log_level)
     try:
         return workers.wait_any()
