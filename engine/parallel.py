@@ -17,7 +17,8 @@ from __future__ import annotations
 import datetime
 import pickle
 import socket
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ new requests with long prompts) sends the rest in a second broadcast."""
 _HEADER_BYTES = 8
 _STOP = 0
 """The payload length that tells the ranks to stop."""
+
+
+COLLECTIVES = ("plan", "all_reduce", "gather")
 
 
 class CollectiveFailed(RuntimeError):
@@ -85,6 +89,9 @@ class TensorParallel:
     _plan_group: dist.ProcessGroup
     failed: bool = False
     """Set once a collective raised: the group is unusable and no one may wait on it again."""
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0.0))
+    """Seconds this rank spent in each kind of collective, waits for slower ranks included: what tensor
+    parallelism costs a step (on CPU; on CUDA the tensor collectives are asynchronous and this is their launch)."""
 
     def __post_init__(self) -> None:
         self._plan_buffer = torch.zeros(_PLAN_BUFFER_BYTES, dtype=torch.uint8)
@@ -104,20 +111,25 @@ class TensorParallel:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
+        started = time.perf_counter()
         try:
             dist.all_reduce(tensor, group=self._group)
         except Exception as exc:
             raise self._failure("all-reduce", exc) from exc
+        self.seconds["all_reduce"] += time.perf_counter() - started
         return tensor
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `[rows, n]` part side by side, `[rows, size * n]`, on the driver; None on the others."""
+        started = time.perf_counter()
         parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_driver else None
         try:
             dist.gather(tensor.contiguous(), parts, dst=0, group=self._group)
         except Exception as exc:
             raise self._failure("logits gather", exc) from exc
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        gathered = torch.cat(parts, dim=-1) if parts is not None else None
+        self.seconds["gather"] += time.perf_counter() - started
+        return gathered
 
     # -- start-up and the step's plan ------------------------------------------------------------------------------
 
@@ -132,7 +144,9 @@ class TensorParallel:
 
     def broadcast_plan(self, plan: SchedulerOutput) -> None:
         """Driver: send this step's plan to every rank (one broadcast unless the plan is unusually big)."""
+        started = time.perf_counter()
         self._send(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+        self.seconds["plan"] += time.perf_counter() - started
 
     def send_stop(self) -> None:
         """Driver: tell every rank to leave its loop."""

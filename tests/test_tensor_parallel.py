@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine.parallel import COLLECTIVES
 from server.tokens import Tokenizer
 from tests.model_factory import build_model_dir
 from tests.server_harness import free_port, metric, metric_samples, node_process, server_process
@@ -47,6 +48,7 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
         assert tp2.scheduler.num_preemptions > 0
         assert tp2.stats().prefix_cache_hits >= SHARED_PREFIX
         assert tp2.is_idle_and_clean()
+        assert tp2.tensor_parallel is not None and all(tp2.tensor_parallel.seconds[k] > 0 for k in COLLECTIVES)
         # A rank's cache holds half the KV heads, so the same bytes hold twice the pages one device's would.
         assert tp2.runner.kv_caches[0][0].shape[2] == 1
         assert tp2.kv_cache.num_pages == 2 * EngineCore(EngineConfig(model=str(path), **SETUP)).kv_cache.num_pages
