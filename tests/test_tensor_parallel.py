@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine import ContinuousBatchingManager, EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.parallel import COLLECTIVES
 from server.tokens import Tokenizer
 from tests.model_factory import build_model_dir
@@ -64,7 +64,8 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
 
 def test_fewer_kv_heads_than_ranks_tied_padded_vocab_and_biases(tmp_path: Path) -> None:
     """One KV head, replicated on both ranks; a vocabulary that does not split evenly (the last rank's part is
-    padded); the LM head tied to the embedding; biases on the row-parallel o and down projections."""
+    padded); the LM head tied to the embedding; biases on the row-parallel o and down projections. Through the
+    background manager, which closes (stops the ranks of) the engine it built."""
     path = build_model_dir(
         tmp_path / "llama-1kv",
         "llama",
@@ -75,10 +76,13 @@ def test_fewer_kv_heads_than_ranks_tied_padded_vocab_and_biases(tmp_path: Path) 
         mlp_bias=True,
     )
     prompts, max_new, expected = _reference(path, "llama-1kv", 0)
-    with EngineCore(EngineConfig(model=str(path), tensor_parallel_size=2, num_blocks=256)) as engine:
-        results = generate_batch(prompts, params=[SamplingParams(max_new_tokens=n) for n in max_new], engine=engine)
-        assert engine.runner.kv_caches[0][0].shape[2] == 1
-    assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected
+    with ContinuousBatchingManager(EngineConfig(model=str(path), tensor_parallel_size=2, num_blocks=256)) as manager:
+        ids = [manager.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, max_new, strict=True)]
+        results = [manager.get_result(rid, timeout=120) for rid in ids]
+        assert manager.engine.runner.kv_caches[0][0].shape[2] == 1
+        workers = manager.engine.worker_pids
+    assert [r.generated_ids for r in results] == expected
+    assert len(workers) == 1 and all(process_gone(pid) for pid in workers)
 
 
 @pytest.mark.parametrize(
