@@ -127,7 +127,7 @@ def run_tensor_parallel(options: TensorParallelOptions) -> dict[str, object]:
 def format_tensor_parallel(report: dict[str, object]) -> str:
     settings = report["settings"]
     size = settings["tensor_parallel_size"]
-    headers = ["running seqs", "TP=1 us/step", f"TP={size} us/step", "added", "plan", "all-reduces", "gather"]
+    headers = ["running seqs", "TP=1 mean", "p50", f"TP={size} mean", "p50", "plan", "all-reduces", "gather", "sum"]
     rows = []
     for r in report["results"]:
         single, parallel = r["tp1"], r[f"tp{size}"]
@@ -136,16 +136,18 @@ def format_tensor_parallel(report: dict[str, object]) -> str:
             [
                 str(r["running_sequences"]),
                 fmt(single["us_per_step_mean"], 0),
+                fmt(single["us_per_step_p50"], 0),
                 fmt(parallel["us_per_step_mean"], 0),
-                fmt(parallel["us_per_step_mean"] - single["us_per_step_mean"], 0),
+                fmt(parallel["us_per_step_p50"], 0),
                 *(fmt(collectives[k], 0) if collectives else "" for k in COLLECTIVE_COLUMNS),
+                fmt(sum(collectives.values()), 0) if collectives else "",
             ]
         )
     counts = settings["collectives_per_step"]
     note = (
-        f"{settings['model']} decode steps, mean of {settings['steps']}; plan / all-reduces / gather: rank 0's "
-        f"microseconds per step in each ({counts['plan']} broadcast, {counts['all_reduce']} all-reduces, "
-        f"{counts['gather']} gather per step; waits for the other ranks included; CPU only)"
+        f"{settings['model']} decode steps, microseconds per step over {settings['steps']}; plan / all-reduces / "
+        f"gather: rank 0's mean time per step in each ({counts['plan']} broadcast, {counts['all_reduce']} "
+        f"all-reduces, {counts['gather']} gather per step; waits for the other ranks included; CPU only)"
     )
     return "\n".join(
         [f"ferry bench tp: engine step at TP=1 and TP={size} ({settings['device']})", format_table(headers, rows), note]

@@ -198,6 +198,11 @@ class TensorParallel:
 def init_tensor_parallel(config: EngineConfig, rank: int) -> TensorParallel:
     """Join the ranks of `config` (whose master port is set: `with_rendezvous`) as `rank`; blocks until all came."""
     assert config.master_port is not None, "with_rendezvous(config) first"
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a tensor-parallel group: one tensor-parallel engine per process "
+            "(close() the other one first)"
+        )
     local_rank = rank % config.ranks_per_node
     device = rank_device(config, local_rank)
     if device.type == "cuda":

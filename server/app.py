@@ -159,14 +159,15 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             id=state.model_name,
             created=state.created,
             max_model_len=serving.max_model_len,
-            tensor_parallel_size=engine_config.tensor_parallel_size,
+            tensor_parallel_size=engine_config.tensor_parallel_size if engine_config.tensor_parallel_size > 1 else None,
         )
 
-    @app.get("/v1/models")
+    # A field left None (tensor_parallel_size on one device) is left out, as OpenAI's cards carry no nulls.
+    @app.get("/v1/models", response_model_exclude_none=True)
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
+    @app.get("/v1/models/{model_id:path}", responses=_ERRORS, response_model_exclude_none=True)
     async def retrieve_model(model_id: str) -> ModelCard:
         if model_id != state.model_name:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
