@@ -121,16 +121,25 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
-            raise ValueError(
-                f"nnodes must be >= 1 and divide tensor_parallel_size ({self.tensor_parallel_size}), got {self.nnodes}"
-            )
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if self.node_rank < 0:
+            raise ValueError(f"node_rank must be >= 0, got {self.node_rank}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+
+    def check_parallel_layout(self) -> None:
+        """Raise ValueError unless the nodes split the ranks evenly and node_rank names one of them (checked where
+        ranks start, not on construction: the fields may be set one at a time)."""
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size}): every node "
+                "runs as many ranks"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
 
     @property
     def ranks_per_node(self) -> int:

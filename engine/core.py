@@ -47,6 +47,7 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             if loaded is not None:
                 raise ValueError("a model loaded beforehand cannot be sharded: tensor parallelism loads its own")
+            config.check_parallel_layout()
             config = with_rendezvous(config)
             model_config(config)  # refuse what cannot be sharded before any rank starts
             self._workers = Workers(config, range(1, config.ranks_per_node), _log_level())

@@ -120,6 +120,7 @@ def run_node(config: EngineConfig, log_level: str) -> int:
     """`ferry serve` on a node other than 0: run this node's ranks until node 0 stops them (0) or they fail (1)."""
     from engine.parallel import with_rendezvous
 
+    config.check_parallel_layout()
     config = with_rendezvous(config)
     first = config.node_rank * config.ranks_per_node
     logger.info(

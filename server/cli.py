@@ -67,6 +67,13 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         args.parser.error(str(exc))
 
 
+def _check_parallel_layout(args: argparse.Namespace, config: EngineConfig) -> None:
+    try:
+        config.check_parallel_layout()
+    except ValueError as exc:
+        args.parser.error(str(exc))
+
+
 def build_settings(args: argparse.Namespace) -> ServerSettings:
     values = flag_values(ServerSettings, args)
     # The environment variable keeps the key out of `ps` output and shell history.
@@ -86,6 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from server.lifecycle import FerryServer, Lifecycle
 
     engine_config = build_engine_config(args)
+    _check_parallel_layout(args, engine_config)
     settings = build_settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
     if engine_config.node_rank > 0:

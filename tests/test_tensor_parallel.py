@@ -11,6 +11,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +25,7 @@ from engine import ContinuousBatchingManager, EngineConfig, EngineCore, Sampling
 from engine.parallel import COLLECTIVES
 from server.tokens import Tokenizer
 from tests.model_factory import build_model_dir
-from tests.server_harness import free_port, metric, metric_samples, node_process, server_process
+from tests.server_harness import REPO_ROOT, free_port, metric, metric_samples, node_process, server_process
 from tests.test_engine_equivalence import _reference, _run
 from tests.test_server_faults import process_gone, read_events, read_rest
 
@@ -102,28 +104,39 @@ def test_what_cannot_be_sharded_exactly_is_refused(
         EngineCore(config)
 
 
-def test_config_checks_the_layout() -> None:
-    with pytest.raises(ValueError, match="nnodes must be >= 1 and divide tensor_parallel_size"):
-        EngineConfig(model="m", tensor_parallel_size=3, nnodes=2)
-    with pytest.raises(ValueError, match="node_rank must be in"):
-        EngineConfig(model="m", tensor_parallel_size=2, nnodes=2, node_rank=2)
-    assert EngineConfig(model="m", tensor_parallel_size=4, nnodes=2).ranks_per_node == 2
+def test_the_layout_is_checked_before_any_rank_starts(model_dir: Callable[[str], Path]) -> None:
+    path = str(model_dir("llama"))
+    with pytest.raises(ValueError, match=r"nnodes \(2\) must divide tensor_parallel_size \(3\)"):
+        EngineCore(EngineConfig(model=path, tensor_parallel_size=3, nnodes=2))
+    with pytest.raises(ValueError, match=r"node_rank must be in \[0, nnodes=2\), got 2"):
+        EngineConfig(model=path, tensor_parallel_size=2, nnodes=2, node_rank=2).check_parallel_layout()
+    assert EngineConfig(model=path, tensor_parallel_size=4, nnodes=2).ranks_per_node == 2
+    result = subprocess.run(
+        [sys.executable, "-m", "ferry", "serve", "--model", path, "--tensor-parallel-size", "4", "--nnodes", "3"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "nnodes (3) must divide tensor_parallel_size (4)" in result.stderr
 
 
 # ------------------------------------------------------------------------------------------- through the server
 
 MODEL = "tiny"
-SERVE_SETUP = ("--served-model-name", MODEL, "--max-batch-tokens", "16", "--page-size", "4", "--num-blocks", "64",
+# Prefills in chunks of 16 tokens; 24 pages of 4 tokens, fewer than the three requests need together
+# (preemption); the prompts share their first page (prefix sharing).
+SERVE_SETUP = ("--served-model-name", MODEL, "--max-batch-tokens", "16", "--page-size", "4", "--num-blocks", "24",
                "--log-level", "warning")  # fmt: skip
 PROMPTS = [[1, *range(40, 40 + n)] for n in (5, 23, 37)]
-MAX_TOKENS = [9, 14, 20]
+MAX_TOKENS = [24, 30, 40]
 
 
 def _expected_texts(path: Path) -> list[str]:
     """What the server should answer: the TP=1 engine's greedy tokens (the oracle above), detokenized as the
     server does."""
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    results = generate_batch(PROMPTS, EngineConfig(model=str(path), num_blocks=64, page_size=4), params=params)
+    results = generate_batch(PROMPTS, EngineConfig(model=str(path), num_blocks=128, page_size=4), params=params)
     tokenizer = Tokenizer.load(path)
     texts = []
     for i, prompt in enumerate(PROMPTS):
@@ -146,21 +159,26 @@ async def _complete_all(base_url: str) -> list[str]:
     return [reply.choices[0].text for reply in replies]
 
 
-def _reports_tp2(base_url: str) -> None:
+def _check_served(base_url: str, expected: list[str]) -> None:
+    """The prompts answer as expected (chunked, preempted, sharing a prefix), and the server reports TP=2."""
+    assert asyncio.run(_complete_all(base_url)) == expected
     with httpx.Client(base_url=base_url, timeout=30) as http:
         card = http.get("/v1/models").json()["data"][0]
         assert card["tensor_parallel_size"] == 2
-        assert metric(metric_samples(http), "ferry:tensor_parallel_size", model_name=MODEL) == 2
+        samples = metric_samples(http)
+        assert metric(samples, "ferry:tensor_parallel_size", model_name=MODEL) == 2
+        assert metric(samples, "ferry:num_preemptions_total") > 0
+        assert metric(samples, "ferry:prefix_cache_hits_total") > 0
         assert http.get("/metrics.json").json()["tensor_parallel_size"] == 2
 
 
-def test_serve_tp2_answers_as_tp1(model_dir: Callable[[str], Path]) -> None:
-    path = model_dir("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_serve_tp2_answers_as_tp1(model_dir: Callable[[str], Path], arch: str) -> None:
+    path = model_dir(arch)
     expected = _expected_texts(path)
     with server_process(path, *SERVE_SETUP, "--tensor-parallel-size", "2") as server:
         assert len(server.worker_pids()) == 1
-        assert asyncio.run(_complete_all(server.base_url)) == expected
-        _reports_tp2(server.base_url)
+        _check_served(server.base_url, expected)
         workers = server.worker_pids()
         assert server.stop() == 0
     assert all(process_gone(pid) for pid in workers)
@@ -176,8 +194,7 @@ def test_two_nodes_on_localhost_answer_as_one(model_dir: Callable[[str], Path]) 
     with node_process(path, *SERVE_SETUP, *layout, "--node-rank", "1") as node1:
         with server_process(path, *SERVE_SETUP, *layout, "--node-rank", "0") as node0:
             assert node0.worker_pids() == [], "node 0 runs rank 0 only: one rank per node"
-            assert asyncio.run(_complete_all(node0.base_url)) == expected
-            _reports_tp2(node0.base_url)
+            _check_served(node0.base_url, expected)
             assert node0.stop() == 0
         assert node1.wait(timeout=30) == 0
 
