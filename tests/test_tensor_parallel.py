@@ -26,7 +26,7 @@ from engine.parallel import COLLECTIVES
 from server.tokens import Tokenizer
 from tests.model_factory import build_model_dir
 from tests.server_harness import REPO_ROOT, free_port, metric, metric_samples, node_process, server_process
-from tests.test_engine_equivalence import _reference, _run
+from tests.test_engine_equivalence import _QueryLens, _reference, _run
 from tests.test_server_faults import process_gone, read_events, read_rest
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,9 +41,12 @@ SETUP = dict(max_batch_tokens=32, page_size=4, num_blocks=None, cpu_kv_cache_gib
 def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
     prompts, max_new, expected = _reference(path, arch, SHARED_PREFIX)
-    tp2, tp2_outputs, tp2_steps = _run(path, prompts, max_new, tensor_parallel_size=2, **SETUP)
-    workers = tp2.worker_pids
-    try:
+    tp2_steps: list[list[int]] = []
+    config = EngineConfig(model=str(path), debug_checks=True, tensor_parallel_size=2, **SETUP)
+    with EngineCore(config, observers=[_QueryLens(tp2_steps)]) as tp2:
+        workers = tp2.worker_pids
+        results = generate_batch(prompts, params=[SamplingParams(max_new_tokens=n) for n in max_new], engine=tp2)
+        tp2_outputs = [results[f"req_{i}"].generated_ids for i in range(len(prompts))]
         for i, (got, want) in enumerate(zip(tp2_outputs, expected, strict=True)):
             assert got == want, f"{arch}: request {i} (prompt {len(prompts[i])} tokens) diverged at TP=2"
         assert max(len(p) for p in prompts) > SETUP["max_batch_tokens"] >= max(sum(lens) for lens in tp2_steps)
@@ -55,8 +58,6 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
         assert tp2.runner.kv_caches[0][0].shape[2] == 1
         assert tp2.kv_cache.num_pages == 2 * EngineCore(EngineConfig(model=str(path), **SETUP)).kv_cache.num_pages
         pages = tp2.kv_cache.num_pages
-    finally:
-        tp2.close()
     assert len(workers) == 1
     assert all(process_gone(pid) for pid in workers), "close() leaves no worker behind"
     # TP=1 with as many pages plans the very same steps, and computes the same tokens.
