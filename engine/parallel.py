@@ -102,11 +102,6 @@ class TensorParallel:
     def is_driver(self) -> bool:
         return self.rank == 0
 
-    def shard(self, total: int) -> tuple[int, int]:
-        """(start, size) of this rank's equal part of `total` (which the ranks divide)."""
-        size = total // self.size
-        return self.rank * size, size
-
     # -- the forward pass ----------------------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ class Workers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes if p.pid is not None]
 
-    def wait_any(self) -> int:
+    def wait(self) -> int:
         """Block until every worker exited cleanly (0), or one failed: then kill the rest and return 1."""
         remaining = list(self.processes)
         while remaining:
@@ -137,7 +137,7 @@ def run_node(config: EngineConfig, log_level: str) -> int:
     signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM: the ranks stay up until node 0 stops them"))
     workers = Workers(config, range(first, first + config.ranks_per_node), log_level)
     try:
-        return workers.wait_any()
+        return workers.wait()
     except KeyboardInterrupt:
         return 130
     finally:
