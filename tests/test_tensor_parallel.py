@@ -23,6 +23,7 @@ import pytest
 
 from engine import ContinuousBatchingManager, EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.parallel import COLLECTIVES
+from engine.step import SchedulerOutput
 from server.tokens import Tokenizer
 from tests.model_factory import build_model_dir
 from tests.server_harness import REPO_ROOT, free_port, metric, metric_samples, node_process, server_process
@@ -58,11 +59,16 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
         assert tp2.runner.kv_caches[0][0].shape[2] == 1
         assert tp2.kv_cache.num_pages == 2 * EngineCore(EngineConfig(model=str(path), **SETUP)).kv_cache.num_pages
         pages = tp2.kv_cache.num_pages
+        planned = list(tp2_steps)
+        # A plan bigger than the broadcast buffer (64 KiB) travels in two broadcasts; the worker stays in step.
+        tp2.tensor_parallel.broadcast_plan(SchedulerOutput(finished_ids=tuple(f"gone-{i}" for i in range(20_000))))
+        again = generate_batch(prompts[:2], params=[SamplingParams(max_new_tokens=n) for n in max_new[:2]], engine=tp2)
+        assert [again[f"req_{i}"].generated_ids for i in range(2)] == expected[:2]
     assert len(workers) == 1
     assert all(process_gone(pid) for pid in workers), "close() leaves no worker behind"
     # TP=1 with as many pages plans the very same steps, and computes the same tokens.
     _, tp1_outputs, tp1_steps = _run(path, prompts, max_new, **{**SETUP, "num_blocks": pages})
-    assert tp1_steps == tp2_steps and tp1_outputs == tp2_outputs
+    assert tp1_steps == planned and tp1_outputs == tp2_outputs
 
 
 def test_fewer_kv_heads_than_ranks_tied_padded_vocab_and_biases(tmp_path: Path) -> None:
