@@ -95,6 +95,8 @@ def _offline(args: argparse.Namespace) -> int:
         plot=args.plot,
         repeat=args.repeat,
         profile=args.profile,
+        vllm_python=args.vllm_python,
+        threads=args.threads,
     )
     try:
         report = run_offline(options)
@@ -117,16 +119,30 @@ def _serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         url=args.url,
         model=args.model,
+        server=args.server,
+        vllm_python=args.vllm_python,
         server_args=tuple(args.server_arg),
         workload=_workload(args),
         vocab_size=args.vocab_size,
         concurrencies=args.concurrency,
         rates=args.request_rate,
         timeout=args.timeout,
+        structured_outputs=_structured_outputs(args),
     )
     report = run_serve(options)
     _emit(report, format_serve(report), args.json)
     return 0 if all(p["errors"] == 0 for p in report["points"]) else 1
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict[str, object] | None:
+    """--response-format and --schema as the `structured_outputs` every request sends (None: unconstrained)."""
+    if (args.response_format == "json_schema") != (args.schema is not None):
+        args.parser.error("--schema FILE goes with --response-format json_schema, and only with it")
+    if args.response_format == "json_object":
+        return {"json_object": True}
+    if args.response_format == "json_schema":
+        return {"json": json.loads(args.schema.read_text())}
+    return None
 
 
 def _overhead(args: argparse.Namespace) -> int:
@@ -193,9 +209,22 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="slots: static wave size, transformers' max_requests_per_batch, Ferry's max_num_seqs",
     )
-    offline.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (both CB systems)")
+    offline.add_argument(
+        "--max-batch-tokens", type=int, default=2048, help="token budget per step (every continuous-batching system)"
+    )
     offline.add_argument("--page-size", type=int, default=16, help="Ferry's KV page size")
-    offline.add_argument("--systems", default="static,transformers-cb,ferry")
+    offline.add_argument(
+        "--systems",
+        default="static,transformers-cb,ferry",
+        help="comma-separated, run in this order: static, transformers-cb, transformers-cb-default, vllm, ferry",
+    )
+    offline.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="the python of an environment with vLLM installed (../shared/peers/install-vllm-cpu.sh makes one), "
+        "for the vllm system; without it that system is skipped with a note",
+    )
     offline.add_argument(
         "--check",
         choices=("strict", "report", "off"),
@@ -228,7 +257,19 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     target = serve.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")
-    target.add_argument("--model", help="start `ferry serve MODEL` on a free local port for the run")
+    target.add_argument("--model", help="start a server for MODEL on a free local port for the run (see --server)")
+    serve.add_argument(
+        "--server",
+        choices=("ferry", "vllm"),
+        default="ferry",
+        help="the server --model starts: `ferry serve`, or `vllm serve` from --vllm-python's environment",
+    )
+    serve.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="the python of an environment with vLLM installed, for --server vllm",
+    )
     serve.add_argument(
         "--server-arg", action="append", default=[], help="extra argument for the started server (repeatable)"
     )
@@ -239,8 +280,15 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         "--request-rate", type=_floats, default=(), help="open-loop Poisson rates in requests/s, e.g. 4,16,inf"
     )
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    serve.add_argument(
+        "--response-format",
+        choices=("text", "json_object", "json_schema"),
+        default="text",
+        help="constrain every request's output (sent as structured_outputs, without ignore_eos)",
+    )
+    serve.add_argument("--schema", type=Path, default=None, help="JSON Schema file for --response-format json_schema")
     serve.add_argument("--json", type=Path, default=None, help="write summaries and every raw sample here")
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, parser=serve)
 
     overhead = commands.add_parser(
         "overhead",

@@ -20,13 +20,14 @@ from bench.floor import Floor, measure_floor
 from bench.models import BenchModel, WeightsMode, prepare_model
 from bench.report import fmt, format_table, stamp
 from bench.results import SystemRun
+from bench.vllm_baseline import run_vllm, vllm_missing
 from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
 
 if TYPE_CHECKING:
     from engine import EngineCore
 
 CheckMode = Literal["strict", "report", "off"]
-SYSTEMS = ("static", "transformers-cb", "transformers-cb-default", "ferry")
+SYSTEMS = ("static", "transformers-cb", "transformers-cb-default", "vllm", "ferry")
 DEFAULT_SYSTEMS = ("static", "transformers-cb", "ferry")
 _WARMUP_OUTPUT = LengthDist("fixed", (4.0,))
 
@@ -55,6 +56,10 @@ class OfflineOptions:
     """Timed runs per system (and floor replays); the median is reported, every wall time kept in the JSON."""
     profile: Path | None = None
     """After the timed runs, one more Ferry run under the torch profiler; its per-op table is written here."""
+    vllm_python: Path | None = None
+    """The Python of an environment with vLLM installed, for the `vllm` system (skipped, with a note, without)."""
+    threads: int | None = None
+    """CPU threads every system runs with (vLLM's are bound to the first cores)."""
 
 
 def _warmup_workload(spec: WorkloadSpec, batch_size: int, vocab_size: int) -> Workload:
@@ -155,6 +160,24 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                     options.check,
                 )
             )
+        skipped: dict[str, str] = {}
+        if "vllm" in options.systems:
+            missing = vllm_missing(options.vllm_python)
+            if missing is not None:
+                skipped["vllm"] = missing
+            else:
+                assert options.vllm_python is not None
+                vllm_runs = run_vllm(
+                    options.vllm_python,
+                    model,
+                    workload,
+                    warm if options.warmup else None,
+                    slots=slots,
+                    max_batch_tokens=budget,
+                    repeat=options.repeat,
+                    threads=options.threads,
+                )
+                runs.append(_median_run(vllm_runs, options.check))
         if "ferry" in options.systems:
             engine = build_engine(model, workload, slots=slots, max_batch_tokens=budget, page_size=options.page_size)
             if options.warmup:
@@ -170,6 +193,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 floor = replays[len(replays) // 2]
         check = _check(runs, model, options.check)
         report = _report(options, model, workload, runs, floor, check)
+        report["skipped"] = skipped
         if options.plot is not None:
             from bench.plot import plot_timelines
 
@@ -255,7 +279,7 @@ def _report(
 
 def format_offline(report: dict[str, object]) -> str:
     systems = report["systems"]
-    baselines = [b for b in ("static", "transformers-cb", "transformers-cb-default") if b in systems]
+    baselines = [b for b in ("static", "transformers-cb", "transformers-cb-default", "vllm") if b in systems]
     headers = ["system", "wall s", "gen tok/s", *(f"vs {b}" for b in baselines), "efficiency"]
     rows = []
     for name, run in systems.items():
@@ -292,6 +316,7 @@ def format_offline(report: dict[str, object]) -> str:
             f"{', '.join(check['systems'])} ({check['mode']} mode: differences listed in the JSON, not fatal)"
         )
     lines = [report["title"], format_table(headers, rows), verdict]
+    lines += [f"{name} skipped: {why}" for name, why in report.get("skipped", {}).items()]
     if report["settings"]["repeat"] > 1:
         lines.append(f"wall times: median of {report['settings']['repeat']} timed runs per system (all in the JSON)")
     if floor is not None:

@@ -22,6 +22,7 @@ def plot_timelines(runs: list[SystemRun], path: Path, title: str) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
+    runs = [run for run in runs if run.traces]  # a system that reports no per-request times has no timeline
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 5), sharex=True, squeeze=False)
     cmap = plt.get_cmap("tab20")
     end = max(run.wall_seconds for run in runs)

@@ -5,6 +5,11 @@ one finished) swept over concurrencies, and open loop (Poisson arrivals at a fix
 progress). Prompts are token-id lists sent to /v1/completions with `ignore_eos`, so every request asks for exactly
 its output length. The SSE stream is parsed by hand and every chunk is timestamped on arrival.
 
+With `--response-format json_object|json_schema` the same requests carry a constraint (vLLM's `structured_outputs`,
+which /v1/completions takes) instead of `ignore_eos`, which a constraint refuses: a schema that cannot be complete
+within the output length (bench/schemas/trips.json asks for more trips than fit) keeps every request at exactly its
+output length, so the constrained and the unconstrained figures count the same tokens.
+
 Metric definitions, as vLLM's benchmark: TTFT is the time to the first chunk carrying a choice; ITL are the gaps
 between successive such chunks; E2E latency ends at the last one; TPOT = (E2E - TTFT) / (output tokens - 1);
 output tokens come from the final usage chunk.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import socket
 import subprocess
@@ -22,6 +28,8 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import httpx
 
@@ -48,7 +56,11 @@ class RequestSample:
 class ServeOptions:
     url: str | None = None
     model: str | None = None
-    """Model to serve when no URL is given: Ferry is started on a free local port and stopped afterwards."""
+    """Model to serve when no URL is given: the server is started on a free local port and stopped afterwards."""
+    server: Literal["ferry", "vllm"] = "ferry"
+    """Which server to start for `model`: `ferry serve`, or `vllm serve` from `vllm_python`'s environment."""
+    vllm_python: Path | None = None
+    """The python of an environment with vLLM installed (its `vllm` command sits beside it)."""
     server_args: tuple[str, ...] = ()
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     vocab_size: int = 256
@@ -57,6 +69,8 @@ class ServeOptions:
     rates: tuple[float, ...] = ()
     timeout: float = 600.0
     startup_timeout: float = 300.0
+    structured_outputs: dict[str, object] | None = None
+    """Sent as every request's `structured_outputs` (in place of `ignore_eos`); None: unconstrained."""
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -104,19 +118,28 @@ def summarize(samples: list[RequestSample], duration: float) -> dict[str, object
 
 
 async def _send(
-    client: httpx.AsyncClient, url: str, model: str, workload: Workload, index: int, origin: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    workload: Workload,
+    index: int,
+    origin: float,
+    structured_outputs: dict[str, object] | None = None,
 ) -> RequestSample:
     prompt = workload.prompts[index]
     sample = RequestSample(index, len(prompt), time.perf_counter() - origin)
-    body = {
+    body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": workload.output_lens[index],
         "temperature": 0.0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if structured_outputs is None:
+        body["ignore_eos"] = True
+    else:
+        body["structured_outputs"] = structured_outputs
     sent = time.perf_counter()
     last = sent
     try:
@@ -155,7 +178,12 @@ async def _send(
 
 
 async def run_closed_loop(
-    client: httpx.AsyncClient, url: str, model: str, workload: Workload, concurrency: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    workload: Workload,
+    concurrency: int,
+    structured_outputs: dict[str, object] | None = None,
 ) -> tuple[list[RequestSample], float]:
     next_index = iter(range(len(workload)))
     samples: list[RequestSample] = []
@@ -163,14 +191,20 @@ async def run_closed_loop(
 
     async def user() -> None:
         for index in next_index:  # the shared iterator hands each request to exactly one user
-            samples.append(await _send(client, url, model, workload, index, origin))
+            samples.append(await _send(client, url, model, workload, index, origin, structured_outputs))
 
     await asyncio.gather(*(user() for _ in range(min(concurrency, len(workload)))))
     return sorted(samples, key=lambda s: s.index), time.perf_counter() - origin
 
 
 async def run_open_loop(
-    client: httpx.AsyncClient, url: str, model: str, workload: Workload, rate: float, seed: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    workload: Workload,
+    rate: float,
+    seed: int,
+    structured_outputs: dict[str, object] | None = None,
 ) -> tuple[list[RequestSample], float]:
     rng = random.Random(seed)
     origin = time.perf_counter()
@@ -180,7 +214,7 @@ async def run_open_loop(
         delay = arrival - (time.perf_counter() - origin)
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(_send(client, url, model, workload, index, origin)))
+        tasks.append(asyncio.create_task(_send(client, url, model, workload, index, origin, structured_outputs)))
         arrival += rng.expovariate(rate) if rate != float("inf") else 0.0
     samples = await asyncio.gather(*tasks)
     return list(samples), time.perf_counter() - origin
@@ -204,13 +238,17 @@ async def _sweep(
         fixed = LengthDist("fixed", (8.0,))
         warm_spec = WorkloadSpec(1, fixed, fixed, 0, options.workload.seed + 1)
         warm = make_workload(warm_spec, options.vocab_size)
-        await _send(client, url, model, warm.head(1), 0, time.perf_counter())
+        # The constraint too: its grammar compiles once, outside the figures (the server caches it).
+        constraint = options.structured_outputs
+        await _send(client, url, model, warm.head(1), 0, time.perf_counter(), constraint)
         points = []
         for concurrency in options.concurrencies:
-            samples, duration = await run_closed_loop(client, url, model, workload, concurrency)
+            samples, duration = await run_closed_loop(client, url, model, workload, concurrency, constraint)
             points.append(_point("concurrency", concurrency, samples, duration))
         for rate in options.rates:
-            samples, duration = await run_open_loop(client, url, model, workload, rate, options.workload.seed)
+            samples, duration = await run_open_loop(
+                client, url, model, workload, rate, options.workload.seed, constraint
+            )
             points.append(_point("request_rate", rate, samples, duration))
     return {"model": model, "points": points}
 
@@ -225,24 +263,40 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@contextlib.contextmanager
-def _local_server(options: ServeOptions) -> Iterator[str]:
-    """Start `ferry serve` for `options.model` on a free port; stop it on exit."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[str, str], str]:
+    """The command line, environment and readiness path of the server to start."""
+    assert options.model is not None
+    if options.server == "vllm":
+        if options.vllm_python is None:
+            raise ValueError("--server vllm needs --vllm-python")
+        command = [
+            str(options.vllm_python.parent / "vllm"), "serve", options.model,
+            "--host", "127.0.0.1", "--port", str(port), "--no-enable-log-requests", *options.server_args,
+        ]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        return command, {**env, "HF_HUB_OFFLINE": "1"}, "/health"
     command = [
         sys.executable, "-m", "ferry", "serve", "--model", options.model,
         # Quiet by default (one access-log line per request would bury the table); later flags override.
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *options.server_args,
     ]  # fmt: skip
-    process = subprocess.Popen(command)
+    return command, dict(os.environ), "/ready"
+
+
+@contextlib.contextmanager
+def _local_server(options: ServeOptions) -> Iterator[str]:
+    """Start the chosen server for `options.model` on a free port; stop it on exit."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command, env, ready_path = _server_command(options, port)
+    process = subprocess.Popen(command, env=env)
     try:
         deadline = time.monotonic() + options.startup_timeout
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"the server exited with code {process.returncode} before it was ready")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200:
+                if httpx.get(f"{url}{ready_path}", timeout=2.0).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server was not ready after {options.startup_timeout:.0f} s")
@@ -268,8 +322,10 @@ def run_serve(options: ServeOptions, transport: httpx.AsyncBaseTransport | None 
         "benchmark": "serve",
         **stamp(),
         "url": options.url,
+        "server": options.server if options.url is None else "given by URL",
         "workload": options.workload.describe(),
         "vocab_size": options.vocab_size,
+        "structured_outputs": options.structured_outputs,
         **result,
     }
 
@@ -304,8 +360,11 @@ def format_serve(report: dict[str, object]) -> str:
             ]
         )
     workload = report["workload"]
+    constraint = report.get("structured_outputs")
     title = (
         f"ferry bench serve: {report['model']}, {workload['num_requests']} requests per point, prompt "
-        f"{workload['prompt_len']}, output {workload['output_len']} (streaming /v1/completions)"
+        f"{workload['prompt_len']}, output {workload['output_len']} (streaming /v1/completions"
+        + (f", constrained: {', '.join(constraint)}" if constraint else "")
+        + ")"
     )
     return "\n".join([title, format_table(headers, rows)])

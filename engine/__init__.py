@@ -20,6 +20,8 @@ _EXPORTS = {
     "RequestRejected": "engine.request",
     "SamplingParams": "engine.request",
     "StepOutput": "engine.request",
+    "UnsupportedModelError": "engine.models.support",
+    "StructuredOutput": "engine.request",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -19,6 +19,11 @@ _SCHEDULING = {"group": "scheduling"}
 _PARALLEL = {"group": "tensor parallelism"}
 
 
+class EngineStartupError(ValueError):
+    """The options cannot run on this model and machine (found while the engine starts): the message names the
+    flags to change."""
+
+
 @dataclass
 class EngineConfig:
     model: str = field(metadata={"flag": False})
@@ -37,7 +42,8 @@ class EngineConfig:
     """Number of KV-cache pages (named `num_blocks` as in transformers' continuous batching); by default
     derived from the memory budget: max_memory_percent on GPU, cpu_kv_cache_gib on CPU."""
     max_memory_percent: float = field(default=0.9, metadata=_KV_CACHE)
-    """GPU: fraction of free device memory (after loading the model) given to the KV cache; with tensor
+    """GPU: fraction of the device memory free once the model is loaded that the KV cache and the largest step's
+    activations may take together (the activations are measured by a profiling step at start-up); with tensor
     parallelism each rank's own GPU, and every rank takes the pages the fullest one can hold."""
     cpu_kv_cache_gib: float = field(default=1.0, metadata=_KV_CACHE)
     """CPU: GiB given to the KV cache (by each rank, with tensor parallelism: a rank's cache holds its KV heads)."""
@@ -46,7 +52,8 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata=_SCHEDULING)
     """Most sequences in one engine step."""
     max_model_len: int | None = field(default=None, metadata=_MODEL)
-    """Longest prompt + output in tokens; by default the model's `max_position_embeddings`."""
+    """Longest prompt + output in tokens; by default the model's `max_position_embeddings`, lowered (with a
+    warning) to what the KV cache holds. A value set here that the cache cannot hold stops the start-up."""
     scheduler_policy: SchedulerPolicy = field(default="fifo", metadata=_SCHEDULING)
     """Who gets each step's token budget first. `fifo`: running requests, then waiting ones in arrival order;
     `prefill_first`: waiting requests, then running ones."""
@@ -70,7 +77,8 @@ class EngineConfig:
     on CUDA, reads the pages in place); `auto` takes flash on CUDA when flash-attn is installed and the page
     size suits it, torch otherwise."""
     model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
-    """`auto` uses the native Llama-family modules where they exist and the transformers adapter otherwise."""
+    """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
+    otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""
     cpu_threads: int | None = field(default=1, metadata=_SCHEDULING)
     """CPU: torch threads in the engine process (None, from Python, leaves torch's setting alone). One by default,
     and more helps only on cores nothing else uses: a step is many small ops, and OpenMP barriers across threads

@@ -2,21 +2,27 @@
 
 Every driver (generate_batch, the background manager, the server's engine process) runs this same `step`
 through the one loop in `engine/driver.py`.
+
+A request with structured output joins the scheduler only once its grammar compiled (on the compiler's threads,
+engine/structured.py); until then it waits here, counted as waiting, while the other requests keep stepping. The
+scheduler never knows.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import hashlib
 import logging
 import os
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 
-import torch
-
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineStartupError
 from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
 from engine.loader import LoadedModel, load_model, model_config
+from engine.memory import kv_cache_budget_bytes
 from engine.observer import StepObserver, StepRecord
 from engine.page_pool import PagePool
 from engine.parallel import CollectiveFailed, TensorParallel, init_tensor_parallel, with_rendezvous
@@ -25,6 +31,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
 from engine.step import SchedulerOutput
+from engine.structured import CompiledGrammar, GrammarCompiler
 from engine.worker import Workers
 
 logger = logging.getLogger(__name__)
@@ -34,11 +41,21 @@ class EngineCore:
     """Scheduler, KV-cache manager and runner wired together, with request intake and statistics.
 
     `loaded` is a model already loaded for `config` (the overhead benchmark passes one whose forward pass costs
-    nothing); by default the model `config` names is loaded. `observers` see one `StepRecord` per step.
+    nothing); by default the model `config` names is loaded. `observers` see one `StepRecord` per step. `grammars`
+    compiles structured outputs; by default one for the model directory's tokenizer.
+
+    With `config.tensor_parallel_size` > 1 it starts this node's other ranks (engine/worker.py) and is rank 0, the
+    driver: each step's plan goes to every rank, and sampling (grammars included) happens here only. `close()`, or
+    leaving a `with` block, stops the ranks.
     """
 
     def __init__(
-        self, config: EngineConfig, *, loaded: LoadedModel | None = None, observers: Iterable[StepObserver] = ()
+        self,
+        config: EngineConfig,
+        *,
+        loaded: LoadedModel | None = None,
+        observers: Iterable[StepObserver] = (),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model_name = os.path.basename(os.path.normpath(config.model))
         self.tensor_parallel: TensorParallel | None = None
@@ -50,12 +67,12 @@ class EngineCore:
             config.check_parallel_layout()
             config = with_rendezvous(config)
             model_config(config)  # refuse what cannot be sharded before any rank starts
-            self._workers = Workers(config, range(1, config.ranks_per_node), _log_level())
+            self._workers = Workers(config, range(1, config.ranks_per_node))
         self.config = config
         try:
             if self._workers is not None:
                 self.tensor_parallel = init_tensor_parallel(config, rank=0)
-            self._build(config, load_model(config, self.tensor_parallel) if loaded is None else loaded)
+            self._build(config, load_model(config, self.tensor_parallel) if loaded is None else loaded, grammars)
         except BaseException:
             self._release(stopped=False)  # the other ranks may be anywhere in their start-up: no stop for them
             raise
@@ -63,12 +80,12 @@ class EngineCore:
         self._num_steps = 0
         self._last_step_tokens = 0
 
-    def _build(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def _build(self, config: EngineConfig, loaded: LoadedModel, grammars: GrammarCompiler | None) -> None:
+        loaded, layouts, pages = kv_cache_layout(config, loaded, self.tensor_parallel)
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
         self.device = loaded.device
-        layouts, pages = kv_cache_layout(config, loaded, self.tensor_parallel)
         pools = [
             PagePool(
                 n,
@@ -81,7 +98,14 @@ class EngineCore:
         ]
         self.kv_cache = KVCacheManager(layouts, pools)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
-        self.runner = ModelRunner(loaded, layouts, pages, config)
+        self.grammars = grammars or GrammarCompiler(
+            config.model, vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids
+        )
+        self.runner = ModelRunner(loaded, layouts, pages, config, self.grammars)
+        self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        """Constrained requests whose grammar is still compiling, in arrival order."""
+        self._settled: list[tuple[str, RequestRejected | None]] = []
+        """Requests that stopped waiting for their grammar since `settle_grammars` last ran."""
         logger.info(
             "engine ready: %s (%s, %s, %s backend, tensor-parallel size %d), %d pages of %d tokens, max_model_len %d",
             self.model_name,
@@ -96,11 +120,17 @@ class EngineCore:
 
     # -- requests in ---------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
-        """Queue a request; `priority` (lower runs first) needs the `priority` scheduling policy."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> bool:
+        """Take a request, or raise RequestRejected / QueueFull. True when it joined the scheduler; False when it
+        waits for its grammar to compile, and `settle_grammars` later tells whether it joined or was refused.
+        `priority` (lower runs first) needs the `priority` scheduling policy."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", code="invalid_prompt")
-        if request_id in self.scheduler.waiting or request_id in self.scheduler.running:
+        if (
+            request_id in self.scheduler.waiting
+            or request_id in self.scheduler.running
+            or request_id in self._awaiting_grammar
+        ):
             raise RequestRejected(f"request id {request_id!r} is already in flight", code="duplicate_request_id")
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.max_model_len:
@@ -126,13 +156,59 @@ class EngineCore:
                 "--scheduling-policy priority to use priorities",
                 code="invalid_priority",
             )
-        if self.config.max_queue_size and len(self.scheduler.waiting) >= self.config.max_queue_size:
-            raise QueueFull(f"{len(self.scheduler.waiting)} requests are already waiting")
+        num_waiting = self._num_waiting
+        if self.config.max_queue_size and num_waiting >= self.config.max_queue_size:
+            raise QueueFull(f"{num_waiting} requests are already waiting")
         eos = frozenset(params.eos_token_ids) if params.eos_token_ids is not None else self.eos_token_ids
         request = Request(
             request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id), priority=priority
         )
+        if params.structured_output is not None:
+            end_tokens = eos | frozenset(params.stop_token_ids)
+            if not any(0 <= token < vocab for token in end_tokens):
+                raise RequestRejected(
+                    "structured output needs a token to end with once the constraint is satisfied: the request "
+                    "has no EOS or stop token id in the vocabulary",
+                    code="invalid_structured_output",
+                )
+            grammar = self.grammars.submit(params.structured_output)
+            if not grammar.done():
+                self._awaiting_grammar[request_id] = (request, grammar)
+                return False
+            _raise_if_failed(grammar)
         self.scheduler.add(request)
+        return True
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        return len(self._awaiting_grammar)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a pending grammar is ready, at most `timeout` seconds (the loop calls it when idle)."""
+        futures = [grammar for _, grammar in self._awaiting_grammar.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def settle_grammars(self) -> list[tuple[str, RequestRejected | None]]:
+        """Requests that stopped waiting for their grammar since the last call: None for each that joined the
+        scheduler, the error for each refused (an invalid or unsupported constraint; it never ran)."""
+        for request_id, (request, grammar) in list(self._awaiting_grammar.items()):
+            if not grammar.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            try:
+                _raise_if_failed(grammar)
+            except RequestRejected as exc:
+                self._settled.append((request_id, exc))
+            else:
+                self.scheduler.add(request)
+                self._settled.append((request_id, None))
+        settled, self._settled = self._settled, []
+        return settled
+
+    @property
+    def _num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
 
     def _seed_for(self, request_id: str) -> int:
         """A request without a seed of its own samples from one derived from the engine seed and its id."""
@@ -141,6 +217,11 @@ class EngineCore:
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         """End a request now (idempotent); the next step emits its final output, carrying `error` if given."""
+        held = self._awaiting_grammar.pop(request_id, None)
+        if held is not None:
+            # Taken, then ended before its grammar was ready: it finishes like any abort of a waiting request.
+            self.scheduler.add(held[0])
+            self._settled.append((request_id, None))
         self.scheduler.abort(request_id, error)
 
     # -- the step --------------------------------------------------------------------------------------------
@@ -168,9 +249,10 @@ class EngineCore:
     def keep_alive(self) -> None:
         """Called by the loop while the engine idles: with tensor parallelism an empty plan tells the other ranks
         the driver is alive (they would take a silence of distributed_timeout for a dead driver) and finds out
-        whether they are; nothing without it."""
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.broadcast_plan(_IDLE_PLAN)
+        whether they are (at most every KEEP_ALIVE_INTERVAL_S); nothing without it."""
+        tp = self.tensor_parallel
+        if tp is not None and time.monotonic() - tp.last_broadcast >= KEEP_ALIVE_INTERVAL_S:
+            tp.broadcast_plan(_IDLE_PLAN)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave their group (nothing without tensor parallelism); the
@@ -209,7 +291,7 @@ class EngineCore:
         kv = self.kv_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self._num_waiting,
             num_pages=kv.num_pages,
             num_free_pages=kv.num_free_pages,
             kv_cache_usage=kv.usage,
@@ -224,45 +306,79 @@ class EngineCore:
         """Requests the waiting queue takes before it is full; None when it is unbounded."""
         if not self.config.max_queue_size:
             return None
-        return max(0, self.config.max_queue_size - len(self.scheduler.waiting))
+        return max(0, self.config.max_queue_size - self._num_waiting)
 
     def is_idle_and_clean(self) -> bool:
         """True when nothing is in flight and every page is free or merely cached (tests and debug checks)."""
-        return not self.has_unfinished() and self.kv_cache.all_free()
+        return not self.has_unfinished() and not self._awaiting_grammar and self.kv_cache.all_free()
 
 
 _IDLE_PLAN = SchedulerOutput()
-
-
-def _log_level() -> str:
-    """The level this process logs at, for the workers it starts."""
-    return logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+KEEP_ALIVE_INTERVAL_S = 0.25
+"""An idle engine's ranks hear from it this often at most: its loop passes every few milliseconds while a grammar
+compiles, and each empty plan costs a broadcast on every rank."""
 
 
 def kv_cache_layout(
     config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None = None
-) -> tuple[list[GroupLayout], list[int]]:
-    """The KV-cache groups and the pages of each group's pool. With tensor parallelism every rank sizes its own
-    cache (its KV heads, its device's free memory) and all take the smallest count, since one scheduler hands out
-    the same pages on every rank."""
+) -> tuple[LoadedModel, list[GroupLayout], list[int]]:
+    """The KV-cache groups, the pages of each group's pool, and `loaded` with the longest request those pages
+    hold (`_fit_max_model_len`). With tensor parallelism every rank sizes its own cache (its KV heads, its
+    device's free memory) and all take the smallest count, since one scheduler hands out the same pages on every
+    rank; every rank then fits the same max_model_len."""
     layouts = group_layers(loaded.model.sliding_windows)
+    layer_page_bytes = ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype)
+    budget = 0.0
+    if not config.num_blocks:
+        if tp is not None and loaded.device.type == "cuda":
+            # The profiling step's collectives wait only distributed_timeout: start it once every rank has loaded.
+            tp.wait_for_peers()
+        budget = kv_cache_budget_bytes(config, loaded, layouts, layer_page_bytes * loaded.model.num_layers)
     pages = pool_pages(
         layouts,
         num_pages=config.num_blocks,
-        budget_bytes=_kv_budget_bytes(config, loaded.device) if not config.num_blocks else 0,
-        layer_page_bytes=ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype),
+        budget_bytes=budget,
+        layer_page_bytes=layer_page_bytes,
         page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
         max_batch_tokens=config.max_batch_tokens,
     )
     if tp is not None:
         pages = tp.min_over_ranks(pages)
-    return layouts, pages
+    max_model_len = _fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.page_size)
+    return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages
 
 
-def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> float:
-    """Bytes the KV cache may take: a share of free GPU memory after loading, or a fixed amount on CPU."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free * config.max_memory_percent
-    return config.cpu_kv_cache_gib * 2**30
+def _raise_if_failed(grammar: Future[CompiledGrammar]) -> None:
+    """Raise a compile failure as a fresh RequestRejected: a cached failure is raised for every request repeating it
+    (the compiler fails only with RequestRejected)."""
+    error = grammar.exception()
+    if error is not None:
+        raise RequestRejected(str(error), code=getattr(error, "code", "invalid_structured_output"))
+
+
+def _fit_max_model_len(config: EngineConfig, loaded: LoadedModel, cache_tokens: int) -> int:
+    """The longest request the engine takes: the model's limit, unless the whole KV cache holds fewer tokens.
+
+    A cache that cannot hold one request of an explicitly asked `max_model_len` is refused (every request that
+    leaves its length to the server would otherwise be refused); a default one is lowered to what fits.
+    """
+    wanted = loaded.max_model_len
+    if wanted <= cache_tokens:
+        return wanted
+    budget_flag = "--max-memory-percent" if loaded.device.type == "cuda" else "--cpu-kv-cache-gib"
+    if config.max_model_len is not None:
+        raise EngineStartupError(
+            f"the KV cache holds {cache_tokens} tokens ({cache_tokens // config.page_size} pages of "
+            f"{config.page_size}), fewer than one request of --max-model-len {wanted} needs: lower --max-model-len "
+            f"to at most {cache_tokens}, or give the cache more room with --num-blocks or {budget_flag}"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens, fewer than the model's %d: max_model_len lowered to %d (choose it with "
+        "--max-model-len, or give the cache more room with --num-blocks or %s)",
+        cache_tokens,
+        wanted,
+        cache_tokens,
+        budget_flag,
+    )
+    return cache_tokens

@@ -10,6 +10,10 @@ Loop: take the waiting messages (adds, aborts, shutdown), run one step when ther
 engine's statistics. When there is nothing to do it waits on the inbox and publishes a `Heartbeat` each time
 the wait ends empty, so a watcher can tell the loop is alive; each pass that does not step keeps the engine's
 tensor-parallel ranks alive instead (`EngineCore.keep_alive`).
+
+Every add is answered once, accepted or rejected. A request with structured output is answered when its grammar
+has compiled (rejected if the constraint is invalid or unsupported, so the front end can still answer 400); the
+loop keeps stepping the others meanwhile, and while it has nothing else to do it polls the compiles.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+GRAMMAR_POLL_INTERVAL_S = 0.005
+"""While only grammars compile: how long to wait for one before looking at the inbox again."""
 MAX_MESSAGES_PER_STEP = 256
 """Messages handled between two steps at most, so a flood of adds cannot stall requests already running."""
 
@@ -117,7 +123,9 @@ class EngineLoop:
         draining = False
         while True:
             busy = engine.has_unfinished()
-            messages = self.inbox.receive(0 if busy or draining else HEARTBEAT_INTERVAL_S, MAX_MESSAGES_PER_STEP)
+            compiling = engine.num_awaiting_grammar > 0
+            idle_wait = 0 if busy or draining or compiling else HEARTBEAT_INTERVAL_S
+            messages = self.inbox.receive(idle_wait, MAX_MESSAGES_PER_STEP)
             for message in messages:
                 if isinstance(message, AddRequests):
                     for request in message.requests:
@@ -131,6 +139,9 @@ class EngineLoop:
                     draining = True
                 else:
                     raise TypeError(f"unexpected message for the engine: {message!r}")
+            if compiling and not busy and not messages:
+                engine.wait_for_grammars(GRAMMAR_POLL_INTERVAL_S)
+            self._settle_grammars()
             # Pending aborts count as unfinished: their final ABORT outputs (and freed pages) come from a step.
             stepped = engine.has_unfinished()
             outputs = engine.step() if stepped else []
@@ -139,15 +150,24 @@ class EngineLoop:
             if stepped or self._accepted or self._rejected:
                 self.publish(StepMessage(engine.stats(), outputs, self._accepted, self._rejected))
                 self._accepted, self._rejected = [], []
+            elif engine.num_awaiting_grammar:
+                continue
             elif draining:
                 return
             elif not messages:
                 self.publish(Heartbeat(engine.stats()))
 
+    def _settle_grammars(self) -> None:
+        for request_id, error in self.engine.settle_grammars():
+            if error is None:
+                self._accepted.append(request_id)
+            else:
+                self._rejected.append(Rejection(request_id, "invalid", str(error), error.code))
+
     def _add(self, request: EngineRequest) -> None:
         request_id = request.request_id
         try:
-            self.engine.add_request(request_id, request.prompt_ids, request.params, request.priority)
+            joined = self.engine.add_request(request_id, request.prompt_ids, request.params, request.priority)
         except QueueFull as exc:
             self._rejected.append(Rejection(request_id, "queue_full", str(exc), "queue_full"))
         except RequestRejected as exc:
@@ -157,4 +177,5 @@ class EngineLoop:
             logger.exception("add_request(%s) failed", request_id)
             self._rejected.append(Rejection(request_id, "internal", f"{type(exc).__name__}: {exc}", "internal_error"))
         else:
-            self._accepted.append(request_id)
+            if joined:
+                self._accepted.append(request_id)

@@ -106,7 +106,6 @@ class KVCacheManager:
         self.pools = pools
         self._primary = pools[0]
         self._single = len(pools) == 1
-        self.page_size = self._primary.page_size
 
     # -- the primary pool's view: admission, limits and statistics --------------------------------------------
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,10 +12,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from engine.attention import AttentionBackend, select_backend
-from engine.config import EngineConfig
+from engine.checkpoint import checkpoint_files
+from engine.config import EngineConfig, EngineStartupError
 from engine.models.cpu_linear import onednn_linear_available, pack_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
+from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM, check_tensor_parallel
+from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
 from engine.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,6 +37,8 @@ class LoadedModel:
     native: bool
     backend: AttentionBackend
     """The attention kernels the model's layers call."""
+    rank: int = 0
+    """The tensor-parallel rank this shard belongs to (0 without tensor parallelism): only rank 0 gets logits."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,32 +70,38 @@ def _eos_ids(model_dir: str, hf_config: PretrainedConfig) -> frozenset[int]:
 
 
 def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (use load_format='dummy' for random ones)")
-    for path in files:
+    """The checkpoint's tensors one at a time, each read from disk only when it is asked for."""
+    for path, names in checkpoint_files(model_dir).items():
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+            for name in f.keys() if names is None else names:
                 yield name, f.get_tensor(name)
 
 
 def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
     """The model's transformers config, and whether it runs on the native modules (else the transformers adapter);
-    raises ValueError for a combination the engine cannot run exactly, tensor parallelism included."""
+    raises UnsupportedModelError for a model the engine cannot run exactly, EngineStartupError for one it cannot
+    shard over --tensor-parallel-size."""
     if not os.path.isfile(os.path.join(config.model, "config.json")):
         raise FileNotFoundError(f"{config.model!r} is not a model directory (no config.json)")
     hf_config = AutoConfig.from_pretrained(config.model)
+    # `auto` takes the native modules where they run the model exactly, the transformers adapter otherwise.
     native = config.model_impl == "native" or (
-        config.model_impl == "auto" and hf_config.model_type in NATIVE_MODEL_TYPES
+        config.model_impl == "auto" and unsupported_feature(hf_config, native=True) is None
     )
-    if native and hf_config.model_type not in NATIVE_MODEL_TYPES:
-        raise ValueError(f"no native implementation for model_type {hf_config.model_type!r}")
+    check_supported(hf_config, native)
     if config.tensor_parallel_size > 1:
         if not native:
-            raise ValueError(
-                f"--tensor-parallel-size {config.tensor_parallel_size}: a {hf_config.model_type!r} model runs on the "
-                "transformers adapter, which Ferry cannot shard; tensor parallelism runs the native Llama-family "
-                f"models only ({', '.join(sorted(NATIVE_MODEL_TYPES))}, without --model-impl transformers)"
+            # The adapter runs transformers' modules whole, on one device: refused rather than served unsharded.
+            if config.model_impl == "transformers":
+                why = "--model-impl transformers"
+            elif hf_config.model_type not in NATIVE_MODEL_TYPES:
+                why = "there are no native modules for it"
+            else:
+                why = f"the native modules lack {unsupported_feature(hf_config, native=True)}"
+            raise EngineStartupError(
+                f"--tensor-parallel-size {config.tensor_parallel_size}: this {hf_config.model_type!r} model runs on "
+                f"the transformers adapter, which Ferry cannot shard ({why}); tensor parallelism runs the native "
+                f"Llama-family models only ({', '.join(sorted(NATIVE_MODEL_TYPES))})"
             )
         check_tensor_parallel(hf_config, config.tensor_parallel_size)
     return hf_config, native
@@ -104,36 +114,68 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     device = resolve_device(config.device) if tp is None else tp.device
     if device.type == "cpu" and config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
-    backend = select_backend(config.attention_backend, device.type, config.page_size)
     dtype = resolve_dtype(config.dtype, device)
+    backend = select_backend(config.attention_backend, device.type, config.page_size, dtype)
     limit = getattr(hf_config, "max_position_embeddings", None)
     max_model_len = config.max_model_len or limit or 4096
     if limit is not None and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
     torch.manual_seed(config.seed)
+    # Weights go straight into `dtype` on `device`: each checkpoint tensor is converted as it is copied into its
+    # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
     if native:
-        with torch.device(device):
-            model = LlamaFamilyForCausalLM(hf_config, backend, max_positions=max_model_len, tp=tp)
+        model = LlamaFamilyForCausalLM.empty(hf_config, backend, max_model_len, device, dtype, tp)
         if config.load_format == "dummy":
             _init_dummy(model)
         else:
             model.load_weights(_checkpoint_tensors(config.model))
-        model = model.to(dtype)
     else:
-        hf_config._attn_implementation = ATTN_IMPLEMENTATION
+        model = _load_transformers_model(config, hf_config, dtype, device, backend)
+    model.eval()
+    if onednn_linear_available(device, dtype):
+        pack_linears(model)
+    return LoadedModel(
+        model,
+        hf_config,
+        _eos_ids(config.model, hf_config),
+        max_model_len,
+        device,
+        dtype,
+        native,
+        backend,
+        rank=0 if tp is None else tp.rank,
+    )
+
+
+def _load_transformers_model(
+    config: EngineConfig,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+) -> TransformersCausalLM:
+    hf_config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
         if config.load_format == "dummy":
             hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         else:
             hf_model = AutoModelForCausalLM.from_pretrained(
                 config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
             )
-        model = TransformersCausalLM(hf_model.to(device), backend)
-    model.eval()
-    if onednn_linear_available(device, dtype):
-        pack_linears(model)
-    return LoadedModel(
-        model, hf_config, _eos_ids(config.model, hf_config), max_model_len, device, dtype, native, backend
-    )
+    except KeyError as error:
+        if error.args != (ATTN_IMPLEMENTATION,):
+            raise
+        # The model looks its attention classes up in a table of its own, which has no paged entry.
+        raise UnsupportedModelError(
+            hf_config.model_type, "attention classes from a table of the model's own with no paged entry"
+        ) from error
+    hf_model.eval()
+    replace_own_attention(hf_model)
+    # Built (or loaded) in `dtype` on the CPU, then moved: loading straight onto a GPU (`device_map`) would need
+    # accelerate.
+    model = TransformersCausalLM(hf_model.to(device), backend)
+    model.check_runs_exactly()
+    return model
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineStartupError
 from engine.step import SchedulerOutput
 
 STARTUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -69,7 +69,7 @@ def with_rendezvous(config: EngineConfig) -> EngineConfig:
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     """Each rank's device: CUDA device `local_rank` on a GPU machine, else the CPU."""
     if config.device.startswith("cuda:"):
-        raise ValueError(
+        raise EngineStartupError(
             f"--device {config.device} names one GPU, but with tensor parallelism each rank takes its own: "
             "rank r on a node uses cuda:r (pass --device cuda, or auto)"
         )
@@ -77,9 +77,9 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     if not use_cuda:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+        raise EngineStartupError("device='cuda' was asked for but no CUDA device is available")
     if torch.cuda.device_count() < config.ranks_per_node:
-        raise ValueError(
+        raise EngineStartupError(
             f"{config.ranks_per_node} tensor-parallel ranks per node need as many GPUs, but this machine has "
             f"{torch.cuda.device_count()}"
         )
@@ -100,6 +100,9 @@ class TensorParallel:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COLLECTIVES, 0.0))
     """Seconds this rank spent in each kind of collective, waits for slower ranks included: what tensor
     parallelism costs a step (on CPU; on CUDA the tensor collectives are asynchronous and this is their launch)."""
+
+    last_broadcast: float = 0.0
+    """`time.monotonic()` of the driver's last plan (or keep-alive) broadcast."""
 
     def __post_init__(self) -> None:
         self._gather_small = self.device.type == "cpu"  # gloo; NCCL's all-reduce is the fastest it has
@@ -143,6 +146,13 @@ class TensorParallel:
 
     # -- start-up and the step's plan ------------------------------------------------------------------------------
 
+    def wait_for_peers(self) -> None:
+        """Start-up: return once every rank got here (on the default group, which waits as long as loading may)."""
+        try:
+            dist.barrier()
+        except Exception as exc:
+            raise self._failure("start-up barrier", exc) from exc
+
     def min_over_ranks(self, values: list[int]) -> list[int]:
         """Each value's minimum over the ranks (start-up: the KV-cache pages every rank can hold)."""
         tensor = torch.tensor(values, dtype=torch.int64)
@@ -175,6 +185,7 @@ class TensorParallel:
         return pickle.loads(data)
 
     def _send(self, data: bytes) -> None:
+        self.last_broadcast = time.monotonic()
         room = _PLAN_BUFFER_BYTES - _HEADER_BYTES
         self._plan_length[0] = len(data)
         head = np.frombuffer(data, dtype=np.uint8, count=min(len(data), room))

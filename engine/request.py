@@ -8,8 +8,10 @@ from computed to total, within the budget": there are no phase flags to keep in 
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class FinishReason(str, enum.Enum):
@@ -34,6 +36,60 @@ class RequestRejected(ValueError):
 
 class QueueFull(RuntimeError):
     """The waiting queue is at `max_queue_size`; the caller may retry later."""
+
+
+StructuredOutputKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate; the engine masks every token that would break it.
+
+    `spec` by `kind`:
+    - `json_schema`: the JSON Schema, as JSON text (an object). Generated JSON has no free whitespace.
+    - `json_object`: empty; any JSON object.
+    - `regex`: a regular expression (Rust `regex` syntax) the whole output must match.
+    - `choice`: a JSON array of strings, the output is exactly one of them.
+    - `grammar`: a grammar in llguidance's Lark dialect (`start: ...`; engine/structured.py links its syntax).
+
+    Once the constraint is satisfied only the request's EOS and stop tokens may follow, so the request ends with
+    `stop`; `ignore_eos` and `min_new_tokens` cannot go with it.
+    Checked here for shape only; `engine.structured.check(structured_output, tokenizer_dir)` compiles it, so what
+    the grammar library refuses is a 400 before anything streams.
+    """
+
+    kind: StructuredOutputKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        problem = _structured_output_problem(self.kind, self.spec)
+        if problem:
+            raise RequestRejected(problem, code="invalid_structured_output")
+
+
+def _structured_output_problem(kind: str, spec: str) -> str | None:
+    kinds = StructuredOutputKind.__args__
+    if kind not in kinds:
+        return f"structured output kind must be one of {', '.join(kinds)}, got {kind!r}"
+    if not isinstance(spec, str):
+        return f"a {kind} structured output spec must be a string, got {type(spec).__name__}"
+    if kind == "json_object":
+        return "json_object takes no spec (it means any JSON object)" if spec.strip() else None
+    if not spec.strip():
+        return f"the {kind} structured output needs a non-empty spec"
+    if kind not in ("json_schema", "choice"):
+        return None
+    try:
+        value = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        return f"the {kind} spec is not valid JSON: {exc}"
+    if kind == "json_schema" and not isinstance(value, dict):
+        return f"a JSON schema must be a JSON object, got {type(value).__name__}"
+    if kind == "choice" and not (
+        isinstance(value, list) and value and all(isinstance(item, str) and item for item in value)
+    ):
+        return "a choice spec must be a non-empty JSON array of non-empty strings"
+    return None
 
 
 @dataclass(frozen=True)
@@ -64,6 +120,8 @@ class SamplingParams:
     request computes its whole prompt (no prefix-cache hits: cached positions have no logits)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits before anything else (OpenAI's `logit_bias`; -100 bans)."""
+    structured_output: StructuredOutput | None = None
+    """Constrains the output (JSON schema, regex, ...); None leaves it free."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -90,6 +148,14 @@ class SamplingParams:
             (
                 all(-100 <= bias <= 100 for _, bias in self.logit_bias),
                 "logit_bias values must be in [-100, 100]",
+            ),
+            (
+                self.structured_output is None or not self.ignore_eos,
+                "ignore_eos cannot go with structured output: a satisfied constraint allows only EOS",
+            ),
+            (
+                self.structured_output is None or not self.min_new_tokens,
+                "min_new_tokens cannot go with structured output: a satisfied constraint allows only EOS",
             ),
         ]
         for ok, message in checks:

@@ -7,6 +7,9 @@ whole page tables, continuing ones with the pages appended this step, finished a
 
 Per-step work is per sequence, never per token: token ids are copied into preallocated buffers in one piece, and
 positions, page tables and slot mappings come from vectorised numpy ops over per-sequence offsets.
+
+A constrained sequence (structured output) also keeps its grammar state here: it advances with every token sampled
+for it, and the step's constrained rows get one grammar mask (engine/token_masks.py) that the sampler applies.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from engine.loader import LoadedModel
 from engine.request import SamplingParams, TokenLogprob
 from engine.sampler import Sampler
 from engine.step import ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
+from engine.structured import GrammarCompiler
+from engine.token_masks import GrammarMasker, GrammarState
 
 
 @dataclass(slots=True)
@@ -41,6 +46,8 @@ class _Sequence:
     output_ids: list[int]
     prompt_logprobs: int | None
     """Alternatives per prompt-token logprob, for a request that asked for prompt logprobs."""
+    grammar: GrammarState | None
+    """Set for a request with structured output."""
 
     @property
     def num_tokens(self) -> int:
@@ -68,14 +75,30 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, layouts: list[GroupLayout], pool_pages: list[int], config: EngineConfig
+        self,
+        loaded: LoadedModel,
+        layouts: list[GroupLayout],
+        pool_pages: list[int],
+        config: EngineConfig,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
+        """`grammars` compiles structured outputs (EngineCore shares its own); by default the runner has its own."""
         model = loaded.model
         self.model = model
         self.backend = loaded.backend
         self.page_size = config.page_size
         self.device = device = loaded.device
         self.sampler = Sampler(loaded.hf_config.vocab_size, device, config.seed)
+        self.grammars = grammars or GrammarCompiler(
+            config.model, vocab_size=loaded.hf_config.vocab_size, eos_token_ids=loaded.eos_token_ids
+        )
+        self.samples = loaded.rank == 0
+        """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
+        since the driver samples."""
+        self.grammar_masker: GrammarMasker | None = None
+        """Built with the first constrained sequence: steps without any never touch a grammar."""
+        self._max_seqs = config.max_num_seqs
+        self._num_constrained = 0
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
             for layer in layout.layers:
@@ -121,11 +144,6 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * page_size * model.num_kv_heads * model.head_dim * element
 
-    @property
-    def num_sequences(self) -> int:
-        """Sequences the runner keeps state for (the running ones, once the plan's deltas are applied)."""
-        return len(self._seqs)
-
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one planned step: pack, forward, sample."""
         started = time.perf_counter()
@@ -138,9 +156,18 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than 0: the driver samples, from the gathered logits
             return ModelRunnerOutput(prepare_seconds=prepared - started, forward_seconds=forwarded - prepared)
         sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples, strict=True) if samples]
-        result = self.sampler(logits[: inputs.num_sampling], sampling)
+        constrained = (
+            [row for row, seq in enumerate(sampling) if seq.grammar is not None] if self._num_constrained else []
+        )
+        # After the forward pass was issued: on CUDA the CPU fills the masks while the device computes.
+        grammar_bias = (
+            (constrained, self._grammar_bias([sampling[row].grammar for row in constrained])) if constrained else None
+        )
+        result = self.sampler(logits[: inputs.num_sampling], sampling, grammar_bias)
         for seq, token in zip(sampling, result.token_ids, strict=True):
             seq.output_ids.append(token)
+        for row in constrained:
+            sampling[row].grammar.advance(result.token_ids[row])
         return ModelRunnerOutput(
             result.token_ids,
             result.logprobs,
@@ -157,6 +184,7 @@ class ModelRunner:
             if seq is not None:
                 self._free_rows.append(seq.row)
                 self._scoring_prompts.discard(request_id)
+                self._num_constrained -= seq.grammar is not None
         for new in plan.new_requests:
             self._add(new)
         for request_id, grant in plan.new_pages:
@@ -289,9 +317,31 @@ class ModelRunner:
             new.prompt_ids,
             list(new.output_ids),
             new.params.prompt_logprobs,
+            self._grammar_state(new),
         )
         if new.params.prompt_logprobs is not None:
             self._scoring_prompts.add(new.request_id)
+
+    def _grammar_state(self, new: NewRequest) -> GrammarState | None:
+        """A constrained request's grammar state, caught up with the tokens it generated before a preemption."""
+        structured_output = new.params.structured_output
+        if structured_output is None or not self.samples:
+            return None
+        self._num_constrained += 1
+        # Compiled before the request was admitted, so this is a cache hit (a recompile only if it was evicted).
+        compiled = self.grammars.compile(structured_output)
+        end_token_ids = new.eos_token_ids | frozenset(new.params.stop_token_ids)
+        return GrammarState(compiled, end_token_ids, new.output_ids)
+
+    def _grammar_bias(self, states: list[GrammarState]) -> torch.Tensor:
+        if self.grammar_masker is None:
+            self.grammar_masker = GrammarMasker(
+                self.sampler.vocab_size,
+                self._max_seqs,
+                self.device,
+                frozenset(self.grammars.tokenizer.eos_tokens),
+            )
+        return self.grammar_masker.bias(states)
 
     def _to_device(self, name: str, n: int) -> torch.Tensor:
         host = self._host[name][:n]

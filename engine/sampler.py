@@ -5,7 +5,8 @@ call. Randomness is Gumbel-max (an exponential race): the token is argmax(log p 
 drawn from a generator stream that belongs to the request alone, seeded from (seed, tokens generated so far).
 A seeded request therefore draws the same tokens whatever shares its batch, at any position in it, and again
 when it is recomputed after a preemption. The caller's logits are never modified: logprobs are read from them
-(vLLM's default).
+(vLLM's default), after the grammar mask of constrained rows: a structured-output request's logprobs are those of
+the tokens its grammar allowed (renormalised over them), and its top alternatives are tokens it could have emitted.
 """
 
 from __future__ import annotations
@@ -102,12 +103,29 @@ class Sampler:
         self._pin_memory = self.device.type == "cuda"
         self._positions = torch.arange(vocab_size, device=self.device)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> SampleResult:
-        """`logits`: [len(requests), >= vocab_size], one row per request, in the same order."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SamplingState],
+        grammar_bias: tuple[list[int], torch.Tensor] | None = None,
+    ) -> SampleResult:
+        """`logits`: [len(requests), >= vocab_size], one row per request, in the same order.
+
+        `grammar_bias`: the constrained rows and, for each, 0 for the tokens its grammar allows and -inf for the
+        rest (engine/token_masks.py); added before penalties and temperature, so a banned token is never picked.
+        """
         if not requests:
             return SampleResult([], [])
         # A padded lm_head emits columns past the real vocabulary: those ids must never be picked.
         logits = logits[:, : self.vocab_size].float()
+        if grammar_bias is not None:
+            rows, bias = grammar_bias
+            # One operation, out of place: the caller's logits stay as they were.
+            logits = (
+                logits + bias
+                if len(rows) == len(requests)
+                else logits.index_add(0, self._tensor(rows, torch.long), bias)
+            )
         work = self.apply_penalties(logits, requests)
         sampled = [row for row, request in enumerate(requests) if not request.params.greedy]
         if not sampled:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
+import sys
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
@@ -26,14 +28,19 @@ STOP_TIMEOUT_SECONDS = 10.0
 """How long stopped workers get to leave on their own before they are killed."""
 
 
-def run_worker(config: EngineConfig, rank: int, parent_pid: int, log_level: str) -> None:
-    """Entry point of a worker process (rank > 0)."""
+def run_worker(
+    config: EngineConfig, rank: int, parent_pid: int, log_level: str, log_formatter: logging.Formatter | None
+) -> None:
+    """Entry point of a worker process (rank > 0); it logs at `log_level` through `log_formatter` (its spawner's),
+    or in plain text lines naming its rank."""
     die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group: the process that spawned this one decides what happens. SIGTERM
     # keeps its default (an engine process started by the server ignores it, and spawned children inherit that).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(log_formatter or logging.Formatter(f"%(asctime)s %(levelname)s [rank {rank}] %(message)s"))
+    logging.basicConfig(level=log_level, handlers=[handler])
     # Join the ranks as soon as torch is in, so that the driver waits for no more than that import; the model
     # code (transformers and all) loads while the others load theirs.
     from engine.parallel import CollectiveFailed, init_tensor_parallel
@@ -44,8 +51,7 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int, log_level: str)
         from engine.loader import load_model
         from engine.runner import ModelRunner
 
-        loaded = load_model(config, tp)
-        layouts, pages = kv_cache_layout(config, loaded, tp)
+        loaded, layouts, pages = kv_cache_layout(config, load_model(config, tp), tp)
         runner = ModelRunner(loaded, layouts, pages, config)
         logger.info("rank %d of %d ready on %s: %d KV-cache pages", rank, tp.size, tp.device, pages[0])
         while (plan := tp.receive_plan()) is not None:
@@ -67,16 +73,30 @@ def _leave(status: int) -> None:
     os._exit(status)
 
 
+def _spawner_logging() -> tuple[str, logging.Formatter | None]:
+    """This process's log level and its root handler's formatter, for the workers it starts: they log as it does
+    (JSON lines under `--log-format json`). No formatter when it has none, or one that cannot travel to a spawned
+    process."""
+    root = logging.getLogger()
+    formatter = next((h.formatter for h in root.handlers if h.formatter is not None), None)
+    try:
+        pickle.dumps(formatter)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        formatter = None
+    return logging.getLevelName(root.getEffectiveLevel()), formatter
+
+
 class Workers:
     """Worker processes of this node, as their spawner sees them."""
 
-    def __init__(self, config: EngineConfig, ranks: range, log_level: str) -> None:
+    def __init__(self, config: EngineConfig, ranks: range) -> None:
         context = multiprocessing.get_context("spawn")
+        log_level, log_formatter = _spawner_logging()
         # Daemonic: should the spawner exit without stop(), multiprocessing terminates them on its way out.
         self.processes: list[BaseProcess] = [
             context.Process(
                 target=run_worker,
-                args=(config, rank, os.getpid(), log_level),
+                args=(config, rank, os.getpid(), log_level, log_formatter),
                 name=f"ferry-rank-{rank}",
                 daemon=True,
             )
@@ -116,7 +136,7 @@ class Workers:
             process.join()
 
 
-def run_node(config: EngineConfig, log_level: str) -> int:
+def run_node(config: EngineConfig) -> int:
     """`ferry serve` on a node other than 0: run this node's ranks until node 0 stops them (0) or they fail (1)."""
     from engine.parallel import with_rendezvous
 
@@ -135,7 +155,7 @@ def run_node(config: EngineConfig, log_level: str) -> int:
     # Kubernetes stops a group's pods together: SIGTERM must not take these ranks away while node 0 drains its
     # requests. They leave when node 0 stops them (or fails); the pod's grace period bounds the wait.
     signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM: the ranks stay up until node 0 stops them"))
-    workers = Workers(config, range(first, first + config.ranks_per_node), log_level)
+    workers = Workers(config, range(first, first + config.ranks_per_node))
     try:
         return workers.wait()
     except KeyboardInterrupt:

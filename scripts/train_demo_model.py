@@ -52,8 +52,34 @@ ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = [PAD, BOS, EOS, *(f"<|{role}|>" for role in ROLES)]
 # Same shape as the test models' template (tests/model_factory.py): every turn ends with EOS, so the model
 # learns to emit EOS right after its answer, and the generation prompt is just the assistant role token.
+# With `tools`, it also writes them the way Hermes / Qwen templates do (a system turn listing them, calls as
+# `<tool_call>` JSON, results as `<tool_response>` user turns), so that `ferry serve` reads its calls with the
+# hermes parser. Training never passes tools: a conversation without them renders exactly as before. Newlines
+# are `{{ '\n' }}` because transformers renders templates with trim_blocks (a newline after a tag is dropped).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{{ '\\n\\n' }}{% endif %}"
+    "# Tools{{ '\\n\\n' }}You may call one or more functions to assist with the user query.{{ '\\n\\n' }}"
+    "You are provided with function signatures within <tools></tools> XML tags:{{ '\\n' }}<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>{{ '\\n\\n' }}"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:{{ '\\n' }}<tool_call>{{ '\\n' }}"
+    '{"name": <function-name>, "arguments": <args-json-object>}'
+    "{{ '\\n' }}</tool_call>{{ eos_token }}"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if tools and loop.first and m['role'] == 'system' %}"
+    "{% elif m['role'] == 'tool' %}"
+    "<|user|><tool_response>{{ '\\n' }}{{ m['content'] }}{{ '\\n' }}</tool_response>{{ eos_token }}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|assistant|>{{ m['content'] or '' }}"
+    "{% for call in m['tool_calls'] %}<tool_call>{{ '\\n' }}"
+    "{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}"
+    "{{ '\\n' }}</tool_call>{% endfor %}{{ eos_token }}"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 VOCAB_SIZE = 4096

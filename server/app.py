@@ -19,20 +19,25 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.metrics import ServerMetrics, rejection_reason
-from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
-from server.openai.errors import APIError, ErrorResponse, invalid_request, service_unavailable
+from server.openai.errors import APIError, ErrorResponse, internal_error, invalid_request, service_unavailable
 from server.openai.generation import ServingContext
+from server.openai.responses import serve_response
+from server.openai.responses_schemas import ResponseObject, ResponsesRequest
 from server.openai.schemas import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -40,19 +45,62 @@ from server.openai.schemas import (
     ModelCard,
     ModelList,
 )
+from server.openai.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    serve_detokenize,
+    serve_tokenize,
+)
+from server.openai.tool_parsers import detect_tool_call_parser
+from server.openapi import openapi_document
+from server.reasoning import ReasoningParser
 from server.settings import ServerSettings
 from server.tokens import Tokenizer
 from server.ui import mount_ui
 
 logger = logging.getLogger(__name__)
 
+PROMETHEUS_TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""/metrics' format, named exactly: prometheus_client's CONTENT_TYPE_LATEST moved on to 1.0.0, which Prometheus
+servers before 3.0 do not know."""
+
 # Documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape).
 _ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
-_STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"description": "With `stream: true`: `data: {chunk}` events, then "
-                                                           "`data: [DONE]`."}}},
+_UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse}}
+_RESPONSES_STREAM: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"description": "With `stream: true`: named events (`event: <type>`, "
+                                                           "`data: {event}`), response.created first and "
+                                                           "response.completed (or .incomplete, .failed) last, "
+                                                           "carrying a ResponseObject."}}},
     **_ERRORS,
 }  # fmt: skip
+
+
+def _stream_response(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A route's responses: JSON, or with `stream: true` SSE events whose data is a `chunk` (then [DONE])."""
+    events = {
+        "schema": {"$ref": f"#/components/schemas/{chunk.__name__}"},
+        "description": "With `stream: true`: `data: {chunk}` events, then `data: [DONE]`.",
+    }
+    return {200: {"content": {"text/event-stream": events}}, **_ERRORS}  # fmt: skip
+
+
+class FerryAPI(FastAPI):
+    """The app, whose OpenAPI schema also describes the chunks of its streams (no route returns them as JSON)."""
+
+    STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse)
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            _, definitions = models_json_schema(
+                [(chunk, "serialization") for chunk in self.STREAM_CHUNKS], ref_template="#/components/schemas/{model}"
+            )
+            for name, definition in definitions["$defs"].items():
+                schema["components"]["schemas"].setdefault(name, definition)
+        return self.openapi_schema  # type: ignore[return-value]
 
 
 def ferry_version() -> str:
@@ -69,12 +117,15 @@ class ServerState:
         self.engine_config = engine_config
         self.settings = settings
         self.lifecycle = lifecycle
-        self.model_name = settings.served_model_name or Path(engine_config.model).name
+        self.model_names = settings.served_model_name or (Path(engine_config.model).name,)
+        """Every name clients may send as `model`; the first is the one responses report."""
+        self.model_name = self.model_names[0]
         self.metrics = ServerMetrics(self.model_name, engine_config.tensor_parallel_size)
         self.created = int(time.time())
         self.client = EngineClient(
             engine_config,
             log_level=settings.log_level,
+            log_format=settings.log_format,
             on_stats=self.metrics.observe_engine_stats,
             on_death=lifecycle.fail,
         )
@@ -84,7 +135,8 @@ class ServerState:
         """Spawn the engine first, so that it loads the model while this process loads the tokenizer."""
         try:
             self.client.start()
-            tokenizer = await asyncio.to_thread(Tokenizer.load, self.engine_config.model)
+            tokenizer = await asyncio.to_thread(Tokenizer.load, self.settings.tokenizer or self.engine_config.model)
+            reasoning = ReasoningParser.for_model(self.settings.reasoning_parser, tokenizer)
             info = await self.client.wait_ready()
         except EngineDeadError:
             return  # the client has already reported the death to the lifecycle
@@ -95,11 +147,15 @@ class ServerState:
         self.serving = ServingContext(
             client=self.client,
             tokenizer=tokenizer,
+            model_dir=self.engine_config.model,
             metrics=self.metrics,
             lifecycle=self.lifecycle,
-            model_name=self.model_name,
+            model_names=self.model_names,
             max_model_len=info.max_model_len,
             request_timeout=self.settings.request_timeout or None,
+            sse_ping=self.settings.sse_ping_interval,
+            reasoning=reasoning,
+            tool_call_parser=resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer),
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -108,7 +164,13 @@ class ServerState:
         gc.collect()
         gc.freeze()
         self.lifecycle.set_ready()
-        logger.info("Serving %s (max_model_len=%d)", self.model_name, info.max_model_len)
+        logger.info(
+            "Serving %s (max_model_len=%d, reasoning parser: %s, tool-call parser: %s)",
+            self.model_name,
+            info.max_model_len,
+            reasoning.name if reasoning else "none",
+            self.serving.tool_call_parser or "none",
+        )
         if self.settings.ui:
             logger.info("Playground and engine view: http://%s:%d/", self.settings.host, self.settings.port)
 
@@ -125,6 +187,49 @@ class ServerState:
         return self.lifecycle.phase is Phase.LOADING or self.client.healthy
 
 
+# The request bodies: their own JSON schemas go into the OpenAPI document (server/openapi.py).
+_REQUEST_MODELS: list[type[BaseModel]] = [
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+]
+
+
+class _FerryApp(FastAPI):
+    """FastAPI with the request-id middleware around its whole stack, Starlette's own error middleware included,
+    so that every response (an unhandled error's 500 too) carries X-Request-Id; and an OpenAPI document that says
+    exactly what the server accepts, the chunks of its streams included (no route returns them as JSON)."""
+
+    STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse)
+
+    def __init__(self, model_names: tuple[str, ...], **options: Any) -> None:
+        super().__init__(**options)
+        self.model_names = model_names
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return RequestIdMiddleware(super().build_middleware_stack())
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            schema = openapi_document(self, _REQUEST_MODELS, self.model_names)
+            _, definitions = models_json_schema(
+                [(chunk, "serialization") for chunk in self.STREAM_CHUNKS], ref_template="#/components/schemas/{model}"
+            )
+            for name, definition in definitions["$defs"].items():
+                schema["components"]["schemas"].setdefault(name, definition)
+            self.openapi_schema = schema
+        return self.openapi_schema
+
+
+def resolve_tool_call_parser(setting: str, tokenizer: Tokenizer) -> str | None:
+    """`--tool-call-parser`: a parser's name as given, `auto` the one the chat template shows, `none` None."""
+    if setting == "auto":
+        return detect_tool_call_parser(tokenizer.chat_template)
+    return None if setting == "none" else setting
+
+
 def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:
     state = ServerState(engine_config, settings, lifecycle)
 
@@ -138,49 +243,67 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             loading.cancel()
             await state.client.shutdown()
 
-    app = FastAPI(title="Ferry", version=ferry_version(), lifespan=lifespan)
+    app = _FerryApp(state.model_names, title="Ferry", version=ferry_version(), lifespan=lifespan)
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, metrics=state.metrics)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_RESPONSE)
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=_stream_response(ChatCompletionChunk)
+    )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve_chat_completion(state.get_serving(), body, request)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAM_RESPONSE)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_stream_response(CompletionResponse))
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serve_completion(state.get_serving(), body, request)
 
-    def model_card() -> ModelCard:
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_RESPONSES_STREAM)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """The Responses API, stateless: the whole conversation comes in `input` every time."""
+        return await serve_response(state.get_serving(), body, request)
+
+    def model_card(name: str) -> ModelCard:
         serving = state.get_serving()
+        tensor_parallel_size = engine_config.tensor_parallel_size
         return ModelCard(
-            id=state.model_name,
+            id=name,
             created=state.created,
             max_model_len=serving.max_model_len,
-            tensor_parallel_size=engine_config.tensor_parallel_size if engine_config.tensor_parallel_size > 1 else None,
+            tensor_parallel_size=tensor_parallel_size if tensor_parallel_size > 1 else None,
         )
 
     # A field left None (tensor_parallel_size on one device) is left out, as OpenAI's cards carry no nulls.
-    @app.get("/v1/models", response_model_exclude_none=True)
+    @app.get("/v1/models", responses=_ERRORS, response_model_exclude_none=True)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(name) for name in state.model_names])
 
     @app.get("/v1/models/{model_id:path}", responses=_ERRORS, response_model_exclude_none=True)
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id != state.model_name:
+        if model_id not in state.model_names:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
-        return model_card()
+        return model_card(model_id)
 
-    @app.get("/health")
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's: a prompt or a conversation (through the chat template) to the model's token ids."""
+        return serve_tokenize(state.get_serving(), body)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's: token ids to the text they stand for (special tokens included)."""
+        return serve_detokenize(state.get_serving(), body)
+
+    @app.get("/health", responses=_UNAVAILABLE)
     async def health() -> JSONResponse:
         """Liveness: 200 while the engine process is alive and its loop makes progress."""
         if state.healthy:
             return JSONResponse({"status": "ok"})
         return service_unavailable("The engine is not running.", "engine_dead").response()
 
-    @app.get("/ready")
+    @app.get("/ready", responses=_UNAVAILABLE)
     async def ready() -> JSONResponse:
         """Readiness: 200 only when new requests are accepted (not while loading or draining)."""
         try:
@@ -189,9 +312,10 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             return exc.response()
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus' text exposition format, version 0.0.4 (what every Prometheus scrapes)."""
+        return Response(state.metrics.render(), media_type=PROMETHEUS_TEXT_CONTENT_TYPE)
 
     @app.get("/metrics.json")
     async def metrics_json() -> dict[str, Any]:
@@ -231,7 +355,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         logger.error("Unhandled error on %s", request.url.path, exc_info=exc)
-        return APIError(500, "Internal server error.", type="server_error", code="internal_error").response()
+        return internal_error().response()
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

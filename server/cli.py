@@ -7,7 +7,7 @@ Every EngineConfig and ServerSettings field is a flag, documented where the fiel
 from __future__ import annotations
 
 import argparse
-import logging
+import dataclasses
 import os
 from pathlib import Path
 
@@ -32,15 +32,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="Serve a model over an OpenAI-compatible HTTP API.",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-        "/v1/models, /health, /ready, /metrics, /version).",
+        "/v1/responses, /v1/models, /health, /ready, /metrics, /version).",
         formatter_class=_HelpFormatter,
     )
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
         default=None,
-        help="Local Hugging Face model directory (config.json, safetensors, tokenizer). Without it, the small "
-        f"model embedded in the package ({DEFAULT_MODEL_DIR}) is served.",
+        help="A local Hugging Face model directory (config.json, safetensors, tokenizer), or a Hub id (org/name) "
+        "read from the Hugging Face cache and downloaded into it when the Hub can be reached (see --revision, "
+        f"--download-dir, HF_HUB_OFFLINE). Without it, the small model embedded in the package ({DEFAULT_MODEL_DIR}) "
+        "is served.",
     )
     groups = {"model": model}
     add_flags(parser, EngineConfig, groups)
@@ -48,21 +50,41 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_serve, parser=parser)
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
-    parser: argparse.ArgumentParser = args.parser
-    if args.model is None:
-        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-            parser.error(f"no --model given, and the embedded default model is missing ({DEFAULT_MODEL_DIR}).")
-        return DEFAULT_MODEL_DIR
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        parser.error(f"--model {args.model}: not a model directory (no config.json).")
-    return model_dir
+def _model_spec(args: argparse.Namespace) -> str:
+    """--model as given, or the embedded default model's directory."""
+    if args.model is not None:
+        return args.model
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        args.parser.error(f"no --model given, and the embedded default model is missing ({DEFAULT_MODEL_DIR}).")
+    return str(DEFAULT_MODEL_DIR)
+
+
+def _resolve(args: argparse.Namespace, flag: str, spec: str, revision: str | None, weights: bool) -> str:
+    """A local directory for `spec`: itself, or its snapshot in the Hugging Face cache (fetched if need be)."""
+    import huggingface_hub
+
+    from server.model_source import ModelSourceError, resolve
+
+    try:
+        path = resolve(
+            spec,
+            flag=flag,
+            revision=revision,
+            download_dir=args.download_dir,
+            offline=huggingface_hub.constants.HF_HUB_OFFLINE,
+            weights=weights,
+        )
+    except ModelSourceError as exc:
+        args.parser.error(str(exc))
+    return str(path)
 
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's options, with --model resolved to a local directory (a Hub model is fetched here, once)."""
+    values = flag_values(EngineConfig, args)
+    model_dir = _resolve(args, "--model", _model_spec(args), args.revision, weights=values["load_format"] != "dummy")
     try:
-        return EngineConfig(model=str(_model_dir(args)), **flag_values(EngineConfig, args))
+        return EngineConfig(model=model_dir, **values)
     except ValueError as exc:
         args.parser.error(str(exc))
 
@@ -75,13 +97,26 @@ def _check_parallel_layout(args: argparse.Namespace, config: EngineConfig) -> No
 
 
 def build_settings(args: argparse.Namespace) -> ServerSettings:
+    from server.model_source import default_served_name
+
     values = flag_values(ServerSettings, args)
     # The environment variable keeps the key out of `ps` output and shell history.
     values["api_key"] = args.api_key or os.environ.get("FERRY_API_KEY") or None
+    values["served_model_name"] = values["served_model_name"] or (default_served_name(_model_spec(args)),)
     try:
         return ServerSettings(**values)
     except ValueError as exc:
         args.parser.error(str(exc))
+
+
+def resolve_tokenizer(args: argparse.Namespace, settings: ServerSettings) -> ServerSettings:
+    """`settings` with --tokenizer resolved to a local directory, when one was given."""
+    if settings.tokenizer is None:
+        if settings.tokenizer_revision is not None:
+            args.parser.error("--tokenizer-revision applies to a --tokenizer only")
+        return settings
+    path = _resolve(args, "--tokenizer", settings.tokenizer, settings.tokenizer_revision, weights=False)
+    return dataclasses.replace(settings, tokenizer=path)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -91,16 +126,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
     from server.lifecycle import FerryServer, Lifecycle
+    from server.logs import configure_logging
 
     engine_config = build_engine_config(args)
     _check_parallel_layout(args, engine_config)
-    settings = build_settings(args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    settings = resolve_tokenizer(args, build_settings(args))
+    configure_logging(settings.log_level, settings.log_format)
     if engine_config.node_rank > 0:
         # Another node of a multi-node tensor-parallel run: its ranks only, no HTTP; node 0 serves.
         from engine.worker import run_node
 
-        return run_node(engine_config, settings.log_level)
+        return run_node(engine_config)
     lifecycle = Lifecycle(settings.drain_timeout)
     app = create_app(engine_config, settings, lifecycle)
     config = uvicorn.Config(
@@ -108,6 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # No logging config of uvicorn's own: its loggers (the access log included) go through ours.
+        log_config=None,
         timeout_graceful_shutdown=UVICORN_GRACEFUL_SHUTDOWN_SECONDS,
         lifespan="on",
     )

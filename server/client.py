@@ -26,6 +26,7 @@ from engine.driver import AbortRequests, AddRequests, EngineRequest, Heartbeat, 
 from engine.request import QueueFull, RequestRejected, StepOutput
 from server.engine_process import run_engine_process
 from server.ipc import EngineFailed, EngineReady
+from server.settings import LogFormat
 
 if TYPE_CHECKING:
     from engine.stats import EngineStats
@@ -129,12 +130,14 @@ class EngineClient:
         config: EngineConfig,
         *,
         log_level: str = "info",
+        log_format: LogFormat = "text",
         on_stats: StatsCallback | None = None,
         on_death: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.info: EngineReady | None = None
         self._log_level = log_level
+        self._log_format = log_format
         self._on_stats = on_stats
         self._on_death = on_death
         self._routes: dict[str, RequestGroup] = {}
@@ -162,7 +165,7 @@ class EngineClient:
         # spawned the child exits, so a short-lived worker thread must not do this.
         self._process = context.Process(
             target=run_engine_process,
-            args=(self.config, request_reader, output_writer, os.getpid(), self._log_level),
+            args=(self.config, request_reader, output_writer, os.getpid(), self._log_level, self._log_format),
             name="ferry-engine",
         )
         self._process.start()

@@ -21,12 +21,19 @@ from engine.config import EngineConfig
 from engine.driver import EngineInput, EngineLoop, Shutdown
 from engine.lifetime import die_with_parent
 from server.ipc import EngineFailed, EngineReady
+from server.logs import configure_logging
+from server.settings import LogFormat
 
 logger = logging.getLogger(__name__)
 
 
 def run_engine_process(
-    config: EngineConfig, requests: Connection, outputs: Connection, parent_pid: int, log_level: str
+    config: EngineConfig,
+    requests: Connection,
+    outputs: Connection,
+    parent_pid: int,
+    log_level: str,
+    log_format: LogFormat,
 ) -> None:
     """Entry point of the spawned process."""
     die_with_parent(parent_pid)
@@ -34,7 +41,7 @@ def run_engine_process(
     # handle: it drains in-flight requests and then shuts the engine down. Until then the engine keeps going.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(message)s")
+    configure_logging(log_level, log_format, label="engine")
     try:
         from engine.core import EngineCore  # imported here: the front end never needs torch for this module
 

@@ -1,9 +1,9 @@
 """Command-line flags generated from an options dataclass, so that each option is documented once, where it is.
 
 Every field becomes `--field-name`: its type from the annotation (`bool` -> `--x/--no-x`, `Literal[...]` ->
-choices, `X | None` -> X), its default from the field, its help from the field's attribute docstring (the string
-right after it), and its help section from `metadata["group"]`. A field with `metadata["flag"] = False` is left
-to the caller.
+choices, `X | None` -> X, `tuple[X, ...]` -> one or more X), its default from the field, its help from the field's
+attribute docstring (the string right after it), and its help section from `metadata["group"]`. A field with
+`metadata["flag"] = False` is left to the caller.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, argp
 
 def flag_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """The parsed value of each of `cls`'s flags, by field name: `cls(**flag_values(cls, args), ...)`."""
-    return {field.name: getattr(args, field.name) for field in flag_fields(cls)}
+    values = {field.name: getattr(args, field.name) for field in flag_fields(cls)}
+    # argparse collects `nargs="+"` values in a list; the dataclasses hold tuples (they are frozen values).
+    return {name: tuple(value) if isinstance(value, list) else value for name, value in values.items()}
 
 
 def _type_options(annotation: Any) -> dict[str, Any]:
@@ -67,6 +69,11 @@ def _type_options(annotation: Any) -> dict[str, Any]:
         # `X | None`: None is the default only (its meaning is in the help); a value on the command line is an X.
         (value_type,) = (arg for arg in typing.get_args(annotation) if arg is not type(None))
         return _type_options(value_type)
+    if typing.get_origin(annotation) is tuple:
+        # `tuple[X, ...]`: one or more values after the flag (`--served-model-name a b`).
+        value_type, ellipsis = typing.get_args(annotation)
+        assert ellipsis is Ellipsis, f"only variadic tuples are flags, got {annotation!r}"
+        return {**_type_options(value_type), "nargs": "+"}
     if annotation in (int, float, str):
         return {"type": annotation}
     raise TypeError(f"no command-line flag for a field of type {annotation!r}")

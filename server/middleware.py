@@ -1,4 +1,4 @@
-"""Guards every request passes before routing: the API key, then the body size.
+"""What every request passes through before routing: its request id, the API key, then the body size.
 
 Plain ASGI middleware, so they answer before FastAPI parses anything (a wrong key never costs a JSON parse, an
 oversized body is never buffered past the limit) and their errors still use OpenAI's error object.
@@ -7,15 +7,64 @@ oversized body is never buffered past the limit) and their errors still use Open
 from __future__ import annotations
 
 import hmac
+import re
+import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.logs import request_id
 from server.metrics import ServerMetrics
 from server.openai.errors import APIError
 
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_REQUEST_ID_LENGTH = 128
+# Visible ASCII only: an id is echoed into a response header and log lines, so no spaces, controls or other text.
+_NOT_IN_REQUEST_ID = re.compile(rb"[^\x21-\x7e]")
+
+
+def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The client's X-Request-Id, sanitised (visible ASCII, at most MAX_REQUEST_ID_LENGTH); None if it has none."""
+    for name, value in headers:
+        if name.lower() == REQUEST_ID_HEADER:
+            cleaned = _NOT_IN_REQUEST_ID.sub(b"", value)[:MAX_REQUEST_ID_LENGTH]
+            return cleaned.decode("ascii") or None
+    return None
+
+
+class RequestIdMiddleware:
+    """Every HTTP response carries `X-Request-Id`: the client's own (sanitised) or a new one, and the request's log
+    records carry it too (server/logs.py). The app wraps its whole stack in this one (server/app.py), so even the
+    500 of an unhandled error, sent by Starlette's outermost middleware, has the header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = client_request_id(scope["headers"]) or uuid.uuid4().hex
+        header = (REQUEST_ID_HEADER, rid.encode("ascii"))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        token = request_id.set(rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id.reset(token)
+
+
+GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+"""Where the API key is required: the API itself (probes, /metrics and the page at / stay open)."""
+
 
 class APIKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on /v1/*; probes and /metrics stay open for orchestrators."""
+    """Require `Authorization: Bearer <key>` on the API (GUARDED_PATHS); probes and /metrics stay open for
+    orchestrators."""
 
     def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
         self.app = app
@@ -23,7 +72,7 @@ class APIKeyMiddleware:
         self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS):
             scheme, _, provided = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # Constant-time: the comparison must not reveal how much of a guessed key was right.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(provided.strip(), self._expected):

@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from server.reasoning import ReasoningParserName
+
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+LogFormat = Literal["text", "json"]
+ToolCallParserName = Literal["auto", "none", "hermes", "llama3_json", "mistral"]
 
 _MODEL = {"group": "model"}
 _SERVER = {"group": "server"}
@@ -22,25 +26,55 @@ class ServerSettings:
     port: int = field(default=8000, metadata=_SERVER)
     """Port to listen on."""
     api_key: str | None = field(default=None, metadata=_SERVER)
-    """Require `Authorization: Bearer KEY` on /v1/* (probes and /metrics stay open). `ferry serve` falls back to
-    $FERRY_API_KEY, which keeps the key out of `ps` output and shell history; neither means no key."""
+    """Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (probes and /metrics stay open).
+    `ferry serve` falls back to $FERRY_API_KEY, which keeps the key out of `ps` output and shell history; neither
+    means no key."""
     ui: bool = field(default=True, metadata=_SERVER)
     """Serve the built-in chat playground and engine view at / (with --no-ui, / and /ui/* answer 404)."""
-    served_model_name: str | None = field(default=None, metadata=_MODEL)
-    """Name clients send as `model`; by default the model directory's name."""
+    served_model_name: tuple[str, ...] | None = field(default=None, metadata=_MODEL)
+    """Names clients may send as `model`, one or several (`--served-model-name a b`); responses report the first.
+    By default --model as given: the Hub id, or the model directory's name."""
+    tokenizer: str | None = field(default=None, metadata=_MODEL)
+    """Tokenizer to use instead of the model's own: a local directory or a Hugging Face Hub id."""
+    revision: str | None = field(default=None, metadata=_MODEL)
+    """Revision of a Hub --model: a branch, a tag or a commit (by default `main`)."""
+    tokenizer_revision: str | None = field(default=None, metadata=_MODEL)
+    """Revision of a Hub --tokenizer (by default `main`)."""
+    download_dir: str | None = field(default=None, metadata=_MODEL)
+    """Hugging Face cache that Hub models are read from and downloaded into; by default $HF_HUB_CACHE (or
+    $HF_HOME/hub). With HF_HUB_OFFLINE=1 nothing is downloaded: a model must already be in the cache."""
+    reasoning_parser: ReasoningParserName = field(default="auto", metadata=_MODEL)
+    """How chat answers are split from the model's `<think>…</think>` reasoning (`reasoning_content`): `qwen3`
+    (reasoning only where the output, or the prompt, opens it), `deepseek_r1` (the output starts in reasoning),
+    `none`; `auto` picks qwen3 for a chat template that knows `</think>`, none otherwise."""
     request_timeout: float = field(default=600.0, metadata=_SERVER)
     """Seconds a request may take from arrival to its last byte before it is aborted (504); 0 disables."""
+    sse_ping_interval: float = field(default=15.0, metadata=_SERVER)
+    """Seconds between keep-alive comments (`: ping`) on an open event stream, so that proxies keep a connection
+    open while its request waits in the queue or in a long prefill; 0 sends none."""
     max_request_bytes: int = field(default=8 * 1024 * 1024, metadata=_SERVER)
     """Largest request body accepted (413 beyond)."""
     drain_timeout: float = field(default=30.0, metadata=_SERVER)
     """On SIGTERM, seconds in-flight requests get to finish before the server exits."""
+    tool_call_parser: ToolCallParserName = field(default="auto", metadata=_MODEL)
+    """How `tool_choice: auto` answers are read for calls: hermes (Hermes / Qwen `<tool_call>` JSON), llama3_json
+    (Llama 3.x JSON, `<|python_tag|>`), mistral (`[TOOL_CALLS]`); auto picks the one the chat template writes,
+    and none (or a template that shows none) refuses `auto` with tools. `required` and a named tool_choice need
+    no parser: the grammar enforces them."""
     log_level: LogLevel = field(default="info", metadata=_SERVER)
     """Log level of the server and the engine process."""
+    log_format: LogFormat = field(default="text", metadata=_SERVER)
+    """`text`: one readable line per record; `json`: one JSON object per line (time, level, logger, message,
+    request_id) for log shippers. Either way a request's records carry its X-Request-Id."""
 
     def __post_init__(self) -> None:
         if self.request_timeout < 0:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.served_model_name is not None and not all(self.served_model_name):
+            raise ValueError("served_model_name: every name must be non-empty")
+        if self.sse_ping_interval < 0:
+            raise ValueError(f"sse_ping_interval must be >= 0, got {self.sse_ping_interval}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")

@@ -1,47 +1,59 @@
-"""Server-sent events as OpenAI streams them: `data: <json>\\n\\n` frames, closed by `data: [DONE]\\n\\n`."""
+"""Server-sent events, framed as OpenAI streams them, sent through sse-starlette's EventSourceResponse.
+
+Chat and completions send `data: <json>\\n\\n` frames closed by `data: [DONE]\\n\\n`; the Responses API names each
+event (`event: response.output_text.delta\\ndata: <json>\\n\\n`) and ends with its terminal event, no [DONE].
+Keep-alive pings are comment frames, `: ping\\n\\n`, which SSE clients skip.
+"""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Callable
 
-import anyio
-from starlette.responses import StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import AppStatus
 from starlette.types import Receive, Scope, Send
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+# Ferry's Lifecycle drains streams on SIGTERM itself (they finish, or fail at the drain timeout); left on,
+# sse-starlette would cut every open stream as soon as uvicorn is told to exit.
+AppStatus.disable_automatic_graceful_drain()
 
 
 def sse_data(payload: str) -> bytes:
     return b"data: " + payload.encode() + b"\n\n"
 
 
-class SSEResponse(StreamingResponse):
-    """A stream that notices a client leaving while it waits for the next event, not only when it next writes.
+def sse_event(name: str, payload: str) -> bytes:
+    """A named event; `payload` is one line of JSON (pydantic's JSON never holds a raw newline)."""
+    return b"event: " + name.encode() + b"\ndata: " + payload.encode() + b"\n\n"
 
-    Starlette listens for `http.disconnect` only below ASGI spec 2.4, and a request still queued in the engine
-    writes nothing for a while; listening ourselves frees its engine pages within one step either way.
-    `on_close` runs however the response ends (finished, client gone, cancelled).
+
+def _ping() -> ServerSentEvent:
+    return ServerSentEvent(comment="ping", sep="\n")
+
+
+class SSEResponse(EventSourceResponse):
+    """An event stream of pre-framed bytes that notices a client leaving while it waits for the next event.
+
+    sse-starlette listens for `http.disconnect` throughout, so a request still queued in the engine (which writes
+    nothing for a while) frees its engine pages within one step of the client leaving. `on_close` runs however
+    the response ends (finished, client gone, cancelled). `ping_interval` 0 sends no pings.
     """
 
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        # no-cache and no proxy buffering: each event must reach the client as soon as it is produced.
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], ping_interval: float) -> None:
+        # no-cache rather than sse-starlette's no-store: the OpenAI API's own header; proxies must not buffer.
+        super().__init__(
+            content,
+            headers={"Cache-Control": "no-cache"},
+            ping=ping_interval,
+            sep="\n",
+            ping_message_factory=_ping,
+        )
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with anyio.create_task_group() as task_group:
-
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):  # the client went away mid-write
-                        await self.stream_response(send)
-                    task_group.cancel_scope.cancel()
-
-                task_group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                task_group.cancel_scope.cancel()
+            await super().__call__(scope, receive, send)
         finally:
             self._on_close()

@@ -5,12 +5,16 @@ All of it runs in the front-end process so the engine process only ever sees tok
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 # A byte-level token that ends inside a multi-byte UTF-8 character decodes to U+FFFD until the token carrying
 # the rest of the character arrives; text ending in it is held back rather than streamed.
@@ -31,6 +35,9 @@ class Tokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        self._special_ids = frozenset(tokenizer.all_special_ids) | {
+            token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special
+        }
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Tokenizer:
@@ -39,34 +46,106 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: it rewrites text depending on what follows, which would make the decode of a
         # prefix disagree with the prefix of the decode.
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level BPE's `Ġ` for a space included), as vLLM reports."""
+        return self._tokenizer.convert_ids_to_tokens(list(token_ids))
+
+    def decode_keeping(self, token_ids: Sequence[int], kept: frozenset[int]) -> str:
+        """Decode like `decode`, but keep the special tokens in `kept` (a tool-call format's markers)."""
+        ids = [t for t in token_ids if t in kept or t not in self._special_ids]
+        return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def special_token_ids(self, tokens: Sequence[str]) -> frozenset[int]:
+        """The ids of those of `tokens` that are special tokens of this vocabulary (the rest decode as text anyway)."""
+        kept = set()
+        for token in tokens:
+            token_id = self._tokenizer.convert_tokens_to_ids(token)
+            # An unknown token maps to the unknown-token id, which must not be kept in its place.
+            if token_id in self._special_ids and self._tokenizer.convert_ids_to_tokens(token_id) == token:
+                kept.add(token_id)
+        return frozenset(kept)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as reported in logprobs (special tokens included)."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Render the conversation with the model's template and tokenize it.
+    @functools.cached_property
+    def chat_template(self) -> str | None:
+        """The template chat requests render with (the default one, where a model names several)."""
+        if not self._tokenizer.chat_template:
+            return None
+        return self._tokenizer.get_chat_template()
+
+    @functools.cached_property
+    def chat_template_options(self) -> frozenset[str]:
+        """The names the chat template reads that a request may set (`enable_thinking`, `reasoning_effort`, ...):
+        every free variable of the template except what the renderer itself passes in."""
+        if self.chat_template is None:
+            return frozenset()
+        # transformers' own compiled template (its environment knows the `{% generation %}` tag), parsed back
+        # into the AST that jinja2 reads free variables from. transformers is pinned, which keeps this private
+        # helper where it is.
+        template = _compile_jinja_template(self.chat_template)
+        variables = jinja2.meta.find_undeclared_variables(template.environment.parse(self.chat_template))
+        rendering = set(inspect.signature(self._tokenizer.apply_chat_template).parameters)
+        rendering |= {"messages", *template.environment.globals, *self._tokenizer.special_tokens_map}
+        return frozenset(variables - rendering)
+
+    def render_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation (and the tools offered, in OpenAI's shape) as the model's template writes it;
+        `template_kwargs` become template variables.
 
         transformers renders chat templates in jinja2's ImmutableSandboxedEnvironment, so a template (or
-        message content) cannot reach Python internals. The rendered text already holds the template's special
-        tokens (BOS and the like), so it is tokenized without adding them a second time.
+        message content) cannot reach Python internals.
         """
-        if not self._tokenizer.chat_template:
+        if self.chat_template is None:
             raise ChatTemplateError("This model has no chat template; use /v1/completions with a plain prompt.")
         try:
-            text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            return self._tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"The chat template rejected the messages: {exc}") from exc
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Render the conversation and tokenize it. The rendered text already holds the template's special tokens
+        (BOS and the like), so by default it is tokenized without adding them a second time."""
+        text = self.render_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt (its special tokens are already in the text)."""
         return self.encode(text, add_special_tokens=False)
 
-    def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.decode, prompt_ids)
+    def detokenizer(self, prompt_ids: Sequence[int], keep_tokens: Sequence[str] = ()) -> IncrementalDetokenizer:
+        """`keep_tokens`: special tokens to keep in the text (a tool-call format's markers); others are dropped."""
+        kept = self.special_token_ids(keep_tokens)
+        if not kept:
+            return IncrementalDetokenizer(self.decode, prompt_ids)
+        return IncrementalDetokenizer(lambda ids: self.decode_keeping(ids, kept), prompt_ids)
 
 
 class IncrementalDetokenizer:

@@ -7,10 +7,11 @@ locally with `tokenizers` (with a chat template). Nothing here touches the netwo
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 384
@@ -31,6 +32,87 @@ ARCHITECTURES: dict[str, dict] = {
     ),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
     "gpt_neox": dict(model_type="gpt_neox", num_attention_heads=4, rotary_pct=0.5),
+    # Caps small enough to bend these tiny models' scores and logits (the defaults, 50 and 30, barely would);
+    # layer 0 slides over 16 tokens, layer 1 attends to everything.
+    "gemma2": dict(
+        model_type="gemma2",
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=8.0,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "bloom": dict(model_type="bloom", n_head=4),  # ALiBi
+    "falcon": dict(model_type="falcon"),  # the default: multi-query, parallel attention, rotary
+    "falcon_gqa": dict(model_type="falcon", new_decoder_architecture=True, num_kv_heads=2),
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    ),
+    "phi3": dict(model_type="phi3", num_key_value_heads=2),
+    "starcoder2": dict(model_type="starcoder2", num_key_value_heads=2, sliding_window=24),
+    # Logits scaled after the head: Cohere multiplies them, Granite divides them (and scales attention itself).
+    "cohere": dict(model_type="cohere", num_key_value_heads=2, logit_scale=0.5),
+    "granite": dict(
+        model_type="granite",
+        num_key_value_heads=2,
+        logits_scaling=2.0,
+        attention_multiplier=0.2,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+    ),
+    "stablelm": dict(model_type="stablelm", num_key_value_heads=2, partial_rotary_factor=0.5, qk_layernorm=True),
+    # Refused at load (tests/test_model_support.py): attention sinks, an attention-class table without a paged
+    # entry, a model whose own code needs the masks paged attention does not build, Mamba layers beside attention
+    # ones, and multi-head latent attention (value heads narrower than key heads).
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+    ),
+    "gpt_neo": dict(model_type="gpt_neo", num_heads=4, num_layers=2, attention_types=[[["global", "local"], 1]]),
+    "mpt": dict(model_type="mpt", n_heads=4, n_layers=2, d_model=64),
+    "jamba": dict(
+        model_type="jamba",
+        num_key_value_heads=2,
+        num_experts=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
 }
 
 
@@ -98,6 +180,57 @@ def build_model_dir(directory: Path, arch: str, seed: int = 0, **overrides) -> P
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.2)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(directory)
+    return directory
+
+
+def build_scripted_model_dir(directory: Path, scripts: Mapping[str, Sequence[str]], chat_template: str) -> Path:
+    """A llama whose greedy output follows a script: `scripts[trigger]` is what it writes after a prompt ending in
+    the token `trigger`, then EOS (after any other token, EOS at once).
+
+    Every trigger and script piece is a token of its own (an added, non-special token, so it decodes to itself).
+    Embeddings are one-hot and every layer's output projections are zero, so the residual stream holds only the
+    last token's embedding; the LM head maps each token of a script to the next one. The weights go through the
+    real loading path like any other model's.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    chain = [piece for trigger, script in scripts.items() for piece in (trigger, *script)]
+    assert len(set(chain)) == len(chain), "each piece may appear once: its token alone decides what follows"
+    tokenizer.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in chain])
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory)
+    vocab_size = len(tokenizer)
+    hidden_size = -(-vocab_size // 64) * 64  # one-hot embeddings need a dimension per token
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    successor = torch.full((vocab_size,), tokenizer.eos_token_id)
+    for trigger, script in scripts.items():
+        ids = [tokenizer.convert_tokens_to_ids(piece) for piece in (trigger, *script)]
+        successor[ids[:-1]] = torch.tensor(ids[1:])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(1.0 if name.endswith("norm.weight") else 0.0)  # RMSNorms pass the one-hot rows through
+        model.model.embed_tokens.weight[:, :vocab_size] = torch.eye(vocab_size)
+        model.lm_head.weight[successor, torch.arange(vocab_size)] = 1.0
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

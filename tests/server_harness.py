@@ -106,9 +106,10 @@ def _serve_command(model_dir: Path | None, port: int, extra_args: tuple[str, ...
             *extra_args]  # fmt: skip
 
 
-# One torch thread: on a shared 2-core machine, two spinning OpenMP threads make a tiny model's step ~30x slower
-# than one.
-_SERVE_ENV = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
+def _serve_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment `ferry serve` runs in, with `extra` added. One torch thread: on a shared 2-core machine, two
+    spinning OpenMP threads make a tiny model's step ~30x slower than one."""
+    return {"OMP_NUM_THREADS": "1", **os.environ, **(extra or {}), "PYTHONUNBUFFERED": "1"}
 
 
 @contextmanager
@@ -123,7 +124,7 @@ def node_process(model_dir: Path, *extra_args: str) -> Iterator[subprocess.Popen
                 cwd=REPO_ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_SERVE_ENV,
+                env=_serve_env(),
             )
         try:
             yield process
@@ -137,9 +138,11 @@ def node_process(model_dir: Path, *extra_args: str) -> Iterator[subprocess.Popen
 
 
 @contextmanager
-def server_process(model_dir: Path | None, *extra_args: str) -> Iterator[ServerProcess]:
-    """A ready `ferry serve --model model_dir ...extra_args` (no --model: the embedded default), stopped (SIGTERM)
-    on exit."""
+def server_process(
+    model_dir: Path | None, *extra_args: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """A ready `ferry serve --model model_dir ...extra_args` (no --model: the embedded default, or whatever
+    `extra_args` name), stopped (SIGTERM) on exit; `env` adds to the environment it runs in."""
     with tempfile.TemporaryDirectory(prefix="ferry-serve-") as tmp:
         log_path = Path(tmp) / "server.log"
         port = free_port()
@@ -149,7 +152,7 @@ def server_process(model_dir: Path | None, *extra_args: str) -> Iterator[ServerP
                 cwd=REPO_ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_SERVE_ENV,
+                env=_serve_env(env),
             )
         server = ServerProcess(process, log_path, port)
         try:
@@ -170,12 +173,17 @@ def running_server(model_dir: Path, *extra_args: str) -> Iterator[str]:
 
 
 def sse_payloads(body: bytes) -> list[Any]:
-    """Parse an OpenAI SSE body, checking the framing byte for byte: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`."""
+    """Parse an OpenAI SSE body, checking the framing byte for byte: `data: <json>\\n\\n` ... `data: [DONE]\\n\\n`.
+
+    Keep-alive comments (`: ping\\n\\n`, sent on a long stream) are the only other frame allowed, and skipped.
+    """
     assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
     frames = body[: -len(b"data: [DONE]\n\n")].split(b"\n\n")
     assert frames[-1] == b"", "every event ends with a blank line"
     payloads = []
     for frame in frames[:-1]:
+        if frame == b": ping":
+            continue
         assert frame.startswith(b"data: ") and b"\n" not in frame, frame
         payloads.append(json.loads(frame[len(b"data: ") :]))
     return payloads

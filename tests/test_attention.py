@@ -2,7 +2,8 @@
 
 One packed step holds every kind of sequence: fresh prompts, chunks over cached history, and decodes of many
 lengths (so they fall into several length groups), over shuffled pages, with and without a sliding window
-(pages the window released are marked -1, as the page pool does).
+(pages the window released are marked -1, as the page pool does), plain, with soft-capped scores and with ALiBi
+biases.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from engine.runner import ModelRunner
 from engine.step import NewRequest, SchedulerOutput
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
+SOFTCAP = 2.0
+ALIBI_SLOPES = torch.tensor([2.0**-3, 2.0**-5, 2.0**-7, 2.0**-9])
 ONE_GROUP = [GroupLayout(None, (0,))]
 CPU = torch.device("cpu")
 
@@ -65,7 +68,7 @@ def fresh_plan(shapes: list[tuple[int, int]], tables: list[list[int]]) -> Schedu
     )
 
 
-def _reference(q, cache, table, computed, new, page_size, window):
+def _reference(q, cache, table, computed, new, page_size, window, feature=None):
     """Queries of one sequence over all of its keys, written out with an explicit mask."""
     total = computed + new
     slots = torch.tensor([table[p // page_size] * page_size + p % page_size for p in range(total)])
@@ -74,6 +77,10 @@ def _reference(q, cache, table, computed, new, page_size, window):
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * DIM**-0.5
     query_pos = torch.arange(computed, total)[:, None]
     key_pos = torch.arange(total)[None, :]
+    if feature == "softcap":
+        scores = SOFTCAP * torch.tanh(scores / SOFTCAP)
+    if feature == "alibi":
+        scores = scores + ALIBI_SLOPES.double()[:, None, None] * (key_pos - query_pos)
     allowed = key_pos <= query_pos
     if window is not None:
         allowed &= key_pos > query_pos - window
@@ -83,7 +90,8 @@ def _reference(q, cache, table, computed, new, page_size, window):
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [None, 24])
-def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | None) -> None:
+@pytest.mark.parametrize("feature", [None, "softcap", "alibi"])
+def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | None, feature: str | None) -> None:
     rng = random.Random(page_size)
     decodes = [(rng.randint(1, 300), 1) for _ in range(40)]
     shapes = [(0, 37), (0, 5), (90, 30), (17, 64), *decodes, (200, 1), (0, 1)]
@@ -106,11 +114,15 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
     q, k, v = (torch.randn(total, h, DIM, generator=generator) for h in (HEADS, KV_HEADS, KV_HEADS))
     cache = tuple(torch.randn(c.shape, generator=generator) for c in runner.kv_caches[0])
 
-    out = TorchPagedBackend().forward(q, k, v, cache, inputs.meta, DIM**-0.5, window)
+    softcap = SOFTCAP if feature == "softcap" else None
+    slopes = ALIBI_SLOPES if feature == "alibi" else None
+    out = TorchPagedBackend().forward(
+        q, k, v, cache, inputs.meta, DIM**-0.5, window, softcap=softcap, alibi_slopes=slopes
+    )
 
     start = 0
     for (computed, new), table in zip(shapes, tables, strict=True):
-        want = _reference(q[start : start + new], cache, table, computed, new, page_size, window)
+        want = _reference(q[start : start + new], cache, table, computed, new, page_size, window, feature)
         torch.testing.assert_close(out[start : start + new].double(), want, atol=1e-5, rtol=1e-5)
         start += new
 
@@ -129,3 +141,16 @@ def test_decodes_of_similar_length_share_one_group() -> None:
     plan = TorchPagedBackend._build_plan(inputs.meta, None, torch.float32)
     assert [len(g.rows) for g in plan.groups] == [20, 1]
     assert plan.chunks == []
+
+
+def test_alibi_masks_are_built_once_per_step_not_per_layer() -> None:
+    """Layers sharing the model's slopes tensor share one plan: its biased masks are built on the first layer."""
+    runner = attention_runner(_Shapes(), 16, 4)
+    inputs = runner.prepare(fresh_plan([(0, 6), (9, 1), (5, 3)], [[0, 1], [2, 3, 4], [5, 6]]))
+    q, k, v = torch.randn(10, HEADS, DIM), torch.randn(10, KV_HEADS, DIM), torch.randn(10, KV_HEADS, DIM)
+    cache = tuple(torch.zeros(c.shape) for c in runner.kv_caches[0])
+    backend = TorchPagedBackend()
+    for _layer in range(3):
+        backend.forward(q, k, v, cache, inputs.meta, DIM**-0.5, None, alibi_slopes=ALIBI_SLOPES)
+    backend.forward(q, k, v, cache, inputs.meta, DIM**-0.5, None)
+    assert set(inputs.meta.backend_state) == {(None, id(ALIBI_SLOPES)), (None, None)}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -89,6 +91,10 @@ def test_equality_check_finds_the_first_differing_token() -> None:
     ]
 
 
+IN_PROCESS = tuple(system for system in SYSTEMS if system != "vllm")
+"""Every system but vLLM, which runs in an interpreter of its own (tested below when one is given)."""
+
+
 def test_offline_runs_every_system_with_identical_tokens(tiny_llama: Path, tmp_path: Path) -> None:
     options = OfflineOptions(
         model=str(tiny_llama),
@@ -100,18 +106,18 @@ def test_offline_runs_every_system_with_identical_tokens(tiny_llama: Path, tmp_p
         page_size=4,
         warmup=False,
         plot=tmp_path / "timeline.png",
-        systems=SYSTEMS,
+        systems=IN_PROCESS,
     )
     report = run_offline(options)
     assert report["check"]["identical"] is True
-    assert report["check"]["systems"] == list(SYSTEMS)
+    assert report["check"]["systems"] == list(IN_PROCESS)
     systems = report["systems"]
     expected = sum(report["workload"]["output_lens"])
-    for name in SYSTEMS:
+    for name in IN_PROCESS:
         assert systems[name]["generated_tokens"] == expected
         assert len(systems[name]["traces"]) == SMALL.num_requests
     assert systems["static"]["details"]["waves"] == 2
-    assert set(report["ratios"]["ferry"]) == set(SYSTEMS) - {"ferry"}
+    assert set(report["ratios"]["ferry"]) == set(IN_PROCESS) - {"ferry"}
     assert report["floor"]["steps"] == systems["ferry"]["details"]["steps"]
     assert report["efficiency"] > 0
     assert (tmp_path / "timeline.png").stat().st_size > 0
@@ -125,6 +131,32 @@ def _two_systems(model: Path, **options: object) -> OfflineOptions:
     """transformers' continuous batching and Ferry on the small workload, no warm-up."""
     base = dict(model=str(model), device="cpu", workload=SMALL, batch_size=3, page_size=4, warmup=False)
     return OfflineOptions(**base, systems=("transformers-cb", "ferry"), **options)  # type: ignore[arg-type]
+
+
+def test_vllm_without_its_python_is_skipped_with_a_note(tiny_llama: Path) -> None:
+    report = run_offline(dataclasses.replace(_two_systems(tiny_llama, floor=False), systems=("vllm", "ferry")))
+    assert set(report["systems"]) == {"ferry"}
+    assert report["skipped"] == {"vllm": "no --vllm-python given"}
+    assert "vllm skipped: no --vllm-python given" in format_offline(report)
+
+
+@pytest.mark.skipif(not os.environ.get("FERRY_VLLM_PYTHON"), reason="set FERRY_VLLM_PYTHON to vLLM's interpreter")
+def test_vllm_offline_agrees_with_ferry() -> None:
+    # The benchmark's own tiny Llama (head_dim 64): vLLM's CPU attention has no kernel for the test models' 16.
+    options = OfflineOptions(
+        model="tiny-llama",
+        device="cpu",
+        dtype="float32",
+        workload=SMALL,
+        batch_size=3,
+        warmup=False,
+        floor=False,
+        systems=("vllm", "ferry"),
+        vllm_python=Path(os.environ["FERRY_VLLM_PYTHON"]),
+    )
+    report = run_offline(options)
+    assert report["check"]["identical"] is True and set(report["systems"]) == {"vllm", "ferry"}
+    assert report["systems"]["vllm"]["generated_tokens"] == sum(report["workload"]["output_lens"])
 
 
 def test_offline_repeats_report_the_median_run_and_profile_ferry(tiny_llama: Path, tmp_path: Path) -> None:
@@ -290,6 +322,51 @@ def test_serve_command_against_a_started_ferry_server(tiny_llama: Path, tmp_path
         assert (point["completed"], point["errors"], point["output_tokens"]) == (3, 0, 12)
         # ITL counts gaps between chunks; a chunk may carry several tokens (text held back until it decodes).
         assert len(point["samples"]) == 3 and all(len(s["itl"]) <= 3 for s in point["samples"])
+
+
+@pytest.mark.skipif(not os.environ.get("FERRY_VLLM_PYTHON"), reason="set FERRY_VLLM_PYTHON to vLLM's interpreter")
+def test_serve_command_against_a_started_vllm_server(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    # vLLM's CPU attention has no kernel for the test models' head_dim 16: the embedded demo model it is.
+    demo = Path(__file__).resolve().parents[1] / "server" / "default_model"
+    status = main([
+        "serve", "--model", str(demo), "--server", "vllm", "--vllm-python", os.environ["FERRY_VLLM_PYTHON"],
+        "--server-arg=--dtype=float32", "--num-requests", "3", "--prompt-len", "uniform:3:8",
+        "--output-len", "fixed:4", "--concurrency", "3", "--json", str(out),
+    ])  # fmt: skip
+    assert status == 0
+    (point,) = json.loads(out.read_text())["points"]
+    assert (point["completed"], point["errors"], point["output_tokens"]) == (3, 0, 12)
+
+
+def test_serve_needs_vllms_python_to_start_vllm(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="--vllm-python"):
+        run_serve(ServeOptions(model=str(tiny_llama), server="vllm"))
+
+
+def test_serve_sends_a_constraint_in_place_of_ignore_eos(tmp_path: Path) -> None:
+    bodies: list[dict[str, object]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake"}]})
+        bodies.append(json.loads(request.content))
+        events = b'data: {"choices": [{"index": 0, "text": "{"}]}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, content=events, headers={"content-type": "text/event-stream"})
+
+    schema = json.loads((Path(__file__).resolve().parents[1] / "bench" / "schemas" / "trips.json").read_text())
+    workload = WorkloadSpec(
+        num_requests=2, prompt_len=LengthDist.parse("fixed:4"), output_len=LengthDist.parse("fixed:4")
+    )
+    options = ServeOptions(
+        url="http://fake", workload=workload, concurrencies=(2,), structured_outputs={"json": schema}
+    )
+    report = run_serve(options, transport=httpx.MockTransport(handler))
+    assert len(bodies) == 3, "the warm-up request and the two measured ones"
+    assert all(body["structured_outputs"] == {"json": schema} and "ignore_eos" not in body for body in bodies)
+    assert "constrained: json" in format_serve(report)
+    with pytest.raises(SystemExit):
+        main(["serve", "--url", "http://fake", "--schema", str(tmp_path / "s.json")])
 
 
 def test_percentile_interpolates_like_numpy() -> None:

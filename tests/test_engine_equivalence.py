@@ -1,5 +1,6 @@
 """The oracle: greedy output of every request in a packed, chunked, preempted, prefix-shared batch equals that
-prompt run alone through the model's own `generate` (float32, CPU)."""
+prompt run alone through the model's own `generate` (float32, CPU), and so do the logprobs of the chosen tokens
+(which catch what greedy tokens alone miss: a bias that shifts every score a little)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,29 @@ from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.kv_cache import sliding_pool_pages
 from engine.observer import StepRecord
 
-ARCHS = ["llama", "qwen3", "mistral", "qwen2", "qwen2_hybrid", "gpt2", "gpt_neox", "demo"]
+ARCHS = [
+    "llama",
+    "qwen3",
+    "mistral",
+    "qwen2",
+    "qwen2_hybrid",
+    "gpt2",
+    "gpt_neox",
+    "demo",
+    "gemma2",
+    "gemma3_text",
+    "bloom",
+    "falcon",
+    "falcon_gqa",
+    "mixtral",
+    "qwen2_moe",
+    "phi3",
+    "starcoder2",
+    "cohere",
+    "granite",
+    "stablelm",
+]
+LOGPROB_TOLERANCE = 1e-4
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"
 
 
@@ -33,20 +56,33 @@ def _prompts(vocab: int, shared_prefix: int = 0) -> tuple[list[list[int]], list[
     return prompts, max_new
 
 
-_reference_cache: dict[tuple[str, int], list[list[int]]] = {}
+_reference_cache: dict[tuple[str, int], tuple[list[list[int]], list[list[float]]]] = {}
 
 
-def _reference(model_path: Path, arch: str, shared_prefix: int) -> tuple[list[list[int]], list[int], list]:
+def _reference(
+    model_path: Path, arch: str, shared_prefix: int
+) -> tuple[list[list[int]], list[int], list[list[int]], list[list[float]]]:
+    """Prompts, their token budgets, and each prompt's greedy tokens and their logprobs from `generate` alone."""
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     prompts, max_new = _prompts(hf.config.vocab_size, shared_prefix)
     key = (arch, shared_prefix)
     if key not in _reference_cache:
-        outs = []
+        tokens, logprobs = [], []
         for prompt, n in zip(prompts, max_new, strict=True):
-            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=0)
-            outs.append(ids[0, len(prompt) :].tolist())
-        _reference_cache[key] = outs
-    return prompts, max_new, _reference_cache[key]
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=n,
+                do_sample=False,
+                min_new_tokens=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            generated = out.sequences[0, len(prompt) :]
+            steps = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [n, vocab], the raw logits'
+            tokens.append(generated.tolist())
+            logprobs.append(steps.gather(1, generated[:, None]).squeeze(1).tolist())
+        _reference_cache[key] = tokens, logprobs
+    return prompts, max_new, *_reference_cache[key]
 
 
 CONFIGS: dict[str, dict] = {
@@ -71,25 +107,30 @@ class _QueryLens:
             self.into.append(list(record.plan.num_new_tokens))
 
 
-def _run(model_path: Path, prompts, max_new, **overrides) -> tuple[EngineCore, list[list[int]], list[list[int]]]:
+def _run(
+    model_path: Path, prompts, max_new, **overrides
+) -> tuple[EngineCore, list[list[int]], list[list[float]], list[list[int]]]:
     # A few hundred pages: a 1 GiB default cache would make every debug invariant check scan ~10^5 pages.
     config = EngineConfig(model=str(model_path), debug_checks=True, **{"num_blocks": 512, **overrides})
     query_lens: list[list[int]] = []
     engine = EngineCore(config, observers=[_QueryLens(query_lens)])
-    params = [SamplingParams(max_new_tokens=n) for n in max_new]
+    params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
     results = generate_batch(prompts, params=params, engine=engine)
     outputs = [results[f"req_{i}"].generated_ids for i in range(len(prompts))]
-    return engine, outputs, query_lens
+    logprobs = [[t.logprob for t in results[f"req_{i}"].logprobs] for i in range(len(prompts))]
+    return engine, outputs, logprobs, query_lens
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("setup", list(CONFIGS))
 def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, setup: str) -> None:
     path = _model_path(model_dir, arch)
-    prompts, max_new, expected = _reference(path, arch, 0)
-    engine, outputs, query_lens = _run(path, prompts, max_new, **CONFIGS[setup])
+    prompts, max_new, expected, expected_logprobs = _reference(path, arch, 0)
+    engine, outputs, logprobs, query_lens = _run(path, prompts, max_new, **CONFIGS[setup])
     for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         assert got == want, f"{arch}/{setup}: request {i} (prompt {len(prompts[i])} tokens) diverged"
+        worst = max(abs(a - b) for a, b in zip(logprobs[i], expected_logprobs[i], strict=True))
+        assert worst <= LOGPROB_TOLERANCE, f"{arch}/{setup}: request {i}: a chosen token's logprob is {worst:.2e} off"
     assert engine.is_idle_and_clean()
     engine.kv_cache.check_invariants()
     if setup == "mixed":
@@ -102,12 +143,12 @@ def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, set
         assert engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom"])
 def test_prefix_sharing_greedy(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
-    prompts, max_new, expected = _reference(path, arch, shared_prefix=40)
+    prompts, max_new, expected, _ = _reference(path, arch, shared_prefix=40)
     # Small budget: the first prompt's pages are cached before later prompts are admitted.
-    engine, outputs, _ = _run(path, prompts, max_new, max_batch_tokens=64, page_size=8)
+    engine, outputs, _, _ = _run(path, prompts, max_new, max_batch_tokens=64, page_size=8)
     assert outputs == expected
     stats = engine.stats()
     assert stats.prefix_cache_hits >= 40 // 8 * 8

@@ -68,16 +68,41 @@ def test_flash_backend_matches_torch_backend() -> None:
     history = [
         torch.randn(c.shape, device="cuda", dtype=torch.bfloat16, generator=generator) for c in runner.kv_caches[0]
     ]
-    outputs = []
-    for backend, window in [
-        (TorchPagedBackend(), None),
-        (FlashBackend(page), None),
-        (TorchPagedBackend(), 64),
-        (FlashBackend(page), 64),
-    ]:
-        cache = (history[0].clone(), history[1].clone())
-        inputs.meta.backend_state.clear()
-        backend.prepare(inputs.meta)
-        outputs.append(backend.forward(q, k, v, cache, inputs.meta, 64**-0.5, window))
-    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(outputs[3], outputs[2], atol=2e-2, rtol=2e-2)
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(heads)], device="cuda")
+    # Plain, with a sliding window, with soft-capped scores, and with ALiBi biases: flash-attn's own arguments
+    # must compute what the torch backend (checked against float64 in test_attention.py) computes.
+    variants = [(None, None, None), (64, None, None), (None, 2.0, None), (None, None, slopes)]
+    for window, softcap, alibi_slopes in variants:
+        outputs = []
+        for backend in (TorchPagedBackend(), FlashBackend(page)):
+            cache = (history[0].clone(), history[1].clone())
+            inputs.meta.backend_state.clear()
+            backend.prepare(inputs.meta)
+            outputs.append(
+                backend.forward(
+                    q, k, v, cache, inputs.meta, 64**-0.5, window, softcap=softcap, alibi_slopes=alibi_slopes
+                )
+            )
+        torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_kv_cache_takes_the_memory_flag_after_the_profiled_step(model_dir: Callable[[str], Path]) -> None:
+    """The cache gets max_memory_percent of the memory free after loading, less the largest step's activations,
+    and the largest step still runs once the cache holds its share."""
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info()
+    config = EngineConfig(
+        model=str(model_dir("llama")), device="cuda", dtype="bfloat16", max_memory_percent=0.05, max_batch_tokens=512
+    )
+    engine = EngineCore(config)
+    kv_bytes = sum(2 * k.numel() * k.element_size() for k, _ in engine.runner.kv_caches)
+    assert 0 < kv_bytes <= 0.05 * free_before
+    prompts = [[10 + (i + j) % 300 for j in range(64)] for i in range(8)]
+    results = generate_batch(prompts, params=SamplingParams(max_new_tokens=4), engine=engine)
+    assert all(len(r.generated_ids) == 4 for r in results.values())
+
+
+def test_flash_attention_refuses_float32_when_chosen(model_dir: Callable[[str], Path]) -> None:
+    config = EngineConfig(model=str(model_dir("llama")), device="cuda", dtype="float32", attention_backend="flash")
+    with pytest.raises(ValueError, match="float16 or bfloat16 only"):
+        EngineCore(config)

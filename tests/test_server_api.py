@@ -92,6 +92,13 @@ def test_probes_models_version_and_openapi(server: ServerProcess, http: httpx.Cl
     assert "HTTPValidationError" not in schema["components"]["schemas"], "no route advertises FastAPI's 422 shape"
 
 
+def test_tokenize_and_detokenize_need_the_key(server: ServerProcess, http: httpx.Client) -> None:
+    bare = httpx.Client(base_url=server.base_url)
+    for path, body in (("/tokenize", {"prompt": "Ferry"}), ("/detokenize", {"tokens": [5]})):
+        assert bare.post(path, json=body).status_code == 401
+        assert http.post(path, json=body).status_code == 200
+
+
 def test_openai_sdk_sync_chat_and_completions(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
     chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0)
@@ -366,7 +373,9 @@ LONG_PROMPT = [10 + i % 300 for i in range(450)]
         ("/v1/chat/completions", {"messages": USER, "top_p": 1.5}, 400, "top_p", "invalid_value"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "invalid_value"),
         ("/v1/chat/completions", {"messages": USER, "model": "gpt-4o"}, 404, "model", "model_not_found"),
-        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools",
+        ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0].function",
+         "missing_required_parameter"),
+        ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions",
          "unsupported_parameter"),
         ("/v1/chat/completions", {"messages": USER, "frobnicate": True}, 400, "frobnicate", "unknown_parameter"),
         ("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}}, 400,

@@ -148,6 +148,8 @@ def _other_value(annotation: Any, default: Any) -> Any:
     if typing.get_origin(annotation) is Literal:
         return next(choice for choice in reversed(typing.get_args(annotation)) if choice != default)
     value_type = next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
+    if typing.get_origin(value_type) is tuple:
+        return ("set", "other")
     if value_type is float:
         return default / 2 if default else 0.5  # fractions must stay below 1
     if value_type is int:
@@ -160,6 +162,8 @@ def _argv(values: dict[str, Any]) -> list[str]:
     for name, value in values.items():
         if isinstance(value, bool):
             argv.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
+        elif isinstance(value, tuple):
+            argv += [flag_name(name), *value]
         else:
             argv += [flag_name(name), str(value)]
     return argv

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import jsonschema
 import pytest
 from pydantic import ValidationError
 
 from server.app import validation_error
 from server.openai.errors import APIError
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest
+from server.openai.tools import ForcedFunction, FunctionTool, resolve_tool_use
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -56,9 +59,8 @@ def test_what_langchain_and_the_sdk_send_is_accepted() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -109,8 +111,25 @@ def test_messages_become_template_input() -> None:
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
             "messages[0].content[0].type",
         ),
-        ({"role": "tool", "content": "x", "tool_call_id": "t"}, "messages[0].role"),
-        ({"role": "assistant", "tool_calls": [{"id": "t"}]}, "messages[0].tool_calls"),
+        ({"role": "function", "content": "x", "name": "f"}, "messages[0].role"),
+        ({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}, "messages[0].function_call"),
+        ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
+        ({"role": "tool", "content": "x", "tool_call_id": "call_1"}, "messages[0].tool_call_id"),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {
+                "role": "user",
+                "content": "x",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+            "messages[0].tool_calls",
+        ),
     ],
 )
 def test_message_parts_that_cannot_be_honoured(message: dict[str, Any], param: str) -> None:
@@ -143,3 +162,207 @@ def test_completion_prompt_forms() -> None:
     for prompt in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
         assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompt == prompt
     assert api_error(CompletionRequest, {"model": "m", "prompt": [1, "a"]}).info.param == "prompt"
+
+
+# A value each field of REFUSED_VALUES refuses, and where in a request it goes: what the OpenAPI document says is
+# refused must be refused, and everything refused must be in the document.
+REFUSED_EXAMPLES: dict[tuple[str, str], Any] = {
+    ("ChatCompletionRequest", "functions"): [{"name": "f"}],
+    ("ChatCompletionRequest", "function_call"): "auto",
+    ("ChatCompletionRequest", "audio"): {"voice": "alloy", "format": "wav"},
+    ("ChatCompletionRequest", "modalities"): ["text", "audio"],
+    ("ChatCompletionRequest", "prediction"): {"type": "content", "content": "x"},
+    ("ChatCompletionRequest", "verbosity"): "low",
+    ("ChatCompletionRequest", "web_search_options"): {},
+    ("ChatMessage", "function_call"): {"name": "f", "arguments": "{}"},
+    ("ChatMessage", "audio"): {"id": "a"},
+    ("ContentPart", "type"): "image_url",
+    ("ContentPart", "text"): None,
+    ("StreamOptions", "include_obfuscation"): True,
+    ("CompletionRequest", "suffix"): "x",
+    ("CompletionRequest", "best_of"): 3,
+}
+
+
+def _request_with(schema: str, field: str, value: Any) -> tuple[type, dict[str, Any]]:
+    message: dict[str, Any] = {"role": "user", "content": "hi"}
+    if schema == "CompletionRequest":
+        return CompletionRequest, {"model": "m", "prompt": "x", field: value}
+    if schema == "ChatMessage":
+        message[field] = value
+    elif schema == "ContentPart":
+        message["content"] = [{"type": "text", "text": "hi", field: value}]
+    body: dict[str, Any] = {"model": "m", "messages": [message]}
+    if schema == "StreamOptions":
+        body.update(stream=True, stream_options={field: value})
+    elif schema == "ChatCompletionRequest":
+        body[field] = value
+    return ChatCompletionRequest, body
+
+
+def test_what_the_openapi_document_calls_refused_is_refused() -> None:
+    from server.openapi import REFUSED_VALUES
+
+    assert {(schema, field) for schema, fields in REFUSED_VALUES.items() for field in fields} == set(REFUSED_EXAMPLES)
+    for (schema, field), value in REFUSED_EXAMPLES.items():
+        model, body = _request_with(schema, field, value)
+        request = model.model_validate(body)
+        with pytest.raises(APIError) as info:
+            request.check_supported()
+            if isinstance(request, ChatCompletionRequest):
+                request.template_messages()
+        assert info.value.status_code == 400, (schema, field)
+        # The field itself; or the part's type for a content part without text; or, for a message's legacy
+        # function_call, the tool_calls it stands for.
+        named = info.value.info.param
+        assert named is not None and named.split(".")[-1].split("[")[0] in (field, "type", "tool_calls"), named
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tool_use_becomes_template_input() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    request = chat(
+        tools=[WEATHER_TOOL],
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
+    assert request.template_messages()[1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "get_weather",
+                                                                                "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"},
+    ]  # fmt: skip
+    tool_use = resolve_tool_use(request.function_tools(), request.tool_choice_value(), None, "hermes")
+    assert tool_use is not None and tool_use.template_tools() == [WEATHER_TOOL]
+    assert tool_use.constraint() is None, "auto is read by the parser, not enforced"
+
+
+def constraint_of(**fields: Any) -> tuple[str, str, str] | None:
+    found = chat(**fields).output_constraint(None)
+    return None if found is None else (found.output.kind, found.output.spec, found.param)
+
+
+def test_every_structured_output_surface_maps_to_one_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    json_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    assert constraint_of(response_format=json_schema) == ("json_schema", spec, "response_format.json_schema.schema")
+    assert constraint_of(response_format={"type": "json_object"}) == ("json_object", "", "response_format")
+    assert constraint_of(response_format={"type": "text"}) is None
+    assert constraint_of(structured_outputs={"json": schema}) == ("json_schema", spec, "structured_outputs.json")
+    assert constraint_of(structured_outputs={"json": spec})[:2] == ("json_schema", spec)  # type: ignore[index]
+    assert constraint_of(structured_outputs={"regex": "a+"}) == ("regex", "a+", "structured_outputs.regex")
+    assert constraint_of(structured_outputs={"choice": ["x", "y"]}) == ("choice", '["x", "y"]',
+                                                                        "structured_outputs.choice")  # fmt: skip
+    assert constraint_of(structured_outputs={"grammar": 'root ::= "a"'})[:2] == ("grammar", 'root ::= "a"')  # type: ignore[index]
+    assert constraint_of(structured_outputs={"json_object": True})[0] == "json_object"  # type: ignore[index]
+    assert constraint_of(guided_json=schema) == ("json_schema", spec, "guided_json")
+    assert constraint_of(guided_regex="[0-9]+") == ("regex", "[0-9]+", "guided_regex")
+    assert constraint_of(guided_choice=["yes", "no"])[0] == "choice"  # type: ignore[index]
+    assert constraint_of(guided_grammar='root ::= "a"')[0] == "grammar"  # type: ignore[index]
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "guided_regex": "b"})
+    assert completion.vllm_constraint() is not None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}},
+         "response_format.json_schema.schema", "invalid_json_schema"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "invalid_json_schema"),
+        ({"guided_json": {"minimum": "zero"}}, "guided_json", "invalid_json_schema"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice",
+         "conflicting_parameters"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "conflicting_parameters"),
+        ({"structured_outputs": {}}, "structured_outputs", "invalid_value"),
+        ({"guided_choice": []}, "guided_choice", "invalid_structured_output"),
+    ],
+)  # fmt: skip
+def test_bad_structured_outputs_are_400s_naming_the_field(fields: dict[str, Any], param: str, code: str) -> None:
+    with pytest.raises(APIError) as info:
+        chat(**fields).output_constraint(None)
+    assert (info.value.status_code, info.value.info.param, info.value.info.code) == (400, param, code)
+    assert param in info.value.info.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+         "response_format.json_schema.name"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"structured_outputs": {"json": {}, "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ],
+)  # fmt: skip
+def test_malformed_tool_and_format_fields_name_their_param(body: dict[str, Any], param: str) -> None:
+    error = api_error(ChatCompletionRequest, {"model": "m", "messages": USER, **body})
+    assert (error.status_code, error.info.param) == (400, param)
+
+
+TOOLS = [
+    FunctionTool("get_weather", None, WEATHER_TOOL["function"]["parameters"]),
+    FunctionTool("get_time"),
+]
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "parser", "param", "code"),
+    [
+        ([], "required", "hermes", "tool_choice", "invalid_value"),
+        (TOOLS, ForcedFunction("nope"), "hermes", "tool_choice", "invalid_value"),
+        ([TOOLS[1], TOOLS[1]], "required", "hermes", "tools", "invalid_value"),
+        ([FunctionTool("f", None, {"type": "object", "properties": 3})], "required", None,
+         "tools[0].function.parameters", "invalid_json_schema"),
+        ([FunctionTool("f", None, {"type": "string"})], "required", None, "tools[0].function.parameters",
+         "invalid_value"),
+        (TOOLS, "auto", None, "tool_choice", "unsupported_tool_choice"),
+        (TOOLS, None, None, "tool_choice", "unsupported_tool_choice"),
+    ],
+)  # fmt: skip
+def test_tool_use_that_cannot_be_served_is_refused(
+    tools: list[FunctionTool], choice: Any, parser: str | None, param: str, code: str
+) -> None:
+    with pytest.raises(APIError) as info:
+        resolve_tool_use(tools, choice, None, parser)
+    assert (info.value.status_code, info.value.info.param, info.value.info.code) == (400, param, code)
+
+
+def test_required_and_named_choices_constrain_to_valid_calls() -> None:
+    def schema(choice: Any, parallel: bool | None = None) -> dict[str, Any]:
+        tool_use = resolve_tool_use(TOOLS, choice, parallel, None)
+        assert tool_use is not None
+        constraint = tool_use.constraint()
+        assert constraint is not None and constraint.output.kind == "json_schema"
+        return json.loads(constraint.output.spec)
+
+    def valid(value: Any, against: dict[str, Any]) -> bool:
+        return jsonschema.Draft202012Validator(against).is_valid(value)
+
+    required = schema("required")
+    weather = {"name": "get_weather", "parameters": {"city": "Oslo"}}
+    assert valid([weather], required) and valid([weather, {"name": "get_time", "parameters": {}}], required)
+    assert not valid([], required), "at least one call"
+    assert not valid([{"name": "get_weather", "parameters": {}}], required), "arguments validate"
+    assert not valid([{"name": "other", "parameters": {}}], required), "only offered tools"
+    assert not valid([{"name": "get_time", "parameters": {"x": 1}}], required), "a function without parameters"
+    assert not valid([weather, weather], schema("required", parallel=False)), "parallel_tool_calls false: one call"
+    named = schema(ForcedFunction("get_weather"))
+    assert valid({"city": "Oslo"}, named) and not valid({}, named)
+    assert resolve_tool_use(TOOLS, "none", None, None).template_tools() is None  # type: ignore[union-attr]
+    assert resolve_tool_use([], "none", None, None) is None

@@ -138,3 +138,22 @@ def test_missing_chat_template_is_a_clear_error(tmp_path: Path) -> None:
     fast.chat_template = None
     with pytest.raises(ChatTemplateError, match="no chat template"):
         Tokenizer(fast).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_tool_call_formats_special_markers_stay_in_the_text_it_reads(tmp_path: Path) -> None:
+    fast = build_tokenizer(tmp_path)
+    fast.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tokenizer = Tokenizer(fast)
+    ids = [*tokenizer.encode("ok ", add_special_tokens=False), fast.convert_tokens_to_ids("[TOOL_CALLS]"),
+           *tokenizer.encode("[]", add_special_tokens=False), fast.eos_token_id]  # fmt: skip
+    assert "".join(stream(tokenizer.detokenizer([]), ids)) == "ok []", "special tokens are dropped by default"
+    kept = "".join(stream(tokenizer.detokenizer([], keep_tokens=["[TOOL_CALLS]", "<tool_call>"]), ids))
+    assert kept == "ok [TOOL_CALLS][]", "the marker is kept, the other special tokens (EOS) still dropped"
+
+
+def test_tools_reach_the_chat_template(tmp_path: Path) -> None:
+    fast = build_tokenizer(tmp_path)
+    fast.chat_template = "{% for tool in tools %}{{ tool.function.name }};{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    ids = Tokenizer(fast).apply_chat_template([{"role": "user", "content": "hi"}], tools=tools)
+    assert Tokenizer(fast).decode(ids) == "get_time;hi"

@@ -21,13 +21,21 @@ import httpx
 import openai
 import pytest
 
-from engine import ContinuousBatchingManager, EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine import (
+    ContinuousBatchingManager,
+    EngineConfig,
+    EngineCore,
+    FinishReason,
+    SamplingParams,
+    StructuredOutput,
+    generate_batch,
+)
 from engine.parallel import COLLECTIVES
 from engine.step import SchedulerOutput
 from server.tokens import Tokenizer
 from tests.model_factory import build_model_dir
 from tests.server_harness import REPO_ROOT, free_port, metric, metric_samples, node_process, server_process
-from tests.test_engine_equivalence import _QueryLens, _reference, _run
+from tests.test_engine_equivalence import LOGPROB_TOLERANCE, _QueryLens, _reference, _run
 from tests.test_server_faults import process_gone, read_events, read_rest
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,15 +49,19 @@ SETUP = dict(max_batch_tokens=32, page_size=4, num_blocks=None, cpu_kv_cache_gib
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
-    prompts, max_new, expected = _reference(path, arch, SHARED_PREFIX)
+    prompts, max_new, expected, expected_logprobs = _reference(path, arch, SHARED_PREFIX)
     tp2_steps: list[list[int]] = []
     config = EngineConfig(model=str(path), debug_checks=True, tensor_parallel_size=2, **SETUP)
     with EngineCore(config, observers=[_QueryLens(tp2_steps)]) as tp2:
         workers = tp2.worker_pids
-        results = generate_batch(prompts, params=[SamplingParams(max_new_tokens=n) for n in max_new], engine=tp2)
+        params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
+        results = generate_batch(prompts, params=params, engine=tp2)
         tp2_outputs = [results[f"req_{i}"].generated_ids for i in range(len(prompts))]
         for i, (got, want) in enumerate(zip(tp2_outputs, expected, strict=True)):
             assert got == want, f"{arch}: request {i} (prompt {len(prompts[i])} tokens) diverged at TP=2"
+            logprobs = [t.logprob for t in results[f"req_{i}"].logprobs]
+            worst = max(abs(a - b) for a, b in zip(logprobs, expected_logprobs[i], strict=True))
+            assert worst <= LOGPROB_TOLERANCE, f"{arch}: request {i}: a chosen token's logprob is {worst:.2e} off"
         assert max(len(p) for p in prompts) > SETUP["max_batch_tokens"] >= max(sum(lens) for lens in tp2_steps)
         assert tp2.scheduler.num_preemptions > 0
         assert tp2.stats().prefix_cache_hits >= SHARED_PREFIX
@@ -67,7 +79,7 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
     assert len(workers) == 1
     assert all(process_gone(pid) for pid in workers), "close() leaves no worker behind"
     # TP=1 with as many pages plans the very same steps, and computes the same tokens.
-    _, tp1_outputs, tp1_steps = _run(path, prompts, max_new, **{**SETUP, "num_blocks": pages})
+    _, tp1_outputs, _, tp1_steps = _run(path, prompts, max_new, **{**SETUP, "num_blocks": pages})
     assert tp1_steps == planned and tp1_outputs == tp2_outputs
 
 
@@ -84,7 +96,7 @@ def test_fewer_kv_heads_than_ranks_tied_padded_vocab_and_biases(tmp_path: Path) 
         attention_bias=True,
         mlp_bias=True,
     )
-    prompts, max_new, expected = _reference(path, "llama-1kv", 0)
+    prompts, max_new, expected, _ = _reference(path, "llama-1kv", 0)
     with ContinuousBatchingManager(EngineConfig(model=str(path), tensor_parallel_size=2, num_blocks=256)) as manager:
         ids = [manager.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, max_new, strict=True)]
         results = [manager.get_result(rid, timeout=120) for rid in ids]
@@ -92,6 +104,45 @@ def test_fewer_kv_heads_than_ranks_tied_padded_vocab_and_biases(tmp_path: Path) 
         workers = manager.engine.worker_pids
     assert [r.generated_ids for r in results] == expected
     assert len(workers) == 1 and all(process_gone(pid) for pid in workers)
+
+
+def test_constrained_sampled_and_scored_requests_at_tp2_equal_tp1(model_dir: Callable[[str], Path]) -> None:
+    """Grammars live where sampling happens, on the driver: a JSON-schema and a seeded regex request, a seeded
+    sampled one and one scoring its prompt generate at TP=2 what they do at TP=1."""
+    path = model_dir("llama")
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "maximum": 120}},
+        "required": ["name", "age"],
+    }
+    prompts = [[1, *range(40, 40 + n)] for n in (5, 23, 37, 30)]
+    params = [
+        SamplingParams(max_new_tokens=120, structured_output=StructuredOutput("json_schema", json.dumps(schema))),
+        SamplingParams(
+            max_new_tokens=30,
+            structured_output=StructuredOutput("regex", "[a-z]{2,5}-[0-9]{3}"),
+            temperature=1.0,
+            seed=3,
+        ),
+        SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=5),
+        SamplingParams(max_new_tokens=8, prompt_logprobs=2),
+    ]
+
+    def run(**overrides) -> dict:
+        with EngineCore(EngineConfig(model=str(path), num_blocks=128, **overrides)) as engine:
+            results = generate_batch(prompts, params=params, engine=engine)
+            assert engine.is_idle_and_clean()
+            return results
+
+    tp1, tp2 = run(), run(tensor_parallel_size=2)
+    assert [r.generated_ids for r in tp2.values()] == [r.generated_ids for r in tp1.values()]
+    assert tp2["req_0"].finish_reason is FinishReason.STOP and json.loads(
+        Tokenizer.load(path).decode(tp2["req_0"].generated_ids[:-1])
+    )
+    scored1, scored2 = tp1["req_3"].prompt_logprobs, tp2["req_3"].prompt_logprobs
+    assert scored1 is not None and scored2 is not None
+    assert [e.token_id for e in scored2] == [e.token_id for e in scored1] == prompts[3][1:]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(scored1, scored2, strict=True)) <= LOGPROB_TOLERANCE
 
 
 @pytest.mark.parametrize(

@@ -54,8 +54,13 @@ class AttentionBackend(ABC):
         meta: StepMetadata,
         scale: float,
         sliding_window: int | None,
+        *,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        ...
+        """Causal attention of each sequence's queries over its pages. `softcap`: scores (after `scale`) become
+        `softcap * tanh(scores / softcap)` before masking and softmax. `alibi_slopes` ([H], float32): each head
+        adds `slope * (key_position - query_position)` to its scores after soft-capping, where the mask goes."""
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor):

@@ -5,6 +5,10 @@ flash-attn calls `block_table`); any step with a multi-token chunk uses `flash_a
 table, which serves prefill chunks over cached pages and decodes in the same call. Upstream flash-attn reads
 paged K/V only when the page size is a multiple of 256, so `auto` falls back to the torch backend for smaller
 pages.
+
+Soft-capping and ALiBi are the kernels' own `softcap` (0.0 turns it off) and `alibi_slopes` ([H] float32, a bias
+of `-slope * |query_position - key_position|`, which under the causal mask is the `slope * (key - query)` the
+torch backend adds).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 from engine.attention.base import AttentionBackend, StepMetadata, write_kv
 
 PAGE_MULTIPLE = 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""What flash-attn computes in."""
 
 
 def flash_available() -> bool:
@@ -54,6 +60,9 @@ class FlashBackend(AttentionBackend):
         meta: StepMetadata,
         scale: float,
         sliding_window: int | None,
+        *,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
@@ -67,6 +76,8 @@ class FlashBackend(AttentionBackend):
                 softmax_scale=scale,
                 causal=True,
                 window_size=window,
+                softcap=softcap or 0.0,
+                alibi_slopes=alibi_slopes,
             )
             return out.squeeze(1)
         return self._varlen(
@@ -80,5 +91,7 @@ class FlashBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
             window_size=window,
+            softcap=softcap or 0.0,
+            alibi_slopes=alibi_slopes,
             block_table=meta.backend_state["page_tables"],
         )

@@ -10,6 +10,11 @@ Prefill chunks attend one by one with no padding: a chunk with no cached history
 its own K/V, a chunk continuing a sequence over its gathered pages with a causal mask.
 
 Whole pages are gathered (memcpy-sized rows; advanced indexing is several times slower here).
+
+ALiBi biases depend on heads and positions but not on the layer, so they are folded into the masks the step's
+plan builds once per window (a `[group, H, 1, keys]` bias per decode group, `[H, n, keys]` per chunk). Soft-capped
+scores cannot go through `scaled_dot_product_attention`, which has no hook between the product and the softmax:
+those layers run the same masks through the eager formula (the one transformers' eager attention computes).
 """
 
 from __future__ import annotations
@@ -32,14 +37,18 @@ class _Chunk:
     q_end: int
     k_start: int  # offset of the first visible key in the gathered buffer; -1: attend to the fresh K/V only
     k_len: int
-    mask: torch.Tensor | None  # [n, k_len] for chunks that need one
+    mask: torch.Tensor | None
+    """[n, k_len] boolean (True: may attend) over cached history, or [H, n, k_len] additive with ALiBi biases;
+    None: plainly causal over the chunk's own K/V."""
 
 
 @dataclass
 class _DecodeGroup:
     rows: torch.Tensor  # [b] packed-row index of each sequence's query
     pages: torch.Tensor  # [b * max_pages] pages to gather, padded with page 0
-    mask: torch.Tensor  # [b, 1, 1, max_pages * page_size] 0 where the query may look, -inf elsewhere
+    mask: torch.Tensor
+    """[b, 1, 1, max_pages * page_size] additive: 0 where the query may look, -inf elsewhere; with ALiBi
+    [b, Hkv, H / Hkv, max_pages * page_size], each head's biases added."""
 
 
 @dataclass
@@ -47,6 +56,8 @@ class _Plan:
     chunk_pages: torch.Tensor  # all pages the chunks read, chunk after chunk
     chunks: list[_Chunk]
     groups: list[_DecodeGroup]
+    alibi_slopes: torch.Tensor | None
+    """Held so that its id, part of the plan's key, cannot be reused by another tensor within the step."""
 
 
 @dataclass
@@ -84,19 +95,51 @@ def _gather(kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor) ->
     return keys, values
 
 
+def _alibi_bias(slopes: torch.Tensor, distance: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`slopes[h] * distance` ([H, *distance.shape], float32) where `allowed`, -inf elsewhere."""
+    bias = slopes.view(-1, *([1] * distance.dim())) * distance.to(torch.float32)
+    return bias.masked_fill(~allowed, float("-inf"))
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Eager attention with soft-capped scores: `q [..., m, D]` over `k, v [..., L, D]`; `mask` broadcasts to
+    `[..., m, L]`, boolean (True: may attend) or additive. The order of operations is transformers' own."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
 
-    def _plan(self, meta: StepMetadata, window: int | None, dtype: torch.dtype) -> _Plan:
-        """The plan depends on the window size only, so layers sharing one reuse it within the step."""
-        plan = meta.backend_state.get(window)
+    def _plan(
+        self,
+        meta: StepMetadata,
+        window: int | None,
+        dtype: torch.dtype,
+        alibi_slopes: torch.Tensor | None,
+        kv_heads: int,
+    ) -> _Plan:
+        """The plan depends on the window size and the ALiBi slopes only, so layers sharing them reuse it."""
+        key = (window, None if alibi_slopes is None else id(alibi_slopes))
+        plan = meta.backend_state.get(key)
         if plan is None:
-            plan = self._build_plan(meta, window, dtype)
-            meta.backend_state[window] = plan
+            plan = self._build_plan(meta, window, dtype, alibi_slopes, kv_heads)
+            meta.backend_state[key] = plan
         return plan
 
     @staticmethod
-    def _build_plan(meta: StepMetadata, window: int | None, dtype: torch.dtype) -> _Plan:
+    def _build_plan(
+        meta: StepMetadata,
+        window: int | None,
+        dtype: torch.dtype,
+        alibi_slopes: torch.Tensor | None = None,
+        kv_heads: int = 1,
+    ) -> _Plan:
         ps = meta.page_size
         device = meta.positions.device
         tables = meta.page_tables_host
@@ -106,7 +149,12 @@ class TorchPagedBackend(AttentionBackend):
         for i, (n, total) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
             q_start = meta.query_start_loc_host[i]
             if total == n and (window is None or n <= window):
-                chunks.append(_Chunk(q_start, q_start + n, -1, n, None))
+                mask = None
+                if alibi_slopes is not None:
+                    pos = torch.arange(n, device=device)
+                    distance = pos[None, :] - pos[:, None]
+                    mask = _alibi_bias(alibi_slopes, distance, distance <= 0).to(dtype)
+                chunks.append(_Chunk(q_start, q_start + n, -1, n, mask))
                 continue
             vis = _visible(n, total, window, ps)
             if n == 1:
@@ -119,13 +167,20 @@ class TorchPagedBackend(AttentionBackend):
             mask = key_pos <= query_pos
             if window is not None:
                 mask &= key_pos > query_pos - window
+            if alibi_slopes is not None:
+                mask = _alibi_bias(alibi_slopes, key_pos - query_pos, mask).to(dtype)
             chunks.append(_Chunk(q_start, q_start + n, k_start, total - vis.first_key, mask))
-        groups = TorchPagedBackend._group_decodes(meta, decodes, device, dtype)
-        return _Plan(_from_host(np.asarray(chunk_pages, dtype=np.int64), device), chunks, groups)
+        groups = TorchPagedBackend._group_decodes(meta, decodes, device, dtype, alibi_slopes, kv_heads)
+        return _Plan(_from_host(np.asarray(chunk_pages, dtype=np.int64), device), chunks, groups, alibi_slopes)
 
     @staticmethod
     def _group_decodes(
-        meta: StepMetadata, decodes: list[tuple[int, int, _Visible]], device: torch.device, dtype: torch.dtype
+        meta: StepMetadata,
+        decodes: list[tuple[int, int, _Visible]],
+        device: torch.device,
+        dtype: torch.dtype,
+        alibi_slopes: torch.Tensor | None,
+        kv_heads: int,
     ) -> list[_DecodeGroup]:
         ps = meta.page_size
         decodes.sort(key=lambda d: d[2].num_pages)
@@ -149,15 +204,18 @@ class TorchPagedBackend(AttentionBackend):
                 key_to[row] = total - vis.first_page * ps
             key_pos = np.arange(width * ps)
             visible = (key_pos >= key_from) & (key_pos < key_to)
-            # Additive, in the query's dtype: SDPA would otherwise turn a boolean mask into one on every layer.
-            mask = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+            if alibi_slopes is None:
+                # Additive, in the query's dtype: SDPA would otherwise turn a boolean mask into one on every layer.
+                additive = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+                mask = _from_host(additive, device).to(dtype)[:, None, None, :]
+            else:
+                # Each query is its sequence's last token, the key in column `key_to - 1`.
+                distance = _from_host(key_pos - (key_to - 1), device)
+                bias = _alibi_bias(alibi_slopes, distance, _from_host(visible, device))  # [H, b, L]
+                mask = bias.transpose(0, 1).reshape(len(members), kv_heads, -1, width * ps).to(dtype)
             rows = np.fromiter((meta.query_start_loc_host[i] for i, _, _ in members), np.int64, len(members))
             groups.append(
-                _DecodeGroup(
-                    rows=_from_host(rows, device),
-                    pages=_from_host(pages.reshape(-1), device),
-                    mask=_from_host(mask, device).to(dtype)[:, None, None, :],
-                )
+                _DecodeGroup(rows=_from_host(rows, device), pages=_from_host(pages.reshape(-1), device), mask=mask)
             )
             start = end
         return groups
@@ -171,14 +229,17 @@ class TorchPagedBackend(AttentionBackend):
         meta: StepMetadata,
         scale: float,
         sliding_window: int | None,
+        *,
+        softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(key, value, kv_cache, meta.slot_mapping)
-        plan = self._plan(meta, sliding_window, query.dtype)
+        plan = self._plan(meta, sliding_window, query.dtype, alibi_slopes, kv_cache[0].shape[2])
         out = torch.empty_like(query)
         for group in plan.groups:
-            self._decode_group(query, kv_cache, group, scale, out)
+            self._decode_group(query, kv_cache, group, scale, softcap, out)
         if plan.chunks:
-            self._chunks(query, key, value, kv_cache, plan, scale, out)
+            self._chunks(query, key, value, kv_cache, plan, scale, softcap, out)
         return out
 
     @staticmethod
@@ -187,17 +248,19 @@ class TorchPagedBackend(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         group: _DecodeGroup,
         scale: float,
+        softcap: float | None,
         out: torch.Tensor,
     ) -> None:
         _, _, kv_heads, dim = kv_cache[0].shape
         heads = query.shape[1]
         size = group.rows.shape[0]
         # [b, Hkv, L, D] views over the gathered pages; each KV head's query group rides the query axis.
-        keys, values = (t.view(size, -1, kv_heads, dim) for t in _gather(kv_cache, group.pages))
+        keys, values = (t.view(size, -1, kv_heads, dim).transpose(1, 2) for t in _gather(kv_cache, group.pages))
         q = query.index_select(0, group.rows).view(size, kv_heads, heads // kv_heads, dim)
-        o = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, scale=scale
-        )
+        if softcap is None:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scale)
+        else:
+            o = _softcapped_attention(q, keys, values, group.mask, scale, softcap)
         out.index_copy_(0, group.rows, o.reshape(size, heads, dim))
 
     @staticmethod
@@ -208,9 +271,11 @@ class TorchPagedBackend(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         plan: _Plan,
         scale: float,
+        softcap: float | None,
         out: torch.Tensor,
     ) -> None:
-        group = query.shape[1] // kv_cache[0].shape[2]
+        heads, kv_heads = query.shape[1], kv_cache[0].shape[2]
+        group = heads // kv_heads
         keys, values = _gather(kv_cache, plan.chunk_pages)
         for c in plan.chunks:
             if c.k_start < 0:
@@ -220,7 +285,18 @@ class TorchPagedBackend(AttentionBackend):
                 k = keys[c.k_start : c.k_start + c.k_len].transpose(0, 1)  # [Hkv, L, D]
                 v = values[c.k_start : c.k_start + c.k_len].transpose(0, 1)
             q = query[c.q_start : c.q_end].transpose(0, 1)  # [H, n, D]
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=group > 1
-            )
+            if softcap is None:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=group > 1
+                )
+            else:
+                n = c.q_end - c.q_start
+                mask = c.mask
+                if mask is None:
+                    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+                elif mask.dim() == 3:
+                    mask = mask.view(kv_heads, group, n, c.k_len)
+                # [Hkv, H / Hkv, n, D]: each KV head's query heads side by side, as in the decode groups.
+                q4 = q.reshape(kv_heads, group, n, q.shape[-1])
+                o = _softcapped_attention(q4, k[:, None], v[:, None], mask, scale, softcap).reshape(heads, n, -1)
             out[c.q_start : c.q_end] = o.transpose(0, 1)

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.attention import AttentionBackend, StepMetadata
+from engine.config import EngineStartupError
 from engine.parallel import TensorParallel
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -60,7 +61,7 @@ def sliding_window_of_layer(config: PretrainedConfig, layer: int) -> int | None:
 
 
 def check_tensor_parallel(config: PretrainedConfig, size: int) -> None:
-    """Raise ValueError, saying why, when `config`'s model cannot be split over `size` ranks exactly."""
+    """Raise EngineStartupError, saying why, when `config`'s model cannot be split over `size` ranks exactly."""
     heads, kv_heads, width = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     problems = []
     if heads % size:
@@ -70,7 +71,7 @@ def check_tensor_parallel(config: PretrainedConfig, size: int) -> None:
     if width % size:
         problems.append(f"its MLP width {width} does not divide by {size}")
     if problems:
-        raise ValueError(
+        raise EngineStartupError(
             f"this {config.model_type} model cannot be split over --tensor-parallel-size {size}: " + "; ".join(problems)
         )
 
@@ -208,17 +209,48 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_per_rank, bias=False)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # cos/sin for every position, computed by the transformers rotary module itself (all rope scaling types).
-        rotary = LlamaRotaryEmbedding(config)
-        positions = torch.arange(max_positions)[None, :]
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-        self.register_buffer("cos_cache", cos[0], persistent=False)
-        self.register_buffer("sin_cache", sin[0], persistent=False)
+        self.max_positions = max_positions
+        cos, sin = self._rotary_tables(torch.get_default_dtype())
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         """This rank's KV heads: what its KV cache holds."""
         self.head_dim = self.model.layers[0].self_attn.head_dim
         self.sliding_windows = [layer.self_attn.sliding_window for layer in self.model.layers]
+
+    def _rotary_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for every position, computed in float32 by the transformers rotary module itself (all rope
+        scaling types), then stored in `dtype`."""
+        rotary = LlamaRotaryEmbedding(self.config)
+        positions = torch.arange(self.max_positions)[None, :]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+        return cos[0].to(dtype), sin[0].to(dtype)
+
+    @classmethod
+    def empty(
+        cls,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TensorParallel | None = None,
+    ) -> LlamaFamilyForCausalLM:
+        """The model (with `tp`, this rank's shard of it) with uninitialised parameters of `dtype` on `device`, for
+        weights to be loaded into.
+
+        Built on the meta device first: nothing is initialised only to be overwritten, and no float32 copy of the
+        parameters ever exists. The rotary tables, which are computed rather than loaded, are filled in.
+        """
+        with torch.device("meta"):
+            model = cls(config, backend, max_positions, tp)
+        model = model.to(dtype).to_empty(device=device)
+        if model.tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        with torch.device(device):
+            model.cos_cache, model.sin_cache = model._rotary_tables(dtype)
+        return model
 
     def forward(
         self,

@@ -1,7 +1,12 @@
-"""/v1/chat/completions: messages -> prompt (the model's chat template) -> generation -> the response or its chunks.
+"""/v1/chat/completions: messages (and tools) -> prompt (the model's chat template) -> generation -> the response
+or its chunks.
 
-A stream opens each choice with a role chunk, sends its text (and logprobs) as content deltas, and closes it
-with an empty delta carrying the finish reason, as OpenAI does.
+A stream opens each choice with a role chunk, sends its text (and logprobs) as content deltas and its tool calls
+as `tool_calls` deltas (id and name first, then the arguments in pieces), and closes it with an empty delta
+carrying the finish reason, as OpenAI does. With a reasoning parser, the model's reasoning goes to
+`reasoning_content` (whole, or as deltas of it), never into `content` nor into tool-call parsing. A constrained
+answer (response_format, an enforced tool call) is grammar-bound from its first token, so it has no reasoning to
+split off.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.openai.choices import ChoiceState
-from server.openai.errors import invalid_request
 from server.openai.generation import Generation, ServingContext, start_generation
 from server.openai.logprobs import chat_logprobs
 from server.openai.schemas import (
@@ -25,28 +29,46 @@ from server.openai.schemas import (
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
+    FunctionCall,
+    FunctionCallChunk,
+    ToolCall,
+    ToolCallChunk,
 )
-from server.tokens import ChatTemplateError, Tokenizer
+from server.openai.template import render_conversation
+from server.openai.tool_parsers.base import ToolCallDelta
+from server.openai.tools import resolve_tool_use
+from server.tokens import Tokenizer
 
 
 async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     ctx.check_request(body)
+    tool_use = resolve_tool_use(
+        body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, ctx.tool_call_parser
+    )
+    constraint = body.output_constraint(tool_use.constraint() if tool_use else None)
     messages = body.template_messages()
-    try:
-        prompt = ctx.tokenizer.apply_chat_template(messages)
-    except ChatTemplateError as exc:
-        raise invalid_request(str(exc), "messages") from exc
+    prompt_text = render_conversation(
+        ctx.tokenizer,
+        messages,
+        body.template_kwargs(ctx.tokenizer.chat_template_options),
+        tool_use.template_tools() if tool_use else None,
+        "messages",
+    )
+    reasoning = ctx.reasoning if constraint is None else None
     generation = await start_generation(
         ctx,
         f"chatcmpl-{uuid.uuid4().hex}",
-        [prompt],
+        [ctx.tokenizer.encode_rendered(prompt_text)],
         body,
         body.requested_max_tokens,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
         param="messages",
         arrival=arrival,
+        constraint=constraint,
+        reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
+        tool_reader=tool_use.reader_factory() if tool_use else None,
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))
@@ -56,9 +78,16 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
 
 
 def _final_choice(choice: ChoiceState, body: ChatCompletionRequest, tokenizer: Tokenizer) -> ChatChoice:
+    calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in choice.tool_calls]
+    content = choice.full_text
     return ChatChoice(
         index=choice.index,
-        message=ChatResponseMessage(content=choice.full_text),
+        # An answer that only calls tools has no content, as OpenAI's (null, not the layout around the calls).
+        message=ChatResponseMessage(
+            content=None if calls and not content.strip() else content,
+            reasoning_content=choice.full_reasoning or None,
+            tool_calls=calls or None,
+        ),
         logprobs=chat_logprobs(tokenizer, choice.logprobs) if body.logprobs else None,
         finish_reason=choice.finish_reason,  # type: ignore[arg-type]
     )
@@ -70,8 +99,24 @@ async def _chunk_choices(
     for choice in generation.choices:
         yield [ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))]
     async for index, update in generation.updates():
-        if update.text or update.logprobs:
+        if update.text or update.reasoning or update.logprobs:
             logprobs = chat_logprobs(tokenizer, update.logprobs) if body.logprobs else None
-            yield [ChatChunkChoice(index=index, delta=ChatDelta(content=update.text), logprobs=logprobs)]
+            # Reasoning alone leaves `content` out of the delta; otherwise it is there, if only "".
+            content = update.text if update.text or not update.reasoning else None
+            delta = ChatDelta(content=content, reasoning_content=update.reasoning or None)
+            yield [ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)]
+        for call in update.tool_calls:
+            yield [ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[_call_chunk(call)]))]
         if update.finish_reason is not None:
             yield [ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=update.finish_reason)]
+
+
+def _call_chunk(delta: ToolCallDelta) -> ToolCallChunk:
+    if delta.id is None:
+        return ToolCallChunk(index=delta.index, function=FunctionCallChunk(arguments=delta.arguments))
+    return ToolCallChunk(
+        index=delta.index,
+        id=delta.id,
+        type="function",
+        function=FunctionCallChunk(name=delta.name, arguments=delta.arguments),
+    )

@@ -1,4 +1,10 @@
-"""One choice of a response: engine deltas in, text deltas out, with stop strings cut and counted tokens."""
+"""One choice of a response: engine deltas in, text, reasoning and tool-call deltas out, with stop strings cut and
+counted tokens.
+
+The text goes through three stages in order: stop strings (on all of it), the reasoning splitter (with a reasoning
+parser), then the tool-call reader, which sees only the answer: a call the model writes while it reasons is not
+a call.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,20 @@ from dataclasses import dataclass, field
 
 from engine.request import FinishReason, StepOutput, TokenLogprob
 from server.openai.errors import engine_failure
+from server.openai.tool_parsers.base import ParsedCall, ToolCallDelta, ToolCallReader
+from server.reasoning import ReasoningSplitter
 from server.tokens import StopStringMatcher, Tokenizer
 
 
 @dataclass(slots=True)
 class ChoiceUpdate:
     text: str
+    """The answer's new text (all of the new text without a reasoning parser or tool reader)."""
     logprobs: list[TokenLogprob]
     finish_reason: str | None
-    prompt_logprobs: list[TokenLogprob]
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     """Of prompt tokens (from the second on), for an echoed prompt with logprobs."""
 
 
@@ -29,16 +40,25 @@ class ChoiceState:
     stop: Sequence[str]
     keep_logprobs: bool = False
     """Accumulate logprobs for a non-streaming response (a stream sends them with each delta instead)."""
+    reasoning_splitter: ReasoningSplitter | None = None
+    """Splits the text after stop strings into reasoning and answer; None leaves it all answer."""
+    tool_reader: ToolCallReader | None = None
+    """Splits the answer into content and tool calls; None: it is all content."""
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    num_reasoning_tokens: int = 0
+    """Output tokens up to and including the one that closed the reasoning (all of them while it is open)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     """Kept like `logprobs`, for an echoed prompt."""
+    tool_calls: list[ParsedCall] = field(default_factory=list)
     num_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
-        self._detokenizer = self.tokenizer.detokenizer(self.prompt_ids)
+        markers = self.tool_reader.marker_tokens if self.tool_reader is not None else ()
+        self._detokenizer = self.tokenizer.detokenizer(self.prompt_ids, keep_tokens=markers)
         self._stop = StopStringMatcher(self.stop)
 
     @property
@@ -61,14 +81,54 @@ class ChoiceState:
         if output.finished:
             text += self._detokenizer.flush()
         emitted, stopped = self._stop.feed(text)
+        finish_reason = None
         if stopped:
-            self.finish_reason = "stop"
+            finish_reason = "stop"
         elif output.finish_reason is not None:
             emitted += self._stop.flush()
-            self.finish_reason = output.finish_reason.value
+            finish_reason = output.finish_reason.value
+        reasoning = ""
+        if self.reasoning_splitter is not None:
+            emitted, reasoning = self._split(emitted, len(output.new_token_ids), finished=finish_reason is not None)
+        calls: list[ToolCallDelta] = []
+        if self.tool_reader is not None:
+            read = self.tool_reader.feed(emitted)
+            if finish_reason is not None:
+                read.extend(self.tool_reader.finish())
+            emitted, calls = read.content, read.calls
+            self._collect(calls)
+        if finish_reason == "stop" and self.tool_calls:
+            finish_reason = "tool_calls"
+        self.finish_reason = finish_reason
         self.text.append(emitted)
-        return ChoiceUpdate(emitted, new_logprobs, self.finish_reason, prompt_logprobs)
+        self.reasoning.append(reasoning)
+        return ChoiceUpdate(emitted, new_logprobs, finish_reason, calls, reasoning, prompt_logprobs)
+
+    def _split(self, text: str, num_new_tokens: int, finished: bool) -> tuple[str, str]:
+        """(answer, reasoning) of the new text."""
+        splitter = self.reasoning_splitter
+        assert splitter is not None
+        was_reasoning = splitter.in_reasoning
+        delta = splitter.feed(text)
+        answer, reasoning = delta.content, delta.reasoning
+        if finished:
+            rest = splitter.flush()
+            answer, reasoning = answer + rest.content, reasoning + rest.reasoning
+        if was_reasoning or splitter.in_reasoning:
+            self.num_reasoning_tokens += num_new_tokens
+        return answer, reasoning
+
+    def _collect(self, deltas: list[ToolCallDelta]) -> None:
+        for delta in deltas:
+            if delta.id is not None:
+                self.tool_calls.append(ParsedCall(delta.id, delta.name or "", delta.arguments))
+            else:
+                self.tool_calls[delta.index].arguments += delta.arguments
 
     @property
     def full_text(self) -> str:
         return "".join(self.text)
+
+    @property
+    def full_reasoning(self) -> str:
+        return "".join(self.reasoning)

@@ -1,7 +1,7 @@
 """/v1/completions: prompt(s) -> generation -> the response, or a stream of the same object, one choice delta each.
 
 `prompt` may be a string, a list of strings, a list of token ids or a list of token-id lists; each prompt gets
-n choices, numbered prompt by prompt.
+n choices, numbered prompt by prompt. vLLM's `structured_outputs` / `guided_*` constrain every choice.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ async def serve_completion(ctx: ServingContext, body: CompletionRequest, request
         top_logprobs=body.logprobs or 0,
         param="prompt",
         arrival=arrival,
+        constraint=body.vllm_constraint(),
     )
     if body.stream:
         return generation.stream_response(CompletionResponse, _chunk_choices(generation, body, ctx.tokenizer, echo))

@@ -34,7 +34,9 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        # Messages quote what the client sent (a model name, a field name), which may not be encodable text: a lone
+        # surrogate is written as its escape, so that no error response fails to encode.
+        self.info = ErrorInfo(message=_encodable(message), type=type, param=param and _encodable(param), code=code)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -45,6 +47,10 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
@@ -62,3 +68,8 @@ def service_unavailable(message: str, code: str) -> APIError:
 
 def engine_failure(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="engine_error")
+
+
+def internal_error() -> APIError:
+    """What a client learns of a bug: nothing but that it happened (the log has the traceback)."""
+    return APIError(500, "Internal server error.", type="server_error", code="internal_error")

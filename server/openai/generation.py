@@ -1,10 +1,11 @@
-"""What /v1/chat/completions and /v1/completions share: one API call's engine requests, from admission to cleanup.
+"""What the generation endpoints share: one API call's engine requests, from admission to cleanup.
 
 A request becomes n engine requests per prompt (same prompt ids, so the prefix cache can share its pages;
 choice i seeded with seed + i). Admission is awaited before any byte is sent, so a full queue is a 429 and a
 too-long prompt a 400 even for a stream. After that, every engine delta goes through the choice's
-detokenizer and stop-string matcher; errors after the first streamed byte become an SSE error event.
-The endpoints (chat.py, completions.py) differ only in how they build the prompts and the choice objects.
+detokenizer, stop-string matcher, reasoning splitter and tool-call reader; errors after the first streamed byte
+become the stream's error events. The endpoints (chat.py, completions.py, responses.py) differ in how they build
+the prompts and what they make of the choices.
 """
 
 from __future__ import annotations
@@ -12,22 +13,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.driver import EngineRequest
-from engine.request import QueueFull, RequestRejected, StepOutput
+from engine.request import QueueFull, RequestRejected, SamplingParams, StepOutput, StructuredOutput
 from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
 from server.lifecycle import Lifecycle
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
-from server.openai.errors import APIError, engine_failure, invalid_request
-from server.openai.schemas import PromptTokensDetails, SamplingRequest, Usage
+from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
+from server.openai.schemas import PromptTokensDetails, Usage
+from server.openai.structured import Constraint, check_constraint
+from server.openai.tool_parsers.base import ToolCallReader
+from server.reasoning import ReasoningParser, ReasoningSplitter
 from server.sse import SSE_DONE, SSEResponse, sse_data
 from server.tokens import Tokenizer
 
@@ -37,23 +41,82 @@ RETRY_AFTER_SECONDS = 1
 """Suggested back-off after a 429: the waiting queue moves on within a few engine steps."""
 
 
+class GenerationRequest(Protocol):
+    """What the generation core reads of an endpoint's request (chat, completions, responses)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def stream(self) -> bool | None: ...
+
+    @property
+    def num_choices(self) -> int: ...
+
+    @property
+    def stop_strings(self) -> list[str]: ...
+
+    @property
+    def include_usage(self) -> bool: ...
+
+    @property
+    def priority(self) -> int: ...
+
+    def check_supported(self, template_options: Collection[str] = ()) -> None: ...
+
+    def sampling_params(
+        self,
+        *,
+        max_new_tokens: int,
+        choice_index: int,
+        logprobs: bool,
+        top_logprobs: int,
+        structured_output: StructuredOutput | None = None,
+    ) -> SamplingParams: ...
+
+
 @dataclass
 class ServingContext:
     client: EngineClient
     tokenizer: Tokenizer
+    model_dir: str
+    """Where the tokenizer came from: the engine's grammar compiler loads its vocabulary from there."""
     metrics: ServerMetrics
     lifecycle: Lifecycle
-    model_name: str
-    """The name clients must send as `model`."""
+    model_names: tuple[str, ...]
+    """The names clients may send as `model`."""
     max_model_len: int
     request_timeout: float | None
+    sse_ping: float
+    """Seconds between keep-alive pings on an open stream; 0 sends none."""
+    reasoning: ReasoningParser | None
+    """Splits chat answers from the model's reasoning; None for a model without (or told to use none)."""
+    tool_call_parser: str | None = None
+    """The parser that reads `tool_choice: auto` answers (server/openai/tool_parsers); None: no format known."""
 
-    def check_request(self, body: SamplingRequest) -> None:
+    @property
+    def model_name(self) -> str:
+        """The name responses report (the first served name, as vLLM does)."""
+        return self.model_names[0]
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+
+    def check_request(self, body: GenerationRequest) -> None:
         """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
         self.lifecycle.check_accepting()
-        if body.model != self.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist.", param="model", code="model_not_found")
-        body.check_supported()
+        self.check_model(body.model)
+        body.check_supported(self.tokenizer.chat_template_options)
+        vocab_size = self.tokenizer.vocab_size
+        # The Responses API has no stop ids; chat and completions do.
+        stop_ids = getattr(body, "stop_token_ids", None) or []
+        bad = next((i for i, token in enumerate(stop_ids) if token >= vocab_size), None)
+        if bad is not None:
+            # It could never be generated, so it would never stop anything: refused rather than silently inert.
+            raise invalid_request(
+                f"Token id {stop_ids[bad]} is outside the vocabulary [0, {vocab_size}).", f"stop_token_ids[{bad}]"
+            )
 
 
 class Generation:
@@ -168,43 +231,62 @@ class Generation:
     ) -> Response:
         """Run every choice to its end, then answer with one `response_type` holding `final_choice` of each."""
 
-        async def collect() -> Response:
+        async def collect() -> BaseModel:
             async for _ in self.updates():
                 pass
-            response = self._envelope(response_type, [final_choice(c) for c in self.choices], self.usage())
-            return Response(response.model_dump_json(), media_type="application/json")
+            return self._envelope(response_type, [final_choice(c) for c in self.choices], self.usage())
 
-        return await _unless_disconnected(request, collect(), self)
+        return await self.whole_response(request, collect)
+
+    async def whole_response(self, request: Request, build: Callable[[], Awaitable[BaseModel]]) -> Response:
+        """Answer with what `build` makes of the updates (it consumes them), unless the client leaves first."""
+
+        async def work() -> Response:
+            return Response((await build()).model_dump_json(), media_type="application/json")
+
+        return await _unless_disconnected(request, work(), self)
 
     def stream_response(
         self, chunk_type: type[BaseModel], chunk_choices: AsyncIterator[Sequence[BaseModel]]
     ) -> SSEResponse:
         """Send each list of chunk choices as one `chunk_type` event, then the usage chunk if asked for, then
         [DONE]; an error after the first byte becomes `data: {"error": ...}` before the [DONE]."""
-        return SSEResponse(self._events(chunk_type, chunk_choices), on_close=self.close)
-
-    async def _events(
-        self, chunk_type: type[BaseModel], chunk_choices: AsyncIterator[Sequence[BaseModel]]
-    ) -> AsyncIterator[bytes]:
         exclude = None if self.include_usage else {"usage"}
 
         def event(choices: Sequence[BaseModel], usage: Usage | None = None) -> bytes:
             return sse_data(self._envelope(chunk_type, choices, usage).model_dump_json(exclude=exclude))
 
-        try:
+        async def events() -> AsyncIterator[bytes]:
             async for choices in chunk_choices:
                 yield event(choices)
             if self.include_usage:
                 yield event([], self.usage())
+            yield SSE_DONE
+
+        return self.event_stream(events(), lambda error: [sse_data(error.json()), SSE_DONE])
+
+    def event_stream(
+        self, events: AsyncIterator[bytes], error_events: Callable[[APIError], Iterable[bytes]]
+    ) -> SSEResponse:
+        """Stream SSE frames; a failure after the first byte ends the stream with `error_events(error)`."""
+        return SSEResponse(self._guarded(events, error_events), on_close=self.close, ping_interval=self.ctx.sse_ping)
+
+    async def _guarded(
+        self, events: AsyncIterator[bytes], error_events: Callable[[APIError], Iterable[bytes]]
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for frame in events:
+                yield frame
         except APIError as exc:
             reason = rejection_reason(exc.status_code)
             if reason is not None:
                 self.ctx.metrics.count_rejection(reason)
-            yield sse_data(exc.json())
+            for frame in error_events(exc):
+                yield frame
         except Exception:
             logger.exception("Stream failed")
-            yield sse_data(APIError(500, "Internal server error.", type="server_error", code="internal_error").json())
-        yield SSE_DONE
+            for frame in error_events(internal_error()):
+                yield frame
 
     def close(self) -> None:
         """Abort what still runs and release everything; idempotent, called however the response ended."""
@@ -221,19 +303,27 @@ async def start_generation(
     ctx: ServingContext,
     response_id: str,
     prompts: list[list[int]],
-    body: SamplingRequest,
+    body: GenerationRequest,
     max_tokens: int | None,
     *,
     logprobs: bool,
     top_logprobs: int,
     param: str,
     arrival: float,
+    constraint: Constraint | None = None,
+    tool_reader: Callable[[], ToolCallReader] | None = None,
+    reasoning_splitter: Callable[[], ReasoningSplitter] | None = None,
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
     `param` names the request field the prompts came from, for length errors; `max_tokens` None means up to
-    the context length.
+    the context length. `constraint` is enforced on every choice; `reasoning_splitter` makes each choice's splitter
+    of reasoning from answer, `tool_reader` its reader of tool calls (None: no such stage).
     """
+    structured_output = None
+    if constraint is not None:
+        await check_constraint(constraint, ctx.model_dir)
+        structured_output = constraint.output
     n = body.num_choices
     requests: list[EngineRequest] = []
     choices: list[ChoiceState] = []
@@ -241,7 +331,11 @@ async def start_generation(
         max_new_tokens = _max_new_tokens(ctx.max_model_len, prompt, max_tokens, param)
         for i in range(n):
             params = body.sampling_params(
-                max_new_tokens=max_new_tokens, choice_index=i, logprobs=logprobs, top_logprobs=top_logprobs
+                max_new_tokens=max_new_tokens,
+                choice_index=i,
+                logprobs=logprobs,
+                top_logprobs=top_logprobs,
+                structured_output=structured_output,
             )
             requests.append(EngineRequest(f"{response_id}-{p}-{i}", prompt, params, body.priority))
             choices.append(
@@ -251,6 +345,8 @@ async def start_generation(
                     prompt_ids=prompt,
                     stop=body.stop_strings,
                     keep_logprobs=logprobs and not body.stream,
+                    reasoning_splitter=reasoning_splitter() if reasoning_splitter is not None else None,
+                    tool_reader=None if tool_reader is None else tool_reader(),
                 )
             )
     try:

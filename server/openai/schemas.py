@@ -1,31 +1,122 @@
 """OpenAI request and response shapes, and how a request maps onto the engine's SamplingParams.
 
-Requests are validated strictly (no string-to-number coercion, unknown fields refused) as OpenAI does. Fields
+Requests are validated strictly (no string-to-number coercion, unknown fields refused) as OpenAI does; a number
+that JSON writes with a zero fraction (`2.0`) is the integer it equals, as JSON Schema has it. Fields
 that change generation but that the server cannot honour yet are refused by `check_supported()` with a 400 that
-names them; fields with no effect on generation (`user`, `metadata`, `store`, ...) are accepted.
+names them; fields with no effect on generation (`user`, `metadata`, `store`, ...) are accepted. Tools and output
+constraints are turned into what the engine runs by server/openai/tools.py and structured.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Collection
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, model_validator
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, StructuredOutput
 from server.openai.errors import invalid_request, unsupported_parameter
+from server.openai.structured import (
+    Constraint,
+    conflicting_constraints,
+    json_object_constraint,
+    json_schema_constraint,
+    vllm_constraint,
+)
+from server.openai.template import ReasoningEffort, template_kwargs
+from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode, template_tool_calls
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FinishReasonName = Literal["stop", "length"]
+ChatFinishReasonName = Literal["stop", "length", "tool_calls"]
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+"""OpenAI's rule for function and response-format names."""
 
 
 class _RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # No infinities or NaNs (Python's JSON parser reads `1e400` and `NaN`): every number must mean something.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_values(cls, data: Any) -> Any:
+        return _checked_json(data, "")
+
+
+def _checked_json(value: Any, where: str) -> Any:
+    """The request body as JSON means it, checked before the fields are: `where` is the value's path.
+
+    - A number written with a fraction that it does not have (`2.0`) is the integer it equals: JSON Schema, and so
+      the OpenAPI document, counts it as an integer, and clients that serialise every number as a float send it.
+    - A lone UTF-16 surrogate (`"\\ud800"`: valid JSON, but no character) is refused with a 400 naming the exact
+      field; no tokenizer, response or log line could encode it.
+
+    Measured, since it sees every byte of every body: a list of token ids costs one C-level pass over their types
+    (400k ids: ~30 ms on a busy 2-core machine, where the whole request's validation takes ~0.6 s) and a string one
+    UTF-8 encode (7 MB of ASCII: ~1 ms); never a Python step per item or character.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            surrogate = f"U+{ord(value[exc.start]):04X}"
+            # Raised as the API's error itself (pydantic passes it through), so that it names the exact field.
+            raise invalid_request(
+                f"Invalid value for '{where or 'body'}': it holds a lone UTF-16 surrogate ({surrogate}), which is not "
+                "a character; text must be valid Unicode.",
+                where or None,
+                code="invalid_unicode",
+            ) from None
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        if set(map(type, value)) <= {int}:  # token ids: nothing to check, and no Python step per item
+            return value
+        return [_checked_json(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        checked = {}
+        for key, item in value.items():
+            name = f"{where}.{key}" if where else str(key)
+            checked[_checked_json(key, name)] = _checked_json(item, name)
+        return checked
+    return value
+
+
+def _omitted_when_none(description: str | None = None) -> Any:
+    """A field left out of the JSON while None (streamed deltas carry only what they have), not sent as null."""
+    return Field(None, description=description, exclude_if=lambda value: value is None)
+
+
+def _tagged_by_type(tags: dict[str, str]) -> Discriminator:
+    """Pick a union member by the object's `type`. The tags are class-like names, so that an error's `param`
+    names the fields only (server/app.py leaves such segments out)."""
+
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return tags.get(kind) if isinstance(kind, str) else None
+
+    return Discriminator(
+        tag,
+        custom_error_type="invalid_value",
+        custom_error_message=f"'type' must be one of {', '.join(repr(t) for t in tags)}",
+    )
 
 
 class StreamOptions(_RequestModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+
+
+class StructuredOutputsParams(_RequestModel):
+    """vLLM's `structured_outputs`: exactly one constraint on the whole output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON Schema (object or its text).")
+    regex: str | None = Field(None, description="A regular expression the whole output matches.")
+    choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
+    grammar: str | None = Field(None, description="A grammar in llguidance's Lark dialect (`start: ...`).")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
 
 
 class SamplingRequest(_RequestModel):
@@ -51,13 +142,20 @@ class SamplingRequest(_RequestModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
     priority: int = Field(
         0,
         ge=INT32_MIN,
         le=INT32_MAX,
         description="Lower runs first; only with `ferry serve --scheduling-policy priority` (400 otherwise).",
     )
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="Constrain the output (vLLM's extra): one of json, regex, choice, grammar, json_object."
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="Older vLLM form of structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="Older vLLM form of structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="Older vLLM form of structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="Older vLLM form of structured_outputs.grammar.")
 
     @property
     def num_choices(self) -> int:
@@ -73,21 +171,47 @@ class SamplingRequest(_RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def check_supported(self) -> None:
-        """Raise a 400 naming the first field whose meaning the server cannot honour."""
+    def check_supported(self, template_options: Collection[str] = ()) -> None:
+        """Raise a 400 naming the first field whose meaning the server cannot honour; `template_options` are the
+        variables the model's chat template reads that a request may set (Tokenizer.chat_template_options)."""
         if self.stream_options is not None:
             if not self.stream:
                 raise invalid_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
             if self.stream_options.include_obfuscation:
                 raise unsupported_parameter("stream_options.include_obfuscation")
 
+    def vllm_constraint(self) -> Constraint | None:
+        """The constraint of `structured_outputs` or a `guided_*` field, if the request has one."""
+        guided = {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+        }
+        extras = self.structured_outputs
+        return vllm_constraint(
+            None if extras is None else extras.model_dump(by_alias=True, exclude_none=True),
+            {name: value for name, value in guided.items() if value is not None},
+        )
+
     def sampling_params(
-        self, *, max_new_tokens: int, choice_index: int, logprobs: bool, top_logprobs: int
+        self,
+        *,
+        max_new_tokens: int,
+        choice_index: int,
+        logprobs: bool,
+        top_logprobs: int,
+        structured_output: StructuredOutput | None = None,
     ) -> SamplingParams:
         if self.min_tokens and self.min_tokens > max_new_tokens:
             raise invalid_request(
                 f"'min_tokens' ({self.min_tokens}) is larger than the token limit ({max_new_tokens}).", "min_tokens"
             )
+        if structured_output is not None:
+            # Once a constraint is met only EOS may follow: nothing can be generated past it, or kept from it.
+            for name, value in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)):
+                if value:
+                    raise invalid_request(f"'{name}' cannot go with a constrained output, which ends with EOS.", name)
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens or 0,
@@ -106,6 +230,7 @@ class SamplingRequest(_RequestModel):
             ignore_eos=bool(self.ignore_eos),
             logit_bias=self._logit_bias(),
             prompt_logprobs=self.prompt_logprobs,
+            structured_output=structured_output,
         )
 
     @property
@@ -132,17 +257,89 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(_RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="JSON Schema of the arguments object; absent means no arguments."
+    )
+    strict: bool | None = Field(None, description="Arguments are always enforced by the grammar when a call is.")
+
+
+class ChatTool(_RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_RequestModel):
+    name: str
+
+
+class NamedToolChoice(_RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments object as JSON text.")
+
+
+class ToolCall(BaseModel):
+    """A call in a response, and in the assistant messages a client sends back."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # Fields the SDK echoes back on assistant messages: accepted while empty, refused when they carry tool use.
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls (rendered by the template).")
+    tool_call_id: str | None = Field(None, description="On a tool message: the call it answers.")
+    reasoning_content: str | None = Field(
+        None, description="An assistant's reasoning in an earlier turn (the template shows it where it shows any)."
+    )
+    # Fields the SDK echoes back on assistant messages: accepted while empty, refused when they carry what the
+    # server cannot render.
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: Any = None
-    tool_calls: list[Any] | None = None
     function_call: Any = None
-    tool_call_id: str | None = None
+
+
+class ResponseFormatText(_RequestModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_RequestModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_RequestModel):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON Schema every answer validates against.")
+    strict: bool | None = Field(None, description="The schema is always enforced, strict or not.")
+
+
+class ResponseFormatJSONSchema(_RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    Annotated[ResponseFormatText, Tag("TextFormat")]
+    | Annotated[ResponseFormatJSONObject, Tag("JSONObjectFormat")]
+    | Annotated[ResponseFormatJSONSchema, Tag("JSONSchemaFormat")],
+    _tagged_by_type({"text": "TextFormat", "json_object": "JSONObjectFormat", "json_schema": "JSONSchemaFormat"}),
+]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -151,61 +348,107 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: whatever context remains.")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = Field(None, description="Function tools, shown to the model by its chat template.")
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description="Default 'auto' with tools, 'none' without. 'required' and a named function are enforced by "
+        "the grammar; 'auto' parses the model's own call format (`--tool-call-parser`).",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer.")
+    response_format: ResponseFormat | None = None
     # No effect on generation: accepted and ignored.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    parallel_tool_calls: bool | None = None
     # Known to OpenAI but not honoured here: refused by check_supported() unless empty.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="Passed to the chat template as `reasoning_effort`; refused unless the template reads it."
+    )
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    # Extras, as in vLLM.
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='Variables for the model\'s chat template (e.g. `{"enable_thinking": false}`); a name the '
+        "template does not read is refused.",
+    )
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, template_options: Collection[str] = ()) -> None:
+        super().check_supported(template_options)
+        self.template_kwargs(template_options)
         unsupported = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
             "audio": self.audio is not None,
             "modalities": self.modalities not in (None, ["text"]),
             "prediction": self.prediction is not None,
-            "reasoning_effort": self.reasoning_effort is not None,
             "verbosity": self.verbosity is not None,
             "web_search_options": self.web_search_options is not None,
         }
         for name, refused in unsupported.items():
             if refused:
                 raise unsupported_parameter(name)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise unsupported_parameter("response_format", "only {'type': 'text'} is available.")
         if self.top_logprobs and not self.logprobs:
             raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
 
+    def template_kwargs(self, template_options: Collection[str]) -> dict[str, Any]:
+        """What the chat template gets beyond the messages (a 400 for what it would not read)."""
+        return template_kwargs(
+            self.chat_template_kwargs,
+            self.reasoning_effort,
+            effort_param="reasoning_effort",
+            template_options=template_options,
+        )
+
+    def function_tools(self) -> list[FunctionTool]:
+        return [
+            FunctionTool(tool.function.name, tool.function.description, tool.function.parameters)
+            for tool in self.tools or ()
+        ]
+
+    def tool_choice_value(self) -> ToolChoiceMode | ForcedFunction | None:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ForcedFunction(self.tool_choice.function.name)
+        return self.tool_choice
+
+    def response_format_constraint(self) -> Constraint | None:
+        response_format = self.response_format
+        if isinstance(response_format, ResponseFormatJSONObject):
+            return json_object_constraint("response_format")
+        if isinstance(response_format, ResponseFormatJSONSchema):
+            return json_schema_constraint(response_format.json_schema.schema_, "response_format.json_schema.schema")
+        return None
+
+    def output_constraint(self, tools: Constraint | None) -> Constraint | None:
+        """The one constraint on the answer: `response_format`, vLLM's extras, or the enforced tool call."""
+        found = [c for c in (tools, self.response_format_constraint(), self.vllm_constraint()) if c is not None]
+        if len(found) > 1:
+            raise conflicting_constraints(found[0].param, found[1].param)
+        return found[0] if found else None
+
     def template_messages(self) -> list[dict[str, Any]]:
-        """The conversation as the chat template expects it: role and plain-text content."""
+        """The conversation as the chat template expects it: role, plain-text content, and tool use in the shape
+        Hugging Face templates take (`tool_calls` with object arguments; a tool message's `tool_call_id`, and the
+        called function's `name`)."""
         rendered = []
+        called: dict[str, str] = {}
         for i, message in enumerate(self.messages):
             where = f"messages[{i}]"
-            if message.role in ("tool", "function"):
-                raise unsupported_parameter(f"{where}.role", f"'{message.role}' messages need tool support.")
-            if message.tool_calls or message.function_call is not None:
-                raise unsupported_parameter(f"{where}.tool_calls")
+            if message.role == "function":
+                raise unsupported_parameter(f"{where}.role", "the deprecated 'function' messages (use tools).")
+            if message.function_call is not None:
+                raise unsupported_parameter(f"{where}.function_call", "the deprecated form (use tool_calls).")
             if message.audio is not None:
                 raise unsupported_parameter(f"{where}.audio")
             entry: dict[str, Any] = {
@@ -215,6 +458,36 @@ class ChatCompletionRequest(SamplingRequest):
             }
             if message.name is not None:
                 entry["name"] = message.name
+            if message.reasoning_content is not None:
+                if message.role != "assistant":
+                    raise invalid_request(
+                        f"'{where}.reasoning_content' is only allowed on assistant messages.",
+                        f"{where}.reasoning_content",
+                    )
+                entry["reasoning_content"] = message.reasoning_content
+            if message.tool_calls:
+                if message.role != "assistant":
+                    raise invalid_request(
+                        f"'{where}.tool_calls' is only allowed on assistant messages.", f"{where}.tool_calls"
+                    )
+                calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
+                entry["tool_calls"] = template_tool_calls(calls, f"{where}.tool_calls")
+                called.update((c.id, c.function.name) for c in message.tool_calls)
+            if message.role == "tool":
+                if message.tool_call_id is None:
+                    raise invalid_request(
+                        f"Missing required parameter: '{where}.tool_call_id'.",
+                        f"{where}.tool_call_id",
+                        code="missing_required_parameter",
+                    )
+                if message.tool_call_id not in called:
+                    raise invalid_request(
+                        f"'{where}.tool_call_id' ({message.tool_call_id!r}) answers no tool call of an earlier "
+                        "assistant message.",
+                        f"{where}.tool_call_id",
+                    )
+                entry["tool_call_id"] = message.tool_call_id
+                entry.setdefault("name", called[message.tool_call_id])
             rendered.append(entry)
         return rendered
 
@@ -260,15 +533,19 @@ class ChatChoiceLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None
+    content: str | None = Field(description="The answer's text; null when it is only tool calls.")
     refusal: str | None = None
+    reasoning_content: str | None = _omitted_when_none(
+        "The model's reasoning (with --reasoning-parser), kept out of `content`; as in vLLM."
+    )
+    tool_calls: list[ToolCall] | None = _omitted_when_none("Present when the answer calls tools.")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReasonName
+    finish_reason: ChatFinishReasonName = Field(description="'tool_calls' when the answer ended with tool calls.")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -280,21 +557,32 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class FunctionCallChunk(BaseModel):
+    name: str | None = _omitted_when_none("In a call's first chunk only.")
+    arguments: str = Field(description="The next piece of the arguments' JSON text ('' in the first chunk).")
 
-    @model_serializer(mode="wrap")
-    def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        # A delta carries only what changed: `{"content": "x"}`, and `{}` in a choice's last chunk.
-        return {key: value for key, value in handler(self).items() if value is not None}
+
+class ToolCallChunk(BaseModel):
+    index: int = Field(description="Which call of the choice; its pieces share it.")
+    id: str | None = _omitted_when_none("In a call's first chunk only, with `type` and `function.name`.")
+    type: Literal["function"] | None = _omitted_when_none()
+    function: FunctionCallChunk
+
+
+class ChatDelta(BaseModel):
+    """A delta carries only what changed: `{"content": "x"}`, and `{}` in a choice's last chunk."""
+
+    role: Literal["assistant"] | None = _omitted_when_none()
+    content: str | None = _omitted_when_none()
+    reasoning_content: str | None = _omitted_when_none("The next piece of the reasoning (with --reasoning-parser).")
+    tool_calls: list[ToolCallChunk] | None = _omitted_when_none()
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReasonName | None = None
+    finish_reason: ChatFinishReasonName | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -310,8 +598,19 @@ class ChatCompletionChunk(BaseModel):
 # ------------------------------------------------------------------------------------------------ completions
 
 
+_T = TypeVar("_T")
+_NonEmpty = Annotated[_T, Field(min_length=1)]
+_Text = _NonEmpty[str]
+_TokenIds = _NonEmpty[list[NonNegativeInt]]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        _Text
+        | Annotated[list[_Text], Field(min_length=1)]
+        | _TokenIds
+        | Annotated[list[_TokenIds], Field(min_length=1)]
+    )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
@@ -323,8 +622,8 @@ class CompletionRequest(SamplingRequest):
         # echo with logprobs reports the prompt's tokens too, as OpenAI does.
         return self.logprobs if self.echo and self.logprobs is not None else None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, template_options: Collection[str] = ()) -> None:
+        super().check_supported(template_options)
         if self.suffix:
             raise unsupported_parameter("suffix")
         if self.best_of not in (None, 1):

@@ -1,0 +1,121 @@
+"""How many bytes the KV cache may take: a fixed amount on CPU; on CUDA, what the memory flag leaves once the model
+is loaded and the largest step's activations are set aside.
+
+On CUDA the activations are measured, not guessed: one profiling step runs the biggest batch the scheduler may
+plan (`max_batch_tokens` tokens over as many sequences as may run, the longest prompt allowed among them, every
+sequence sampled with the costliest sampling options), and its peak allocation above the loaded model is what the
+cache must leave free. Load-time garbage (checkpoint staging tensors, the allocator's cached blocks) is returned to
+the device first, so that free memory means free.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from engine.config import EngineConfig, EngineStartupError
+from engine.kv_cache import GroupLayout
+from engine.loader import LoadedModel
+from engine.request import SamplingParams
+from engine.runner import ModelRunner
+from engine.step import ModelRunnerOutput, NewRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Every sampling stage at once (penalties, top-k, top-p, min-p, logprobs with the most alternatives): the
+# sampler's largest temporaries.
+_COSTLIEST_SAMPLING = SamplingParams(
+    max_new_tokens=1,
+    temperature=1.0,
+    top_k=50,
+    top_p=0.9,
+    min_p=0.05,
+    repetition_penalty=1.1,
+    logprobs=True,
+    top_logprobs=20,
+)
+
+
+def kv_cache_budget_bytes(
+    config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout], kv_bytes_per_page: int
+) -> float:
+    """Bytes the KV cache may take: `cpu_kv_cache_gib` on CPU; on CUDA, `max_memory_percent` of the memory free
+    after loading, less the activations of the largest step (refused when that leaves less than one page,
+    `kv_bytes_per_page` for all layers)."""
+    if loaded.device.type != "cuda":
+        return config.cpu_kv_cache_gib * 2**30
+    activations = largest_step_activation_bytes(config, loaded, layouts)
+    free, _ = torch.cuda.mem_get_info(loaded.device)
+    budget = free * config.max_memory_percent - activations
+    if budget < kv_bytes_per_page:
+        raise EngineStartupError(
+            f"no GPU memory is left for the KV cache: {free / 2**30:.2f} GiB free after loading the model, "
+            f"--max-memory-percent {config.max_memory_percent} of it, and the largest step's activations take "
+            f"{activations / 2**30:.2f} GiB; raise --max-memory-percent, or lower --max-batch-tokens or --max-num-seqs"
+        )
+    logger.info(
+        "GPU memory: %.2f GiB free after loading, %.2f GiB for the largest step's activations, %.2f GiB for the "
+        "KV cache (max_memory_percent %.2f)",
+        free / 2**30,
+        activations / 2**30,
+        max(budget, 0) / 2**30,
+        config.max_memory_percent,
+    )
+    return budget
+
+
+def largest_step_lengths(max_batch_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths of the largest step: `max_batch_tokens` tokens over as many sequences as may run (the most
+    rows to sample), the first ones as long as allowed (the longest attention)."""
+    num_seqs = min(max_num_seqs, max_batch_tokens)
+    lengths = [1] * num_seqs
+    rest = max_batch_tokens - num_seqs
+    for i in range(num_seqs):
+        extra = min(rest, max_model_len - 1)
+        lengths[i] += extra
+        rest -= extra
+    return lengths
+
+
+def run_largest_step(config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout]) -> ModelRunnerOutput:
+    """Run the largest step once through a runner of its own, with just the pages that step fills."""
+    lengths = largest_step_lengths(config.max_batch_tokens, config.max_num_seqs, loaded.max_model_len)
+    pages_of = [-(-length // config.page_size) for length in lengths]
+    runner = ModelRunner(loaded, layouts, [sum(pages_of)] * len(layouts), config)
+    new_requests = []
+    first_page = 0
+    for i, (length, pages) in enumerate(zip(lengths, pages_of, strict=True)):
+        table = tuple(range(first_page, first_page + pages))
+        first_page += pages
+        new_requests.append(
+            NewRequest(f"profile-{i}", (0,) * length, (), _COSTLIEST_SAMPLING, frozenset(), i, (table,) * len(layouts))
+        )
+    plan = SchedulerOutput(
+        request_ids=tuple(new.request_id for new in new_requests),
+        num_computed_tokens=(0,) * len(lengths),
+        num_new_tokens=tuple(lengths),
+        token_ids=tuple(new.prompt_ids for new in new_requests),
+        samples=(True,) * len(lengths),
+        new_requests=tuple(new_requests),
+    )
+    return runner.execute(plan)
+
+
+def largest_step_activation_bytes(config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout]) -> int:
+    """CUDA: the peak memory the largest step allocates beyond what is already held (its own small KV cache and
+    buffers included, which errs on the safe side)."""
+    device = loaded.device
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    held = torch.cuda.memory_allocated(device)
+    run_largest_step(config, loaded, layouts)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - held
+    # The profiling runner is garbage now: give its memory back before free memory is read.
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak

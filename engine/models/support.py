@@ -1,0 +1,86 @@
+"""What the engine can run exactly, and the typed refusal of the rest.
+
+A model is served only if every feature it uses is implemented on the path that runs it; anything else is refused
+when the model loads, with an error naming the model type and the feature, never served approximately. The checks
+here read the config; what only running the model reveals (attention the adapter cannot reach, attention arguments
+it does not implement, logits post-processed after the head) the adapter probes at load
+(`TransformersCausalLM.check_runs_exactly`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, PretrainedConfig
+
+from engine.models.llama import NATIVE_MODEL_TYPES
+
+
+class UnsupportedModelError(ValueError):
+    """The model uses a feature the engine cannot run exactly."""
+
+    def __init__(self, model_type: str, feature: str) -> None:
+        super().__init__(f"model_type {model_type!r}: {feature} is not supported (refused rather than served inexact)")
+        self.model_type = model_type
+        self.feature = feature
+
+
+_Check = Callable[[PretrainedConfig], str | None]
+"""A config -> the feature it uses that a path lacks, or None."""
+
+
+def _flag(attribute: str, feature: str) -> _Check:
+    return lambda config: f"{feature} ({attribute})" if getattr(config, attribute, False) else None
+
+
+def _falcon_alibi(config: PretrainedConfig) -> str | None:
+    if config.model_type == "falcon" and config.alibi:
+        # Falcon rounds slope * absolute position to bfloat16, which no relative-position kernel reproduces.
+        return "ALiBi as Falcon computes it, rounded to bfloat16 at absolute positions (alibi=True)"
+    return None
+
+
+def _activation(config: PretrainedConfig) -> str | None:
+    act = getattr(config, "hidden_act", "silu")
+    return None if act == "silu" else f"hidden_act={act!r} on the native path (its MLP is SiLU-gated)"
+
+
+def _composite(config: PretrainedConfig) -> str | None:
+    # A text model inside a multimodal one (sub-configs that only group options, like MPT's, do not count).
+    parts = sorted(getattr(config, "sub_configs", None) or {})
+    return f"a composite (multimodal) config with {', '.join(parts)}" if "text_config" in parts else None
+
+
+_REFUSED: tuple[_Check, ...] = (
+    _composite,
+    _flag("is_encoder_decoder", "an encoder-decoder architecture"),
+    _flag("add_cross_attention", "cross-attention"),
+    _flag("use_bidirectional_attention", "bidirectional attention"),
+    _falcon_alibi,
+)
+"""Features no path implements."""
+
+_REFUSED_NATIVE: tuple[_Check, ...] = (
+    _activation,
+    _flag("quantization_config", "quantized weights"),
+)
+"""Features the native modules lack (the transformers adapter may run them)."""
+
+
+def unsupported_feature(config: PretrainedConfig, native: bool) -> str | None:
+    """The first feature of `config` the chosen path (native modules, or the transformers adapter) cannot run."""
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return "no causal language-model class in transformers"
+    if native and config.model_type not in NATIVE_MODEL_TYPES:
+        return f"--model-impl native (native modules exist for {', '.join(sorted(NATIVE_MODEL_TYPES))})"
+    for check in _REFUSED + (_REFUSED_NATIVE if native else ()):
+        feature = check(config)
+        if feature is not None:
+            return feature
+    return None
+
+
+def check_supported(config: PretrainedConfig, native: bool) -> None:
+    feature = unsupported_feature(config, native)
+    if feature is not None:
+        raise UnsupportedModelError(config.model_type, feature)

@@ -1,0 +1,221 @@
+"""Structured output: a `StructuredOutput` compiled into a grammar that masks, token by token, what a request
+may generate.
+
+The grammar library is llguidance (chosen over xgrammar by measurement, BENCHMARKS.md "Structured output"): it
+refuses the JSON-Schema keywords it cannot enforce (`uniqueItems`, `contains`, `not`, ...) with a message, where
+xgrammar compiles some of them and then serves output that breaks the schema. `grammar` specs are llguidance's Lark
+dialect (https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md); `regex` specs are Rust-regex syntax.
+
+JSON is compiled without free whitespace (`", "` and `": "` separate items and keys, nothing else), and an object
+schema that lists `properties` without saying `additionalProperties` gets `false`, as in OpenAI's strict mode: the
+output is still valid for the schema as written, and a small model cannot wander off into keys nobody asked for.
+
+Compiling needs the model's vocabulary: the tokenizer loads from the model directory on first use. Grammars are
+cached by (kind, spec), least recently used evicted, failures too, so the same schema compiles once; `submit`
+compiles on a small thread pool, so the engine loop never waits for a slow schema.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import llguidance
+import llguidance.hf
+
+from engine.request import RequestRejected, StructuredOutput
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON options: no whitespace beyond the one space after each separator."""
+
+_NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples"})
+"""Keywords whose values are JSON data, not subschemas: an object there must stay exactly as written."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A constraint ready to enforce: each sequence starts from a copy of one fresh matcher."""
+
+    structured_output: StructuredOutput
+    template: llguidance.LLMatcher
+    """Never advanced itself: copying it costs about a microsecond, building a matcher from the grammar a
+    millisecond."""
+
+    def matcher(self) -> llguidance.LLMatcher:
+        return self.template.deep_copy()
+
+
+class GrammarCacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    size: int
+    max_size: int
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutput`s for one model's tokenizer, cached; thread-safe.
+
+    `vocab_size` is the model's (its logits may be wider than the tokenizer); `eos_token_ids` are the tokens a
+    matcher allows once its grammar is complete (default: the tokenizer's EOS).
+    """
+
+    def __init__(
+        self,
+        tokenizer_dir: str,
+        *,
+        vocab_size: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        cache_size: int = 512,
+        max_workers: int = 2,
+    ) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self._vocab_size = vocab_size
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._cache_size = cache_size
+        self._max_workers = max_workers
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future[CompiledGrammar]] = OrderedDict()
+        self._hits = 0
+        self._misses = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """The vocabulary as llguidance sees it, loaded on first use (0.1-0.5 s: call it off the engine loop)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = _load_tokenizer(self.tokenizer_dir, self._vocab_size, self._eos_token_ids)
+            return self._tokenizer
+
+    def submit(self, structured_output: StructuredOutput) -> Future[CompiledGrammar]:
+        """The compiled grammar, or a future one compiling in the background; it fails with RequestRejected."""
+        future, compile_it = self._lookup(structured_output)
+        if compile_it:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="ferry-grammar")
+                pool = self._pool
+            pool.submit(self._fill, future, structured_output)
+        return future
+
+    def compile(self, structured_output: StructuredOutput) -> CompiledGrammar:
+        """Compile in the calling thread unless cached (or compiling elsewhere: then wait for it)."""
+        future, compile_it = self._lookup(structured_output)
+        if compile_it:
+            self._fill(future, structured_output)
+        return future.result()
+
+    def cache_info(self) -> GrammarCacheInfo:
+        with self._lock:
+            return GrammarCacheInfo(self._hits, self._misses, len(self._cache), self._cache_size)
+
+    def _lookup(self, structured_output: StructuredOutput) -> tuple[Future[CompiledGrammar], bool]:
+        """The cache entry for this constraint, and whether the caller must compile it (a miss)."""
+        key = (structured_output.kind, structured_output.spec)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._hits += 1
+                self._cache.move_to_end(key)
+                return future, False
+            self._misses += 1
+            future = self._cache[key] = Future()
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return future, True
+
+    def _fill(self, future: Future[CompiledGrammar], structured_output: StructuredOutput) -> None:
+        try:
+            future.set_result(self._compile(structured_output))
+        except RequestRejected as exc:
+            future.set_exception(exc)
+        except Exception as exc:
+            # A tokenizer that does not load, say: the request still gets an answer instead of hanging.
+            future.set_exception(
+                RequestRejected(
+                    f"structured output is unavailable for this model: {type(exc).__name__}: {exc}",
+                    code="invalid_structured_output",
+                )
+            )
+
+    def _compile(self, structured_output: StructuredOutput) -> CompiledGrammar:
+        grammar = _grammar(structured_output)
+        # Building the matcher is what checks the grammar (it never raises: errors are its state).
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestRejected(
+                f"unsupported or invalid {structured_output.kind}: {matcher.get_error()}",
+                code="invalid_structured_output",
+            )
+        return CompiledGrammar(structured_output, matcher)
+
+
+def check(structured_output: StructuredOutput, tokenizer_dir: str) -> None:
+    """Compile `structured_output` for the tokenizer in `tokenizer_dir` (cached per directory), so that the front end
+    answers a constraint the engine would refuse with a 400 before anything streams.
+
+    Raises `RequestRejected` (code `invalid_structured_output`) with the library's message. Blocking: the first call
+    per directory loads the tokenizer, a new spec compiles in about a millisecond, a cached one costs a dict lookup;
+    async code calls it through `asyncio.to_thread`.
+    """
+    _compiler_for(tokenizer_dir).compile(structured_output)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_for(tokenizer_dir: str) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer_dir)
+
+
+def _load_tokenizer(directory: str, vocab_size: int | None, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
+    from transformers import AutoTokenizer  # heavy, and needed only once a constrained request arrives
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+
+
+def _grammar(structured_output: StructuredOutput) -> str:
+    """llguidance's grammar text for a constraint (`StructuredOutput` already checked its shape)."""
+    kind, spec = structured_output.kind, structured_output.spec
+    grammar_from = llguidance.LLMatcher
+    if kind == "json_schema":
+        return grammar_from.grammar_from_json_schema(_close_objects(json.loads(spec)), overrides=JSON_OPTIONS)
+    if kind == "json_object":
+        return grammar_from.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+    if kind == "regex":
+        return grammar_from.grammar_from_regex(spec)
+    if kind == "choice":
+        # Lark string literals take JSON's escapes, so json.dumps quotes any choice exactly.
+        return grammar_from.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec)))
+    return grammar_from.grammar_from_lark(spec)
+
+
+def _close_objects(schema: Any, close: bool = True) -> Any:
+    """The schema with `additionalProperties: false` wherever an object lists `properties` and says nothing
+    about others. `allOf` branches stay open: each lists only some of the properties the object may have."""
+    if isinstance(schema, list):
+        return [_close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: value if key in _NOT_SCHEMAS else _close_objects_in(key, value) for key, value in schema.items()}
+    # Beside allOf or $ref, properties listed elsewhere count too: closing here would forbid them.
+    if close and "properties" in closed and not {"additionalProperties", "allOf", "$ref"} & closed.keys():
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _close_objects_in(key: str, value: Any) -> Any:
+    if key == "allOf" and isinstance(value, list):
+        return [_close_objects(branch, close=False) for branch in value]
+    if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(
+        value, dict
+    ):
+        # Maps of name -> subschema: the names themselves are data.
+        return {name: _close_objects(subschema) for name, subschema in value.items()}
+    return _close_objects(value)

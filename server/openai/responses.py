@@ -1,0 +1,328 @@
+"""/v1/responses: instructions and input items (and tools) -> prompt (the model's chat template) -> generation -> a
+response object, or the stream of events the OpenAI SDK assembles into one.
+
+Output items come in the order the model writes them: its reasoning (with a reasoning parser), the answer's
+message, its function calls; each item closes when the next one opens. A stream sends `response.created` and
+`response.in_progress`, then per item `response.output_item.added` (and `response.content_part.added` for text),
+its text or arguments in deltas (`response.reasoning_text.delta`, `response.output_text.delta`,
+`response.function_call_arguments.delta`), the matching `...done` events and `response.output_item.done`, and
+last `response.completed` (`response.incomplete` when the token limit cut the answer short) with the whole
+response. A non-streaming request gets that last event's response, built by the same code, so the two agree. A
+failure after the stream started is an `error` event, then `response.failed`. There is no `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pydantic_core
+from fastapi import Request
+from fastapi.responses import Response
+
+from server.openai.choices import ChoiceUpdate
+from server.openai.errors import APIError
+from server.openai.generation import Generation, ServingContext, start_generation
+from server.openai.responses_input import template_messages
+from server.openai.responses_schemas import (
+    EchoedFunctionTool,
+    EchoedReasoning,
+    EchoedTextConfig,
+    FunctionCallOutput,
+    FunctionToolChoice,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    ResponseError,
+    ResponseObject,
+    ResponsesFunctionTool,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from server.openai.structured import conflicting_constraints
+from server.openai.template import render_conversation
+from server.openai.tool_parsers.base import ToolCallDelta
+from server.openai.tools import resolve_tool_use
+from server.sse import sse_event
+
+Event = dict[str, Any]
+"""One stream event: its `type`, `sequence_number` and fields, JSON-ready."""
+
+
+async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    ctx.check_request(body)
+    tool_use = resolve_tool_use(
+        body.function_tools(),
+        body.tool_choice_value(),
+        body.parallel_tool_calls,
+        ctx.tool_call_parser,
+        parameters_field="parameters",
+    )
+    tool_constraint = tool_use.constraint() if tool_use else None
+    format_constraint = body.format_constraint()
+    if tool_constraint is not None and format_constraint is not None:
+        raise conflicting_constraints(tool_constraint.param, format_constraint.param)
+    constraint = tool_constraint or format_constraint
+    messages = template_messages(body.instructions, body.input)
+    prompt_text = render_conversation(
+        ctx.tokenizer,
+        messages,
+        body.template_kwargs(ctx.tokenizer.chat_template_options),
+        tool_use.template_tools() if tool_use else None,
+        "input",
+    )
+    # A constrained answer is grammar-bound from its first token: it has no reasoning to split off.
+    reasoning = ctx.reasoning if constraint is None else None
+    response_id = f"resp_{uuid.uuid4().hex}"
+    generation = await start_generation(
+        ctx,
+        response_id,
+        [ctx.tokenizer.encode_rendered(prompt_text)],
+        body,
+        body.max_output_tokens,
+        logprobs=False,
+        top_logprobs=0,
+        param="input",
+        arrival=arrival,
+        constraint=constraint,
+        reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
+        tool_reader=tool_use.reader_factory() if tool_use else None,
+    )
+    assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, ctx.model_name))
+    if body.stream:
+        return generation.event_stream(_stream(generation, assembler), lambda error: _frames(assembler.fail(error)))
+
+    async def build() -> ResponseObject:
+        async for _, update in generation.updates():
+            assembler.feed(update)
+        assembler.finish(generation.choices[0].finish_reason, _usage(generation))
+        return assembler.response
+
+    return await generation.whole_response(request, build)
+
+
+async def _stream(generation: Generation, assembler: ResponseAssembler) -> AsyncIterator[bytes]:
+    for frame in _frames(assembler.start()):
+        yield frame
+    async for _, update in generation.updates():
+        for frame in _frames(assembler.feed(update)):
+            yield frame
+    for frame in _frames(assembler.finish(generation.choices[0].finish_reason, _usage(generation))):
+        yield frame
+
+
+def _frames(events: list[Event]) -> list[bytes]:
+    """The events of one update as one chunk: each chunk costs the SSE response a send (BENCHMARKS.md)."""
+    if not events:
+        return []
+    return [b"".join(sse_event(event["type"], pydantic_core.to_json(event).decode()) for event in events)]
+
+
+def _in_progress(body: ResponsesRequest, response_id: str, created: int, model: str) -> ResponseObject:
+    """The response as `response.created` shows it: the request's settings echoed, no output yet."""
+    tool_choice: str | dict[str, Any] = "auto"
+    if isinstance(body.tool_choice, FunctionToolChoice):
+        tool_choice = body.tool_choice.model_dump()
+    elif isinstance(body.tool_choice, str):
+        tool_choice = body.tool_choice
+    text_format = body.text.format if body.text is not None else None
+    return ResponseObject(
+        id=response_id,
+        created_at=created,
+        status="in_progress",
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        model=model,
+        output=[],
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        reasoning=EchoedReasoning(effort=body.reasoning.effort if body.reasoning else None),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        text=EchoedTextConfig(
+            format=text_format.model_dump(by_alias=True, exclude_none=True) if text_format else {"type": "text"}
+        ),
+        tool_choice=tool_choice,
+        tools=[
+            EchoedFunctionTool(**tool.model_dump(exclude={"type"}))
+            for tool in body.tools or ()
+            if isinstance(tool, ResponsesFunctionTool)
+        ],
+        top_p=1.0 if body.top_p is None else body.top_p,
+        user=body.user,
+        metadata=body.metadata or {},
+    )
+
+
+def _usage(generation: Generation) -> ResponseUsage:
+    usage = generation.usage()
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=generation.choices[0].num_reasoning_tokens),
+        total_tokens=usage.total_tokens,
+    )
+
+
+class ResponseAssembler:
+    """One choice's updates in; output items, and the events that stream them, out.
+
+    `response` grows as the items do, so when `finish` returns it is the whole response. Answer text that is
+    only whitespace waits (`_layout`) until text follows it: next to function calls it is layout, as chat's
+    `content: null` beside tool calls.
+    """
+
+    def __init__(self, response: ResponseObject) -> None:
+        self.response = response
+        self._sequence = 0
+        self._open: OutputItem | None = None
+        self._calls: dict[int, FunctionCallOutput] = {}
+        """The function-call item of each of the tool-call reader's call indexes."""
+        self._layout = ""
+
+    def start(self) -> list[Event]:
+        snapshot = self.response.model_dump(mode="json")
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
+
+    def feed(self, update: ChoiceUpdate) -> list[Event]:
+        events = []
+        if update.reasoning:
+            events += self._reasoning(update.reasoning)
+        if update.text:
+            events += self._answer(update.text)
+        for call in update.tool_calls:
+            events += self._call(call)
+        return events
+
+    def finish(self, finish_reason: str | None, usage: ResponseUsage) -> list[Event]:
+        """Close the last item and the response; "length" (the token limit) makes both incomplete."""
+        events = []
+        has_calls = any(isinstance(item, FunctionCallOutput) for item in self.response.output)
+        if (self._layout and not has_calls) or not self.response.output:
+            events += self._open_message(self._layout)
+        cut_short = finish_reason == "length"
+        events += self._close("incomplete" if cut_short else "completed")
+        response = self.response
+        response.status = "incomplete" if cut_short else "completed"
+        response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if cut_short else None
+        response.usage = usage
+        response.completed_at = int(time.time())
+        kind = "response.incomplete" if cut_short else "response.completed"
+        return [*events, self._event(kind, response=response.model_dump(mode="json"))]
+
+    def fail(self, error: APIError) -> list[Event]:
+        """The generation failed after the stream started: the error, then the response as far as it got."""
+        events = self._close("incomplete")
+        info = error.info
+        events.append(self._event("error", code=info.code, message=info.message, param=info.param))
+        self.response.status = "failed"
+        code = "rate_limit_exceeded" if error.status_code == 429 else "server_error"
+        self.response.error = ResponseError(code=code, message=info.message)
+        return [*events, self._event("response.failed", response=self.response.model_dump(mode="json"))]
+
+    # ------------------------------------------------------------------ items
+
+    def _reasoning(self, text: str) -> list[Event]:
+        events = []
+        item = self._open
+        if not isinstance(item, ReasoningItem):
+            item = ReasoningItem(id=f"rs_{uuid.uuid4().hex}", status="in_progress", content=[])
+            events += self._add(item)
+            item.content.append(ReasoningText(text=""))
+            events.append(self._part_event("response.content_part.added", item, item.content[0]))
+        item.content[0].text += text
+        return [*events, self._text_event("response.reasoning_text.delta", item, delta=text)]
+
+    def _answer(self, text: str) -> list[Event]:
+        item = self._open
+        if isinstance(item, OutputMessage):
+            item.content[0].text += text
+            return [self._text_event("response.output_text.delta", item, delta=text, logprobs=[])]
+        if text.isspace():
+            self._layout += text
+            return []
+        text, self._layout = self._layout + text, ""
+        return self._open_message(text)
+
+    def _open_message(self, text: str) -> list[Event]:
+        item = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
+        events = self._add(item)
+        item.content.append(OutputText(text=""))
+        events.append(self._part_event("response.content_part.added", item, item.content[0]))
+        if text:
+            item.content[0].text = text
+            events.append(self._text_event("response.output_text.delta", item, delta=text, logprobs=[]))
+        return events
+
+    def _call(self, delta: ToolCallDelta) -> list[Event]:
+        events = []
+        if delta.id is not None:
+            item = FunctionCallOutput(
+                id=f"fc_{uuid.uuid4().hex}", status="in_progress", call_id=delta.id, name=delta.name or "", arguments=""
+            )
+            self._calls[delta.index] = item
+            events += self._add(item)
+        item = self._calls[delta.index]
+        if delta.arguments:
+            item.arguments += delta.arguments
+            events.append(self._item_event("response.function_call_arguments.delta", item, delta=delta.arguments))
+        return events
+
+    def _add(self, item: OutputItem) -> list[Event]:
+        """Close the open item, open `item`; a text item's part follows in its own event."""
+        events = self._close("completed")
+        self.response.output.append(item)
+        self._open = item
+        return [*events, self._event("response.output_item.added", output_index=self._index(item), item=_dump(item))]
+
+    def _close(self, status: str) -> list[Event]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        item.status = status  # type: ignore[assignment]
+        events = []
+        if isinstance(item, ReasoningItem):
+            part = item.content[0]
+            events.append(self._text_event("response.reasoning_text.done", item, text=part.text))
+            events.append(self._part_event("response.content_part.done", item, part))
+        elif isinstance(item, OutputMessage):
+            part = item.content[0]
+            events.append(self._text_event("response.output_text.done", item, text=part.text, logprobs=[]))
+            events.append(self._part_event("response.content_part.done", item, part))
+        else:
+            events.append(self._item_event("response.function_call_arguments.done", item, arguments=item.arguments))
+        return [*events, self._event("response.output_item.done", output_index=self._index(item), item=_dump(item))]
+
+    # ------------------------------------------------------------------ events
+
+    def _index(self, item: OutputItem) -> int:
+        return next(i for i, other in enumerate(self.response.output) if other is item)
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def _item_event(self, kind: str, item: OutputItem, **fields: Any) -> Event:
+        return self._event(kind, item_id=item.id, output_index=self._index(item), **fields)
+
+    def _text_event(self, kind: str, item: OutputItem, **fields: Any) -> Event:
+        return self._item_event(kind, item, content_index=0, **fields)
+
+    def _part_event(self, kind: str, item: OutputItem, part: OutputText | ReasoningText) -> Event:
+        return self._text_event(kind, item, part=_dump(part))
+
+
+def _dump(model: OutputItem | OutputText | ReasoningText) -> dict[str, Any]:
+    return model.model_dump(mode="json")

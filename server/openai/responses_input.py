@@ -1,0 +1,109 @@
+"""A Responses API request's `instructions` and `input` items -> the messages the chat template renders.
+
+The items are a conversation as the API spells it; templates know chat messages, so:
+- `instructions` is a system message ahead of everything; a `developer` message is a system one.
+- An assistant `message` and the `function_call` items after it are one assistant turn: its content, and its
+  `tool_calls` with object arguments (as chat's do, server/openai/tools.py).
+- A `function_call_output` is a `tool` message answering the call of that `call_id`, with the call's name.
+- A `reasoning` item is the `reasoning_content` of the assistant turn that follows it (templates that show past
+  reasoning read that field; the others leave it out, as they do for chat).
+Item kinds and content parts the server cannot render (images, files, hosted tools' items, references to stored
+items) are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.openai.errors import invalid_request, unsupported_parameter
+from server.openai.responses_schemas import (
+    ContentPart,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    InputText,
+    MessageItem,
+    OutputTextPart,
+    ReasoningInputItem,
+    RefusalPart,
+)
+from server.openai.tools import template_tool_call
+
+STORED_ITEM_TYPES = ("item_reference",)
+
+
+def template_messages(instructions: str | None, items: str | list[InputItem]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        return messages
+    if not items:
+        raise invalid_request("'input' must not be empty.", "input")
+    called: dict[str, str] = {}
+    reasoning: str | None = None
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if isinstance(item, ReasoningInputItem):
+            if item.encrypted_content is not None:
+                raise unsupported_parameter(f"{where}.encrypted_content", "this server cannot read it.")
+            parts = item.content if item.content is not None else item.summary
+            reasoning = (reasoning or "") + "".join(part.text for part in parts)
+            continue
+        if reasoning is not None and not _is_assistant_turn(item):
+            raise invalid_request(
+                f"The 'reasoning' item before '{where}' must be followed by the assistant turn it belongs to.", where
+            )
+        if isinstance(item, FunctionCallItem):
+            call = template_tool_call(item.call_id, item.name, item.arguments, f"{where}.arguments")
+            _assistant_turn(messages).setdefault("tool_calls", []).append(call)
+            called[item.call_id] = item.name
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in called:
+                raise invalid_request(
+                    f"'{where}.call_id' ({item.call_id!r}) answers no function_call earlier in the input.",
+                    f"{where}.call_id",
+                )
+            output = item.output if isinstance(item.output, str) else _text(item.output, f"{where}.output")
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "name": called[item.call_id], "content": output}
+            )
+        elif isinstance(item, MessageItem):
+            content = item.content if isinstance(item.content, str) else _text(item.content, f"{where}.content")
+            if item.role == "assistant":
+                messages.append({"role": "assistant", "content": content})
+            else:
+                messages.append({"role": "system" if item.role == "developer" else item.role, "content": content})
+        else:
+            detail = "this server keeps no items." if item.type in STORED_ITEM_TYPES else f"'{item.type}' items."
+            raise unsupported_parameter(f"{where}.type", detail)
+        if reasoning is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
+    if reasoning is not None:
+        raise invalid_request("A 'reasoning' item must be followed by the assistant turn it belongs to.", "input")
+    return messages
+
+
+def _is_assistant_turn(item: InputItem) -> bool:
+    return isinstance(item, FunctionCallItem) or (isinstance(item, MessageItem) and item.role == "assistant")
+
+
+def _assistant_turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant message that calls belong to: the last message if it is one, otherwise a new one."""
+    if not messages or messages[-1]["role"] != "assistant":
+        messages.append({"role": "assistant", "content": ""})
+    return messages[-1]
+
+
+def _text(parts: list[ContentPart], where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, InputText | OutputTextPart):
+            texts.append(part.text)
+        elif isinstance(part, RefusalPart):
+            texts.append(part.refusal)
+        else:
+            raise unsupported_parameter(f"{where}[{j}].type", f"'{part.type}' parts (only text is).")
+    return "".join(texts)

@@ -1,0 +1,93 @@
+"""Loading weights: sharded checkpoints through their index, straight into the target dtype, and the memory it takes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from engine.checkpoint import SAFETENSORS_INDEX, checkpoint_files
+from engine.config import EngineConfig
+from engine.loader import load_model
+from tests.model_factory import build_model_dir
+from tests.server_harness import REPO_ROOT
+
+
+def _sharded_copy(source: Path, target: Path) -> Path:
+    """`source` saved again as several shards with an index, as save_pretrained writes big checkpoints."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).save_pretrained(target, max_shard_size="40KB")
+    return target
+
+
+def _greedy_logits(model_dir: Path, **config: str) -> torch.Tensor:
+    from engine.api import generate_batch
+    from engine.core import EngineCore
+    from engine.request import SamplingParams
+
+    engine = EngineCore(EngineConfig(model=str(model_dir), num_blocks=64, **config))
+    results = generate_batch([[5, 6, 7, 8]], params=SamplingParams(max_new_tokens=6, logprobs=True), engine=engine)
+    return torch.tensor([entry.logprob for entry in results["req_0"].logprobs])
+
+
+def test_a_sharded_checkpoint_loads_exactly_the_files_its_index_lists(tiny_llama: Path, tmp_path: Path) -> None:
+    sharded = _sharded_copy(tiny_llama, tmp_path / "sharded")
+    index = json.loads((sharded / SAFETENSORS_INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1, "the checkpoint must really be sharded for this test to mean anything"
+    # Beside the shards, a file the index does not list (Mistral repositories ship consolidated.safetensors):
+    # loading it would fail, its tensor having no place in the model.
+    save_file({"not.a.weight": torch.zeros(3)}, str(sharded / "consolidated.safetensors"))
+    files = checkpoint_files(str(sharded))
+    assert sorted(Path(path).name for path in files) == shards
+    assert sorted(name for names in files.values() for name in names or ()) == sorted(index["weight_map"])
+    assert torch.equal(_greedy_logits(sharded), _greedy_logits(tiny_llama))
+
+    (sharded / shards[-1]).unlink()
+    with pytest.raises(FileNotFoundError, match=shards[-1]):
+        load_model(EngineConfig(model=str(sharded)))
+
+
+def test_weights_load_into_the_target_dtype(tiny_llama: Path) -> None:
+    loaded = load_model(EngineConfig(model=str(tiny_llama), dtype="bfloat16", model_impl="native"))
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    assert torch.equal(loaded.model.model.embed_tokens.weight, reference.model.embed_tokens.weight.to(torch.bfloat16))
+    float32 = load_model(EngineConfig(model=str(tiny_llama), dtype="float32", model_impl="native"))
+    assert loaded.model.cos_cache.dtype == torch.bfloat16
+    assert torch.equal(loaded.model.cos_cache, float32.model.cos_cache.to(torch.bfloat16))
+
+
+def test_a_tied_model_keeps_one_embedding_matrix(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    tied = build_model_dir(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    model = load_model(EngineConfig(model=str(tied), dtype="bfloat16", model_impl="native")).model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_bfloat16_load_peaks_near_the_size_of_its_weights(tmp_path: Path) -> None:
+    """A float32 checkpoint of ~180 MB loaded as bfloat16 (~90 MB): the process grows by about the weights, not
+    by a float32 model first. Measured in a fresh process, from anonymous memory (the checkpoint's page cache
+    is not the loader's)."""
+    model = build_model_dir(
+        tmp_path / "mid", "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=4, vocab_size=8192,
+    )  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "scripts/load_peak_memory.py", str(model), "--dtype", "bfloat16"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["weights_bytes"] > 80 * 2**20
+    assert measured["peak_anon_bytes"] < 1.25 * measured["weights_bytes"], measured

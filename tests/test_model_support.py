@@ -1,0 +1,129 @@
+"""Exact or refused: a model the engine cannot run exactly is refused when it loads, with an error naming its model
+type and the feature, and a model the native modules cannot run exactly goes to the transformers adapter.
+
+Config-level refusals need no weights; the rest are found by the adapter's load-time probe, whose checks are also
+driven here through subclasses that break one thing each (positions, logit post-processing)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine import EngineConfig, EngineCore, SamplingParams, UnsupportedModelError, generate_batch
+from engine.attention import TorchPagedBackend
+from engine.loader import load_model
+from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
+from tests.model_factory import ARCHITECTURES, build_model_dir
+
+
+def _refusal(path: Path, **config) -> UnsupportedModelError:
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(EngineConfig(model=str(path), num_blocks=16, **config))
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "feature"),
+    [
+        ("falcon", {"alibi": True}, "ALiBi as Falcon computes it"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
+        ("gpt_oss", {}, "attention sinks (s_aux)"),
+        ("gpt_neo", {}, "attention classes from a table of the model's own with no paged entry"),
+        ("mpt", {}, "code that does not run on paged attention"),
+        ("jamba", {}, "layers whose attention is not one call each of the attention interface ([1])"),
+        ("deepseek_v3", {}, "value heads of 8 dimensions beside key heads of 16"),
+    ],
+)
+def test_features_the_engine_lacks_are_refused_at_load(
+    tmp_path: Path, arch: str, overrides: dict, feature: str
+) -> None:
+    error = _refusal(build_model_dir(tmp_path, arch, **overrides))
+    model_type = ARCHITECTURES[arch]["model_type"]
+    assert (error.model_type, feature in error.feature) == (model_type, True)
+    assert str(error).startswith(f"model_type {model_type!r}: ") and feature in str(error)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "feature"),
+    [
+        ("bart", "an encoder-decoder architecture"),
+        ("t5", "no causal language-model class"),
+        ("gemma3", "a composite (multimodal) config with text_config, vision_config"),
+    ],
+)
+def test_config_refusals_come_before_any_weights(tmp_path: Path, model_type: str, feature: str) -> None:
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)  # a config alone: nothing else is read
+    error = _refusal(tmp_path)
+    assert error.model_type == model_type and error.feature.startswith(feature)
+
+
+def test_native_is_refused_for_a_model_type_it_lacks(model_dir: Callable[[str], Path]) -> None:
+    error = _refusal(model_dir("gemma2"), model_impl="native")
+    assert error.model_type == "gemma2" and error.feature.startswith("--model-impl native")
+
+
+def test_a_feature_the_native_modules_lack_sends_auto_to_the_adapter(tmp_path: Path) -> None:
+    """A Llama with a GELU MLP: `native` refuses it, `auto` runs it exactly through the transformers adapter."""
+    path = build_model_dir(tmp_path, "llama", hidden_act="gelu")
+    assert _refusal(path, model_impl="native").feature.startswith("hidden_act='gelu'")
+    engine = EngineCore(EngineConfig(model=str(path), num_blocks=64, debug_checks=True))
+    assert isinstance(engine.runner.model, TransformersCausalLM)
+    prompts = [[10, 20, 30, 40, 50], [60, 70, 80]]
+    results = generate_batch(prompts, params=SamplingParams(max_new_tokens=8), engine=engine)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for i, prompt in enumerate(prompts):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+        assert results[f"req_{i}"].generated_ids == want
+
+
+def _adapter(path: Path, cls: type[TransformersCausalLM] = TransformersCausalLM) -> TransformersCausalLM:
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+    return cls(hf.eval(), TorchPagedBackend())
+
+
+def test_attention_computed_outside_the_interface_is_refused(model_dir: Callable[[str], Path]) -> None:
+    """Bloom computes attention in its own modules; without the paged modules the loader swaps in, no layer would
+    reach the paged backend (each prompt would attend over the whole packed row)."""
+    with pytest.raises(UnsupportedModelError, match="attention computed outside transformers' attention interface"):
+        _adapter(model_dir("bloom")).check_runs_exactly()
+
+
+class _RowPositions(TransformersCausalLM):
+    """Hands the model row indices for positions, as a model that ignores `position_ids` would see them."""
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return super()._hidden(input_ids, torch.arange(len(positions), device=positions.device))
+
+
+@pytest.mark.parametrize(
+    ("arch", "symptom"),
+    [
+        # Learned absolute positions: a prompt packed after another one sits at the wrong positions.
+        ("gpt2", "change when another sequence shares the batch"),
+        # Rotary positions are relative within a prompt; a token over cached keys is what goes wrong.
+        ("llama", "change when earlier tokens come from the KV cache"),
+    ],
+)
+def test_outputs_that_depend_on_the_row_are_refused(model_dir: Callable[[str], Path], arch: str, symptom: str) -> None:
+    _adapter(model_dir(arch)).check_runs_exactly()  # the probe passes the real thing
+    with pytest.raises(UnsupportedModelError, match=symptom):
+        _adapter(model_dir(arch), _RowPositions).check_runs_exactly()
+
+
+class _HeadOnly(TransformersCausalLM):
+    """Logits straight from the output projection, without the post-processing the model applies after it."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.hf_model.get_output_embeddings()(hidden).float()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "cohere", "granite"])
+def test_logits_post_processed_unlike_compute_logits_are_refused(model_dir: Callable[[str], Path], arch: str) -> None:
+    """Gemma2 soft-caps its logits, Cohere multiplies and Granite divides them after the head."""
+    _adapter(model_dir(arch)).check_runs_exactly()
+    with pytest.raises(UnsupportedModelError, match="logits post-processed after the output projection"):
+        _adapter(model_dir(arch), _HeadOnly).check_runs_exactly()
