@@ -92,6 +92,7 @@ def _offline(args: argparse.Namespace) -> int:
         check="off" if args.no_check else args.check,
         warmup=not args.no_warmup,
         floor=not args.no_floor,
+        matmul_floor=args.matmul_floor,
         plot=args.plot,
         repeat=args.repeat,
         profile=args.profile,
@@ -191,7 +192,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--model",
         default="tiny-llama",
-        help="tiny-llama | small-llama | qwen3-0.6b | qwen3-4b, or a local model directory",
+        help="tiny-llama | small-llama | qwen2.5-0.5b | qwen3-0.6b | qwen3-4b, or a local model directory",
     )
     offline.add_argument(
         "--weights",
@@ -235,6 +236,11 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--no-check", action="store_true", help="same as --check off")
     offline.add_argument("--no-warmup", action="store_true", help="skip each system's untimed warm-up run")
     offline.add_argument("--no-floor", action="store_true", help="skip the model-floor replay")
+    offline.add_argument(
+        "--matmul-floor",
+        action="store_true",
+        help="also time the GEMMs of Ferry's steps alone at the best speed torch reaches, and report the fraction",
+    )
     offline.add_argument(
         "--repeat",
         type=_positive_int,

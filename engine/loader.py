@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from engine.attention import AttentionBackend, select_backend
 from engine.checkpoint import checkpoint_files
 from engine.config import EngineConfig, EngineStartupError
-from engine.models.cpu_linear import onednn_linear_available, pack_linears
+from engine.models.cpu_linear import bf16_matmul_native, onednn_linear_available, pack_linears, widen_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM, check_tensor_parallel
@@ -134,6 +134,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     model.eval()
     if onednn_linear_available(device, dtype):
         pack_linears(model)
+    elif dtype == torch.bfloat16 and not bf16_matmul_native(device):
+        widen_linears(model)
     return LoadedModel(
         model,
         hf_config,
