@@ -92,6 +92,9 @@ class ModelRunner:
         self.grammars = grammars or GrammarCompiler(
             config.model, vocab_size=loaded.hf_config.vocab_size, eos_token_ids=loaded.eos_token_ids
         )
+        self.samples = loaded.rank == 0
+        """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
+        since the driver samples."""
         self.grammar_masker: GrammarMasker | None = None
         """Built with the first constrained sequence: steps without any never touch a grammar."""
         self._max_seqs = config.max_num_seqs
@@ -150,6 +153,8 @@ class ModelRunner:
         prepared = time.perf_counter()
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
+        if logits is None:  # a tensor-parallel rank other than 0: the driver samples, from the gathered logits
+            return ModelRunnerOutput(prepare_seconds=prepared - started, forward_seconds=forwarded - prepared)
         sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples, strict=True) if samples]
         constrained = (
             [row for row, seq in enumerate(sampling) if seq.grammar is not None] if self._num_constrained else []
@@ -324,7 +329,7 @@ class ModelRunner:
     def _grammar_state(self, new: NewRequest) -> GrammarState | None:
         """A constrained request's grammar state, caught up with the tokens it generated before a preemption."""
         structured_output = new.params.structured_output
-        if structured_output is None:
+        if structured_output is None or not self.samples:
             return None
         self._num_constrained += 1
         # Compiled before the request was admitted, so this is a cache hit (a recompile only if it was evicted).
@@ -349,8 +354,9 @@ class ModelRunner:
         return self._device_buffers[name][:n].copy_(host, non_blocking=True)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens (and
+        the prompt rows scored), None on a tensor-parallel rank other than 0."""
         layer_metas = [inputs.metas[g] for g in self.group_of_layer]
         hidden = self.model(inputs.input_ids, inputs.meta.positions, layer_metas, self.kv_caches)
         return self.model.compute_logits(hidden[inputs.logits_rows])
