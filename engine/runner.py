@@ -14,6 +14,7 @@ for it, and the step's constrained rows get one grammar mask (engine/token_masks
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -176,6 +177,17 @@ class ModelRunner:
             forward_seconds=forwarded - prepared,
             sample_seconds=time.perf_counter() - forwarded,
         )
+
+    def with_sampled_tokens(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """The plan with each PLACEHOLDER replaced by the token this runner sampled for its request: what the
+        tensor-parallel ranks, which never sample, are sent under async scheduling."""
+        token_ids = tuple(
+            [self._seqs[request_id].output_ids[-1] if t == PLACEHOLDER else t for t in ids]
+            if PLACEHOLDER in ids
+            else ids
+            for request_id, ids in zip(plan.request_ids, plan.token_ids, strict=True)
+        )
+        return dataclasses.replace(plan, token_ids=token_ids)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs | None:
         """Apply the plan's deltas to the runner's state and build the step's inputs; None for an empty step."""
