@@ -93,6 +93,7 @@ def _offline(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         floor=not args.no_floor,
         matmul_floor=args.matmul_floor,
+        async_scheduling=args.async_scheduling,
         plot=args.plot,
         repeat=args.repeat,
         profile=args.profile,
@@ -236,6 +237,9 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--no-check", action="store_true", help="same as --check off")
     offline.add_argument("--no-warmup", action="store_true", help="skip each system's untimed warm-up run")
     offline.add_argument("--no-floor", action="store_true", help="skip the model-floor replay")
+    offline.add_argument(
+        "--async-scheduling", action="store_true", help="Ferry plans each step while the one before it runs"
+    )
     offline.add_argument(
         "--matmul-floor",
         action="store_true",

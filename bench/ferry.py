@@ -33,7 +33,13 @@ class StepShape:
 
 
 def build_engine(
-    model: BenchModel, workload: Workload, *, slots: int, max_batch_tokens: int, page_size: int
+    model: BenchModel,
+    workload: Workload,
+    *,
+    slots: int,
+    max_batch_tokens: int,
+    page_size: int,
+    async_scheduling: bool = False,
 ) -> EngineCore:
     from engine import EngineConfig, EngineCore
 
@@ -48,6 +54,7 @@ def build_engine(
         max_num_seqs=slots,
         max_queue_size=0,
         cpu_threads=None,  # every system runs with the thread count --threads set
+        async_scheduling=async_scheduling,
     )
     return EngineCore(config)
 

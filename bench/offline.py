@@ -52,6 +52,8 @@ class OfflineOptions:
     check: CheckMode = "strict"
     warmup: bool = True
     floor: bool = True
+    async_scheduling: bool = False
+    """Ferry plans each step while the one before it runs (EngineConfig.async_scheduling)."""
     matmul_floor: bool = False
     """Also time the GEMMs of Ferry's steps alone, at the best speed torch reaches (bench/matmul_floor.py)."""
     plot: Path | None = None
@@ -183,7 +185,14 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 )
                 runs.append(_median_run(vllm_runs, options.check))
         if "ferry" in options.systems:
-            engine = build_engine(model, workload, slots=slots, max_batch_tokens=budget, page_size=options.page_size)
+            engine = build_engine(
+                model,
+                workload,
+                slots=slots,
+                max_batch_tokens=budget,
+                page_size=options.page_size,
+                async_scheduling=options.async_scheduling,
+            )
             if options.warmup:
                 run_ferry(engine, warm)
             # Scheduling is deterministic, so every repeat runs the same steps: the first one's shapes serve.
@@ -274,6 +283,7 @@ def _report(
             "batch_size": options.batch_size,
             "max_batch_tokens": options.max_batch_tokens,
             "page_size": options.page_size,
+            "async_scheduling": options.async_scheduling,
             "warmup": options.warmup,
             "repeat": options.repeat,
         },

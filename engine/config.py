@@ -84,6 +84,10 @@ class EngineConfig:
     and more helps only on cores nothing else uses: a step is many small ops, and OpenMP barriers across threads
     stall whenever another process competes for the cores (measured on 2 cores: 756 tok/s with 1 thread,
     17 tok/s with 2 while a second process ran)."""
+    async_scheduling: bool = field(default=False, metadata=_SCHEDULING)
+    """Plan each step while the one before it runs (the model on a thread of its own), vLLM's option: the host
+    work of scheduling overlaps the forward pass. Greedy output is the same; a request that stops on EOS or a
+    stop token computes one more token, discarded."""
     tensor_parallel_size: int = field(default=1, metadata=_PARALLEL)
     """Ranks the model is sharded over, one process (and on CUDA one GPU) each: attention heads, the MLP and the
     vocabulary are split Megatron-style, each rank's KV cache holds its own KV heads, and the scheduler and the

@@ -3,6 +3,10 @@
 Every driver (generate_batch, the background manager, the server's engine process) runs this same `step`
 through the one loop in `engine/driver.py`.
 
+With `async_scheduling` the runner executes on a thread of its own, one step behind the scheduler: while it runs
+step N, this thread plans step N+1, then applies step N's result and hands over N+1. The runner works from its own
+state (pages, sampled tokens, grammars), so nothing it reads is changed under it; the torch ops release the GIL.
+
 A request with structured output joins the scheduler only once its grammar compiled (on the compiler's threads,
 engine/structured.py); until then it waits here, counted as waiting, while the other requests keep stepping. The
 scheduler never knows.
@@ -17,7 +21,9 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from engine.config import EngineConfig, EngineStartupError
 from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
@@ -30,7 +36,7 @@ from engine.request import QueueFull, Request, RequestRejected, SamplingParams, 
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
-from engine.step import SchedulerOutput
+from engine.step import ModelRunnerOutput, SchedulerOutput
 from engine.structured import CompiledGrammar, GrammarCompiler
 from engine.worker import Workers
 
@@ -106,6 +112,14 @@ class EngineCore:
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []
         """Requests that stopped waiting for their grammar since `settle_grammars` last ran."""
+        self._runner_thread: ThreadPoolExecutor | None = None
+        if config.async_scheduling:
+            # torch's thread count is per thread: the runner's thread gets the one the loader set here.
+            self._runner_thread = ThreadPoolExecutor(
+                1, "ferry-runner", initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
+            )
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
+        """The step the runner's thread executes now (async scheduling), with the time it was planned."""
         logger.info(
             "engine ready: %s (%s, %s, %s backend, tensor-parallel size %d), %d pages of %d tokens, max_model_len %d",
             self.model_name,
@@ -227,21 +241,55 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests not finished, or a step still in flight (its result is applied by the next `step`)."""
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> list[StepOutput]:
+        """One step's outputs: plan, execute, apply; with async scheduling, apply the step in flight and start
+        the one planned while it ran."""
+        if self._runner_thread is not None:
+            return self._step_ahead(self._runner_thread)
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        result = self._execute(plan)
+        return self._apply(plan, result, scheduled - started, time.perf_counter())
+
+    def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """The plan to every tensor-parallel rank, then this rank's part (on the runner's thread when async)."""
         if self.tensor_parallel is not None:
-            self.tensor_parallel.broadcast_plan(plan)
-        result = self.runner.execute(plan)
-        executed = time.perf_counter()
+            # Planned ahead, the plan may hold tokens only this rank sampled (the step before has run by now).
+            known = self.runner.with_sampled_tokens(plan) if self._runner_thread is not None else plan
+            self.tensor_parallel.broadcast_plan(known)
+        return self.runner.execute(plan)
+
+    def _step_ahead(self, runner_thread: ThreadPoolExecutor) -> list[StepOutput]:
+        if self._in_flight is None:
+            started = time.perf_counter()
+            plan = self.scheduler.schedule()
+            self._in_flight = (plan, runner_thread.submit(self._execute, plan), time.perf_counter() - started)
+        plan, running, schedule_seconds = self._in_flight
+        started = time.perf_counter()
+        following = self.scheduler.schedule()
+        planned = time.perf_counter() - started
+        outputs = self._apply(plan, running.result(), schedule_seconds, time.perf_counter())
+        if self.scheduler.has_unfinished:
+            self._in_flight = (following, runner_thread.submit(self._execute, following), planned)
+        else:
+            # Every request is done, and whatever `following` computes is for requests that stopped after it was
+            # planned: it runs here and now, its tokens dropped, so that the engine rests with no step in flight.
+            outputs += self.scheduler.update(following, self._execute(following))
+            self._in_flight = None
+        return outputs
+
+    def _apply(
+        self, plan: SchedulerOutput, result: ModelRunnerOutput, schedule_seconds: float, executed: float
+    ) -> list[StepOutput]:
         outputs = self.scheduler.update(plan, result)
         self._last_step_tokens = plan.num_tokens
         self._num_steps += bool(plan.request_ids)
         if self.observers:
-            record = StepRecord(plan, result, outputs, scheduled - started, time.perf_counter() - executed)
+            record = StepRecord(plan, result, outputs, schedule_seconds, time.perf_counter() - executed)
             for observer in self.observers:
                 observer.on_step(record)
         return outputs
@@ -255,8 +303,16 @@ class EngineCore:
             tp.broadcast_plan(_IDLE_PLAN)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks and leave their group (nothing without tensor parallelism); the
-        engine cannot step afterwards. Idempotent; after a failed collective the workers are killed instead."""
+        """Wait for the step in flight (async scheduling), stop the other tensor-parallel ranks and leave their
+        group; the engine cannot step afterwards. Idempotent; after a failed collective the workers are killed
+        instead."""
+        if self._runner_thread is not None:
+            if self._in_flight is not None:
+                plan, running, _ = self._in_flight
+                self._in_flight = None
+                self.scheduler.update(plan, running.result())
+            self._runner_thread.shutdown()
+            self._runner_thread = None
         tp = self.tensor_parallel
         stopped = tp is not None and not tp.failed
         if stopped:

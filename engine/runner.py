@@ -14,6 +14,7 @@ for it, and the step's constrained rows get one grammar mask (engine/token_masks
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from engine.kv_cache import GroupLayout
 from engine.loader import LoadedModel
 from engine.request import SamplingParams, TokenLogprob
 from engine.sampler import Sampler
-from engine.step import ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
+from engine.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
 from engine.structured import GrammarCompiler
 from engine.token_masks import GrammarMasker, GrammarState
 
@@ -177,6 +178,17 @@ class ModelRunner:
             sample_seconds=time.perf_counter() - forwarded,
         )
 
+    def with_sampled_tokens(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """The plan with each PLACEHOLDER replaced by the token this runner sampled for its request: what the
+        tensor-parallel ranks, which never sample, are sent under async scheduling."""
+        token_ids = tuple(
+            [self._seqs[request_id].output_ids[-1] if t == PLACEHOLDER else t for t in ids]
+            if PLACEHOLDER in ids
+            else ids
+            for request_id, ids in zip(plan.request_ids, plan.token_ids, strict=True)
+        )
+        return dataclasses.replace(plan, token_ids=token_ids)
+
     def prepare(self, plan: SchedulerOutput) -> StepInputs | None:
         """Apply the plan's deltas to the runner's state and build the step's inputs; None for an empty step."""
         for request_id in itertools.chain(plan.preempted_ids, plan.finished_ids):
@@ -205,8 +217,12 @@ class ModelRunner:
         total = int(cu_q[-1])
         seq_lens = starts + q_lens
 
-        self._np["input_ids"][:total] = list(itertools.chain.from_iterable(plan.token_ids))
+        input_ids = self._np["input_ids"][:total]
+        input_ids[:] = list(itertools.chain.from_iterable(plan.token_ids))
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        # Planned before the step that samples them (async scheduling): each is its sequence's latest token.
+        for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist():
+            input_ids[token] = self._seqs[plan.request_ids[seq_of_token[token]]].output_ids[-1]
         positions = self._np["positions"][:total]
         positions[:] = np.repeat(starts - cu_q[:-1], q_lens) + np.arange(total)
         self._np["query_start_loc"][: num_seqs + 1] = cu_q

@@ -83,6 +83,20 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
     assert tp1_steps == planned and tp1_outputs == tp2_outputs
 
 
+def test_tp2_with_async_scheduling_equals_generate(model_dir: Callable[[str], Path]) -> None:
+    """Planned one step ahead, a decode's token is known only to rank 0 when the plan is made: the worker gets
+    it filled in, under chunking, preemption and prefix sharing."""
+    path = model_dir("llama")
+    prompts, max_new, expected, _ = _reference(path, "llama", SHARED_PREFIX)
+    config = EngineConfig(model=str(path), debug_checks=True, tensor_parallel_size=2, async_scheduling=True, **SETUP)
+    with EngineCore(config) as tp2:
+        params = [SamplingParams(max_new_tokens=n) for n in max_new]
+        results = generate_batch(prompts, params=params, engine=tp2)
+        assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected
+        assert tp2.scheduler.num_preemptions > 0
+        assert tp2.is_idle_and_clean()
+
+
 def test_fewer_kv_heads_than_ranks_tied_padded_vocab_and_biases(tmp_path: Path) -> None:
     """One KV head, replicated on both ranks; a vocabulary that does not split evenly (the last rank's part is
     padded); the LM head tied to the embedding; biases on the row-parallel o and down projections. Through the
