@@ -40,6 +40,7 @@ def build_engine(
     max_batch_tokens: int,
     page_size: int,
     attention_backend: str = "auto",
+    async_scheduling: bool = False,
 ) -> EngineCore:
     from engine import EngineConfig, EngineCore
 
@@ -55,6 +56,7 @@ def build_engine(
         max_num_seqs=slots,
         max_queue_size=0,
         cpu_threads=None,  # every system runs with the thread count --threads set
+        async_scheduling=async_scheduling,
     )
     return EngineCore(config)
 

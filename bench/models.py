@@ -58,6 +58,21 @@ NAMED_CONFIGS: dict[str, dict[str, object]] = {
         max_position_embeddings=4096,
         **_LLAMA_IDS,
     ),
+    # Issue 12's matmul-bound row: Qwen2.5-0.5B's shape (GQA 14:2, biased QKV, tied 152k-token embedding).
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        **_QWEN3_IDS,
+    ),
     "qwen3-0.6b": dict(
         hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072, **_QWEN3_COMMON
     ),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 from bench.baselines import run_hf_continuous, run_static
 from bench.ferry import build_engine, run_ferry
 from bench.floor import Floor, measure_floor
+from bench.matmul_floor import MatmulFloor, measure_matmul_floor
 from bench.models import BenchModel, WeightsMode, prepare_model
 from bench.report import fmt, format_table, stamp
 from bench.results import SystemRun
@@ -53,6 +54,10 @@ class OfflineOptions:
     check: CheckMode = "strict"
     warmup: bool = True
     floor: bool = True
+    async_scheduling: bool = False
+    """Ferry plans each step while the one before it runs (EngineConfig.async_scheduling)."""
+    matmul_floor: bool = False
+    """Also time the GEMMs of Ferry's steps alone, at the best speed torch reaches (bench/matmul_floor.py)."""
     plot: Path | None = None
     repeat: int = 1
     """Timed runs per system (and floor replays); the median is reported, every wall time kept in the JSON."""
@@ -141,6 +146,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
         slots, budget = options.batch_size, options.max_batch_tokens
         runs: list[SystemRun] = []
         floor: Floor | None = None
+        matmul: MatmulFloor | None = None
         repeats = range(options.repeat)
         # Systems run one after the other in a fixed order, each warmed up on other prompts first.
         if "static" in options.systems:
@@ -188,11 +194,12 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 max_batch_tokens=budget,
                 page_size=options.page_size,
                 attention_backend=options.attention_backend,
+                async_scheduling=options.async_scheduling,
             )
             if options.warmup:
                 run_ferry(engine, warm)
             # Scheduling is deterministic, so every repeat runs the same steps: the first one's shapes serve.
-            first, shapes = run_ferry(engine, workload, record_shapes=options.floor)
+            first, shapes = run_ferry(engine, workload, record_shapes=options.floor or options.matmul_floor)
             ferry_runs = [first] + [run_ferry(engine, workload)[0] for _ in range(1, options.repeat)]
             runs.append(_median_run(ferry_runs, options.check))
             if options.profile is not None:
@@ -200,8 +207,13 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
             if options.floor:
                 replays = sorted((measure_floor(engine, shapes) for _ in repeats), key=lambda f: f.seconds)
                 floor = replays[len(replays) // 2]
+            if options.matmul_floor:
+                matmul = measure_matmul_floor(engine, shapes)
         check = _check(runs, model, options.check)
         report = _report(options, model, workload, runs, floor, check)
+        if matmul is not None:
+            report["matmul_floor"] = matmul.summary()
+            report["matmul_fraction"] = matmul.seconds / report["systems"]["ferry"]["wall_seconds"]
         report["skipped"] = skipped
         if options.plot is not None:
             from bench.plot import plot_timelines
@@ -274,6 +286,7 @@ def _report(
             "batch_size": options.batch_size,
             "max_batch_tokens": options.max_batch_tokens,
             "page_size": options.page_size,
+            "async_scheduling": options.async_scheduling,
             "warmup": options.warmup,
             "repeat": options.repeat,
         },
@@ -330,6 +343,13 @@ def format_offline(report: dict[str, object]) -> str:
         lines.append(f"wall times: median of {report['settings']['repeat']} timed runs per system (all in the JSON)")
     if floor is not None:
         lines.append("efficiency = model floor / Ferry wall time (forward passes of Ferry's own steps, replayed alone)")
+    matmul = report.get("matmul_floor")
+    if matmul is not None:
+        lines.append(
+            f"matmul floor {matmul['seconds']:.3f} s ({matmul['gflop']:.1f} GFLOP): Ferry reaches "
+            f"{report['matmul_fraction']:.2f} of it (the GEMMs of its steps alone, each shape at the faster of "
+            "the model's layer and F.linear)"
+        )
     return "\n".join(lines)
 
 

@@ -398,3 +398,54 @@ def test_gpu_script_is_valid_bash_and_every_bench_command_parses(tmp_path: Path)
         words = shlex.split(command.replace('"$PAGE"', "256").replace("$OUT", str(tmp_path)))
         args = parser.parse_args(words)
         assert args.bench_command == "offline" and args.json.parent == tmp_path
+
+
+def test_gpu_script_runs_tensor_parallelism_only_with_several_gpus(tmp_path: Path) -> None:
+    """The TP step (`ferry bench tp`, NCCL) parses, and is guarded by the machine's GPU count."""
+    import argparse
+    import shlex
+
+    from bench.cli import add_bench_subcommands
+
+    script = (Path(__file__).parent.parent / "scripts" / "gpu_bench.sh").read_text()
+    text = script.replace("\\\n", " ")
+    (command,) = [line.split('"$PY" -m ferry ', 1)[1] for line in text.splitlines() if '"$PY" -m ferry bench' in line]
+    guard = text[: text.index(command)].rsplit("\nif ", 1)[1]
+    assert guard.startswith('[ "$GPUS" -gt 1 ]') and "GPUS=$(nvidia-smi -L" in text
+    words = shlex.split(command.replace("$OUT", str(tmp_path)))
+    assert words[0] == "bench"
+    parser = argparse.ArgumentParser()
+    add_bench_subcommands(parser)
+    args = parser.parse_args(words[1:])
+    assert args.bench_command == "tp" and args.tensor_parallel_size == 2 and args.device == "cuda"
+    assert args.json.parent == tmp_path
+
+
+def test_matmul_floor_times_every_gemm_of_ferrys_steps(tiny_llama: Path) -> None:
+    options = OfflineOptions(
+        model=str(tiny_llama),
+        device="cpu",
+        workload=SMALL,
+        batch_size=3,
+        max_batch_tokens=16,
+        page_size=4,
+        warmup=False,
+        systems=("ferry",),
+        floor=False,
+        matmul_floor=True,
+    )
+    report = run_offline(options)
+    config = json.loads((tiny_llama / "config.json").read_text())
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * hidden * ((hidden + 2 * kv) + hidden + 2 * inter + inter)
+    prompts, outputs = report["workload"]["prompt_lens"], report["workload"]["output_lens"]
+    # No prefix hits or preemptions here: every prompt token and every generated token but the last is computed
+    # once; every generated token is sampled from the LM head once.
+    computed = sum(prompts) + sum(outputs) - len(outputs)
+    want_gflop = 2 * (computed * per_token + sum(outputs) * hidden * vocab) / 1e9
+    floor = report["matmul_floor"]
+    assert floor["gflop"] == pytest.approx(want_gflop)
+    assert floor["seconds"] > 0 and report["matmul_fraction"] > 0
+    assert set(floor["implementations"].values()) <= {"model's layer", "F.linear"}
+    assert "matmul floor" in format_offline(report)

@@ -143,6 +143,24 @@ def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, set
         assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid", "gpt2", "gemma2"])
+@pytest.mark.parametrize("setup", ["mixed", "chunked", "preempt", "page1"])
+def test_async_scheduling_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, setup: str) -> None:
+    """Planning each step while the one before it runs changes nothing in the output: the same tokens and
+    logprobs as each prompt alone, with placeholders filled by the runner, under chunking and preemption."""
+    path = _model_path(model_dir, arch)
+    prompts, max_new, expected, expected_logprobs = _reference(path, arch, 0)
+    engine, outputs, logprobs, _ = _run(path, prompts, max_new, async_scheduling=True, **CONFIGS[setup])
+    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert got == want, f"{arch}/{setup} async: request {i} differs"
+        worst = max(abs(a - b) for a, b in zip(logprobs[i], expected_logprobs[i], strict=True))
+        assert worst <= LOGPROB_TOLERANCE, f"{arch}/{setup} async: request {i}: a logprob is {worst:.2e} off"
+    assert engine.is_idle_and_clean()
+    if setup == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    engine.close()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom"])
 def test_prefix_sharing_greedy(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
