@@ -1,14 +1,14 @@
 // CPU paged attention: each query attends to its sequence's keys and values where they lie in the KV cache,
 // found through the page table; nothing is gathered into a contiguous copy. Built at first use (and cached) by
-// engine/attention/cpu_kernel.py, which picks the instruction-set flags; the code itself is plain C++ that the
-// compiler vectorises along the contiguous head dimension.
+// engine/attention/cpu_kernel.py, which picks the instruction-set flags; the source is written with GCC/Clang
+// vector types, so the same code compiles to AVX-512, AVX2 or the baseline vectors.
 //
-// Work items are (sequence, KV head, block of consecutive queries). An item's rows are its queries times the query
-// heads that share the KV head (grouped-query attention), so each key and value row is read once for all of them.
-// Keys are visited in blocks of kKeyBlock with an online (flash-style) softmax; scores, the softmax and the
-// weighted sum of values are float32 whatever the cache's dtype (bfloat16 and float16 are widened as read).
-// Items are spread over torch's threads (at::parallel_for, so `torch.set_num_threads` governs it) by estimated
-// cost rather than count, because one prefill chunk can cost as much as hundreds of decodes.
+// Work items are (sequence, block of consecutive queries), every head inside: keys are visited a block of
+// kKeyBlock at a time for all KV heads, so each page is read front to back, and each key row serves every query
+// head that shares its KV head (grouped-query attention). The softmax is online (flash-style); scores, the
+// softmax and the weighted sum of values are float32 whatever the cache's dtype (bfloat16 and float16 are
+// widened as read). Items are spread over torch's threads (at::parallel_for, so `torch.set_num_threads` governs
+// it) by estimated cost rather than count, because one prefill chunk can cost as much as hundreds of decodes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,8 +32,8 @@
 namespace {
 
 constexpr int64_t kKeyBlock = 32;
-// Query rows (queries x query heads per KV head) of one item of a multi-token chunk: enough to reuse each key
-// row many times, few enough that the work a causal block wastes above the diagonal stays small.
+// Rows per KV head (queries x query heads per KV head) of one item of a multi-token chunk: enough to reuse each
+// key row many times, few enough that the work a causal block wastes above the diagonal stays small.
 constexpr int64_t kRowsPerItem = 32;
 // Cost of an item beyond its row x key products, in the same units: locating pages, the softmax bookkeeping.
 constexpr int64_t kItemOverhead = 64;
@@ -175,31 +175,6 @@ struct Block {
   int64_t seq, first, last;
 };
 
-// Asks for the cache lines of keys [j0, j1) of a sequence, K and V, every KV head, to be loaded ahead of use: a
-// page is a few kilobytes at a random place, too short a run for the hardware prefetcher to learn.
-template <typename T>
-inline void prefetch_keys(const Params& p, const int32_t* table, int64_t j0, int64_t j1, const T* key_cache,
-                          const T* value_cache, int64_t slot_size) {
-  constexpr int64_t kLine = 64;
-  while (j0 < j1) {
-    const int64_t page_index = j0 / p.page_size;
-    const int64_t slot = j0 - page_index * p.page_size;
-    const int64_t count = std::min(j1 - j0, p.page_size - slot);
-    const int64_t page = table[page_index];
-    if (page >= 0 && page < p.num_pages) {
-      const int64_t offset = (page * p.page_size + slot) * slot_size;
-      const char* k = reinterpret_cast<const char*>(key_cache + offset);
-      const char* v = reinterpret_cast<const char*>(value_cache + offset);
-      const int64_t bytes = count * slot_size * static_cast<int64_t>(sizeof(T));
-      for (int64_t b = 0; b < bytes; b += kLine) {
-        __builtin_prefetch(k + b);
-        __builtin_prefetch(v + b);
-      }
-    }
-    j0 += count;
-  }
-}
-
 // Per-thread buffers, sized once per call for the largest item.
 struct Scratch {
   std::vector<float> queries, acc, row_max, row_sum, keys, values, zeros;
@@ -226,9 +201,6 @@ bool attend(const Params& p, const T* query, const T* key_cache, const T* value_
   static_assert(kDim % W == 0 && kKeyBlock % W == 0 && (kDim > 0 || W == 1));
   constexpr int64_t kChunks = kDim ? kDim / W : kMaxScalarDim;  // capacity of a row held in vectors
   constexpr int64_t kGroups = kKeyBlock / W;
-  // Accumulator sets for the weighted sum of values: enough independent chains to cover the multiply-add
-  // latency, few enough to stay in registers.
-  constexpr int64_t kSets = kDim ? std::clamp<int64_t>(8 / (kDim / W), 1, 4) : 1;
   const int64_t dim = kDim ? kDim : p.dim;
   const int64_t chunks = dim / W;
   const int64_t heads = p.kv_heads * p.group;
@@ -256,11 +228,8 @@ bool attend(const Params& p, const T* query, const T* key_cache, const T* value_
 
   const int64_t last_pos = first_pos + block_queries - 1;
   const int64_t key_lo = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
-  prefetch_keys(p, table, key_lo, std::min(key_lo + kKeyBlock, last_pos + 1), key_cache, value_cache, slot_size);
   for (int64_t j0 = key_lo; j0 <= last_pos; j0 += kKeyBlock) {
     const int64_t j1 = std::min(j0 + kKeyBlock, last_pos + 1);
-    // The next block's lines arrive while this one is computed.
-    prefetch_keys(p, table, j1, std::min(j1 + kKeyBlock, last_pos + 1), key_cache, value_cache, slot_size);
     int64_t page_index = j0 / p.page_size;
     int64_t slot = j0 - page_index * p.page_size;
     int64_t page = table[page_index];
@@ -338,27 +307,12 @@ bool attend(const Params& p, const T* query, const T* key_cache, const T* value_
           }
           s.row_sum[m] = row_sum + lane_sum<W>(sums);
           s.row_max[m] = new_max;
-          // Consecutive keys go to kSets accumulators in turn: one accumulator would make every key wait for
-          // the previous key's multiply-adds (their latency, not their throughput, would bound a short row).
-          VecF<W> partial[kSets - 1][kChunks];
-          for (int64_t set = 0; set < kSets - 1; ++set) {
-            for (int64_t c = 0; c < chunks; ++c) partial[set][c] = VecF<W>{};
+          for (int64_t jj = a; jj < e; ++jj) {
+            const float prob = probs[jj];
+            const float* v = s.value_rows[jj] + h * dim;
+            for (int64_t c = 0; c < chunks; ++c) acc[c] += prob * load<W>(v + c * W);
           }
-          int64_t jj = a;
-          for (; jj + kSets <= e; jj += kSets) {
-            for (int64_t c = 0; c < chunks; ++c) acc[c] += probs[jj] * load<W>(s.value_rows[jj] + h * dim + c * W);
-            for (int64_t set = 1; set < kSets; ++set) {
-              const float* v = s.value_rows[jj + set] + h * dim;
-              for (int64_t c = 0; c < chunks; ++c) partial[set - 1][c] += probs[jj + set] * load<W>(v + c * W);
-            }
-          }
-          for (; jj < e; ++jj) {
-            for (int64_t c = 0; c < chunks; ++c) acc[c] += probs[jj] * load<W>(s.value_rows[jj] + h * dim + c * W);
-          }
-          for (int64_t c = 0; c < chunks; ++c) {
-            for (int64_t set = 0; set < kSets - 1; ++set) acc[c] += partial[set][c];
-            store<W>(acc_row + c * W, acc[c]);
-          }
+          for (int64_t c = 0; c < chunks; ++c) store<W>(acc_row + c * W, acc[c]);
         }
       }
     }
