@@ -88,6 +88,7 @@ def _offline(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens,
         page_size=args.page_size,
+        attention_backend=args.attention_backend,
         systems=tuple(args.systems.split(",")),
         check="off" if args.no_check else args.check,
         warmup=not args.no_warmup,
@@ -215,6 +216,12 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         "--max-batch-tokens", type=int, default=2048, help="token budget per step (every continuous-batching system)"
     )
     offline.add_argument("--page-size", type=int, default=16, help="Ferry's KV page size")
+    offline.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "torch", "cpu", "flash"),
+        help="Ferry's attention kernels (its --attention-backend)",
+    )
     offline.add_argument(
         "--systems",
         default="static,transformers-cb,ferry",

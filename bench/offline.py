@@ -48,6 +48,8 @@ class OfflineOptions:
     """Slots: static wave size, transformers' max_requests_per_batch, Ferry's max_num_seqs."""
     max_batch_tokens: int = 2048
     page_size: int = 16
+    attention_backend: str = "auto"
+    """Ferry's `attention_backend`."""
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
     check: CheckMode = "strict"
     warmup: bool = True
@@ -191,6 +193,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 slots=slots,
                 max_batch_tokens=budget,
                 page_size=options.page_size,
+                attention_backend=options.attention_backend,
                 async_scheduling=options.async_scheduling,
             )
             if options.warmup:
