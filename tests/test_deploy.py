@@ -625,6 +625,7 @@ CPU_ENGINE_VALUES = {
     "attentionBackend": "torch",
     "modelImpl": "auto",
     "cpuThreads": 1,
+    "asyncScheduling": True,
     "distributedTimeout": 60,
 }
 CPU_SERVER_VALUES = {
