@@ -5,8 +5,8 @@
 #   docker build --target cpu -t ferry:0.1.0-cpu .     # CPU torch, serves the embedded tiny model
 #
 # Both install the project into a virtual environment in a builder stage and copy only that environment
-# into a slim runtime stage: no compilers, no pip caches, no source tree, and no model weights (mount
-# them at /models).
+# into a slim runtime stage: no pip caches, no source tree, and no model weights (mount them at /models); the CPU
+# image keeps g++ for its attention kernel (see the cpu stage).
 #
 # Changing the GPU stack: torch, the CUDA base and flash-attn must agree. flash-attn is installed from
 # one of its prebuilt release wheels (never built from source: that takes hours and needs nvcc); the
@@ -47,13 +47,21 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH \
     HOME=/home/ferry
-# A fixed high UID that matches the Helm chart's securityContext and no host user.
-RUN groupadd --gid 10001 ferry \
+# A fixed high UID that matches the Helm chart's securityContext and no host user. g++: the CPU attention
+# kernel is C++ that torch's extension tooling compiles for the CPU it finds (engine/attention/cpu_kernel.py).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --gid 10001 ferry \
     && useradd --uid 10001 --gid ferry --create-home --home-dir /home/ferry --shell /usr/sbin/nologin ferry \
     && mkdir /models && chown ferry:ferry /models
 COPY --from=cpu-builder /opt/venv /opt/venv
 USER 10001
 WORKDIR /home/ferry
+# Built now, into the image's ~/.cache/torch_extensions, so a container starts without a build; a node whose CPU
+# has another instruction set (AVX2 against AVX-512) builds its own at first start (about 25 s, then cached).
+RUN python -c "from engine.attention.cpu_kernel import load_kernel; load_kernel()"
 VOLUME ["/models"]
 EXPOSE 8000
 # /health is liveness (engine process alive and stepping). Python instead of curl: nothing to install.

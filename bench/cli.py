@@ -1,4 +1,4 @@
-"""`ferry bench offline|serve|overhead`: argument parsing and printing; the work lives in the modules.
+"""`ferry bench offline|serve|overhead|tp`: argument parsing and printing; the work lives in the modules.
 
 `add_bench_parser` hangs `bench` under `ferry`'s own subcommands; `python -m bench ...` parses the same
 subcommands at the top level. Each subcommand sets `func(args) -> int` (the exit status).
@@ -90,11 +90,13 @@ def _offline(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens,
         page_size=args.page_size,
+        attention_backend=args.attention_backend,
         systems=tuple(args.systems.split(",")),
         check="off" if args.no_check else args.check,
         warmup=not args.no_warmup,
         floor=not args.no_floor,
         matmul_floor=args.matmul_floor,
+        async_scheduling=args.async_scheduling,
         plot=args.plot,
         repeat=args.repeat,
         profile=args.profile,
@@ -162,8 +164,28 @@ def _overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tensor_parallel(args: argparse.Namespace) -> int:
+    from bench.tensor_parallel import TensorParallelOptions, format_tensor_parallel, run_tensor_parallel
+
+    _quiet_transformers()
+    options = TensorParallelOptions(
+        model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        sizes=args.sizes,
+        steps=args.steps,
+        prompt_len=args.prompt_len,
+        page_size=args.page_size,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    report = run_tensor_parallel(options)
+    _emit(report, format_tensor_parallel(report), args.json)
+    return 0
+
+
 def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve,overhead}")
+    commands = parser.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve,overhead,tp}")
 
     offline = commands.add_parser(
         "offline",
@@ -198,6 +220,12 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     offline.add_argument("--page-size", type=int, default=16, help="Ferry's KV page size")
     offline.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "torch", "cpu", "flash"),
+        help="Ferry's attention kernels (its --attention-backend)",
+    )
+    offline.add_argument(
         "--systems",
         default="static,transformers-cb,ferry",
         help="comma-separated, run in this order: static, transformers-cb, transformers-cb-default, vllm, ferry",
@@ -219,6 +247,9 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--no-check", action="store_true", help="same as --check off")
     offline.add_argument("--no-warmup", action="store_true", help="skip each system's untimed warm-up run")
     offline.add_argument("--no-floor", action="store_true", help="skip the model-floor replay")
+    offline.add_argument(
+        "--async-scheduling", action="store_true", help="Ferry plans each step while the one before it runs"
+    )
     offline.add_argument(
         "--matmul-floor",
         action="store_true",
@@ -300,12 +331,31 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--json", type=Path, default=None)
     overhead.set_defaults(func=_overhead)
 
+    tp = commands.add_parser(
+        "tp",
+        help="per-step cost of tensor parallelism: TP=1 against TP=N, and rank 0's time in the collectives",
+        description="Runs decode steps of the real engine with random weights at TP=1 and at TP=N for each number "
+        "of running sequences, and reports microseconds per step and, on CPU, rank 0's time in the plan "
+        "broadcast, the all-reduces and the logits gather.",
+    )
+    tp.add_argument("--model", default="tiny-llama", help="tiny-llama | small-llama | qwen3-0.6b | qwen3-4b")
+    tp.add_argument("--tensor-parallel-size", type=_positive_int, default=2)
+    tp.add_argument("--sizes", type=_ints, default=(1, 16, 64), help="running sequences, e.g. 1,16,64")
+    tp.add_argument("--steps", type=int, default=100, help="timed decode steps per size")
+    tp.add_argument("--prompt-len", type=int, default=16)
+    tp.add_argument("--page-size", type=int, default=16)
+    tp.add_argument("--device", default="cpu", help="cpu (gloo), or cuda (NCCL, a GPU per rank)")
+    tp.add_argument("--dtype", default="auto")
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--json", type=Path, default=None)
+    tp.set_defaults(func=_tensor_parallel)
+
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` under `ferry`'s subcommands; dispatch with `args.func(args)`."""
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: offline, serve, overhead",
+        help="benchmarks: offline, serve, overhead, tp",
         description="Reproducible benchmarks of Ferry against its baselines.",
     )
     add_bench_subcommands(bench)

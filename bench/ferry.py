@@ -40,6 +40,8 @@ def build_engine(
     slots: int,
     max_batch_tokens: int,
     page_size: int,
+    attention_backend: str = "auto",
+    async_scheduling: bool = False,
     compile: CompileLevel = "none",
 ) -> EngineCore:
     from engine import EngineConfig, EngineCore
@@ -50,11 +52,13 @@ def build_engine(
         dtype=model.dtype_name,
         device=str(model.device),
         page_size=page_size,
+        attention_backend=attention_backend,
         num_blocks=workload.cache_pages(slots, page_size),
         max_batch_tokens=max_batch_tokens,
         max_num_seqs=slots,
         max_queue_size=0,
         cpu_threads=None,  # every system runs with the thread count --threads set
+        async_scheduling=async_scheduling,
         compile=compile,
     )
     return EngineCore(config)
@@ -113,6 +117,7 @@ def run_ferry(
         "max_num_seqs": engine.config.max_num_seqs,
         "max_batch_tokens": engine.config.max_batch_tokens,
         "page_size": engine.config.page_size,
+        "attention_backend": engine.runner.backend.name,
         "num_pages": stats.num_pages,
         # The engine's counters are cumulative; a warm-up run may have gone through the same engine.
         "steps": stats.num_steps - before.num_steps,

@@ -50,10 +50,14 @@ class OfflineOptions:
     """Slots: static wave size, transformers' max_requests_per_batch, Ferry's max_num_seqs."""
     max_batch_tokens: int = 2048
     page_size: int = 16
+    attention_backend: str = "auto"
+    """Ferry's `attention_backend`."""
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
     check: CheckMode = "strict"
     warmup: bool = True
     floor: bool = True
+    async_scheduling: bool = False
+    """Ferry plans each step while the one before it runs (EngineConfig.async_scheduling)."""
     matmul_floor: bool = False
     """Also time the GEMMs of Ferry's steps alone, at the best speed torch reaches (bench/matmul_floor.py)."""
     plot: Path | None = None
@@ -194,6 +198,8 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 slots=slots,
                 max_batch_tokens=budget,
                 page_size=options.page_size,
+                attention_backend=options.attention_backend,
+                async_scheduling=options.async_scheduling,
                 compile=options.compile,
             )
             startup_seconds = time.perf_counter() - started
@@ -288,6 +294,7 @@ def _report(
             "batch_size": options.batch_size,
             "max_batch_tokens": options.max_batch_tokens,
             "page_size": options.page_size,
+            "async_scheduling": options.async_scheduling,
             "warmup": options.warmup,
             "repeat": options.repeat,
             "compile": options.compile,

@@ -112,6 +112,8 @@ class ContinuousBatchingManager:
     """Runs `EngineCore.step()` in a background thread; thread-safe front door for requests and results."""
 
     def __init__(self, engine_or_config: EngineCore | EngineConfig) -> None:
+        self._owns_engine = not isinstance(engine_or_config, EngineCore)
+        """An engine it built from a config is its to close (stopping its tensor-parallel ranks) once it stops."""
         self.engine = engine_or_config if isinstance(engine_or_config, EngineCore) else EngineCore(engine_or_config)
         self._inbox: queue.SimpleQueue[EngineInput] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -270,6 +272,8 @@ class ContinuousBatchingManager:
         finally:
             self._paused.set()
             self._accepting = False
+            if self._owns_engine:
+                self.engine.close()
 
     def receive(self, timeout: float, limit: int) -> list[EngineInput]:
         """The loop's inbox: holds the loop here while paused, between two steps."""
@@ -277,6 +281,7 @@ class ContinuousBatchingManager:
             self._paused.set()
             self._wakeup.wait(0.1)
             self._wakeup.clear()
+            self.engine.keep_alive()  # a pause may outlast the tensor-parallel ranks' patience
         self._paused.clear()
         messages = self._take(limit)
         if not messages and timeout:

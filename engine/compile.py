@@ -48,8 +48,9 @@ size, which makes the token dimension dynamic (for 2 tokens and more), then a la
 bfloat16 `WidenedLinear` branches on 3 rows, so there 16 gets a third graph."""
 
 
-def check_compile_level(level: CompileLevel, *, native: bool, device: torch.device) -> None:
-    """Refuse, before anything loads, a level this setup cannot compile."""
+def check_compile_level(config: EngineConfig, *, native: bool, device: torch.device) -> None:
+    """Refuse, before anything loads, a level this setup cannot compile (`device`: where the model will run)."""
+    level = config.compile
     if level == "none":
         return
     if not native:
@@ -61,6 +62,11 @@ def check_compile_level(level: CompileLevel, *, native: bool, device: torch.devi
         raise EngineStartupError(
             f"--compile {level} is built and checked for CPU only (paged attention and the packed linears as "
             f"opaque ops), not {device.type}: use --compile none"
+        )
+    if config.tensor_parallel_size > 1:
+        raise EngineStartupError(
+            f"--compile {level} runs on one device: with --tensor-parallel-size {config.tensor_parallel_size} "
+            "use --compile none"
         )
 
 

@@ -17,6 +17,7 @@ CompileLevel = Literal["none", "piecewise", "full"]
 _MODEL = {"group": "model"}
 _KV_CACHE = {"group": "KV cache"}
 _SCHEDULING = {"group": "scheduling"}
+_PARALLEL = {"group": "tensor parallelism"}
 
 
 class EngineStartupError(ValueError):
@@ -43,9 +44,10 @@ class EngineConfig:
     derived from the memory budget: max_memory_percent on GPU, cpu_kv_cache_gib on CPU."""
     max_memory_percent: float = field(default=0.9, metadata=_KV_CACHE)
     """GPU: fraction of the device memory free once the model is loaded that the KV cache and the largest step's
-    activations may take together (the activations are measured by a profiling step at start-up)."""
+    activations may take together (the activations are measured by a profiling step at start-up); with tensor
+    parallelism each rank's own GPU, and every rank takes the pages the fullest one can hold."""
     cpu_kv_cache_gib: float = field(default=1.0, metadata=_KV_CACHE)
-    """CPU: GiB given to the KV cache."""
+    """CPU: GiB given to the KV cache (by each rank, with tensor parallelism: a rank's cache holds its KV heads)."""
     max_batch_tokens: int = field(default=2048, metadata=_SCHEDULING)
     """Token budget of one engine step: decode tokens plus prefill chunks."""
     max_num_seqs: int = field(default=256, metadata=_SCHEDULING)
@@ -71,10 +73,11 @@ class EngineConfig:
     unbounded."""
     seed: int = field(default=0, metadata=_SCHEDULING)
     """Seed for requests that sample without a seed of their own."""
-    attention_backend: Literal["auto", "torch", "flash"] = field(default="auto", metadata=_MODEL)
-    """Attention kernels: `torch` (any device; gathers each sequence's pages every step) or `flash` (flash-attn
-    on CUDA, reads the pages in place); `auto` takes flash on CUDA when flash-attn is installed and the page
-    size suits it, torch otherwise."""
+    attention_backend: Literal["auto", "torch", "cpu", "flash"] = field(default="auto", metadata=_MODEL)
+    """Attention kernels: `torch` (any device; gathers each sequence's pages every step), `cpu` (a C++ kernel
+    compiled at first use and cached, reads the pages in place) or `flash` (flash-attn on CUDA, reads the pages
+    in place); `auto` takes cpu on CPU when it builds (a C++ compiler is needed) and flash on CUDA when
+    flash-attn is installed and the page size suits it, torch otherwise."""
     model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
     """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
     otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""
@@ -89,6 +92,30 @@ class EngineConfig:
     and more helps only on cores nothing else uses: a step is many small ops, and OpenMP barriers across threads
     stall whenever another process competes for the cores (measured on 2 cores: 756 tok/s with 1 thread,
     17 tok/s with 2 while a second process ran)."""
+    async_scheduling: bool = field(default=False, metadata=_SCHEDULING)
+    """Plan each step while the one before it runs (the model on a thread of its own), vLLM's option: the host
+    work of scheduling overlaps the forward pass. Greedy output is the same; a request that stops on EOS or a
+    stop token computes one more token, discarded."""
+    tensor_parallel_size: int = field(default=1, metadata=_PARALLEL)
+    """Ranks the model is sharded over, one process (and on CUDA one GPU) each: attention heads, the MLP and the
+    vocabulary are split Megatron-style, each rank's KV cache holds its own KV heads, and the scheduler and the
+    sampler run once, in the engine process (rank 0). Native Llama-family models only; their attention heads, KV
+    heads (or the ranks, when there are fewer KV heads) and MLP width must divide by it."""
+    nnodes: int = field(default=1, metadata=_PARALLEL)
+    """Machines the tensor-parallel ranks span (torchrun's option), tensor_parallel_size / nnodes ranks on each.
+    Only node 0 serves HTTP; every other node runs its ranks and exits when node 0 stops."""
+    node_rank: int = field(default=0, metadata=_PARALLEL)
+    """This machine's index among the nnodes (torchrun's option): 0 serves HTTP and runs ranks 0..; node k runs
+    the ranks k * tensor_parallel_size / nnodes onwards."""
+    master_addr: str = field(default="127.0.0.1", metadata=_PARALLEL)
+    """Address of node 0, where the ranks meet (torchrun's option); every node gives the same one."""
+    master_port: int | None = field(default=None, metadata=_PARALLEL)
+    """Port on master_addr where the ranks meet (torchrun's option); by default a free port on one node, and 29500
+    (torchrun's default) across nodes."""
+    distributed_timeout: float = field(default=60.0, metadata=_PARALLEL)
+    """Seconds a rank waits in one collective (an all-reduce, the step's plan) before it declares a peer dead or
+    hung: the engine then fails, /health turns 503 and the server exits non-zero. An idle engine sends its ranks an
+    empty plan every second, so only a stuck peer reaches this."""
     debug_checks: bool = field(default=False, metadata=_SCHEDULING)
     """Assert KV-cache page-accounting invariants inside the page pools after every change (slow; tests turn
     this on)."""
@@ -114,3 +141,28 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if self.node_rank < 0:
+            raise ValueError(f"node_rank must be >= 0, got {self.node_rank}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+
+    def check_parallel_layout(self) -> None:
+        """Raise ValueError unless the nodes split the ranks evenly and node_rank names one of them (checked where
+        ranks start, not on construction: the fields may be set one at a time)."""
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size}): every node "
+                "runs as many ranks"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes

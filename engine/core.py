@@ -3,6 +3,10 @@
 Every driver (generate_batch, the background manager, the server's engine process) runs this same `step`
 through the one loop in `engine/driver.py`.
 
+With `async_scheduling` the runner executes on a thread of its own, one step behind the scheduler: while it runs
+step N, this thread plans step N+1, then applies step N's result and hands over N+1. The runner works from its own
+state (pages, sampled tokens, grammars), so nothing it reads is changed under it; the torch ops release the GIL.
+
 A request with structured output joins the scheduler only once its grammar compiled (on the compiler's threads,
 engine/structured.py); until then it waits here, counted as waiting, while the other requests keep stepping. The
 scheduler never knows.
@@ -17,20 +21,25 @@ import logging
 import os
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from engine.compile import warm_up
 from engine.config import EngineConfig, EngineStartupError
-from engine.kv_cache import KVCacheManager, group_layers, pool_pages
-from engine.loader import LoadedModel, load_model
+from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
+from engine.loader import LoadedModel, load_model, model_config
 from engine.memory import kv_cache_budget_bytes
 from engine.observer import StepObserver, StepRecord
 from engine.page_pool import PagePool
+from engine.parallel import CollectiveFailed, TensorParallel, init_tensor_parallel, with_rendezvous
 from engine.request import QueueFull, Request, RequestRejected, SamplingParams, StepOutput
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
+from engine.step import ModelRunnerOutput, SchedulerOutput
 from engine.structured import CompiledGrammar, GrammarCompiler
+from engine.worker import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +50,10 @@ class EngineCore:
     `loaded` is a model already loaded for `config` (the overhead benchmark passes one whose forward pass costs
     nothing); by default the model `config` names is loaded. `observers` see one `StepRecord` per step. `grammars`
     compiles structured outputs; by default one for the model directory's tokenizer.
+
+    With `config.tensor_parallel_size` > 1 it starts this node's other ranks (engine/worker.py) and is rank 0, the
+    driver: each step's plan goes to every rank, and sampling (grammars included) happens here only. `close()`, or
+    leaving a `with` block, stops the ranks.
     """
 
     def __init__(
@@ -51,27 +64,31 @@ class EngineCore:
         observers: Iterable[StepObserver] = (),
         grammars: GrammarCompiler | None = None,
     ) -> None:
-        self.config = config
         self.model_name = os.path.basename(os.path.normpath(config.model))
-        if loaded is None:
-            loaded = load_model(config)
-        layouts = group_layers(loaded.model.sliding_windows)
-        layer_page_bytes = ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype)
-        budget = 0.0
-        if not config.num_blocks:
-            budget = kv_cache_budget_bytes(config, loaded, layouts, layer_page_bytes * loaded.model.num_layers)
-        pages = pool_pages(
-            layouts,
-            num_pages=config.num_blocks,
-            budget_bytes=budget,
-            layer_page_bytes=layer_page_bytes,
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_batch_tokens=config.max_batch_tokens,
-        )
-        loaded = dataclasses.replace(
-            loaded, max_model_len=_fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.page_size)
-        )
+        self.tensor_parallel: TensorParallel | None = None
+        """This process's rank 0 of the tensor-parallel group; None without tensor parallelism."""
+        self._workers: Workers | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a model loaded beforehand cannot be sharded: tensor parallelism loads its own")
+            config.check_parallel_layout()
+            config = with_rendezvous(config)
+            model_config(config)  # refuse what cannot be sharded before any rank starts
+            self._workers = Workers(config, range(1, config.ranks_per_node))
+        self.config = config
+        try:
+            if self._workers is not None:
+                self.tensor_parallel = init_tensor_parallel(config, rank=0)
+            self._build(config, load_model(config, self.tensor_parallel) if loaded is None else loaded, grammars)
+        except BaseException:
+            self._release(stopped=False)  # the other ranks may be anywhere in their start-up: no stop for them
+            raise
+        self.observers: list[StepObserver] = list(observers)
+        self._num_steps = 0
+        self._last_step_tokens = 0
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel, grammars: GrammarCompiler | None) -> None:
+        loaded, layouts, pages = kv_cache_layout(config, loaded, self.tensor_parallel)
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
@@ -98,15 +115,21 @@ class EngineCore:
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []
         """Requests that stopped waiting for their grammar since `settle_grammars` last ran."""
-        self.observers: list[StepObserver] = list(observers)
-        self._num_steps = 0
-        self._last_step_tokens = 0
+        self._runner_thread: ThreadPoolExecutor | None = None
+        if config.async_scheduling:
+            # torch's thread count is per thread: the runner's thread gets the one the loader set here.
+            self._runner_thread = ThreadPoolExecutor(
+                1, "ferry-runner", initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
+            )
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
+        """The step the runner's thread executes now (async scheduling), with the time it was planned."""
         logger.info(
-            "engine ready: %s (%s, %s, %s backend), %d pages of %d tokens, max_model_len %d",
+            "engine ready: %s (%s, %s, %s backend, tensor-parallel size %d), %d pages of %d tokens, max_model_len %d",
             self.model_name,
             "native" if loaded.native else "transformers",
             loaded.dtype,
             loaded.backend.name,
+            config.tensor_parallel_size,
             pages[0],
             config.page_size,
             self.max_model_len,
@@ -221,22 +244,107 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests not finished, or a step still in flight (its result is applied by the next `step`)."""
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> list[StepOutput]:
+        """One step's outputs: plan, execute, apply; with async scheduling, apply the step in flight and start
+        the one planned while it ran."""
+        if self._runner_thread is not None:
+            return self._step_ahead(self._runner_thread)
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        result = self.runner.execute(plan)
-        executed = time.perf_counter()
+        result = self._execute(plan)
+        return self._apply(plan, result, scheduled - started, time.perf_counter())
+
+    def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """The plan to every tensor-parallel rank, then this rank's part (on the runner's thread when async)."""
+        if self.tensor_parallel is not None:
+            # Planned ahead, the plan may hold tokens only this rank sampled (the step before has run by now).
+            known = self.runner.with_sampled_tokens(plan) if self._runner_thread is not None else plan
+            self.tensor_parallel.broadcast_plan(known)
+        return self.runner.execute(plan)
+
+    def _step_ahead(self, runner_thread: ThreadPoolExecutor) -> list[StepOutput]:
+        if self._in_flight is None:
+            started = time.perf_counter()
+            plan = self.scheduler.schedule()
+            self._in_flight = (plan, runner_thread.submit(self._execute, plan), time.perf_counter() - started)
+        plan, running, schedule_seconds = self._in_flight
+        started = time.perf_counter()
+        following = self.scheduler.schedule()
+        planned = time.perf_counter() - started
+        outputs = self._apply(plan, running.result(), schedule_seconds, time.perf_counter())
+        if self.scheduler.has_unfinished:
+            self._in_flight = (following, runner_thread.submit(self._execute, following), planned)
+        else:
+            # Every request is done, and whatever `following` computes is for requests that stopped after it was
+            # planned: it runs here and now, its tokens dropped, so that the engine rests with no step in flight.
+            outputs += self.scheduler.update(following, self._execute(following))
+            self._in_flight = None
+        return outputs
+
+    def _apply(
+        self, plan: SchedulerOutput, result: ModelRunnerOutput, schedule_seconds: float, executed: float
+    ) -> list[StepOutput]:
         outputs = self.scheduler.update(plan, result)
         self._last_step_tokens = plan.num_tokens
         self._num_steps += bool(plan.request_ids)
         if self.observers:
-            record = StepRecord(plan, result, outputs, scheduled - started, time.perf_counter() - executed)
+            record = StepRecord(plan, result, outputs, schedule_seconds, time.perf_counter() - executed)
             for observer in self.observers:
                 observer.on_step(record)
         return outputs
+
+    def keep_alive(self) -> None:
+        """Called by the loop while the engine idles: with tensor parallelism an empty plan tells the other ranks
+        the driver is alive (they would take a silence of distributed_timeout for a dead driver) and finds out
+        whether they are (at most every KEEP_ALIVE_INTERVAL_S); nothing without it."""
+        tp = self.tensor_parallel
+        if tp is not None and time.monotonic() - tp.last_broadcast >= KEEP_ALIVE_INTERVAL_S:
+            tp.broadcast_plan(_IDLE_PLAN)
+
+    def close(self) -> None:
+        """Wait for the step in flight (async scheduling), stop the other tensor-parallel ranks and leave their
+        group; the engine cannot step afterwards. Idempotent; after a failed collective the workers are killed
+        instead."""
+        if self._runner_thread is not None:
+            if self._in_flight is not None:
+                plan, running, _ = self._in_flight
+                self._in_flight = None
+                self.scheduler.update(plan, running.result())
+            self._runner_thread.shutdown()
+            self._runner_thread = None
+        tp = self.tensor_parallel
+        stopped = tp is not None and not tp.failed
+        if stopped:
+            try:
+                tp.send_stop()
+            except CollectiveFailed:
+                logger.warning("the tensor-parallel ranks could not be told to stop; killing them")
+                stopped = False
+        self._release(stopped)
+
+    def _release(self, stopped: bool) -> None:
+        """Wait for stopped workers to leave (kill them otherwise), then leave the process group."""
+        tp, workers = self.tensor_parallel, self._workers
+        self.tensor_parallel = self._workers = None
+        if workers is not None:
+            workers.join() if stopped else workers.kill()
+        if tp is not None:
+            tp.close()
+
+    def __enter__(self) -> EngineCore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The tensor-parallel worker processes this engine started (its node's ranks other than 0)."""
+        return [] if self._workers is None else self._workers.pids
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache
@@ -262,6 +370,42 @@ class EngineCore:
     def is_idle_and_clean(self) -> bool:
         """True when nothing is in flight and every page is free or merely cached (tests and debug checks)."""
         return not self.has_unfinished() and not self._awaiting_grammar and self.kv_cache.all_free()
+
+
+_IDLE_PLAN = SchedulerOutput()
+KEEP_ALIVE_INTERVAL_S = 0.25
+"""An idle engine's ranks hear from it this often at most: its loop passes every few milliseconds while a grammar
+compiles, and each empty plan costs a broadcast on every rank."""
+
+
+def kv_cache_layout(
+    config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None = None
+) -> tuple[LoadedModel, list[GroupLayout], list[int]]:
+    """The KV-cache groups, the pages of each group's pool, and `loaded` with the longest request those pages
+    hold (`_fit_max_model_len`). With tensor parallelism every rank sizes its own cache (its KV heads, its
+    device's free memory) and all take the smallest count, since one scheduler hands out the same pages on every
+    rank; every rank then fits the same max_model_len."""
+    layouts = group_layers(loaded.model.sliding_windows)
+    layer_page_bytes = ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype)
+    budget = 0.0
+    if not config.num_blocks:
+        if tp is not None and loaded.device.type == "cuda":
+            # The profiling step's collectives wait only distributed_timeout: start it once every rank has loaded.
+            tp.wait_for_peers()
+        budget = kv_cache_budget_bytes(config, loaded, layouts, layer_page_bytes * loaded.model.num_layers)
+    pages = pool_pages(
+        layouts,
+        num_pages=config.num_blocks,
+        budget_bytes=budget,
+        layer_page_bytes=layer_page_bytes,
+        page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_batch_tokens=config.max_batch_tokens,
+    )
+    if tp is not None:
+        pages = tp.min_over_ranks(pages)
+    max_model_len = _fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.page_size)
+    return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages
 
 
 def _raise_if_failed(grammar: Future[CompiledGrammar]) -> None:

@@ -8,7 +8,8 @@ The transports differ; the protocol, defined here, does not.
 Loop: take the waiting messages (adds, aborts, shutdown), run one step when there is work, publish ONE
 `StepMessage` with every request's deltas, the requests accepted and rejected since the last message, and the
 engine's statistics. When there is nothing to do it waits on the inbox and publishes a `Heartbeat` each time
-the wait ends empty, so a watcher can tell the loop is alive.
+the wait ends empty, so a watcher can tell the loop is alive; each pass that does not step keeps the engine's
+tensor-parallel ranks alive instead (`EngineCore.keep_alive`).
 
 Every add is answered once, accepted or rejected. A request with structured output is answered when its grammar
 has compiled (rejected if the constraint is invalid or unsupported, so the front end can still answer 400); the
@@ -144,6 +145,8 @@ class EngineLoop:
             # Pending aborts count as unfinished: their final ABORT outputs (and freed pages) come from a step.
             stepped = engine.has_unfinished()
             outputs = engine.step() if stepped else []
+            if not stepped:
+                engine.keep_alive()
             if stepped or self._accepted or self._rejected:
                 self.publish(StepMessage(engine.stats(), outputs, self._accepted, self._rejected))
                 self._accepted, self._rejected = [], []

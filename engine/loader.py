@@ -14,12 +14,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from engine.attention import AttentionBackend, select_backend
 from engine.checkpoint import checkpoint_files
 from engine.compile import check_compile_level, compile_model
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineStartupError
 from engine.models.cpu_linear import bf16_matmul_native, onednn_linear_available, pack_linears, widen_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
-from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM, check_tensor_parallel
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
+from engine.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,6 +38,8 @@ class LoadedModel:
     native: bool
     backend: AttentionBackend
     """The attention kernels the model's layers call."""
+    rank: int = 0
+    """The tensor-parallel rank this shard belongs to (0 without tensor parallelism): only rank 0 gets logits."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,31 +78,55 @@ def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """The model of `config` on its device, with the attention backend it runs with (sets torch's CPU threads)."""
+def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
+    """The model's transformers config, and whether it runs on the native modules (else the transformers adapter);
+    raises UnsupportedModelError for a model the engine cannot run exactly, EngineStartupError for one it cannot
+    shard over --tensor-parallel-size."""
     if not os.path.isfile(os.path.join(config.model, "config.json")):
         raise FileNotFoundError(f"{config.model!r} is not a model directory (no config.json)")
-    device = resolve_device(config.device)
-    if device.type == "cpu" and config.cpu_threads is not None:
-        torch.set_num_threads(config.cpu_threads)
-    dtype = resolve_dtype(config.dtype, device)
-    backend = select_backend(config.attention_backend, device.type, config.page_size, dtype)
     hf_config = AutoConfig.from_pretrained(config.model)
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    max_model_len = config.max_model_len or limit or 4096
-    if limit is not None and max_model_len > limit:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
     # `auto` takes the native modules where they run the model exactly, the transformers adapter otherwise.
     native = config.model_impl == "native" or (
         config.model_impl == "auto" and unsupported_feature(hf_config, native=True) is None
     )
     check_supported(hf_config, native)
-    check_compile_level(config.compile, native=native, device=device)
+    check_compile_level(config, native=native, device=resolve_device(config.device))
+    if config.tensor_parallel_size > 1:
+        if not native:
+            # The adapter runs transformers' modules whole, on one device: refused rather than served unsharded.
+            if config.model_impl == "transformers":
+                why = "--model-impl transformers"
+            elif hf_config.model_type not in NATIVE_MODEL_TYPES:
+                why = "there are no native modules for it"
+            else:
+                why = f"the native modules lack {unsupported_feature(hf_config, native=True)}"
+            raise EngineStartupError(
+                f"--tensor-parallel-size {config.tensor_parallel_size}: this {hf_config.model_type!r} model runs on "
+                f"the transformers adapter, which Ferry cannot shard ({why}); tensor parallelism runs the native "
+                f"Llama-family models only ({', '.join(sorted(NATIVE_MODEL_TYPES))})"
+            )
+        check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    return hf_config, native
+
+
+def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """The model of `config` on its device, with the attention backend it runs with (sets torch's CPU threads);
+    with `tp`, this rank's shard of it on the rank's device."""
+    hf_config, native = model_config(config)
+    device = resolve_device(config.device) if tp is None else tp.device
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    dtype = resolve_dtype(config.dtype, device)
+    backend = select_backend(config.attention_backend, device.type, config.page_size, dtype)
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    max_model_len = config.max_model_len or limit or 4096
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
     torch.manual_seed(config.seed)
     # Weights go straight into `dtype` on `device`: each checkpoint tensor is converted as it is copied into its
     # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
     if native:
-        model = LlamaFamilyForCausalLM.empty(hf_config, backend, max_model_len, device, dtype)
+        model = LlamaFamilyForCausalLM.empty(hf_config, backend, max_model_len, device, dtype, tp)
         if config.load_format == "dummy":
             _init_dummy(model)
         else:
@@ -113,7 +140,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
         widen_linears(model)
     compile_model(model, config.compile)
     return LoadedModel(
-        model, hf_config, _eos_ids(config.model, hf_config), max_model_len, device, dtype, native, backend
+        model,
+        hf_config,
+        _eos_ids(config.model, hf_config),
+        max_model_len,
+        device,
+        dtype,
+        native,
+        backend,
+        rank=0 if tp is None else tp.rank,
     )
 
 

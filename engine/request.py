@@ -198,6 +198,10 @@ class Request:
     """Lower runs first under the `priority` scheduling policy."""
     num_prompt_logprobs: int = 0
     """Prompt positions whose logprobs were already reported (a recompute after preemption repeats none)."""
+    num_in_flight_tokens: int = 0
+    """Tokens of planned steps whose results are not applied yet (with async scheduling, one step ahead)."""
+    num_pending_samples: int = 0
+    """Planned steps that sample this request, results not applied yet: tokens it has but does not know yet."""
 
     @property
     def num_tokens(self) -> int:

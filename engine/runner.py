@@ -14,6 +14,7 @@ for it, and the step's constrained rows get one grammar mask (engine/token_masks
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from engine.kv_cache import GroupLayout
 from engine.loader import LoadedModel
 from engine.request import SamplingParams, TokenLogprob
 from engine.sampler import Sampler
-from engine.step import ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
+from engine.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
 from engine.structured import GrammarCompiler
 from engine.token_masks import GrammarMasker, GrammarState
 
@@ -92,6 +93,9 @@ class ModelRunner:
         self.grammars = grammars or GrammarCompiler(
             config.model, vocab_size=loaded.hf_config.vocab_size, eos_token_ids=loaded.eos_token_ids
         )
+        self.samples = loaded.rank == 0
+        """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
+        since the driver samples."""
         self.grammar_masker: GrammarMasker | None = None
         """Built with the first constrained sequence: steps without any never touch a grammar."""
         self._max_seqs = config.max_num_seqs
@@ -150,6 +154,8 @@ class ModelRunner:
         prepared = time.perf_counter()
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
+        if logits is None:  # a tensor-parallel rank other than 0: the driver samples, from the gathered logits
+            return ModelRunnerOutput(prepare_seconds=prepared - started, forward_seconds=forwarded - prepared)
         sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples, strict=True) if samples]
         constrained = (
             [row for row, seq in enumerate(sampling) if seq.grammar is not None] if self._num_constrained else []
@@ -171,6 +177,17 @@ class ModelRunner:
             forward_seconds=forwarded - prepared,
             sample_seconds=time.perf_counter() - forwarded,
         )
+
+    def with_sampled_tokens(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """The plan with each PLACEHOLDER replaced by the token this runner sampled for its request: what the
+        tensor-parallel ranks, which never sample, are sent under async scheduling."""
+        token_ids = tuple(
+            [self._seqs[request_id].output_ids[-1] if t == PLACEHOLDER else t for t in ids]
+            if PLACEHOLDER in ids
+            else ids
+            for request_id, ids in zip(plan.request_ids, plan.token_ids, strict=True)
+        )
+        return dataclasses.replace(plan, token_ids=token_ids)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs | None:
         """Apply the plan's deltas to the runner's state and build the step's inputs; None for an empty step."""
@@ -200,8 +217,12 @@ class ModelRunner:
         total = int(cu_q[-1])
         seq_lens = starts + q_lens
 
-        self._np["input_ids"][:total] = list(itertools.chain.from_iterable(plan.token_ids))
+        input_ids = self._np["input_ids"][:total]
+        input_ids[:] = list(itertools.chain.from_iterable(plan.token_ids))
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        # Planned before the step that samples them (async scheduling): each is its sequence's latest token.
+        for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist():
+            input_ids[token] = self._seqs[plan.request_ids[seq_of_token[token]]].output_ids[-1]
         positions = self._np["positions"][:total]
         positions[:] = np.repeat(starts - cu_q[:-1], q_lens) + np.arange(total)
         self._np["query_start_loc"][: num_seqs + 1] = cu_q
@@ -320,7 +341,7 @@ class ModelRunner:
     def _grammar_state(self, new: NewRequest) -> GrammarState | None:
         """A constrained request's grammar state, caught up with the tokens it generated before a preemption."""
         structured_output = new.params.structured_output
-        if structured_output is None:
+        if structured_output is None or not self.samples:
             return None
         self._num_constrained += 1
         # Compiled before the request was admitted, so this is a cache hit (a recompile only if it was evicted).
@@ -345,8 +366,9 @@ class ModelRunner:
         return self._device_buffers[name][:n].copy_(host, non_blocking=True)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens (and
+        the prompt rows scored), None on a tensor-parallel rank other than 0."""
         layer_metas = [inputs.metas[g] for g in self.group_of_layer]
         hidden = self.model(inputs.input_ids, inputs.meta.positions, layer_metas, self.kv_caches)
         return self.model.compute_logits(hidden[inputs.logits_rows])

@@ -9,6 +9,13 @@ compute the missing tokens, within the step's token budget (`max_batch_tokens`) 
 Memory pressure is handled by preemption with recompute: the newest running request gives back its pages and
 goes back to the front of the waiting queue, keeping its generated tokens; on resume it re-matches the prefix
 cache (its own pages are often still cached) and recomputes the rest.
+
+Plans may run ahead of results by one step (async scheduling: step N+1 is planned while step N runs). A request
+then counts the tokens of planned steps not yet applied (`num_in_flight_tokens`) and the tokens those steps will
+sample for it (`num_pending_samples`): the next plan starts after them, and a decode of a token not yet known is
+a `PLACEHOLDER` the runner fills in. Results are applied in plan order. What only a result can tell comes one step
+late: a request that stops (EOS, a stop token) had one more token planned, whose result is dropped; one preempted
+while a step computed for it keeps the token that step sampled.
 """
 
 from __future__ import annotations
@@ -16,13 +23,14 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv_cache import NO_NEW_PAGES, KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus, StepOutput, TokenLogprob
-from engine.step import ModelRunnerOutput, NewRequest, PageTables, PromptLogprobs, SchedulerOutput
+from engine.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PageTables, PromptLogprobs, SchedulerOutput
 
 
 class RequestQueue:
@@ -126,6 +134,15 @@ class PriorityRequestQueue:
         return request
 
 
+@dataclass(slots=True)
+class _Planned:
+    """What one plan scheduled, per request in its order."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+    samples: list[bool]
+
+
 class _StepBuilder:
     """One step's plan under construction, with the budget left."""
 
@@ -192,8 +209,9 @@ class Scheduler:
         """Finished since the last plan (the runner forgets them)."""
         self._pending: list[StepOutput] = []
         """Final outputs of aborted requests, emitted by the next update()."""
-        self._planned: list[Request] = []
-        """The requests of the last plan, in its order: update() applies the step's result to them."""
+        self._planned: deque[_Planned] = deque()
+        """Each plan whose result is not applied yet, oldest first: update() applies a step's result to its
+        requests and takes their planned tokens out of flight."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -235,9 +253,10 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
         """Apply a step's result: its tokens now have K/V in the cache, sampled tokens are appended, stop rules
         finish requests (freeing their pages for the next plan). Returns every request's news, aborts included."""
-        requests, self._planned = self._planned, []
+        planned = self._planned.popleft() if self._planned else _Planned([], [], [])
+        requests = planned.requests
         if len(requests) != len(plan.request_ids):
-            raise ValueError("update() takes the result of the last plan schedule() returned")
+            raise ValueError("update() takes the results of the plans schedule() returned, oldest first")
         if len(result.token_ids) != plan.num_sampling or len(result.logprobs) != plan.num_sampling:
             raise ValueError(f"the plan samples {plan.num_sampling} requests, the result has other counts")
         outputs, self._pending = self._pending, []
@@ -245,13 +264,19 @@ class Scheduler:
         now = time.monotonic()
         commit, stop_reason = self.kv_cache.commit, self._stop_reason  # bound once: this loop is per request
         scored = {entry.request_id: entry for entry in result.prompt_logprobs}
+        for request, num_planned, sampling in zip(requests, planned.num_new_tokens, planned.samples, strict=True):
+            request.num_in_flight_tokens -= num_planned
+            request.num_pending_samples -= sampling
         for request, num_new, samples in zip(requests, plan.num_new_tokens, plan.samples, strict=True):
             token, logprob = next(sampled) if samples else (None, None)
-            # Aborted while the step ran: its pages are already free and its final output queued.
+            # Aborted while the step ran (its pages already free, its final output queued), or, one plan ahead,
+            # stopped by the step before: this token was never part of it.
             if request.finished:
                 continue
-            request.num_computed_tokens += num_new
-            commit(request)
+            # Preempted after this step was planned: its K/V are gone, but the token sampled from them is its own.
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens += num_new
+                commit(request)
             prompt_logprobs = self._fresh_prompt_logprobs(request, scored.get(request.request_id)) if scored else None
             if token is None:
                 if prompt_logprobs:
@@ -279,17 +304,20 @@ class Scheduler:
 
     def _plan(self, builder: _StepBuilder) -> SchedulerOutput:
         requests = builder.requests
-        self._planned = requests
-        starts = [r.num_computed_tokens for r in requests]
+        self._planned.append(_Planned(requests, builder.num_new_tokens, builder.samples))
+        starts = [r.num_computed_tokens + r.num_in_flight_tokens for r in requests]
+        token_ids = tuple(
+            _planned_tokens(r, start, n) for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
+        )
+        for request, num_new, samples in zip(requests, builder.num_new_tokens, builder.samples, strict=True):
+            request.num_in_flight_tokens += num_new
+            request.num_pending_samples += samples
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             request_ids=tuple(r.request_id for r in requests),
             num_computed_tokens=tuple(starts),
             num_new_tokens=tuple(builder.num_new_tokens),
-            token_ids=tuple(
-                r.token_slice(start, start + n)
-                for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
-            ),
+            token_ids=token_ids,
             samples=tuple(builder.samples),
             new_requests=tuple(self._new_request(r) for r in requests if r.request_id in builder.admitted),
             new_pages=tuple((rid, grant) for rid, grant in builder.grants.items() if rid not in builder.admitted),
@@ -336,7 +364,11 @@ class Scheduler:
             # Preempted earlier in this loop, to make room for an older request.
             if request.status is not RequestStatus.RUNNING:
                 continue
-            needed = request.num_tokens - request.num_computed_tokens
+            pending = request.num_pending_samples
+            # The token being sampled for it now is its last by length: the result finishes it.
+            if pending and self._ends_by_length(request, pending):
+                continue
+            needed = request.num_tokens + pending - request.num_computed_tokens - request.num_in_flight_tokens
             if needed <= 0:
                 raise RuntimeError(
                     f"running request {request.request_id!r} has nothing to compute: update() must append "
@@ -347,14 +379,21 @@ class Scheduler:
             if grant is not None:
                 builder.add(request, num_new, num_new == needed, grant)
 
+    def _ends_by_length(self, request: Request, pending: int) -> bool:
+        """Whether `pending` tokens still to be applied bring the request to a length stop (see `_stop_reason`)."""
+        return (
+            len(request.output_ids) + pending >= request.params.max_new_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        )
+
     def _reserve_pages(self, request: Request, num_new: int, builder: _StepBuilder) -> PageTables | None:
-        """Allocate pages for `num_new` more tokens, preempting running requests until they fit: the newest, or
-        under the priority policy the lowest-priority one (the latest arrival among equals).
+        """Allocate pages for `num_new` more tokens after those in flight, preempting running requests until they
+        fit: the newest, or under the priority policy the lowest-priority one (the latest arrival among equals).
 
         Returns None when the request had to preempt itself. Terminates: every failed try removes one request
         from `running`, and the request itself is in it.
         """
-        while (grant := self.kv_cache.allocate(request, num_new)) is None:
+        while (grant := self.kv_cache.allocate(request, request.num_in_flight_tokens + num_new)) is None:
             victim = max(self.running, key=priority_key) if self._by_priority else self.running.last()
             self._preempt(victim, builder)
             if victim is request:
@@ -388,6 +427,10 @@ class Scheduler:
             if kv.num_free_pages - 1 < reserve:
                 return
             request = self.waiting.first()
+            # Preempted while a step computed for it, whose result is not applied yet: its tokens are not all
+            # known, so it waits (a step at most) where it is.
+            if request.num_in_flight_tokens:
+                return
             # Its prefix is being computed right now: wait for it (a step or two) and share it, rather than compute
             # it twice. No skipping ahead, so the queue behind it waits too.
             scores_prompt = request.params.prompt_logprobs is not None
@@ -414,6 +457,14 @@ class Scheduler:
             self.running.append(request)
             builder.admitted.add(request.request_id)
             builder.add(request, num_new, num_new == needed, grant)
+
+
+def _planned_tokens(request: Request, start: int, num_new: int) -> list[int]:
+    """Tokens [start, start + num_new) of the request; a position it has not sampled yet is a PLACEHOLDER."""
+    known = request.num_tokens
+    if start + num_new <= known:
+        return request.token_slice(start, start + num_new)
+    return request.token_slice(start, known) + [PLACEHOLDER] * (start + num_new - known)
 
 
 def _delta(

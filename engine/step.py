@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 
 from engine.request import SamplingParams, TokenLogprob
 
+PLACEHOLDER = -1
+"""A token id the scheduler does not know yet: the token the runner samples for this request in the step before
+(async scheduling plans step N+1 before step N's result is back; the runner fills it in from its own state)."""
+
 PageTables = tuple[tuple[int, ...], ...]
 """One request's pages per KV-cache group, in group order (-1: a page its sliding window released)."""
 
@@ -35,7 +39,8 @@ class NewRequest:
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One step, decided. Per scheduled request (packing order): compute `token_ids[i]`, which are the tokens
-    from position `num_computed_tokens[i]` on, and sample after them when `samples[i]`."""
+    from position `num_computed_tokens[i]` on, and sample after them when `samples[i]`. A decode planned while
+    the step before it runs has the one token `PLACEHOLDER`: the token that step samples for the request."""
 
     request_ids: tuple[str, ...] = ()
     num_computed_tokens: tuple[int, ...] = ()

@@ -9,6 +9,7 @@ dynamic row count (what a compiled engine step has) and once specialized to it. 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +20,13 @@ from torch import nn
 
 from engine.models.cpu_linear import PackedLinear
 
-SHAPES = {"qkv": (896, 1152), "o_proj": (896, 896), "gate_up": (896, 9728), "down": (4864, 896), "demo_head": (256, 4096)}
+SHAPES = {
+    "qkv": (896, 1152),
+    "o_proj": (896, 896),
+    "gate_up": (896, 9728),
+    "down": (4864, 896),
+    "demo_head": (256, 4096),
+}
 ROWS = (1, 8, 64, 256)
 
 
@@ -51,7 +58,10 @@ def main() -> None:
             packed = PackedLinear(layer.weight, layer.bias)
             for rows in ROWS:
                 x = torch.randn(rows, k)
-                times = [_seconds(packed, x), _seconds(lambda t: F.linear(t, layer.weight, layer.bias), x)]
+                times = [
+                    _seconds(packed, x),
+                    _seconds(functools.partial(F.linear, weight=layer.weight, bias=layer.bias), x),
+                ]
                 for dynamic in (True, False):
                     torch._dynamo.reset()
                     marked = x.clone()

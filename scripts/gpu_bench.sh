@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU run for a single H200 with no network, in under 10 minutes:
+# One prepared GPU run for an H200 machine with no network, in under 10 minutes (12 with the TP step):
 #   1. the GPU tests (pytest -m gpu);
 #   2. a float32 greedy-equality check of Ferry against transformers on the GPU (Qwen3-0.6B shape, strict);
 #   3. the offline benchmark, bfloat16, Qwen3-0.6B-shaped (static, transformers' continuous batching, Ferry);
-#   4. the offline benchmark, bfloat16, Qwen3-4B-shaped (transformers' continuous batching, Ferry).
+#   4. the offline benchmark, bfloat16, Qwen3-4B-shaped (transformers' continuous batching, Ferry);
+#   5. on a machine with more than one GPU: tensor parallelism, the TP=2 engine step against TP=1 (NCCL).
 # Models are named configs with random weights built locally; nothing is downloaded.
 # Usage: scripts/gpu_bench.sh OUTDIR    (JSON results, logs and the timeline PNG land in OUTDIR)
 # Exit status: 0 when every step passed, 1 when one failed or hit its time limit (the others still run).
@@ -57,6 +58,15 @@ step offline-qwen3-4b 180 "$PY" -m bench offline --model qwen3-4b --weights dumm
     --systems transformers-cb,ferry --num-requests 128 --prompt-len uniform:32:512 \
     --output-len pareto:16:512:1.2 --batch-size 64 --max-batch-tokens 8192 --page-size "$PAGE" \
     --json "$OUT/offline-qwen3-4b.json"
+
+# Tensor parallelism needs a GPU per rank: on a one-GPU machine this step is skipped, not failed.
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$GPUS" -gt 1 ]; then
+    step tp-qwen3-4b 120 "$PY" -m ferry bench tp --model qwen3-4b --tensor-parallel-size 2 --device cuda \
+        --dtype bfloat16 --sizes 1,16,64 --steps 50 --json "$OUT/tp-qwen3-4b.json"
+else
+    echo "=== tp-qwen3-4b: skipped ($GPUS GPU; tensor parallelism needs at least 2)"
+fi
 
 echo "results in $OUT (exit $status)"
 exit "$status"

@@ -120,7 +120,7 @@ class ServerState:
         self.model_names = settings.served_model_name or (Path(engine_config.model).name,)
         """Every name clients may send as `model`; the first is the one responses report."""
         self.model_name = self.model_names[0]
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, engine_config.tensor_parallel_size)
         self.created = int(time.time())
         self.client = EngineClient(
             engine_config,
@@ -267,13 +267,20 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
 
     def model_card(name: str) -> ModelCard:
         serving = state.get_serving()
-        return ModelCard(id=name, created=state.created, max_model_len=serving.max_model_len)
+        tensor_parallel_size = engine_config.tensor_parallel_size
+        return ModelCard(
+            id=name,
+            created=state.created,
+            max_model_len=serving.max_model_len,
+            tensor_parallel_size=tensor_parallel_size if tensor_parallel_size > 1 else None,
+        )
 
-    @app.get("/v1/models", responses=_ERRORS)
+    # A field left None (tensor_parallel_size on one device) is left out, as OpenAI's cards carry no nulls.
+    @app.get("/v1/models", responses=_ERRORS, response_model_exclude_none=True)
     async def list_models() -> ModelList:
         return ModelList(data=[model_card(name) for name in state.model_names])
 
-    @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
+    @app.get("/v1/models/{model_id:path}", responses=_ERRORS, response_model_exclude_none=True)
     async def retrieve_model(model_id: str) -> ModelCard:
         if model_id not in state.model_names:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")

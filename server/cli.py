@@ -89,6 +89,13 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         args.parser.error(str(exc))
 
 
+def _check_parallel_layout(args: argparse.Namespace, config: EngineConfig) -> None:
+    try:
+        config.check_parallel_layout()
+    except ValueError as exc:
+        args.parser.error(str(exc))
+
+
 def build_settings(args: argparse.Namespace) -> ServerSettings:
     from server.model_source import default_served_name
 
@@ -122,8 +129,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from server.logs import configure_logging
 
     engine_config = build_engine_config(args)
+    _check_parallel_layout(args, engine_config)
     settings = resolve_tokenizer(args, build_settings(args))
     configure_logging(settings.log_level, settings.log_format)
+    if engine_config.node_rank > 0:
+        # Another node of a multi-node tensor-parallel run: its ranks only, no HTTP; node 0 serves.
+        from engine.worker import run_node
+
+        return run_node(engine_config)
     lifecycle = Lifecycle(settings.drain_timeout)
     app = create_app(engine_config, settings, lifecycle)
     config = uvicorn.Config(

@@ -9,7 +9,6 @@ changes; on Linux the kernel also kills it with its parent, even in the middle o
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import os
@@ -20,13 +19,12 @@ from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
 from engine.driver import EngineInput, EngineLoop, Shutdown
+from engine.lifetime import die_with_parent
 from server.ipc import EngineFailed, EngineReady
 from server.logs import configure_logging
 from server.settings import LogFormat
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def run_engine_process(
@@ -38,7 +36,7 @@ def run_engine_process(
     log_format: LogFormat,
 ) -> None:
     """Entry point of the spawned process."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     # Ctrl-C and a SIGTERM sent to the whole process group (systemd, `kill -- -pgid`) are the front end's to
     # handle: it drains in-flight requests and then shuts the engine down. Until then the engine keeps going.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -64,6 +62,8 @@ def run_engine_process(
         logger.exception("Engine loop failed")
         _report_failure(outputs)
         sys.exit(1)
+    finally:
+        engine.close()  # stops the tensor-parallel ranks; kills them when their group failed
 
 
 class _PipeInbox:
@@ -80,14 +80,6 @@ class _PipeInbox:
         while len(messages) < limit and self.requests.poll(0):
             messages.append(self.requests.recv())
         return messages
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Have Linux SIGKILL this process when its parent dies (a no-op elsewhere; pipe EOF covers the rest)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before the request above took effect
-        sys.exit(0)
 
 
 def _report_failure(outputs: Connection) -> None:

@@ -38,13 +38,14 @@ SNAPSHOT_SAMPLES = (
     "prefix_cache_hits_total",
     "num_preemptions_total",
     "request_rejected_total",
+    "tensor_parallel_size",
 )
 
 
 class ServerMetrics:
     """The server's own registry (not the process-global one), so apps never collide on metric names."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, tensor_parallel_size: int = 1) -> None:
         self.registry = CollectorRegistry()
         model = ["model_name"]
 
@@ -64,6 +65,8 @@ class ServerMetrics:
         self.num_requests_waiting = gauge("ferry:num_requests_waiting", "Requests waiting for admission.").labels(
             model_name
         )
+        tensor_parallel = gauge("ferry:tensor_parallel_size", "Ranks the model is sharded over (1: one device).")
+        tensor_parallel.labels(model_name).set(tensor_parallel_size)
         self.kv_cache_usage_perc = gauge(
             "ferry:kv_cache_usage_perc", "Fraction of KV-cache pages in use by requests (1 means 100 percent)."
         ).labels(model_name)

@@ -53,14 +53,14 @@ class ServerProcess:
 
     def engine_pid(self) -> int:
         """The spawned engine process (the server's child running multiprocessing's spawn_main)."""
-        for child in _children(self.process.pid):
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            except FileNotFoundError:
-                continue
-            if b"spawn_main" in cmdline:
-                return child
-        raise LookupError(f"no engine process under pid {self.process.pid}")
+        spawned = spawned_children(self.process.pid)
+        if not spawned:
+            raise LookupError(f"no engine process under pid {self.process.pid}")
+        return spawned[0]
+
+    def worker_pids(self) -> list[int]:
+        """The tensor-parallel worker ranks the engine process spawned on this node."""
+        return spawned_children(self.engine_pid())
 
     def stop(self, timeout: float = STOP_TIMEOUT_SECONDS) -> int:
         """SIGTERM (a graceful drain), then SIGKILL if it does not exit in time; returns the exit code."""
@@ -87,6 +87,56 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def spawned_children(pid: int) -> list[int]:
+    """`pid`'s children started by multiprocessing's spawn (the engine process, tensor-parallel workers)."""
+    spawned = []
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            spawned.append(child)
+    return spawned
+
+
+def _serve_command(model_dir: Path | None, port: int, extra_args: tuple[str, ...]) -> list[str]:
+    model_args = [] if model_dir is None else ["--model", str(model_dir)]
+    return [sys.executable, "-m", "ferry", "serve", *model_args, "--host", "127.0.0.1", "--port", str(port),
+            *extra_args]  # fmt: skip
+
+
+def _serve_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment `ferry serve` runs in, with `extra` added. One torch thread: on a shared 2-core machine, two
+    spinning OpenMP threads make a tiny model's step ~30x slower than one."""
+    return {"OMP_NUM_THREADS": "1", **os.environ, **(extra or {}), "PYTHONUNBUFFERED": "1"}
+
+
+@contextmanager
+def node_process(model_dir: Path, *extra_args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`ferry serve --node-rank K ...` for a node other than 0 of a multi-node run (no HTTP, so no readiness to
+    wait for): started, and killed on exit if it is still running; its log is shown when the block fails."""
+    with tempfile.TemporaryDirectory(prefix="ferry-node-") as tmp:
+        log_path = Path(tmp) / "node.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                _serve_command(model_dir, free_port(), extra_args),
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_serve_env(),
+            )
+        try:
+            yield process
+        except BaseException:
+            sys.stderr.write(f"--- node log (tail) ---\n{log_path.read_text(errors='replace')[-20_000:]}\n")
+            raise
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
 @contextmanager
 def server_process(
     model_dir: Path | None, *extra_args: str, env: dict[str, str] | None = None
@@ -96,18 +146,14 @@ def server_process(
     with tempfile.TemporaryDirectory(prefix="ferry-serve-") as tmp:
         log_path = Path(tmp) / "server.log"
         port = free_port()
-        model_args = [] if model_dir is None else ["--model", str(model_dir)]
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "ferry", "serve", *model_args, "--host", "127.0.0.1",
-                 "--port", str(port), *extra_args],
+                _serve_command(model_dir, port, extra_args),
                 cwd=REPO_ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                # One torch thread: on a shared 2-core machine, two spinning OpenMP threads make a tiny model's
-                # step ~30x slower than one.
-                env={"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
-            )  # fmt: skip
+                env=_serve_env(env),
+            )
         server = ServerProcess(process, log_path, port)
         try:
             server.wait_ready()

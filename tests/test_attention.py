@@ -1,4 +1,5 @@
-"""The CPU paged attention backend against attention written out naively in float64, one sequence at a time.
+"""The CPU paged attention backends (torch, and the C++ kernel where it builds) against attention written out
+naively in float64, one sequence at a time.
 
 One packed step holds every kind of sequence: fresh prompts, chunks over cached history, and decodes of many
 lengths (so they fall into several length groups), over shuffled pages, with and without a sliding window
@@ -14,7 +15,8 @@ import pytest
 import torch
 from transformers import PretrainedConfig
 
-from engine.attention import TorchPagedBackend
+from engine.attention import AttentionBackend, CpuPagedBackend, TorchPagedBackend
+from engine.attention.cpu_kernel import KernelUnavailable, load_kernel
 from engine.config import EngineConfig
 from engine.kv_cache import GroupLayout
 from engine.loader import LoadedModel
@@ -88,10 +90,22 @@ def _reference(q, cache, table, computed, new, page_size, window, feature=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
 
 
+def backend_named(name: str) -> AttentionBackend:
+    if name == "torch":
+        return TorchPagedBackend()
+    try:
+        return CpuPagedBackend(load_kernel())
+    except KernelUnavailable as error:
+        pytest.skip(f"the CPU attention kernel does not build here: {error}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("feature", [None, "softcap", "alibi"])
-def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | None, feature: str | None) -> None:
+def test_packed_step_equals_each_sequence_alone(
+    backend: str, page_size: int, window: int | None, feature: str | None
+) -> None:
     rng = random.Random(page_size)
     decodes = [(rng.randint(1, 300), 1) for _ in range(40)]
     shapes = [(0, 37), (0, 5), (90, 30), (17, 64), *decodes, (200, 1), (0, 1)]
@@ -116,7 +130,7 @@ def test_packed_step_equals_each_sequence_alone(page_size: int, window: int | No
 
     softcap = SOFTCAP if feature == "softcap" else None
     slopes = ALIBI_SLOPES if feature == "alibi" else None
-    out = TorchPagedBackend().forward(
+    out = backend_named(backend).forward(
         q, k, v, cache, inputs.meta, DIM**-0.5, window, softcap=softcap, alibi_slopes=slopes
     )
 

@@ -400,6 +400,27 @@ def test_gpu_script_is_valid_bash_and_every_bench_command_parses(tmp_path: Path)
         assert args.bench_command == "offline" and args.json.parent == tmp_path
 
 
+def test_gpu_script_runs_tensor_parallelism_only_with_several_gpus(tmp_path: Path) -> None:
+    """The TP step (`ferry bench tp`, NCCL) parses, and is guarded by the machine's GPU count."""
+    import argparse
+    import shlex
+
+    from bench.cli import add_bench_subcommands
+
+    script = (Path(__file__).parent.parent / "scripts" / "gpu_bench.sh").read_text()
+    text = script.replace("\\\n", " ")
+    (command,) = [line.split('"$PY" -m ferry ', 1)[1] for line in text.splitlines() if '"$PY" -m ferry bench' in line]
+    guard = text[: text.index(command)].rsplit("\nif ", 1)[1]
+    assert guard.startswith('[ "$GPUS" -gt 1 ]') and "GPUS=$(nvidia-smi -L" in text
+    words = shlex.split(command.replace("$OUT", str(tmp_path)))
+    assert words[0] == "bench"
+    parser = argparse.ArgumentParser()
+    add_bench_subcommands(parser)
+    args = parser.parse_args(words[1:])
+    assert args.bench_command == "tp" and args.tensor_parallel_size == 2 and args.device == "cuda"
+    assert args.json.parent == tmp_path
+
+
 def test_matmul_floor_times_every_gemm_of_ferrys_steps(tiny_llama: Path) -> None:
     options = OfflineOptions(
         model=str(tiny_llama),

@@ -47,10 +47,17 @@ def test_the_transformers_adapter_refuses_compiled_levels(
         EngineCore(config)
 
 
-def test_devices_other_than_cpu_refuse_compiled_levels() -> None:
-    check_compile_level("none", native=True, device=torch.device("cuda"))
+def test_devices_other_than_cpu_refuse_compiled_levels(tiny_llama: Path) -> None:
+    cuda = torch.device("cuda")
+    check_compile_level(EngineConfig(model=str(tiny_llama)), native=True, device=cuda)
     with pytest.raises(EngineStartupError, match="--compile full is built and checked for CPU only"):
-        check_compile_level("full", native=True, device=torch.device("cuda"))
+        check_compile_level(EngineConfig(model=str(tiny_llama), compile="full"), native=True, device=cuda)
+
+
+def test_tensor_parallelism_refuses_compiled_levels_before_any_rank_starts(tiny_llama: Path) -> None:
+    config = EngineConfig(model=str(tiny_llama), compile="piecewise", tensor_parallel_size=2, num_blocks=16)
+    with pytest.raises(EngineStartupError, match="--compile piecewise runs on one device: with --tensor-parallel"):
+        EngineCore(config)
 
 
 def test_a_start_up_where_inductor_cannot_build_kernels_is_refused(

@@ -39,9 +39,12 @@ ADAPTER = DEPLOY / "prometheus" / "prometheus-adapter-values.yaml"
 KUBE_VERSIONS = ("1.25.0", "1.37.0")
 # Prometheus Operator kinds: custom resources, for which no Kubernetes schema exists.
 CRD_KINDS = {"ServiceMonitor"}
-# EngineConfig fields the chart does not map to engine.* values: --model is server.model, and
-# --debug-checks is a test aid (extraArgs can still pass it).
-NOT_ENGINE_FLAGS = {"model", "debug_checks"}
+# EngineConfig fields the chart does not map to engine.* values: --model is server.model, --debug-checks is a
+# test aid (extraArgs can still pass it), and the tensor-parallel layout comes from tensorParallel.* and, per pod,
+# from the LeaderWorkerSet (TENSOR_PARALLEL_FLAGS).
+TENSOR_PARALLEL_FLAGS = {"tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"}
+NOT_ENGINE_FLAGS = {"model", "debug_checks", *TENSOR_PARALLEL_FLAGS}
+MULTI_NODE = CHART / "ci" / "multi-node-values.yaml"
 
 
 def _tool(module: str) -> ModuleType:
@@ -269,6 +272,205 @@ def test_chart_flags_are_real_ferry_serve_flags(helm: ModuleType, capsys: pytest
     assert not missing, f"chart emits flags `ferry serve` lacks: {missing}"
 
 
+# --------------------------------------------------------------- tensor parallelism, LeaderWorkerSet, InferencePool
+
+# Custom resources of the LeaderWorkerSet controller, the Gateway API and its Inference Extension: no Kubernetes
+# schema exists for them, so their structure is checked below and their pod templates are validated as Pods.
+CUSTOM_RESOURCES = {
+    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1",
+    "InferencePool": "inference.networking.k8s.io/v1",
+    "HTTPRoute": "gateway.networking.k8s.io/v1",
+}
+
+
+def _multi_node() -> dict[str, Any]:
+    return yaml.safe_load(MULTI_NODE.read_text())
+
+
+def _validate(doc: dict[str, Any]) -> None:
+    kv = _tool("kubernetes_validate")
+    for version in KUBE_VERSIONS:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            pytest.fail(
+                f"{doc['kind']} {doc['metadata'].get('name')} against Kubernetes {version}: {path}: {e.message}"
+            )
+
+
+def _validate_all(docs: list[dict[str, Any]]) -> None:
+    """Every standard object against the Kubernetes schemas; custom resources by their API group, and the pod
+    templates of a LeaderWorkerSet as the Pods they become."""
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_RESOURCES:
+            _validate(doc)
+            continue
+        assert doc["apiVersion"] == CUSTOM_RESOURCES[doc["kind"]], doc["kind"]
+        if doc["kind"] == "LeaderWorkerSet":
+            for role in ("leaderTemplate", "workerTemplate"):
+                template = doc["spec"]["leaderWorkerTemplate"][role]
+                metadata = {"name": role.lower(), **template["metadata"]}
+                _validate({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]})
+
+
+def _named(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == kind}
+
+
+def test_multi_node_chart_lints_clean(helm: ModuleType) -> None:
+    report = helm.lint(str(CHART), _multi_node(), strict=True, kube_version="v" + KUBE_VERSIONS[0])
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+def test_one_pod_tensor_parallel_is_a_deployment(helm: ModuleType) -> None:
+    docs = render(helm, {"tensorParallel": {"size": 4}, "gpu": {"count": 4}})
+    _validate_all(docs)
+    kinds = by_kind(docs)
+    assert "LeaderWorkerSet" not in kinds
+    pod = kinds["Deployment"]["spec"]["template"]["spec"]
+    assert "--tensor-parallel-size=4" in pod["containers"][0]["args"]
+    assert not any(a.startswith("--nnodes") for a in pod["containers"][0]["args"])
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def test_multi_node_renders_a_leader_worker_set(helm: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    values = _multi_node()
+    docs = render(helm, values)
+    _validate_all(docs)
+    (lws,) = _named(docs, "LeaderWorkerSet").values()
+    assert "demo-ferry" not in _named(docs, "Deployment"), "the LeaderWorkerSet replaces the model Deployment"
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == values["tensorParallel"]["nodes"] == 2
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart", "a lost rank restarts its whole group"
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated", "the leader turns ready only once workers joined"
+    assert "replicas" not in lws["spec"], "the HPA owns the replica count"
+    leader, worker = group["leaderTemplate"], group["workerTemplate"]
+    leader_container, worker_container = leader["spec"]["containers"][0], worker["spec"]["containers"][0]
+    for container in (leader_container, worker_container):
+        args = container["args"]
+        for flag in ("--tensor-parallel-size=16", "--nnodes=2", "--node-rank=$(LWS_WORKER_INDEX)",
+                     "--master-addr=$(LWS_LEADER_ADDRESS)", "--master-port=29500"):  # fmt: skip
+            assert flag in args, flag
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 8, "size / nodes GPUs on each pod"
+    # The leader serves and is probed as a one-pod server is; a worker has no HTTP, so no probe to answer.
+    assert leader_container["ports"][0]["name"] == "http"
+    assert leader_container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert leader_container["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert leader_container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert {"ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"}.isdisjoint(worker_container)
+    # A worker outlives the leader's drain: the same grace period.
+    assert worker["spec"]["terminationGracePeriodSeconds"] == leader["spec"]["terminationGracePeriodSeconds"]
+    # The Service (and so the ServiceMonitor and Ingress) reaches leaders only; the PDB covers every pod.
+    service = _named(docs, "Service")["demo-ferry"]
+    selector = service["spec"]["selector"]
+    assert selector.items() <= leader["metadata"]["labels"].items()
+    assert not selector.items() <= worker["metadata"]["labels"].items()
+    pdb = _named(docs, "PodDisruptionBudget")["demo-ferry"]["spec"]["selector"]["matchLabels"]
+    assert pdb.items() <= worker["metadata"]["labels"].items() and pdb.items() <= leader["metadata"]["labels"].items()
+    target = _named(docs, "HorizontalPodAutoscaler")["demo-ferry"]["spec"]["scaleTargetRef"]
+    assert target == {
+        "apiVersion": CUSTOM_RESOURCES["LeaderWorkerSet"],
+        "kind": "LeaderWorkerSet",
+        "name": "demo-ferry",
+    }
+    help_text = _serve_help(capsys)
+    for flag in {a.split("=")[0] for a in leader_container["args"]}:
+        assert re.search(re.escape(flag) + r"\b", help_text), f"{flag} is no `ferry serve` flag"
+
+
+def test_every_tensor_parallel_option_is_a_chart_flag(helm: ModuleType) -> None:
+    (lws,) = _named(render(helm, _multi_node()), "LeaderWorkerSet").values()
+    args = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["args"]
+    assert {a.split("=")[0] for a in args} >= {_kebab_flag(f) for f in TENSOR_PARALLEL_FLAGS}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"tensorParallel": {"size": 4, "nodes": 3}},
+        {"tensorParallel": {"size": 4, "nodes": 2}, "gpu": {"count": 4}},
+        {"tensorParallel": {"size": 2}},  # one GPU (gpu.count's default) for two ranks
+        {"tensorParallel": {"size": 2, "sise": 3}},
+        {"inferencePool": {"enabled": True, "endpointPicker": {"failureMode": "FailSometimes"}}},
+    ],
+    ids=["nodes-do-not-divide", "gpus-not-size-over-nodes", "gpus-fewer-than-ranks", "typo", "bad-failure-mode"],
+)
+def test_chart_rejects_bad_parallel_values(helm: ModuleType, values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError):
+        render(helm, values)
+
+
+def test_inference_pool_is_off_by_default(helm: ModuleType) -> None:
+    kinds = {doc["kind"] for doc in render(helm, None)}
+    assert kinds.isdisjoint({"InferencePool", "HTTPRoute", "ConfigMap", "Role"})
+
+
+@pytest.mark.parametrize("layout", ["deployment", "leader-worker-set"])
+def test_inference_pool_routes_to_the_serving_pods_on_ferry_metrics(helm: ModuleType, layout: str) -> None:
+    from server.metrics import ServerMetrics
+
+    values = _multi_node() if layout == "leader-worker-set" else {"inferencePool": {"enabled": True}}
+    docs = render(helm, values)
+    _validate_all(docs)
+    (pool,) = _named(docs, "InferencePool").values()
+    if layout == "leader-worker-set":
+        (lws,) = _named(docs, "LeaderWorkerSet").values()
+        serving = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+        others = [lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]]
+    else:
+        serving = _named(docs, "Deployment")["demo-ferry"]["spec"]["template"]
+        others = []
+    epp = _named(docs, "Deployment")["demo-ferry-epp"]
+    others.append(epp["spec"]["template"])
+    selector = pool["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= serving["metadata"]["labels"].items()
+    for template in others:
+        assert not selector.items() <= template["metadata"]["labels"].items(), "only pods that serve HTTP"
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [
+        serving["spec"]["containers"][0]["ports"][0]["containerPort"]
+    ]
+    # The pool names the picker's Service and its ext-proc port; the model Service never selects picker pods.
+    picker_ref = pool["spec"]["endpointPickerRef"]
+    picker_service = _named(docs, "Service")[picker_ref["name"]]
+    assert picker_ref["port"]["number"] in [p["port"] for p in picker_service["spec"]["ports"]]
+    assert picker_service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    model_selector = _named(docs, "Service")["demo-ferry"]["spec"]["selector"]
+    assert not model_selector.items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    # The picker reads Ferry's own metric names, which /metrics really exports, and its pool by name.
+    args = dict(a.split("=", 1) for a in epp["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args["--pool-name"] == pool["metadata"]["name"] and args["--pool-namespace"] == "llm"
+    exported = ServerMetrics("m").render().decode()
+    for flag in ("--total-queued-requests-metric", "--kv-cache-usage-percentage-metric"):
+        assert args[flag].startswith("ferry:") and f"\n{args[flag]}{{" in exported, flag
+    config_map = _named(docs, "ConfigMap")["demo-ferry-epp"]
+    config = yaml.safe_load(config_map["data"][args["--config-file"].rsplit("/", 1)[1]])
+    plugins = {p["type"] for p in config["plugins"]}
+    assert plugins == {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"}
+    assert {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]} == plugins
+    volumes = epp["spec"]["template"]["spec"]["volumes"]
+    assert volumes[0]["configMap"]["name"] == config_map["metadata"]["name"]
+    # The picker's service account may watch the pods and the pool.
+    account = epp["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = _named(docs, "RoleBinding")[account]
+    assert binding["subjects"][0]["name"] == account and binding["roleRef"]["name"] in _named(docs, "Role")
+    rules = _named(docs, "Role")[binding["roleRef"]["name"]]["rules"]
+    assert {r for rule in rules for r in rule["resources"]} >= {"pods", "inferencepools"}
+    routes = _named(docs, "HTTPRoute")
+    if layout == "leader-worker-set":
+        (route,) = routes.values()
+        backend = route["spec"]["rules"][0]["backendRefs"][0]
+        assert backend == {
+            "group": "inference.networking.k8s.io",
+            "kind": "InferencePool",
+            "name": pool["metadata"]["name"],
+        }
+        assert route["spec"]["parentRefs"] == values["inferencePool"]["httpRoute"]["parentRefs"]
+    else:
+        assert not routes, "no HTTPRoute without a Gateway to attach it to"
+
+
 # ------------------------------------------------------------------------------------------ Dockerfile
 
 
@@ -424,6 +626,8 @@ CPU_ENGINE_VALUES = {
     "modelImpl": "auto",
     "compile": "none",
     "cpuThreads": 1,
+    "asyncScheduling": True,
+    "distributedTimeout": 60,
 }
 CPU_SERVER_VALUES = {
     "servedModelName": "ferry-deploy-test",

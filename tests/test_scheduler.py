@@ -15,7 +15,7 @@ from engine.kv_cache import GroupLayout, KVCacheManager
 from engine.page_pool import PagePool
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import PriorityRequestQueue, RequestQueue, Scheduler
-from engine.step import ModelRunnerOutput, SchedulerOutput
+from engine.step import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 
 _fresh_bases = itertools.count(1)
 
@@ -906,3 +906,186 @@ def test_a_preempted_request_returns_ahead_of_later_arrivals_of_its_priority() -
     assert q.remove("early") is early and q.remove("early") is None
     assert "late" in q and early not in q and len(q) == 2
     assert q.popleft() is urgent and q.first() is late is q.last()
+
+
+# -- async scheduling: plans one step ahead of results ------------------------------------------------------------
+
+
+class LaggingRunner:
+    """A simulated runner one step behind the scheduler, as under async scheduling: it keeps each sequence's
+    tokens from its own samples, fills PLACEHOLDERs from them, and checks every K/V slot it reads was written for
+    the same prefix (a slot holds the whole prefix it was computed for)."""
+
+    def __init__(self, scheduler: Scheduler, requests: dict[str, Request]) -> None:
+        self.scheduler = scheduler
+        self.requests = requests
+        self.seqs: dict[str, list[int]] = {}
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.tables: dict[str, list[int]] = {}
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in (*plan.preempted_ids, *plan.finished_ids):
+            self.seqs.pop(request_id, None)
+            self.tables.pop(request_id, None)
+        for new in plan.new_requests:
+            self.seqs[new.request_id] = [*new.prompt_ids, *new.output_ids]
+            self.tables[new.request_id] = list(new.page_tables[0])
+        for request_id, grant in plan.new_pages:
+            self.tables[request_id] += grant[0]
+        ps = self.scheduler.kv_cache.pools[0].page_size
+        tokens = []
+        for i, request_id in enumerate(plan.request_ids):
+            seq, pages = self.seqs[request_id], self.tables[request_id]
+            start, n = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+            planned_ids = [seq[start + k] if t == PLACEHOLDER else t for k, t in enumerate(plan.token_ids[i])]
+            assert planned_ids == seq[start : start + n], f"{request_id}: the plan's tokens are not the sequence's"
+            for pos in range(start):
+                if pages[pos // ps] >= 0:
+                    assert self.slots.get((pages[pos // ps], pos % ps)) == tuple(seq[: pos + 1]), (
+                        f"{request_id}: wrong K/V at position {pos}"
+                    )
+            for pos in range(start, start + n):
+                self.slots[(pages[pos // ps], pos % ps)] = tuple(seq[: pos + 1])
+            if plan.samples[i]:
+                token = 3 + (seq[-1] * 31 + len(seq)) % 7  # next_token() of the runner's own sequence
+                seq.append(token)
+                tokens.append(token)
+        return result(*tokens)
+
+
+def expected_output(prompt: list[int], max_new_tokens: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(max_new_tokens):
+        seq.append(3 + (seq[-1] * 31 + len(seq)) % 7)
+    return seq[len(prompt) :]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 2, 4, 16]),
+    cache_tokens=st.integers(16, 64),
+    max_batch_tokens=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 6),
+    policy=st.sampled_from(["fifo", "prefill_first"]),
+    caching=st.booleans(),
+    burst=st.lists(new_request, min_size=3, max_size=8),
+    operations=st.lists(operation, max_size=30),
+)
+def test_planning_one_step_ahead_keeps_invariants_and_outputs(
+    page_size: int,
+    cache_tokens: int,
+    max_batch_tokens: int,
+    max_num_seqs: int,
+    policy: str,
+    caching: bool,
+    burst: list[tuple],
+    operations: list[tuple],
+) -> None:
+    """Each step is planned before the result of the one before it is applied: every request still ends with
+    exactly the tokens it gets planned one step at a time, every K/V read was written for the same prefix, and
+    every page comes back."""
+    s = make_scheduler(
+        -(-cache_tokens // page_size),
+        page_size,
+        caching=caching,
+        max_batch_tokens=max_batch_tokens,
+        max_num_seqs=max_num_seqs,
+        scheduler_policy=policy,
+    )
+    by_id: dict[str, Request] = {}
+    runner = LaggingRunner(s, by_id)
+    submitted: list[Request] = []
+    aborted: set[str] = set()
+    in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+
+    def run_step() -> None:
+        plan = s.schedule()
+        for request_id, n in zip(plan.request_ids, plan.num_new_tokens, strict=True):
+            assert by_id[request_id].status is RequestStatus.RUNNING and n >= 1
+        assert plan.num_tokens <= max_batch_tokens
+        if in_flight:
+            s.update(*in_flight.pop())
+        in_flight.append((plan, runner.execute(plan)))
+        s.kv_cache.check_invariants()
+
+    for op in [*burst, *operations]:
+        if op[0] in ("add", "follow_up", "repeat"):
+            _, which, suffix, max_new = op
+            if op[0] == "add":
+                prompt = PREFIXES[which] + suffix
+            elif not submitted:
+                continue
+            elif op[0] == "follow_up":
+                prompt = submitted[which % len(submitted)].all_token_ids + suffix
+            else:
+                prompt = list(submitted[which % len(submitted)].prompt_ids)
+            if not prompt or not s.kv_cache.fits(len(prompt) + max_new):
+                continue
+            request = make_request(f"r{len(submitted)}", prompt, max_new_tokens=max_new)
+            s.add(request)
+            submitted.append(request)
+            by_id[request.request_id] = request
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                run_step()
+        elif submitted:
+            victim = submitted[op[1] % len(submitted)]
+            if s.abort(victim.request_id):
+                aborted.add(victim.request_id)
+
+    for _ in range(5_000):
+        if not s.has_unfinished:
+            break
+        run_step()
+    assert not s.has_unfinished, "requests left unfinished: deadlock or starvation"
+    if in_flight:
+        s.update(*in_flight.pop())
+    target(float(s.num_preemptions), label="preemptions")
+    for request in submitted:
+        assert request.finished
+        assert request.num_in_flight_tokens == 0 and request.num_pending_samples == 0
+        if request.request_id not in aborted:
+            assert request.finish_reason is FinishReason.LENGTH
+            assert request.output_ids == expected_output(request.prompt_ids, request.params.max_new_tokens)
+    assert s.kv_cache.num_free_pages == s.kv_cache.num_pages
+    s.kv_cache.check_invariants()
+
+
+def test_a_decode_planned_ahead_is_a_placeholder_and_a_stop_drops_one_token() -> None:
+    s = make_scheduler()
+    r = make_request("r", 3, max_new_tokens=10)
+    s.add(r)
+    prefill = s.schedule()
+    decode = s.schedule()  # planned while the prefill runs
+    assert planned(decode) == [("r", 1)]
+    assert decode.num_computed_tokens == (3,) and list(decode.token_ids[0]) == [PLACEHOLDER]
+    s.update(prefill, result(2))  # EOS: r stops; the decode planned after it computes a token for nothing
+    assert r.finished and r.output_ids == [2]
+    assert s.update(decode, result(5)) == []
+    assert r.output_ids == [2]
+    assert s.schedule().finished_ids == ("r",)
+
+
+def test_a_request_whose_pending_token_is_its_last_gets_no_step_ahead() -> None:
+    s = make_scheduler()
+    r = make_request("r", 3, max_new_tokens=1)
+    s.add(r)
+    prefill = s.schedule()
+    assert s.schedule().request_ids == ()
+    s.update(prefill, result(7))
+    assert r.finish_reason is FinishReason.LENGTH and r.output_ids == [7]
+
+
+def test_a_request_preempted_while_its_step_runs_keeps_the_token_it_sampled() -> None:
+    s = make_scheduler(num_pages=3, page_size=4, max_batch_tokens=64)
+    old, new = make_request("old", 4, max_new_tokens=8), make_request("new", 7, max_new_tokens=8)
+    s.add(old)
+    s.add(new)
+    first = s.schedule()  # both prefill: 1 + 2 of the 3 pages
+    assert planned(first) == [("old", 4), ("new", 7)]
+    second = s.schedule()  # old's decode needs a second page: the newest request gives its pages back
+    assert second.preempted_ids == ("new",) and planned(second) == [("old", 1)]
+    s.update(first, result(5, 6))
+    assert new.status is RequestStatus.WAITING and new.output_ids == [6] and new.num_computed_tokens == 0
+    s.update(second, result(4))
+    assert old.output_ids == [5, 4]

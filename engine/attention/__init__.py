@@ -7,25 +7,33 @@ sequence's pages, block-diagonal and causal, so packing is exactly running each 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 from engine.attention.base import AttentionBackend, StepMetadata
+from engine.attention.cpu_kernel import KernelUnavailable, load_kernel
+from engine.attention.cpu_paged import CPU_DTYPES, CpuPagedBackend
 from engine.attention.torch_paged import TorchPagedBackend
 
-__all__ = ["AttentionBackend", "StepMetadata", "TorchPagedBackend", "select_backend"]
+__all__ = ["AttentionBackend", "CpuPagedBackend", "StepMetadata", "TorchPagedBackend", "select_backend"]
 
 logger = logging.getLogger(__name__)
 
 
 def select_backend(name: str, device_type: str, page_size: int, dtype: torch.dtype) -> AttentionBackend:
-    """`auto` takes flash-attn on CUDA when it is installed and the page size and dtype suit it, else plain torch.
+    """`auto` takes the C++ kernel on CPU when it builds here (else plain torch, with one warning), and on CUDA
+    flash-attn when it is installed and the page size and dtype suit it, else plain torch.
 
-    flash-attn computes in float16 and bfloat16 only: asking for it with another dtype is refused here, when the
-    backend is chosen, not at the first request.
+    flash-attn computes in float16 and bfloat16 only, and the CPU kernel on CPU only: asking for either where it
+    cannot run is refused here, when the backend is chosen, not at the first request.
     """
-    if name == "torch" or (name == "auto" and device_type != "cuda"):
+    if name == "torch":
+        return TorchPagedBackend()
+    if name == "cpu" or (name == "auto" and device_type == "cpu"):
+        return _cpu_backend(name, device_type, dtype)
+    if name == "auto" and device_type != "cuda":
         return TorchPagedBackend()
     from engine.attention.flash import FLASH_DTYPES, FlashBackend, flash_available
 
@@ -50,3 +58,29 @@ def select_backend(name: str, device_type: str, page_size: int, dtype: torch.dty
         256,
     )
     return TorchPagedBackend()
+
+
+def _cpu_backend(name: str, device_type: str, dtype: torch.dtype) -> AttentionBackend:
+    if device_type != "cpu" or dtype not in CPU_DTYPES:
+        if name == "cpu":
+            raise ValueError(
+                f"attention_backend='cpu' runs on the CPU in float32, bfloat16 or float16, not {device_type} {dtype}"
+            )
+        return TorchPagedBackend()
+    try:
+        return CpuPagedBackend(load_kernel())
+    except KernelUnavailable as error:
+        if name == "cpu":
+            raise ValueError(f"attention_backend='cpu': the kernel does not build here: {error}") from error
+        _warn_fallback(str(error))
+        return TorchPagedBackend()
+
+
+@functools.cache
+def _warn_fallback(error: str) -> None:
+    """Once per process: every engine a process builds would otherwise repeat it."""
+    logger.warning(
+        "the CPU attention kernel does not build here (%s): using the torch backend, which copies each sequence's "
+        "pages every step",
+        error,
+    )

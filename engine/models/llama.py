@@ -7,6 +7,11 @@ paged backend, and no mask building per step. The maths (and so greedy output) i
 The decoder (`Backbone.forward`, and each `DecoderLayer`) takes and returns tensors only: a layer's attention
 finds the step's metadata through `engine/attention/graph_op.py`, so `engine/compile.py` can compile a layer, or
 the whole decoder, into a graph that does not change from step to step.
+
+With tensor parallelism (`tp`) each rank builds its shard, Megatron-style: QKV and gate/up are column-parallel
+(this rank's attention heads, KV heads and MLP columns), o and down row-parallel with one all-reduce each, the
+embedding and the LM head vocab-parallel (the logits of the sampling rows are gathered on rank 0 only). With fewer
+KV heads than ranks each KV head is replicated on the ranks whose query heads read it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.attention import AttentionBackend, StepMetadata
 from engine.attention.graph_op import attention_step, paged_attention
+from engine.config import EngineStartupError
+from engine.parallel import TensorParallel
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 
@@ -58,12 +65,33 @@ def sliding_window_of_layer(config: PretrainedConfig, layer: int) -> int | None:
     return window
 
 
+def check_tensor_parallel(config: PretrainedConfig, size: int) -> None:
+    """Raise EngineStartupError, saying why, when `config`'s model cannot be split over `size` ranks exactly."""
+    heads, kv_heads, width = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    problems = []
+    if heads % size:
+        problems.append(f"its {heads} attention heads do not divide by {size}")
+    if kv_heads % size and size % kv_heads:
+        problems.append(f"its {kv_heads} KV heads neither divide by {size} nor divide {size} (for replication)")
+    if width % size:
+        problems.append(f"its MLP width {width} does not divide by {size}")
+    if problems:
+        raise EngineStartupError(
+            f"this {config.model_type} model cannot be split over --tensor-parallel-size {size}: " + "; ".join(problems)
+        )
+
+
+def _ranks(tp: TensorParallel | None) -> int:
+    return 1 if tp is None else tp.size
+
+
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # This rank's heads; a KV head shared by more ranks than there are KV heads is replicated on each.
+        self.num_heads = config.num_attention_heads // _ranks(tp)
+        self.num_kv_heads = max(1, config.num_key_value_heads // _ranks(tp))
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
@@ -77,6 +105,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window_of_layer(config, layer)
         self.layer = layer
+        self.tp = tp
 
     def forward(
         self,
@@ -95,27 +124,48 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = paged_attention(q, k, v, kv_cache, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        out = self.o_proj(out.reshape(tokens, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate = config.intermediate_size
+        self.intermediate = config.intermediate_size // _ranks(tp)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table (`vocab_per_rank` from `start`, the last rank's padded with zeros):
+    a token another rank holds embeds as zeros here, and the all-reduce adds up each token's one real row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.vocab_per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.vocab_per_rank
+        self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size))
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        elsewhere = (local < 0) | (local >= self.vocab_per_rank)
+        hidden = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(-1), 0.0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,10 +177,14 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if tp is None
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -148,15 +202,26 @@ class Backbone(nn.Module):
 
 
 class LlamaFamilyForCausalLM(nn.Module):
-    """Packed-row causal LM: `forward` takes `[T]` token ids and positions and returns `[T, hidden]`."""
+    """Packed-row causal LM: `forward` takes `[T]` token ids and positions and returns `[T, hidden]`; with `tp`,
+    this rank's shard of it."""
 
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
+        if tp is not None:
+            check_tensor_parallel(config, tp.size)
         self.config = config
+        self.tp = tp
         self.backend = backend
-        self.model = Backbone(config)
+        self.model = Backbone(config, tp)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.vocab_per_rank = -(-config.vocab_size // _ranks(tp))
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab_per_rank, bias=False)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_positions = max_positions
@@ -164,7 +229,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        """This rank's KV heads: what its KV cache holds."""
         self.head_dim = self.model.layers[0].self_attn.head_dim
         self.sliding_windows = [layer.self_attn.sliding_window for layer in self.model.layers]
 
@@ -184,14 +250,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
+        tp: TensorParallel | None = None,
     ) -> LlamaFamilyForCausalLM:
-        """The model with uninitialised parameters of `dtype` on `device`, for weights to be loaded into.
+        """The model (with `tp`, this rank's shard of it) with uninitialised parameters of `dtype` on `device`, for
+        weights to be loaded into.
 
         Built on the meta device first: nothing is initialised only to be overwritten, and no float32 copy of the
         parameters ever exists. The rotary tables, which are computed rather than loaded, are filled in.
         """
         with torch.device("meta"):
-            model = cls(config, backend, max_positions)
+            model = cls(config, backend, max_positions, tp)
         model = model.to(dtype).to_empty(device=device)
         if model.tied:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -212,8 +280,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         with attention_step(self.backend, dict(zip(self.sliding_windows, layer_metas, strict=True))):
             return self.model(input_ids, cos, sin, kv_caches)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others), the
+        ranks' vocabulary parts gathered side by side (padded past the real vocabulary)."""
+        if self.tp is None:
+            return self.lm_head(hidden).float()
+        logits = self.tp.gather_columns(self.lm_head(hidden))
+        return None if logits is None else logits.float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -230,6 +303,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the native {self.config.model_type}")
             param = params[name]
+            tensor = self._rank_part(name, shard, tensor)
             if shard is None:
                 param.copy_(tensor)
             else:
@@ -239,10 +313,38 @@ class LlamaFamilyForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)}")
 
+    def _rank_part(self, name: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of checkpoint tensor `tensor` this rank holds (all of it without tensor parallelism). `name` is
+        its parameter's name, and for a part of a fused parameter `shard` says which (q, k, v or gate, up)."""
+        tp = self.tp
+        if tp is None:
+            return tensor
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        if ".qkv_proj." in name:
+            if shard == 0:  # q: this rank's heads
+                return tensor.narrow(0, tp.rank * attn.q_size, attn.q_size)
+            # k or v: this rank's KV heads; with fewer KV heads than ranks, the one its query heads read.
+            first_head = tp.rank * self.config.num_key_value_heads // tp.size
+            return tensor.narrow(0, first_head * attn.head_dim, attn.kv_size)
+        if ".gate_up_proj." in name:
+            return tensor.narrow(0, tp.rank * mlp.intermediate, mlp.intermediate)
+        if name.endswith((".o_proj.weight", ".down_proj.weight")):
+            width = tensor.shape[1] // tp.size
+            return tensor.narrow(1, tp.rank * width, width)
+        if name.endswith((".o_proj.bias", ".down_proj.bias")):
+            # Added once to the sum the all-reduce forms: rank 0 holds the bias, the other ranks zeros.
+            return tensor if tp.is_driver else torch.zeros_like(tensor)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = tensor[tp.rank * self.vocab_per_rank : (tp.rank + 1) * self.vocab_per_rank]
+            part = tensor.new_zeros(self.vocab_per_rank, tensor.shape[1])
+            part[: rows.shape[0]] = rows
+            return part
+        return tensor
+
     def _shard_range(self, name: str, shard: int) -> tuple[int, int]:
         if ".qkv_proj." in name:
             attn = self.model.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [self.model.layers[0].mlp.intermediate] * 2
         return sum(sizes[:shard]), sizes[shard]

@@ -663,6 +663,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "ferry"
     max_model_len: int
+    tensor_parallel_size: int | None = None
+    """Ranks the model is sharded over, when it is (the field is absent for a model on one device)."""
 
 
 class ModelList(BaseModel):

@@ -75,3 +75,63 @@ printed as integers: Helm reads every YAML number as a float, and 10485760 would
 {{- int64 $grace }}
 {{- end }}
 {{- end }}
+
+{{/*
+Tensor parallelism: checks the layout and says how many pods one model spans (1 unless tensorParallel.nodes > 1,
+which renders a LeaderWorkerSet instead of the Deployment).
+*/}}
+{{- define "ferry.tensorParallelNodes" -}}
+{{- $tp := .Values.tensorParallel }}
+{{- $size := int64 $tp.size }}
+{{- $nodes := int64 $tp.nodes }}
+{{- if mod $size $nodes }}
+{{- fail (printf "tensorParallel.nodes (%d) must divide tensorParallel.size (%d): every pod runs as many ranks" $nodes $size) }}
+{{- end }}
+{{- $perPod := div $size $nodes }}
+{{- $gpus := int64 .Values.gpu.count }}
+{{- if and (gt $size 1) (gt $gpus 0) (ne $gpus $perPod) }}
+{{- fail (printf "gpu.count (%d) must be tensorParallel.size / tensorParallel.nodes (%d): one GPU per rank on each pod (0 runs the ranks on CPUs)" $gpus $perPod) }}
+{{- end }}
+{{- $nodes }}
+{{- end }}
+
+{{/* The pods that serve HTTP: every pod, or with a LeaderWorkerSet its leaders only. */}}
+{{- define "ferry.servingSelectorLabels" -}}
+{{ include "ferry.selectorLabels" . }}
+{{- if gt (int64 (include "ferry.tensorParallelNodes" .)) 1 }}
+app.kubernetes.io/component: leader
+{{- end }}
+{{- end }}
+
+{{/* The workload the HPA scales: the Deployment, or the LeaderWorkerSet (one replica: one group of pods). */}}
+{{- define "ferry.scaleTarget" -}}
+{{- if gt (int64 (include "ferry.tensorParallelNodes" .)) 1 }}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+{{- else }}
+apiVersion: apps/v1
+kind: Deployment
+{{- end }}
+name: {{ include "ferry.fullname" . }}
+{{- end }}
+
+{{/* `ferry serve` arguments of the tensor-parallel layout; the LeaderWorkerSet gives each pod its index and the
+leader's address in LWS_WORKER_INDEX and LWS_LEADER_ADDRESS (the leader's index is 0). */}}
+{{- define "ferry.tensorParallelArgs" -}}
+{{- $tp := .Values.tensorParallel }}
+{{- if gt (int64 $tp.size) 1 }}
+- {{ printf "--tensor-parallel-size=%d" (int64 $tp.size) | quote }}
+{{- end }}
+{{- if gt (int64 $tp.nodes) 1 }}
+- {{ printf "--nnodes=%d" (int64 $tp.nodes) | quote }}
+- "--node-rank=$(LWS_WORKER_INDEX)"
+- "--master-addr=$(LWS_LEADER_ADDRESS)"
+- {{ printf "--master-port=%d" (int64 $tp.masterPort) | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The endpoint picker's pods: a name of their own, so no selector of the model pods ever matches them. */}}
+{{- define "ferry.endpointPickerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "ferry.name" . }}-epp
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
