@@ -7,18 +7,22 @@ start-up warm-up that compiles every graph a step can need.
   compiles once whatever the depth (once per distinct sliding window).
 - `full`: the whole decoder in one graph: embedding, every layer, final norm.
 
-In both, paged attention is the opaque op `ferry::paged_attention` (engine/attention/graph_op.py) and oneDNN-packed
+In both, paged attention is the opaque op `ferry::layer_attention` (engine/attention/graph_op.py) and oneDNN-packed
 linears are `ferry::packed_linear` (engine/models/cpu_linear.py); what inductor generates is the rest: norms,
 rotary, residuals, activations, fused into C++ loops. The rotary lookup, LM head and sampling stay eager.
 
 The token dimension is dynamic (dynamo's automatic dynamic shapes: a second size makes it symbolic; a one-token
 step gets its own graph, since dynamo specializes sizes 0 and 1), so ragged steps do not recompile: the warm-up
-runs steps of 16, 2 and 1 tokens at start-up and later steps reuse those graphs. Inductor's output is kept by
+runs steps of 1, 2 and 16 tokens at start-up and later steps reuse those graphs. Inductor's output is kept by
 torch's FX graph cache (under `TORCHINDUCTOR_CACHE_DIR`), so a restart skips code generation and the C++ compiler;
 dynamo still traces.
 
 `fullgraph=True`: whatever dynamo cannot trace fails the start-up instead of running partly eager, and so does
 going past the recompile limit (which would otherwise fall back to eager).
+
+Only the native modules on one CPU compile: the transformers adapter's models reach attention through
+transformers' own code, a GPU would need its own kernels checked, and tensor-parallel ranks step together, which
+a warm-up on one rank would break.
 """
 
 from __future__ import annotations

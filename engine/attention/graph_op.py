@@ -1,7 +1,7 @@
 """The step's paged attention as one opaque operator, so that `torch.compile` graphs hold it without tracing it.
 
 A backend's `forward` cannot be traced: it reads host lists from the step's metadata, builds its plan in Python
-and caches it per step. Inside a compiled graph a layer's attention is therefore `ferry::paged_attention`, an op
+and caches it per step. Inside a compiled graph a layer's attention is therefore `ferry::layer_attention`, an op
 registered with `torch.library` whose arguments are tensors and constants only (it declares that it writes the K/V
 caches, which inductor then passes in place); dynamo records it as one node, its fake implementation giving the
 output's shape, and inductor calls it as an external kernel.
@@ -73,13 +73,13 @@ def _attend(
 _LIBRARY = torch.library.Library("ferry", "FRAGMENT")
 # A plain library definition, not `torch.library.custom_op`: its dispatch costs a third as much per call.
 _LIBRARY.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "layer_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "float scale, int? sliding_window) -> Tensor"
 )
-_LIBRARY.impl("paged_attention", _attend, "CompositeExplicitAutograd")
+_LIBRARY.impl("layer_attention", _attend, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("ferry::paged_attention", lib=_LIBRARY)
+@torch.library.register_fake("ferry::layer_attention", lib=_LIBRARY)
 def _(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -102,5 +102,5 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     """Write the step's K/V into `kv_cache` and attend over each sequence's pages (the active step's backend)."""
     if torch.compiler.is_compiling():
-        return torch.ops.ferry.paged_attention(query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window)
+        return torch.ops.ferry.layer_attention(query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window)
     return _attend(query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window)
