@@ -48,7 +48,8 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
     HOME=/home/ferry
 # A fixed high UID that matches the Helm chart's securityContext and no host user. g++: the CPU attention
-# kernel is C++ that torch's extension tooling compiles for the CPU it finds (engine/attention/cpu_kernel.py).
+# kernel is C++ that torch's extension tooling compiles for the CPU it finds (engine/attention/cpu_kernel.py),
+# and `--compile` levels other than none have inductor build C++ kernels at start-up.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -105,8 +106,8 @@ RUN pip install "/src[gpu]"
 
 # ---------------------------------------------------------------------------------------------------
 # GPU runtime (the default target). Needs the NVIDIA container toolkit: `docker run --gpus all`.
-# No compiler here: nothing in Ferry JIT-compiles today. Should it adopt torch.compile or Triton
-# kernels, add gcc and python3-dev (Triton builds a small C launcher on first use).
+# No compiler here: nothing in Ferry JIT-compiles on a GPU today (`--compile` is refused on CUDA). Should it
+# adopt torch.compile or Triton kernels there, add gcc and python3-dev (Triton builds a small C launcher on first use).
 FROM ${CUDA_IMAGE} AS gpu
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

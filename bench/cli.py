@@ -10,8 +10,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import get_args
 
 from bench.workload import LengthDist, WorkloadSpec
+from engine.config import CompileLevel
 
 LENGTH_HELP = "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX | pareto:LO:MAX[:ALPHA]"
 
@@ -100,6 +102,7 @@ def _offline(args: argparse.Namespace) -> int:
         profile=args.profile,
         vllm_python=args.vllm_python,
         threads=args.threads,
+        compile=args.compile,
     )
     try:
         report = run_offline(options)
@@ -259,6 +262,12 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         help="timed runs per system (and floor replays); the median is reported, each one kept in the JSON",
     )
     offline.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    offline.add_argument(
+        "--compile",
+        choices=get_args(CompileLevel),
+        default="none",
+        help="Ferry's --compile level (its start-up, compilation included, is reported)",
+    )
     offline.add_argument("--json", type=Path, default=None, help="write every figure and per-request trace here")
     offline.add_argument("--plot", type=Path, default=None, help="timeline PNG: static vs continuous batching")
     offline.add_argument(

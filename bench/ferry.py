@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from bench.models import BenchModel
 from bench.results import RequestTrace, SystemRun
 from bench.workload import Workload
+from engine.config import CompileLevel
 
 if TYPE_CHECKING:
     from engine import EngineCore
@@ -41,6 +42,7 @@ def build_engine(
     page_size: int,
     attention_backend: str = "auto",
     async_scheduling: bool = False,
+    compile: CompileLevel = "none",
 ) -> EngineCore:
     from engine import EngineConfig, EngineCore
 
@@ -57,6 +59,7 @@ def build_engine(
         max_queue_size=0,
         cpu_threads=None,  # every system runs with the thread count --threads set
         async_scheduling=async_scheduling,
+        compile=compile,
     )
     return EngineCore(config)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -23,6 +24,7 @@ from bench.report import fmt, format_table, stamp
 from bench.results import SystemRun
 from bench.vllm_baseline import run_vllm, vllm_missing
 from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
+from engine.config import CompileLevel
 
 if TYPE_CHECKING:
     from engine import EngineCore
@@ -67,6 +69,8 @@ class OfflineOptions:
     """The Python of an environment with vLLM installed, for the `vllm` system (skipped, with a note, without)."""
     threads: int | None = None
     """CPU threads every system runs with (vLLM's are bound to the first cores)."""
+    compile: CompileLevel = "none"
+    """Ferry's `--compile` level; its start-up (compilation included) is timed and reported."""
 
 
 def _warmup_workload(spec: WorkloadSpec, batch_size: int, vocab_size: int) -> Workload:
@@ -187,6 +191,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 )
                 runs.append(_median_run(vllm_runs, options.check))
         if "ferry" in options.systems:
+            started = time.perf_counter()
             engine = build_engine(
                 model,
                 workload,
@@ -195,13 +200,16 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 page_size=options.page_size,
                 attention_backend=options.attention_backend,
                 async_scheduling=options.async_scheduling,
+                compile=options.compile,
             )
+            startup_seconds = time.perf_counter() - started
             if options.warmup:
                 run_ferry(engine, warm)
             # Scheduling is deterministic, so every repeat runs the same steps: the first one's shapes serve.
             first, shapes = run_ferry(engine, workload, record_shapes=options.floor or options.matmul_floor)
             ferry_runs = [first] + [run_ferry(engine, workload)[0] for _ in range(1, options.repeat)]
             runs.append(_median_run(ferry_runs, options.check))
+            runs[-1].details["startup_seconds"] = startup_seconds
             if options.profile is not None:
                 _profile_ferry(engine, workload, options.profile)
             if options.floor:
@@ -289,6 +297,7 @@ def _report(
             "async_scheduling": options.async_scheduling,
             "warmup": options.warmup,
             "repeat": options.repeat,
+            "compile": options.compile,
         },
         "check": check,
         "profile": str(options.profile) if options.profile else None,
@@ -339,6 +348,9 @@ def format_offline(report: dict[str, object]) -> str:
         )
     lines = [report["title"], format_table(headers, rows), verdict]
     lines += [f"{name} skipped: {why}" for name, why in report.get("skipped", {}).items()]
+    if "ferry" in systems:
+        startup = systems["ferry"]["details"]["startup_seconds"]
+        lines.append(f"ferry start-up {startup:.1f} s (engine built, --compile {report['settings']['compile']})")
     if report["settings"]["repeat"] > 1:
         lines.append(f"wall times: median of {report['settings']['repeat']} timed runs per system (all in the JSON)")
     if floor is not None:

@@ -7,11 +7,12 @@ under (server/flags.py turns every field into a flag); `"flag": False` marks a f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 SchedulerPolicy = Literal["fifo", "prefill_first"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+CompileLevel = Literal["none", "piecewise", "full"]
 
 _MODEL = {"group": "model"}
 _KV_CACHE = {"group": "KV cache"}
@@ -80,6 +81,12 @@ class EngineConfig:
     model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
     """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
     otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""
+    compile: CompileLevel = field(default="none", metadata=_MODEL)
+    """torch.compile of the native model (engine/compile.py): `none` runs eagerly; `piecewise` compiles each
+    decoder layer into one graph all layers share, paged attention an opaque op inside it; `full` compiles the
+    whole decoder into one graph. Compiled at start-up (seconds; torch caches inductor's output for the next
+    start), with a dynamic token dimension so ragged steps do not recompile. CPU and the native Llama-family
+    modules only: other setups refuse a level other than none at start-up."""
     cpu_threads: int | None = field(default=1, metadata=_SCHEDULING)
     """CPU: torch threads in the engine process (None, from Python, leaves torch's setting alone). One by default,
     and more helps only on cores nothing else uses: a step is many small ops, and OpenMP barriers across threads
@@ -128,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.scheduler_policy not in ("fifo", "prefill_first"):
             raise ValueError(f"scheduler_policy must be 'fifo' or 'prefill_first', got {self.scheduler_policy!r}")
+        if self.compile not in get_args(CompileLevel):
+            raise ValueError(f"compile must be one of {', '.join(get_args(CompileLevel))}, got {self.compile!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.num_blocks is not None and self.num_blocks < 1:

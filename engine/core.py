@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engine.compile import warm_up
 from engine.config import EngineConfig, EngineStartupError
 from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
 from engine.loader import LoadedModel, load_model, model_config
@@ -108,6 +109,8 @@ class EngineCore:
             config.model, vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids
         )
         self.runner = ModelRunner(loaded, layouts, pages, config, self.grammars)
+        if config.compile != "none":
+            warm_up(self.runner, config)
         self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from engine.attention import AttentionBackend, select_backend
 from engine.checkpoint import checkpoint_files
+from engine.compile import check_compile_level, compile_model
 from engine.config import EngineConfig, EngineStartupError
 from engine.models.cpu_linear import bf16_matmul_native, onednn_linear_available, pack_linears, widen_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
@@ -89,6 +90,7 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
         config.model_impl == "auto" and unsupported_feature(hf_config, native=True) is None
     )
     check_supported(hf_config, native)
+    check_compile_level(config, native=native, device=resolve_device(config.device))
     if config.tensor_parallel_size > 1:
         if not native:
             # The adapter runs transformers' modules whole, on one device: refused rather than served unsharded.
@@ -136,6 +138,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         pack_linears(model)
     elif dtype == torch.bfloat16 and not bf16_matmul_native(device):
         widen_linears(model)
+    compile_model(model, config.compile)
     return LoadedModel(
         model,
         hf_config,

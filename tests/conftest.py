@@ -31,3 +31,28 @@ def tiny_llama(model_dir: Callable[[str], Path]) -> Path:
 def scripted_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The model of tests/scripted_chat.py: its greedy output is a script chosen by the prompt's last token."""
     return build_scripted_model_dir(tmp_path_factory.mktemp("scripted"), SCRIPTS, CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def _inductor_compiles() -> bool:
+    """Whether torch's inductor builds kernels here (it needs a C++ compiler)."""
+    import torch
+
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(3))
+    except Exception:  # whatever inductor raises without a working compiler
+        return False
+    finally:
+        torch._dynamo.reset()
+    return True
+
+
+@pytest.fixture
+def compiling(_inductor_compiles: bool) -> None:
+    """For tests of compiled engines: skipped where inductor cannot compile; each starts from a clean dynamo cache,
+    so that its graphs and recompiles are its own (dynamo keeps them per code object, across engines)."""
+    import torch
+
+    if not _inductor_compiles:
+        pytest.skip("torch inductor cannot compile here (no C++ compiler)")
+    torch._dynamo.reset()

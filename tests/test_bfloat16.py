@@ -56,14 +56,22 @@ def test_widen_linears_keeps_tied_weights_shared_and_transposes_conv1d() -> None
     assert type(model["full"]) is nn.Linear
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
-def test_bfloat16_engine_agrees_with_transformers_bfloat16(model_dir: Callable[[str], Path], arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "level"), [("llama", "none"), ("qwen3", "none"), ("gpt2", "none"), ("llama", "piecewise")]
+)
+def test_bfloat16_engine_agrees_with_transformers_bfloat16(
+    model_dir: Callable[[str], Path], arch: str, level: str, request: pytest.FixtureRequest
+) -> None:
     """Prompt logprobs (teacher-forced, so one early rounding cannot change every later token) of a packed,
-    chunked batch against transformers' bfloat16 forward of each prompt alone."""
+    chunked batch against transformers' bfloat16 forward of each prompt alone; compiled too, where the widened
+    linears are traced into the graph."""
+    if level != "none":
+        request.getfixturevalue("compiling")
     path = model_dir(arch)
-    engine = EngineCore(
-        EngineConfig(model=str(path), dtype="bfloat16", num_blocks=256, max_batch_tokens=96, page_size=16)
+    config = EngineConfig(
+        model=str(path), dtype="bfloat16", num_blocks=256, max_batch_tokens=96, page_size=16, compile=level
     )
+    engine = EngineCore(config)
     linears = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear | WidenedLinear)]
     assert linears and all(isinstance(m, WidenedLinear) != bf16_matmul_native(torch.device("cpu")) for m in linears)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)

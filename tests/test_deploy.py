@@ -624,6 +624,7 @@ CPU_ENGINE_VALUES = {
     "seed": 0,
     "attentionBackend": "torch",
     "modelImpl": "auto",
+    "compile": "none",
     "cpuThreads": 1,
     "asyncScheduling": True,
     "distributedTimeout": 60,

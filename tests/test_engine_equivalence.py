@@ -143,6 +143,55 @@ def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, set
         assert engine.scheduler.num_preemptions > 0
 
 
+# Compiled graphs see neither pages nor packing (attention is one opaque op in them): the compiled oracle runs the
+# native models over the setups whose steps differ in shape (mixed prefill and decode, one-token steps, chunks).
+COMPILED_CASES = [
+    ("llama", "mixed", False),
+    ("llama", "chunked", False),
+    ("llama", "preempt", True),  # steps run on the runner's thread, the warm-up ran on this one
+    ("qwen3", "mixed", False),  # q/k norms
+    ("qwen2_hybrid", "preempt", False),  # QKV bias; two sliding windows, so two graphs of each size
+    ("demo", "mixed", False),
+]
+
+
+@pytest.mark.parametrize("level", ["piecewise", "full"])
+@pytest.mark.parametrize(("arch", "setup", "async_scheduling"), COMPILED_CASES)
+def test_compiled_greedy_equals_generate(
+    model_dir: Callable[[str], Path], arch: str, setup: str, async_scheduling: bool, level: str, compiling: None
+) -> None:
+    """The compiled paths against `generate`; and no step after the start-up's warm-up compiles anything."""
+    from torch._dynamo.utils import counters
+
+    path = _model_path(model_dir, arch)
+    prompts, max_new, expected, expected_logprobs = _reference(path, arch, 0)
+    before = counters["stats"]["unique_graphs"]
+    config = EngineConfig(
+        model=str(path),
+        debug_checks=True,
+        compile=level,
+        async_scheduling=async_scheduling,
+        **{"num_blocks": 512, **CONFIGS[setup]},
+    )
+    engine = EngineCore(config)
+    warmed_up = counters["stats"]["unique_graphs"]
+    # A one-token graph and a dynamic one: of the whole decoder, or of a layer per sliding window.
+    graphs = 2 if level == "full" else 2 * len(set(engine.runner.model.sliding_windows))
+    assert warmed_up - before == graphs
+    params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
+    results = generate_batch(prompts, params=params, engine=engine)
+    assert counters["stats"]["unique_graphs"] == warmed_up, "a step recompiled after the warm-up"
+    for i, want in enumerate(expected):
+        got = results[f"req_{i}"]
+        assert got.generated_ids == want, f"{arch}/{setup}/{level}: request {i} diverged"
+        worst = max(abs(t.logprob - w) for t, w in zip(got.logprobs, expected_logprobs[i], strict=True))
+        assert worst <= LOGPROB_TOLERANCE, f"{arch}/{setup}/{level}: request {i}: a logprob is {worst:.2e} off"
+    assert engine.is_idle_and_clean()
+    if setup == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    engine.close()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid", "gpt2", "gemma2"])
 @pytest.mark.parametrize("setup", ["mixed", "chunked", "preempt", "page1"])
 def test_async_scheduling_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, setup: str) -> None:

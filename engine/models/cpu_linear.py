@@ -8,6 +8,10 @@ maths is the same; the sums are taken in another order (differences of about 1e-
 `torch.ops.mkldnn._linear_pointwise` and `_reorder_linear_weight` are the ops torch's own inductor uses for packed
 CPU linears; where they (or oneDNN) are missing, layers stay plain `nn.Linear`.
 
+Inside a `torch.compile` graph (engine/compile.py) a packed linear is the opaque op `ferry::packed_linear`: inductor
+lowers `_linear_pointwise` itself only for weights it froze into constants, which a graph shared by every decoder
+layer cannot have (each layer's weight is an input of the same graph).
+
 bfloat16 on a CPU without bfloat16 arithmetic (AVX2 only: no AVX512-BF16, AMX or AVX-NE-CONVERT) is the other
 case: oneDNN cannot pack it, and torch's own bfloat16 matmul there is a loop of dot products whose cost grows with
 every row (64 rows of a 4864x896 layer: 55 ms, against 9 ms in float32). `WidenedLinear` keeps the bfloat16 weight
@@ -42,6 +46,21 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+_LIBRARY = torch.library.Library("ferry", "FRAGMENT")
+# A plain library definition, not `torch.library.custom_op`: its dispatch costs a third as much per call.
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ferry::packed_linear", lib=_LIBRARY)
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))  # the packed weight keeps `[out, in]` sizes
+
+
 class PackedLinear(nn.Module):
     """Inference-only `x @ weight.T + bias`; the packed weight is an opaque oneDNN tensor."""
 
@@ -54,7 +73,9 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return torch.ops.ferry.packed_linear(x, self.packed_weight, self.bias)
+        return _packed_linear(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

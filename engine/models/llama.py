@@ -4,6 +4,10 @@ Differences from the transformers modules are for speed only: fused QKV and gate
 precomputed once for every position, the packed `[T, ...]` layout with no batch dimension, attention through a
 paged backend, and no mask building per step. The maths (and so greedy output) is the same.
 
+The decoder (`Backbone.forward`, and each `DecoderLayer`) takes and returns tensors only: a layer's attention
+finds the step's metadata through `engine/attention/graph_op.py`, so `engine/compile.py` can compile a layer, or
+the whole decoder, into a graph that does not change from step to step.
+
 With tensor parallelism (`tp`) each rank builds its shard, Megatron-style: QKV and gate/up are column-parallel
 (this rank's attention heads, KV heads and MLP columns), o and down row-parallel with one all-reduce each, the
 embedding and the LM head vocab-parallel (the logits of the sampling rows are gathered on rank 0 only). With fewer
@@ -21,6 +25,7 @@ from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.attention import AttentionBackend, StepMetadata
+from engine.attention.graph_op import attention_step, paged_attention
 from engine.config import EngineStartupError
 from engine.parallel import TensorParallel
 
@@ -81,9 +86,7 @@ def _ranks(tp: TensorParallel | None) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, layer: int, backend: AttentionBackend, tp: TensorParallel | None
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int, tp: TensorParallel | None) -> None:
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # This rank's heads; a KV head shared by more ranks than there are KV heads is replicated on each.
@@ -102,7 +105,6 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window_of_layer(config, layer)
         self.layer = layer
-        self.backend = backend
         self.tp = tp
 
     def forward(
@@ -110,7 +112,6 @@ class Attention(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: StepMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
@@ -122,7 +123,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        out = paged_attention(q, k, v, kv_cache, self.scale, self.sliding_window)
         out = self.o_proj(out.reshape(tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -161,30 +162,43 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, layer: int, backend: AttentionBackend, tp: TensorParallel | None
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, layer: int, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, backend, tp)
+        self.self_attn = Attention(config, layer, tp)
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, meta, kv_cache) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, meta, kv_cache)
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, tp: TensorParallel | None) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel | None) -> None:
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size)
             if tp is None
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Tensors in, tensors out (the step's metadata is read by the attention op): what compiles whole."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache)
+        return self.norm(hidden)
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -203,7 +217,8 @@ class LlamaFamilyForCausalLM(nn.Module):
             check_tensor_parallel(config, tp.size)
         self.config = config
         self.tp = tp
-        self.model = Backbone(config, backend, tp)
+        self.backend = backend
+        self.model = Backbone(config, tp)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.vocab_per_rank = -(-config.vocab_size // _ranks(tp))
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_per_rank, bias=False)
@@ -260,12 +275,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """`layer_metas[i]`: the step metadata of layer i's KV-cache group."""
-        hidden = self.model.embed_tokens(input_ids)
-        cos = self.cos_cache[positions].to(hidden.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(hidden.dtype).unsqueeze(1)
-        for layer, meta, kv_cache in zip(self.model.layers, layer_metas, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, meta, kv_cache)
-        return self.model.norm(hidden)
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        with attention_step(self.backend, dict(zip(self.sliding_windows, layer_metas, strict=True))):
+            return self.model(input_ids, cos, sin, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others), the
