@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -694,6 +695,54 @@ operation = st.one_of(
 )
 
 
+def play(
+    s: Scheduler,
+    operations: list[tuple],
+    run_step: Callable[[], None],
+    by_id: dict[str, Request],
+    *,
+    priorities: bool = False,
+) -> tuple[list[Request], set[str]]:
+    """Apply the generated operations (adds, follow-ups, repeats, steps, aborts), then step until every request
+    finished; returns the requests submitted (also put in `by_id`) and the ids aborted."""
+    submitted: list[Request] = []
+    aborted: set[str] = set()
+    for op in operations:
+        if op[0] in ("add", "follow_up", "repeat"):
+            _, which, suffix, max_new = op
+            if op[0] == "add":
+                prompt = PREFIXES[which] + suffix
+            elif not submitted:
+                continue
+            elif op[0] == "follow_up":
+                prompt = submitted[which % len(submitted)].all_token_ids + suffix
+            else:
+                prompt = list(submitted[which % len(submitted)].prompt_ids)
+            request = make_request(f"r{len(submitted)}", prompt, max_new_tokens=max_new)
+            if priorities:
+                request.priority = len(submitted) * 7 % 3 - 1  # -1, 1, 0, -1, ...: every order of arrivals
+            # What the core rejects at submission: an empty prompt, more pages than the whole cache.
+            if not prompt or not s.kv_cache.fits(len(prompt) + max_new):
+                continue
+            s.add(request)
+            submitted.append(request)
+            by_id[request.request_id] = request
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                run_step()
+        elif submitted:
+            victim = submitted[op[1] % len(submitted)]
+            if s.abort(victim.request_id):
+                aborted.add(victim.request_id)
+            assert victim.finished
+    for _ in range(5_000):
+        if not s.has_unfinished:
+            break
+        run_step()
+    assert not s.has_unfinished, "requests left unfinished: deadlock or starvation"
+    return submitted, aborted
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     page_size=st.sampled_from([1, 2, 4, 16]),
@@ -737,9 +786,7 @@ def test_random_workloads_keep_invariants_and_finish(
     )
     kv = s.kv_cache
     oracle = KVOracle(page_size, window)
-    submitted: list[Request] = []
     by_id: dict[str, Request] = {}
-    aborted: set[str] = set()
 
     def run_step() -> None:
         plan = s.schedule()
@@ -750,40 +797,7 @@ def test_random_workloads_keep_invariants_and_finish(
         s.update(plan, sample(s, plan))
         check_step(s, SchedulerOutput(), by_id)
 
-    for op in [*burst, *operations]:
-        if op[0] in ("add", "follow_up", "repeat"):
-            _, which, suffix, max_new = op
-            if op[0] == "add":
-                prompt = PREFIXES[which] + suffix
-            elif not submitted:
-                continue
-            elif op[0] == "follow_up":
-                prompt = submitted[which % len(submitted)].all_token_ids + suffix
-            else:
-                prompt = list(submitted[which % len(submitted)].prompt_ids)
-            request = make_request(f"r{len(submitted)}", prompt, max_new_tokens=max_new)
-            if scheduling == "priority":
-                request.priority = len(submitted) * 7 % 3 - 1  # -1, 1, 0, -1, ...: every order of arrivals
-            # What the core rejects at submission: an empty prompt, more pages than the whole cache.
-            if not prompt or not kv.fits(len(prompt) + max_new):
-                continue
-            s.add(request)
-            submitted.append(request)
-            by_id[request.request_id] = request
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                run_step()
-        elif submitted:
-            victim = submitted[op[1] % len(submitted)]
-            if s.abort(victim.request_id):
-                aborted.add(victim.request_id)
-            assert victim.finished
-
-    for _ in range(5_000):
-        if not s.has_unfinished:
-            break
-        run_step()
-    assert not s.has_unfinished, "requests left unfinished: deadlock or starvation"
+    submitted, aborted = play(s, [*burst, *operations], run_step, by_id, priorities=scheduling == "priority")
     # Steer the search towards the interesting cases.
     target(float(s.num_preemptions), label="preemptions")
     target(float(kv.prefix_hits), label="prefix hits")
@@ -994,8 +1008,6 @@ def test_planning_one_step_ahead_keeps_invariants_and_outputs(
     )
     by_id: dict[str, Request] = {}
     runner = LaggingRunner(s, by_id)
-    submitted: list[Request] = []
-    aborted: set[str] = set()
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
 
     def run_step() -> None:
@@ -1008,36 +1020,7 @@ def test_planning_one_step_ahead_keeps_invariants_and_outputs(
         in_flight.append((plan, runner.execute(plan)))
         s.kv_cache.check_invariants()
 
-    for op in [*burst, *operations]:
-        if op[0] in ("add", "follow_up", "repeat"):
-            _, which, suffix, max_new = op
-            if op[0] == "add":
-                prompt = PREFIXES[which] + suffix
-            elif not submitted:
-                continue
-            elif op[0] == "follow_up":
-                prompt = submitted[which % len(submitted)].all_token_ids + suffix
-            else:
-                prompt = list(submitted[which % len(submitted)].prompt_ids)
-            if not prompt or not s.kv_cache.fits(len(prompt) + max_new):
-                continue
-            request = make_request(f"r{len(submitted)}", prompt, max_new_tokens=max_new)
-            s.add(request)
-            submitted.append(request)
-            by_id[request.request_id] = request
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                run_step()
-        elif submitted:
-            victim = submitted[op[1] % len(submitted)]
-            if s.abort(victim.request_id):
-                aborted.add(victim.request_id)
-
-    for _ in range(5_000):
-        if not s.has_unfinished:
-            break
-        run_step()
-    assert not s.has_unfinished, "requests left unfinished: deadlock or starvation"
+    submitted, aborted = play(s, [*burst, *operations], run_step, by_id)
     if in_flight:
         s.update(*in_flight.pop())
     target(float(s.num_preemptions), label="preemptions")
