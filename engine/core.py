@@ -261,9 +261,11 @@ class EngineCore:
     def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """The plan to every tensor-parallel rank, then this rank's part (on the runner's thread when async)."""
         if self.tensor_parallel is not None:
-            # Planned ahead, the plan may hold tokens only this rank sampled (the step before has run by now).
-            known = self.runner.with_sampled_tokens(plan) if self._runner_thread is not None else plan
-            self.tensor_parallel.broadcast_plan(known)
+            # Planned ahead, the plan may hold tokens only this rank sampled (the step before has run by now): they
+            # are filled in once, and every rank executes the very same plan.
+            if self._runner_thread is not None:
+                plan = self.runner.with_sampled_tokens(plan)
+            self.tensor_parallel.broadcast_plan(plan)
         return self.runner.execute(plan)
 
     def _step_ahead(self, runner_thread: ThreadPoolExecutor) -> list[StepOutput]:
