@@ -1,4 +1,4 @@
-"""`ferry bench offline|serve|overhead|tp`: argument parsing and printing; the work lives in the modules.
+"""`ferry bench offline|serve|overhead|tp|decode`: argument parsing and printing; the work lives in the modules.
 
 `add_bench_parser` hangs `bench` under `ferry`'s own subcommands; `python -m bench ...` parses the same
 subcommands at the top level. Each subcommand sets `func(args) -> int` (the exit status).
@@ -10,11 +10,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import get_args
+from typing import get_args, get_type_hints
 
 from bench.workload import LengthDist, WorkloadSpec
-from engine.config import CompileLevel
+from engine.config import CompileLevel, EngineConfig
 
+ATTENTION_BACKENDS = get_args(get_type_hints(EngineConfig)["attention_backend"])
 LENGTH_HELP = "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX | pareto:LO:MAX[:ALPHA]"
 
 
@@ -103,6 +104,7 @@ def _offline(args: argparse.Namespace) -> int:
         vllm_python=args.vllm_python,
         threads=args.threads,
         compile=args.compile,
+        enforce_eager=args.enforce_eager,
     )
     try:
         report = run_offline(options)
@@ -184,8 +186,38 @@ def _tensor_parallel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode(args: argparse.Namespace) -> int:
+    from bench.decode import DecodeOptions, format_decode, run_decode
+
+    _set_threads(args.threads)
+    _quiet_transformers()
+    options = DecodeOptions(
+        model=args.model,
+        sizes=args.sizes,
+        context_len=args.context_len,
+        steps=args.steps,
+        page_size=args.page_size,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        graphs=args.graphs,
+        bandwidth_gbs=args.bandwidth_gbs,
+        seed=args.seed,
+    )
+    report = run_decode(options)
+    _emit(report, format_decode(report), args.json)
+    return 0
+
+
+def _graph_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(v for v in text.split(",") if v)
+    if not modes or any(mode not in ("on", "off") for mode in modes):
+        raise argparse.ArgumentTypeError(f"on, off or on,off, got {text!r}")
+    return modes
+
+
 def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve,overhead,tp}")
+    commands = parser.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve,overhead,tp,decode}")
 
     offline = commands.add_parser(
         "offline",
@@ -222,7 +254,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--attention-backend",
         default="auto",
-        choices=("auto", "torch", "cpu", "flash"),
+        choices=ATTENTION_BACKENDS,
         help="Ferry's attention kernels (its --attention-backend)",
     )
     offline.add_argument(
@@ -250,6 +282,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--async-scheduling", action="store_true", help="Ferry plans each step while the one before it runs"
     )
+    offline.add_argument("--enforce-eager", action="store_true", help="Ferry without CUDA graphs (its --enforce-eager)")
     offline.add_argument(
         "--matmul-floor",
         action="store_true",
@@ -350,12 +383,41 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     tp.add_argument("--json", type=Path, default=None)
     tp.set_defaults(func=_tensor_parallel)
 
+    decode = commands.add_parser(
+        "decode",
+        help="decode step time at each batch size against the memory-bandwidth roofline",
+        description="Runs decode steps of the real engine with random weights at each batch size (CUDA graphs on "
+        "and/or off) and reports milliseconds per step, the bytes of weights and K/V each step reads, and the "
+        "fraction of the bandwidth roofline reached.",
+    )
+    decode.add_argument("--model", default="qwen3-0.6b", help="a named config: tiny-llama, qwen3-0.6b, qwen3-4b, ...")
+    decode.add_argument("--sizes", type=_ints, default=(1, 16, 64, 256), help="running sequences, e.g. 1,16,64,256")
+    decode.add_argument("--context-len", type=_positive_int, default=512, help="prompt tokens of every sequence")
+    decode.add_argument("--steps", type=_positive_int, default=50, help="timed decode steps per size")
+    decode.add_argument("--page-size", type=int, default=16)
+    decode.add_argument("--device", default="auto")
+    decode.add_argument("--dtype", default="auto")
+    decode.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    decode.add_argument(
+        "--graphs", type=_graph_modes, default=("on",), help="on (the engine's default), off (--enforce-eager), on,off"
+    )
+    decode.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=None,
+        help="memory bandwidth for the roofline (default: H200 on CUDA, a measured copy on CPU)",
+    )
+    decode.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    decode.add_argument("--seed", type=int, default=0)
+    decode.add_argument("--json", type=Path, default=None)
+    decode.set_defaults(func=_decode)
+
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` under `ferry`'s subcommands; dispatch with `args.func(args)`."""
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: offline, serve, overhead, tp",
+        help="benchmarks: offline, serve, overhead, tp, decode",
         description="Reproducible benchmarks of Ferry against its baselines.",
     )
     add_bench_subcommands(bench)

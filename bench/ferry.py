@@ -43,6 +43,7 @@ def build_engine(
     attention_backend: str = "auto",
     async_scheduling: bool = False,
     compile: CompileLevel = "none",
+    enforce_eager: bool = False,
 ) -> EngineCore:
     from engine import EngineConfig, EngineCore
 
@@ -60,6 +61,7 @@ def build_engine(
         cpu_threads=None,  # every system runs with the thread count --threads set
         async_scheduling=async_scheduling,
         compile=compile,
+        enforce_eager=enforce_eager,
     )
     return EngineCore(config)
 

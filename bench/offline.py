@@ -71,6 +71,8 @@ class OfflineOptions:
     """CPU threads every system runs with (vLLM's are bound to the first cores)."""
     compile: CompileLevel = "none"
     """Ferry's `--compile` level; its start-up (compilation included) is timed and reported."""
+    enforce_eager: bool = False
+    """Ferry without CUDA graphs (EngineConfig.enforce_eager): what the graphs gain is the difference."""
 
 
 def _warmup_workload(spec: WorkloadSpec, batch_size: int, vocab_size: int) -> Workload:
@@ -201,6 +203,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 attention_backend=options.attention_backend,
                 async_scheduling=options.async_scheduling,
                 compile=options.compile,
+                enforce_eager=options.enforce_eager,
             )
             startup_seconds = time.perf_counter() - started
             if options.warmup:
@@ -298,6 +301,7 @@ def _report(
             "warmup": options.warmup,
             "repeat": options.repeat,
             "compile": options.compile,
+            "enforce_eager": options.enforce_eager,
         },
         "check": check,
         "profile": str(options.profile) if options.profile else None,

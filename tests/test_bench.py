@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 from bench.cli import main
+from bench.decode import DecodeOptions, format_decode, run_decode
+from bench.models import NAMED_CONFIGS
 from bench.offline import SYSTEMS, OfflineOptions, TokenMismatch, compare_tokens, format_offline, run_offline
 from bench.overhead import OverheadOptions, format_overhead, run_overhead
 from bench.results import RequestTrace, SystemRun, assign_slots
@@ -375,6 +378,29 @@ def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([], 50) is None
 
 
+def test_decode_reports_step_times_and_the_bytes_each_step_reads() -> None:
+    options = DecodeOptions(
+        model="tiny-llama", sizes=(1, 3), context_len=20, steps=3, page_size=8, device="cpu", graphs=("on", "off")
+    )
+    report = run_decode(options)
+    config = NAMED_CONFIGS["tiny-llama"]
+    hidden, inter, vocab, layers = (
+        config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers")
+    )
+    # Untied: the LM head is read, the embedding table is not; norms are hidden-sized vectors.
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    expected_weights = 4 * (layers * per_layer + hidden + vocab * hidden)
+    assert [(r["batch"], r["graphs"]) for r in report["results"]] == [(1, "on"), (1, "off"), (3, "on"), (3, "off")]
+    for r in report["results"]:
+        assert r["weight_bytes"] == expected_weights
+        mean_context = 20 + 3 + (3 - 1) / 2  # the keys the three timed steps read: 23, 24, 25
+        assert r["kv_bytes"] == pytest.approx(r["batch"] * mean_context * 2 * layers * hidden * 4)
+        assert r["ms_per_step_p50"] > 0 and 0 < r["roofline_fraction"]
+        assert not r["cuda_graphs_used"], "no CUDA graphs on CPU"
+    assert report["settings"]["bandwidth_source"] == "measured copy"
+    assert "roofline" in format_decode(report)
+
+
 # -- the GPU script ------------------------------------------------------------------------------------------
 
 
@@ -391,13 +417,22 @@ def test_gpu_script_is_valid_bash_and_every_bench_command_parses(tmp_path: Path)
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text().replace("\\\n", " ")
     commands = [line.split("-m bench", 1)[1] for line in text.splitlines() if '"$PY" -m bench' in line]
-    assert len(commands) == 3
     parser = argparse.ArgumentParser()
     add_bench_subcommands(parser)
-    for command in commands:
-        words = shlex.split(command.replace('"$PAGE"', "256").replace("$OUT", str(tmp_path)))
-        args = parser.parse_args(words)
-        assert args.bench_command == "offline" and args.json.parent == tmp_path
+    parsed = [
+        parser.parse_args(shlex.split(command.replace('"$shape"', "qwen3-4b").replace("$OUT", str(tmp_path))))
+        for command in commands
+    ]
+    assert [args.bench_command for args in parsed] == ["offline"] * 5 + ["decode"]
+    assert all(args.json.parent == tmp_path for args in parsed)
+    assert [args.enforce_eager for args in parsed[:5]] == [False, False, True, False, True]
+    assert all(args.page_size == 16 for args in parsed)
+    decode = parsed[-1]
+    assert decode.sizes == (1, 16, 64, 256) and decode.graphs == ("on", "off") and decode.device == "cuda"
+    # The TP step runs on machines with several GPUs only; the decode step runs once per shape.
+    limits = {name: int(limit) for name, limit in re.findall(r"^\s*step (\S+) (\d+) ", text, flags=re.MULTILINE)}
+    runs = {name: 2 if "$shape" in name else 1 for name in limits if not name.startswith("tp-")}
+    assert sum(limits[name] * n for name, n in runs.items()) <= 600, "the steps' limits must fit 10 minutes"
 
 
 def test_gpu_script_runs_tensor_parallelism_only_with_several_gpus(tmp_path: Path) -> None:
