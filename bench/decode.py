@@ -144,7 +144,7 @@ def run_decode(options: DecodeOptions) -> dict[str, object]:
                 with _engine(Path(workdir), num_seqs, graphs == "off", options) as engine:
                     seconds = _decode_seconds(engine, num_seqs, options)
                     device = engine.device
-                    # The first timed step reads the prompt and the 3 tokens sampled before it (prefill, 2 untimed steps).
+                    # The first timed step reads the prompt and the 3 tokens sampled before it (prefill, 2 untimed).
                     mean_context = options.context_len + 3 + (options.steps - 1) / 2
                     weights, kv = step_bytes(engine, num_seqs, mean_context)
                     uses_graphs = engine.runner.cuda_graphs is not None
