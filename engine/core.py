@@ -4,8 +4,10 @@ Every driver (generate_batch, the background manager, the server's engine proces
 through the one loop in `engine/driver.py`.
 
 With `async_scheduling` the runner executes on a thread of its own, one step behind the scheduler: while it runs
-step N, this thread plans step N+1, then applies step N's result and hands over N+1. The runner works from its own
-state (pages, sampled tokens, grammars), so nothing it reads is changed under it; the torch ops release the GIL.
+step N, this thread plans step N+1 and prepares its inputs (`ModelRunner.prepare`, into the buffer set N does not
+use), then applies step N's result and hands over N+1. A step keeps what it reads from its own prepare, so nothing
+is changed under it; the torch ops release the GIL. With tensor parallelism N+1 is prepared on the runner's thread
+after N, since its plan goes to the other ranks with the tokens N sampled filled in.
 
 A request with structured output joins the scheduler only once its grammar compiled (on the compiler's threads,
 engine/structured.py); until then it waits here, counted as waiting, while the other requests keep stepping. The
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -272,20 +275,28 @@ class EngineCore:
         if self._in_flight is None:
             started = time.perf_counter()
             plan = self.scheduler.schedule()
-            self._in_flight = (plan, runner_thread.submit(self._execute, plan), time.perf_counter() - started)
+            self._in_flight = (plan, runner_thread.submit(self._ahead(plan)), time.perf_counter() - started)
         plan, running, schedule_seconds = self._in_flight
         started = time.perf_counter()
         following = self.scheduler.schedule()
         planned = time.perf_counter() - started
+        execute_following = self._ahead(following)
         outputs = self._apply(plan, running.result(), schedule_seconds, time.perf_counter())
         if self.scheduler.has_unfinished:
-            self._in_flight = (following, runner_thread.submit(self._execute, following), planned)
+            self._in_flight = (following, runner_thread.submit(execute_following), planned)
         else:
             # Every request is done, and whatever `following` computes is for requests that stopped after it was
             # planned: it runs here and now, its tokens dropped, so that the engine rests with no step in flight.
-            outputs += self.scheduler.update(following, self._execute(following))
+            outputs += self.scheduler.update(following, execute_following())
             self._in_flight = None
         return outputs
+
+    def _ahead(self, plan: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """What executes a step planned ahead: prepared here and now, while the step before it runs; with tensor
+        parallelism prepared where it runs, after that step (its plan is sent with the tokens it sampled)."""
+        if self.tensor_parallel is not None:
+            return functools.partial(self._execute, plan)
+        return functools.partial(self.runner.run, self.runner.prepare(plan))
 
     def _apply(
         self, plan: SchedulerOutput, result: ModelRunnerOutput, schedule_seconds: float, executed: float

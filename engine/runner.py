@@ -8,6 +8,12 @@ whole page tables, continuing ones with the pages appended this step, finished a
 Per-step work is per sequence, never per token: token ids are copied into preallocated buffers in one piece, and
 positions, page tables and slot mappings come from vectorised numpy ops over per-sequence offsets.
 
+`execute` is `prepare` (apply the deltas, fill the step's buffers) then `run` (forward, sample). Under async
+scheduling the engine calls `prepare` for step N+1 on its own thread while `run` of step N is on the runner's, so
+the step's buffers come in two sets used in turn (N+1 fills one while N's forward pass, or on CUDA its copies to
+the device, read the other), a step keeps the sequences it samples from its own prepare, and a PLACEHOLDER (the
+token step N samples) is filled in by `run`, just before the token ids go to the device.
+
 A constrained sequence (structured output) also keeps its grammar state here: it advances with every token sampled
 for it, and the step's constrained rows get one grammar mask (engine/token_masks.py) that the sampler applies.
 """
@@ -56,17 +62,50 @@ class _Sequence:
 
 
 @dataclass
+class _StepBuffers:
+    """One set of a step's buffers: host staging (pinned on CUDA, so copies to the device are async), numpy views
+    of it, and the device copies (the host tensors themselves on CPU)."""
+
+    host: dict[str, torch.Tensor]
+    np: dict[str, np.ndarray]
+    device: dict[str, torch.Tensor]
+
+    @classmethod
+    def allocate(cls, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> _StepBuffers:
+        pin = device.type == "cuda"
+        host = {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
+        on_device = {name: torch.empty_like(t, device=device) for name, t in host.items()} if pin else host
+        return cls(host, {name: t.numpy() for name, t in host.items()}, on_device)
+
+    def to_device(self, name: str, n: int) -> torch.Tensor:
+        host = self.host[name][:n]
+        if self.device is self.host:
+            return host
+        return self.device[name][:n].copy_(host, non_blocking=True)
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
+    """On the device; on CUDA its copy is issued by `run`, once the placeholders are filled."""
     metas: list[StepMetadata]
     """One per KV-cache group (positions shared, page tables and slot mappings its own)."""
     logits_rows: torch.Tensor  # [S + P] packed-row index of each sampling sequence's last token, then prompt rows
     num_sampling: int
     """S: the first rows of the logits are the sampling sequences'; the P after them score prompt tokens."""
-    prompt_spans: list[tuple[str, int, int]]
-    """(request id, first prompt position scored, count) per sequence that wants prompt logprobs, row order."""
+    prompt_spans: list[tuple[str, int, int, int]]
+    """(request id, first prompt position scored, count, alternatives wanted) per sequence that wants prompt
+    logprobs, row order."""
     prompt_targets: list[int]
     """The prompt token each of the P prompt rows scores."""
+    sampling: list[_Sequence]
+    """The sequences sampled, row order: taken when prepared, since a later plan may drop them from the runner."""
+    num_constrained: int
+    """Constrained sequences running when prepared: none means no row of this step has a grammar."""
+    placeholders: list[tuple[int, _Sequence]]
+    """(packed token index, sequence) of each PLACEHOLDER: that sequence's latest token, filled in by `run`."""
+    buffers: _StepBuffers
+    prepare_seconds: float = 0.0
 
     @property
     def meta(self) -> StepMetadata:
@@ -121,23 +160,20 @@ class ModelRunner:
         self._seqs: dict[str, _Sequence] = {}
         self._scoring_prompts: set[str] = set()
         """Sequences that want prompt logprobs: the only ones a step looks at for prompt rows."""
-        pin = device.type == "cuda"
-        # Host staging buffers, reused every step; on CUDA they are pinned so copies to the device are async.
-        self._host = {
-            "input_ids": torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin),
-            "positions": torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin),
-            "query_start_loc": torch.zeros(max_seqs + 1, dtype=torch.int32, pin_memory=pin),
-            "seq_lens": torch.zeros(max_seqs, dtype=torch.int32, pin_memory=pin),
+        shapes = {
+            "input_ids": ((max_tokens,), torch.int64),
+            "positions": ((max_tokens,), torch.int64),
+            "query_start_loc": ((max_seqs + 1,), torch.int32),
+            "seq_lens": ((max_seqs,), torch.int32),
             # Sampling rows (one per sequence), then rows scoring prompt tokens (at most the step's tokens).
-            "logits_rows": torch.zeros(max_seqs + max_tokens, dtype=torch.int64, pin_memory=pin),
+            "logits_rows": ((max_seqs + max_tokens,), torch.int64),
         }
         for g in range(len(layouts)):
-            self._host[f"slot_mapping{g}"] = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pin)
-            self._host[f"page_tables{g}"] = torch.zeros((max_seqs, max_pages), dtype=torch.int32, pin_memory=pin)
-        self._np = {name: t.numpy() for name, t in self._host.items()}
-        self._device_buffers = (
-            {name: torch.empty_like(t, device=device) for name, t in self._host.items()} if pin else self._host
-        )
+            shapes[f"slot_mapping{g}"] = ((max_tokens,), torch.int64)
+            shapes[f"page_tables{g}"] = ((max_seqs, max_pages), torch.int32)
+        # Two sets, used by steps in turn: a step prepared ahead fills one while the step before it reads the other.
+        self._buffers = [_StepBuffers.allocate(shapes, device) for _ in range(2)]
+        self._num_prepared = 0
 
     @staticmethod
     def kv_bytes_per_layer_page(model: torch.nn.Module, page_size: int, dtype: torch.dtype) -> int:
@@ -147,18 +183,22 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one planned step: pack, forward, sample."""
-        started = time.perf_counter()
-        inputs = self.prepare(plan)
+        return self.run(self.prepare(plan))
+
+    def run(self, inputs: StepInputs | None) -> ModelRunnerOutput:
+        """Forward and sample a prepared step (None: an empty one); every step before it has run."""
         if inputs is None:
             return ModelRunnerOutput()
-        prepared = time.perf_counter()
+        started = time.perf_counter()
+        self._load_input_ids(inputs)
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
+        forward_seconds = forwarded - started
         if logits is None:  # a tensor-parallel rank other than 0: the driver samples, from the gathered logits
-            return ModelRunnerOutput(prepare_seconds=prepared - started, forward_seconds=forwarded - prepared)
-        sampling = [self._seqs[rid] for rid, samples in zip(plan.request_ids, plan.samples, strict=True) if samples]
+            return ModelRunnerOutput(prepare_seconds=inputs.prepare_seconds, forward_seconds=forward_seconds)
+        sampling = inputs.sampling
         constrained = (
-            [row for row, seq in enumerate(sampling) if seq.grammar is not None] if self._num_constrained else []
+            [row for row, seq in enumerate(sampling) if seq.grammar is not None] if inputs.num_constrained else []
         )
         # After the forward pass was issued: on CUDA the CPU fills the masks while the device computes.
         grammar_bias = (
@@ -173,10 +213,18 @@ class ModelRunner:
             result.token_ids,
             result.logprobs,
             self._score_prompts(logits[inputs.num_sampling :], inputs) if inputs.prompt_spans else [],
-            prepare_seconds=prepared - started,
-            forward_seconds=forwarded - prepared,
+            prepare_seconds=inputs.prepare_seconds,
+            forward_seconds=forward_seconds,
             sample_seconds=time.perf_counter() - forwarded,
         )
+
+    def _load_input_ids(self, inputs: StepInputs) -> None:
+        """Fill each PLACEHOLDER with its sequence's latest token (sampled by the step before), then, on CUDA, copy
+        the token ids to the device."""
+        host = inputs.buffers.np["input_ids"]
+        for token, seq in inputs.placeholders:
+            host[token] = seq.output_ids[-1]
+        inputs.buffers.to_device("input_ids", len(inputs.input_ids))
 
     def with_sampled_tokens(self, plan: SchedulerOutput) -> SchedulerOutput:
         """The plan with each PLACEHOLDER replaced by the token this runner sampled for its request: what the
@@ -191,6 +239,7 @@ class ModelRunner:
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs | None:
         """Apply the plan's deltas to the runner's state and build the step's inputs; None for an empty step."""
+        started = time.perf_counter()
         for request_id in itertools.chain(plan.preempted_ids, plan.finished_ids):
             seq = self._seqs.pop(request_id, None)
             if seq is not None:
@@ -208,8 +257,11 @@ class ModelRunner:
         if not plan.request_ids:
             return None
 
+        buffers = self._buffers[self._num_prepared % 2]
+        self._num_prepared += 1
         num_seqs = len(plan.request_ids)
-        seq_rows = np.fromiter((self._seqs[rid].row for rid in plan.request_ids), dtype=np.intp, count=num_seqs)
+        seqs = [self._seqs[rid] for rid in plan.request_ids]
+        seq_rows = np.fromiter((seq.row for seq in seqs), dtype=np.intp, count=num_seqs)
         q_lens = np.asarray(plan.num_new_tokens, dtype=np.int64)
         starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -217,30 +269,34 @@ class ModelRunner:
         total = int(cu_q[-1])
         seq_lens = starts + q_lens
 
-        input_ids = self._np["input_ids"][:total]
+        host = buffers.np
+        input_ids = host["input_ids"][:total]
         input_ids[:] = list(itertools.chain.from_iterable(plan.token_ids))
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-        # Planned before the step that samples them (async scheduling): each is its sequence's latest token.
-        for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist():
-            input_ids[token] = self._seqs[plan.request_ids[seq_of_token[token]]].output_ids[-1]
-        positions = self._np["positions"][:total]
+        # Planned before the step that samples them (async scheduling): `run` fills them in.
+        placeholders = [
+            (token, seqs[seq_of_token[token]]) for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist()
+        ]
+        positions = host["positions"][:total]
         positions[:] = np.repeat(starts - cu_q[:-1], q_lens) + np.arange(total)
-        self._np["query_start_loc"][: num_seqs + 1] = cu_q
-        self._np["seq_lens"][:num_seqs] = seq_lens
-        rows = cu_q[1:][np.asarray(plan.samples, dtype=bool)] - 1
+        host["query_start_loc"][: num_seqs + 1] = cu_q
+        host["seq_lens"][:num_seqs] = seq_lens
+        samples = np.asarray(plan.samples, dtype=bool)
+        rows = cu_q[1:][samples] - 1
         num_sampling = len(rows)
-        self._np["logits_rows"][:num_sampling] = rows
-        spans, targets = self._prompt_rows(plan, cu_q, num_sampling) if self._scoring_prompts else ([], [])
+        host["logits_rows"][:num_sampling] = rows
+        spans, targets = (
+            self._prompt_rows(plan, cu_q, num_sampling, host["logits_rows"]) if self._scoring_prompts else ([], [])
+        )
         num_rows = num_sampling + len(targets)
 
         sizes = {
-            "input_ids": total,
             "positions": total,
             "query_start_loc": num_seqs + 1,
             "seq_lens": num_seqs,
             "logits_rows": num_rows,
         }
-        dev = {name: self._to_device(name, n) for name, n in sizes.items()}
+        dev = {name: buffers.to_device(name, n) for name, n in sizes.items()}
         max_seq_len = int(seq_lens.max())
         shared = dict(
             positions=dev["positions"],
@@ -256,39 +312,52 @@ class ModelRunner:
         widest = -(-max_seq_len // self.page_size)
         metas = []
         for g, group_tables in enumerate(self._tables):
-            tables = self._np[f"page_tables{g}"][:num_seqs, :widest]
+            tables = host[f"page_tables{g}"][:num_seqs, :widest]
             tables[:] = group_tables[seq_rows, :widest]
-            self._np[f"slot_mapping{g}"][:total] = (
+            host[f"slot_mapping{g}"][:total] = (
                 tables[seq_of_token, positions // self.page_size] * self.page_size + positions % self.page_size
             )
             meta = StepMetadata(
-                slot_mapping=self._to_device(f"slot_mapping{g}", total),
-                page_tables=self._to_device(f"page_tables{g}", num_seqs)[:, :widest],
+                slot_mapping=buffers.to_device(f"slot_mapping{g}", total),
+                page_tables=buffers.to_device(f"page_tables{g}", num_seqs)[:, :widest],
                 page_tables_host=tables,
                 **shared,
             )
             self.backend.prepare(meta)
             metas.append(meta)
-        return StepInputs(dev["input_ids"], metas, dev["logits_rows"], num_sampling, spans, targets)
+        return StepInputs(
+            buffers.device["input_ids"][:total],
+            metas,
+            dev["logits_rows"],
+            num_sampling,
+            spans,
+            targets,
+            sampling=[seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled],
+            num_constrained=self._num_constrained,
+            placeholders=placeholders,
+            buffers=buffers,
+            prepare_seconds=time.perf_counter() - started,
+        )
 
     def _prompt_rows(
-        self, plan: SchedulerOutput, cu_q: np.ndarray, offset: int
-    ) -> tuple[list[tuple[str, int, int]], list[int]]:
+        self, plan: SchedulerOutput, cu_q: np.ndarray, offset: int, logits_rows: np.ndarray
+    ) -> tuple[list[tuple[str, int, int, int]], list[int]]:
         """Append, after the sampling rows, the packed rows whose logits score the next prompt token."""
-        spans: list[tuple[str, int, int]] = []
+        spans: list[tuple[str, int, int, int]] = []
         targets: list[int] = []
         for i, request_id in enumerate(plan.request_ids):
             if request_id not in self._scoring_prompts:
                 continue
-            prompt = self._seqs[request_id].prompt_ids
+            seq = self._seqs[request_id]
+            prompt = seq.prompt_ids
             start, n = plan.num_computed_tokens[i], plan.num_new_tokens[i]
             # Position p's logits predict token p + 1; the last prompt position predicts the first output token.
             count = min(start + n, len(prompt) - 1) - start
             if count <= 0:
                 continue
-            self._np["logits_rows"][offset : offset + count] = np.arange(cu_q[i], cu_q[i] + count)
+            logits_rows[offset : offset + count] = np.arange(cu_q[i], cu_q[i] + count)
             offset += count
-            spans.append((request_id, start + 1, count))
+            spans.append((request_id, start + 1, count, seq.prompt_logprobs or 0))
             targets += prompt[start + 1 : start + 1 + count]
         return spans, targets
 
@@ -297,7 +366,7 @@ class ModelRunner:
         logprobs = torch.log_softmax(logits[:, : self.sampler.vocab_size].float(), dim=-1)
         targets = torch.tensor(inputs.prompt_targets, device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
-        num_top = max(self._seqs[request_id].prompt_logprobs or 0 for request_id, _, _ in inputs.prompt_spans)
+        num_top = max(wanted for _, _, _, wanted in inputs.prompt_spans)
         num_top = min(num_top, logprobs.shape[-1])
         top = logprobs.topk(num_top, dim=-1)
         # float64 holds every token id exactly, so ids and logprobs come to the host together.
@@ -305,8 +374,7 @@ class ModelRunner:
         num_rows = len(inputs.prompt_targets)
         values, ids = host[num_rows : num_rows * (1 + num_top)], host[num_rows * (1 + num_top) :]
         results, row = [], 0
-        for request_id, first, count in inputs.prompt_spans:
-            wanted = self._seqs[request_id].prompt_logprobs or 0
+        for request_id, first, count, wanted in inputs.prompt_spans:
             entries = []
             for r in range(row, row + count):
                 alternatives = [(int(ids[r * num_top + k]), values[r * num_top + k]) for k in range(wanted)]
@@ -358,12 +426,6 @@ class ModelRunner:
                 frozenset(self.grammars.tokenizer.eos_tokens),
             )
         return self.grammar_masker.bias(states)
-
-    def _to_device(self, name: str, n: int) -> torch.Tensor:
-        host = self._host[name][:n]
-        if self._device_buffers is self._host:
-            return host
-        return self._device_buffers[name][:n].copy_(host, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
