@@ -8,6 +8,10 @@ whole page tables, continuing ones with the pages appended this step, finished a
 Per-step work is per sequence, never per token: token ids are copied into preallocated buffers in one piece, and
 positions, page tables and slot mappings come from vectorised numpy ops over per-sequence offsets.
 
+With decode graphs (engine/cuda_graphs.py, `use_decode_graphs`) a step whose every sequence computes one token is
+padded to a graph size instead: its rows, then padding rows on the scratch pages, in the same persistent buffers
+(which are then the graph's static inputs), and the model runs through the captured graph of that size.
+
 A constrained sequence (structured output) also keeps its grammar state here: it advances with every token sampled
 for it, and the step's constrained rows get one grammar mask (engine/token_masks.py) that the sampler applies.
 """
@@ -15,6 +19,7 @@ for it, and the step's constrained rows get one grammar mask (engine/token_masks
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -24,6 +29,7 @@ import torch
 
 from engine.attention import StepMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import Capture, StepFn, decode_graph_size
 from engine.kv_cache import GroupLayout
 from engine.loader import LoadedModel
 from engine.request import SamplingParams, TokenLogprob
@@ -67,6 +73,9 @@ class StepInputs:
     """(request id, first prompt position scored, count) per sequence that wants prompt logprobs, row order."""
     prompt_targets: list[int]
     """The prompt token each of the P prompt rows scores."""
+    graph_size: int | None = None
+    """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers
+    (rows past the step's sequences are padding), and the forward pass replays its graph."""
 
     @property
     def meta(self) -> StepMetadata:
@@ -104,9 +113,14 @@ class ModelRunner:
         for g, layout in enumerate(layouts):
             for layer in layout.layers:
                 self.group_of_layer[layer] = g
+        self.pool_pages = list(pool_pages)
+        """Pages of each group's pool: the ids the scheduler hands out are below these."""
+        self.scratch_pages = list(pool_pages)
+        """Each group's scratch page, one past its pool's pages: padded decode rows write and read it alone."""
         self.kv_caches = []
         for layer in range(model.num_layers):
-            shape = (pool_pages[self.group_of_layer[layer]], config.page_size, model.num_kv_heads, model.head_dim)
+            pages = pool_pages[self.group_of_layer[layer]] + 1  # the scratch page
+            shape = (pages, config.page_size, model.num_kv_heads, model.head_dim)
             self.kv_caches.append(
                 (
                     torch.zeros(shape, dtype=loaded.dtype, device=device),
@@ -138,6 +152,11 @@ class ModelRunner:
         self._device_buffers = (
             {name: torch.empty_like(t, device=device) for name, t in self._host.items()} if pin else self._host
         )
+        self._max_rows = min(max_seqs, max_tokens)
+        self.graph_sizes: tuple[int, ...] = ()
+        """Decode steps of up to graph_sizes[-1] sequences are padded to the next of these (none: all eager)."""
+        self._graph_metas: dict[int, list[StepMetadata]] = {}
+        self._decode_steps: dict[int, StepFn] = {}
 
     @staticmethod
     def kv_bytes_per_layer_page(model: torch.nn.Module, page_size: int, dtype: torch.dtype) -> int:
@@ -216,6 +235,8 @@ class ModelRunner:
         np.cumsum(q_lens, out=cu_q[1:])
         total = int(cu_q[-1])
         seq_lens = starts + q_lens
+        max_query_len = int(q_lens.max())
+        graph_size = decode_graph_size(self.graph_sizes, num_seqs, max_query_len)
 
         input_ids = self._np["input_ids"][:total]
         input_ids[:] = list(itertools.chain.from_iterable(plan.token_ids))
@@ -232,6 +253,10 @@ class ModelRunner:
         self._np["logits_rows"][:num_sampling] = rows
         spans, targets = self._prompt_rows(plan, cu_q, num_sampling) if self._scoring_prompts else ([], [])
         num_rows = num_sampling + len(targets)
+        if graph_size is not None:
+            return self._padded_inputs(
+                graph_size, num_seqs, seq_rows, int(seq_lens.max()), num_sampling, spans, targets
+            )
 
         sizes = {
             "input_ids": total,
@@ -249,7 +274,7 @@ class ModelRunner:
             query_start_loc_host=cu_q.tolist(),
             query_lens_host=list(plan.num_new_tokens),
             seq_lens_host=seq_lens.tolist(),
-            max_query_len=int(q_lens.max()),
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             page_size=self.page_size,
         )
@@ -270,6 +295,102 @@ class ModelRunner:
             self.backend.prepare(meta)
             metas.append(meta)
         return StepInputs(dev["input_ids"], metas, dev["logits_rows"], num_sampling, spans, targets)
+
+    def _padded_inputs(
+        self,
+        size: int,
+        num_seqs: int,
+        seq_rows: np.ndarray,
+        max_seq_len: int,
+        num_sampling: int,
+        spans: list[tuple[str, int, int]],
+        targets: list[int],
+    ) -> StepInputs:
+        """The decode step whose host rows `prepare` filled, completed with padding rows up to `size` and copied to
+        that size's static buffers. Page tables are copied whole (the static shape), their real rows as `prepare`
+        builds them for an eager step; one token per sequence, so token i is sequence i's."""
+        self._write_padding(num_seqs, size)
+        widest = -(-max_seq_len // self.page_size)
+        positions = self._np["positions"][:num_seqs]
+        for g, group_tables in enumerate(self._tables):
+            tables = self._np[f"page_tables{g}"]
+            tables[:num_seqs, :widest] = group_tables[seq_rows, :widest]
+            self._np[f"slot_mapping{g}"][:num_seqs] = (
+                tables[np.arange(num_seqs), positions // self.page_size] * self.page_size + positions % self.page_size
+            )
+        self._copy_static(size)
+        logits_rows = self._to_device("logits_rows", num_sampling + len(targets))
+        input_ids = self._device_buffers["input_ids"][:size]
+        return StepInputs(input_ids, self._graph_metas[size], logits_rows, num_sampling, spans, targets, size)
+
+    def _write_padding(self, first: int, size: int) -> None:
+        """Host rows [first, size) become padding: token 0 at position 0 of a one-token sequence whose page table
+        and slot are its group's scratch page (row i is token i and sequence i alike)."""
+        self._np["input_ids"][first:size] = 0
+        self._np["positions"][first:size] = 0
+        self._np["query_start_loc"][first + 1 : size + 1] = np.arange(first + 1, size + 1)
+        self._np["seq_lens"][first:size] = 1
+        for g, scratch in enumerate(self.scratch_pages):
+            self._np[f"page_tables{g}"][first:size] = scratch
+            self._np[f"slot_mapping{g}"][first:size] = scratch * self.page_size
+
+    def _copy_static(self, size: int) -> None:
+        """The first `size` rows of every static input to the device (in place: the graphs read these addresses)."""
+        for name in ("input_ids", "positions", "seq_lens", *(f"slot_mapping{g}" for g in range(len(self._tables)))):
+            self._to_device(name, size)
+        self._to_device("query_start_loc", size + 1)
+        for g in range(len(self._tables)):
+            self._to_device(f"page_tables{g}", size)
+
+    def use_decode_graphs(self, sizes: tuple[int, ...], capture: Capture) -> None:
+        """From now on pad every decode step of up to `sizes[-1]` sequences to the next of `sizes` (ascending) and
+        run what `capture` made of the padded forward of that size (on CUDA, the replay of its graph;
+        engine/cuda_graphs.py). Called before the first step: the sizes are captured largest first, over a step
+        of padding rows only, which is what the static buffers hold until a step overwrites them."""
+        if self._seqs:
+            raise RuntimeError("decode graphs are set up before the first step")
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > self._max_rows:
+            raise ValueError(f"graph sizes must ascend from 1 up to {self._max_rows}, got {sizes}")
+        self._write_padding(0, sizes[-1])
+        self._copy_static(sizes[-1])
+        for size in reversed(sizes):
+            self._graph_metas[size] = self._static_metas(size)
+            self._decode_steps[size] = capture(functools.partial(self._padded_forward, size))
+        self.graph_sizes = tuple(sizes)
+
+    def _static_metas(self, size: int) -> list[StepMetadata]:
+        """Each group's metadata over views of the first `size` rows of the step buffers: what a graph of that size
+        captures. Its host fields describe the padding-only step it is captured with, and stay so: a `capturable`
+        backend reads none of them but `max_query_len` (1 in every step a graph replays) and `page_size`."""
+        dev = self._device_buffers
+        return [
+            StepMetadata(
+                positions=dev["positions"][:size],
+                slot_mapping=dev[f"slot_mapping{g}"][:size],
+                query_start_loc=dev["query_start_loc"][: size + 1],
+                seq_lens=dev["seq_lens"][:size],
+                page_tables=dev[f"page_tables{g}"][:size],  # [size, max_pages]: whole rows, a static shape
+                page_tables_host=self._np[f"page_tables{g}"][:size],
+                query_start_loc_host=list(range(size + 1)),
+                query_lens_host=[1] * size,
+                seq_lens_host=[1] * size,
+                max_query_len=1,
+                max_seq_len=1,
+                page_size=self.page_size,
+            )
+            for g in range(len(self._tables))
+        ]
+
+    @torch.inference_mode()
+    def _padded_forward(self, size: int) -> torch.Tensor:
+        """The model over the static buffers' first `size` rows, up to the final norm: [size, hidden]. The
+        backend's `prepare` runs inside, so what it derives on the device is derived again by every replay."""
+        metas = self._graph_metas[size]
+        for meta in metas:
+            meta.backend_state.clear()
+            self.backend.prepare(meta)
+        input_ids = self._device_buffers["input_ids"][:size]
+        return self.model(input_ids, metas[0].positions, [metas[g] for g in self.group_of_layer], self.kv_caches)
 
     def _prompt_rows(
         self, plan: SchedulerOutput, cu_q: np.ndarray, offset: int
@@ -369,6 +490,9 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens (and
         the prompt rows scored), None on a tensor-parallel rank other than 0."""
-        layer_metas = [inputs.metas[g] for g in self.group_of_layer]
-        hidden = self.model(inputs.input_ids, inputs.meta.positions, layer_metas, self.kv_caches)
+        if inputs.graph_size is not None:
+            hidden = self._decode_steps[inputs.graph_size]()
+        else:
+            layer_metas = [inputs.metas[g] for g in self.group_of_layer]
+            hidden = self.model(inputs.input_ids, inputs.meta.positions, layer_metas, self.kv_caches)
         return self.model.compute_logits(hidden[inputs.logits_rows])
