@@ -42,6 +42,7 @@ from engine.page_pool import PagePool
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.step import NewRequest, SchedulerOutput
+from tests.capturable_backend import DensePagedBackend
 from tests.test_attention import attention_runner, fresh_plan
 from tests.test_cpu_attention import needs_kernel
 
@@ -402,3 +403,28 @@ def test_every_decode_step_through_the_padded_path_generates_the_eager_tokens(
     assert counting.steps == decode_steps, "every decode step went through the padded path, at its padded size"
     assert sum(n for size, n in counting.steps.items() if size > 1) >= 5
     assert np.all(np.asarray(list(counting.steps)) <= 8)
+
+
+# -- the GPU tests' capturable backend ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_dense_test_backend_matches_the_torch_backend(window: int | None) -> None:
+    """tests/test_gpu.py captures decode steps through it: checked here first, on a mixed step."""
+    page = 4
+    shapes = [(0, 9), (13, 1), (5, 6), (2, 1), (21, 1)]
+    needed = [-(-(c + n) // page) for c, n in shapes]
+    order = list(range(sum(needed) + 2))[::-1]
+    tables = [[order.pop() for _ in range(k)] for k in needed]
+    runner = attention_runner(_Shapes(), len(order) + sum(needed), page)
+    inputs = runner.prepare(fresh_plan(shapes, tables))
+    generator = torch.Generator().manual_seed(0)
+    total = sum(n for _, n in shapes)
+    q, k, v = (torch.randn(total, h, 8, generator=generator) for h in (4, 2, 2))
+    history = [torch.randn(c.shape, generator=generator) for c in runner.kv_caches[0]]
+    outputs = []
+    for backend in (TorchPagedBackend(), DensePagedBackend()):
+        inputs.meta.backend_state.clear()
+        backend.prepare(inputs.meta)
+        outputs.append(backend.forward(q, k, v, (history[0].clone(), history[1].clone()), inputs.meta, 0.3, window))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
