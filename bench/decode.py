@@ -111,8 +111,15 @@ def _decode_seconds(engine: EngineCore, num_seqs: int, options: DecodeOptions) -
 def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[int, float]:
     """(weight bytes, K/V bytes) one decode step of `num_seqs` sequences reads (see the module docstring)."""
     model = engine.runner.model
-    # parameters() lists a tied table once: then it is the LM head's read, and nothing is subtracted.
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Parameters, and the weights a module keeps as a plain tensor (the CPU's oneDNN-packed linears), each once: a
+    # tied table is then the LM head's read. Buffers (rotary tables) are looked up a row per token, not read whole.
+    weights_by_tensor = {
+        id(t): t.numel() * t.element_size()
+        for module in model.modules()
+        for t in (*module.parameters(recurse=False), *vars(module).values())
+        if isinstance(t, torch.Tensor)
+    }
+    weights = sum(weights_by_tensor.values())
     if not getattr(engine.hf_config, "tie_word_embeddings", False):
         embedding = next(m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding))
         weights -= embedding.numel() * embedding.element_size()
@@ -147,7 +154,7 @@ def run_decode(options: DecodeOptions) -> dict[str, object]:
                     # The first timed step reads the prompt and the 3 tokens sampled before it (prefill, 2 untimed).
                     mean_context = options.context_len + 3 + (options.steps - 1) / 2
                     weights, kv = step_bytes(engine, num_seqs, mean_context)
-                    uses_graphs = engine.runner.cuda_graphs is not None
+                    uses_graphs = bool(engine.runner.graph_sizes)
                 if bandwidth is None:
                     bandwidth = H200_BANDWIDTH_GBS if device.type == "cuda" else measure_cpu_bandwidth_gbs()
                 median = statistics.median(seconds)

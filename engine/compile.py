@@ -90,7 +90,7 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
     Its K/V land in the first pages of every pool; nothing else is cached yet, and a page's slots are always written
     by the sequence that owns it before they are read.
     """
-    capacity = min(cache[0].shape[0] for cache in runner.kv_caches) * config.page_size
+    capacity = min(runner.pool_pages) * config.page_size
     sizes = sorted({min(n, config.max_batch_tokens, capacity) for n in _WARM_UP_TOKENS})
     request_id = "compile-warm-up"
     pages = tuple(range(-(-sizes[-1] // config.page_size)))

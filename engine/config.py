@@ -87,6 +87,14 @@ class EngineConfig:
     whole decoder into one graph. Compiled at start-up (seconds; torch caches inductor's output for the next
     start), with a dynamic token dimension so ragged steps do not recompile. CPU and the native Llama-family
     modules only: other setups refuse a level other than none at start-up."""
+    enforce_eager: bool = field(default=False, metadata=_MODEL)
+    """CUDA: run every step eagerly (vLLM's option). By default decode steps replay CUDA graphs captured at
+    start-up (engine/cuda_graphs.py) where the attention backend allows it; steps with a prefill chunk, CPUs,
+    tensor parallelism and the transformers adapter always run eagerly."""
+    cuda_graph_max_seqs: int = field(default=256, metadata=_MODEL)
+    """CUDA: the largest decode step (in sequences) replayed from a graph, capped by max_num_seqs and
+    max_batch_tokens; graphs are captured for 1, 2, 4, 8, then every 8 up to 64, then every 16 up to it, and a
+    step is padded to the next size. Larger steps run eagerly."""
     cpu_threads: int | None = field(default=1, metadata=_SCHEDULING)
     """CPU: torch threads in the engine process (None, from Python, leaves torch's setting alone). One by default,
     and more helps only on cores nothing else uses: a step is many small ops, and OpenMP barriers across threads
@@ -137,6 +145,8 @@ class EngineConfig:
             raise ValueError(f"scheduler_policy must be 'fifo' or 'prefill_first', got {self.scheduler_policy!r}")
         if self.compile not in get_args(CompileLevel):
             raise ValueError(f"compile must be one of {', '.join(get_args(CompileLevel))}, got {self.compile!r}")
+        if self.cuda_graph_max_seqs < 1:
+            raise ValueError(f"cuda_graph_max_seqs must be >= 1, got {self.cuda_graph_max_seqs}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -30,6 +30,7 @@ import torch
 
 from engine.compile import warm_up
 from engine.config import EngineConfig, EngineStartupError
+from engine.cuda_graphs import CaptureReport, start_decode_graphs
 from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
 from engine.loader import LoadedModel, load_model, model_config
 from engine.memory import kv_cache_budget_bytes
@@ -114,6 +115,8 @@ class EngineCore:
         self.runner = ModelRunner(loaded, layouts, pages, config, self.grammars)
         if config.compile != "none":
             warm_up(self.runner, config)
+        self.cuda_graphs: CaptureReport | None = start_decode_graphs(self.runner, config, loaded)
+        """What was captured (sizes, seconds, memory); None when every step runs eagerly."""
         self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []

@@ -1,11 +1,16 @@
 """How many bytes the KV cache may take: a fixed amount on CPU; on CUDA, what the memory flag leaves once the model
-is loaded and the largest step's activations are set aside.
+is loaded and the largest step's activations and the decode graphs' memory are set aside.
 
 On CUDA the activations are measured, not guessed: one profiling step runs the biggest batch the scheduler may
 plan (`max_batch_tokens` tokens over as many sequences as may run, the longest prompt allowed among them, every
 sequence sampled with the costliest sampling options), and its peak allocation above the loaded model is what the
 cache must leave free. Load-time garbage (checkpoint staging tensors, the allocator's cached blocks) is returned to
 the device first, so that free memory means free.
+
+The decode graphs (engine/cuda_graphs.py), when the engine will capture them, are measured the same way before the
+budget is set: the largest size is captured once through a runner with a one-page cache, and what its memory pool
+reserved, plus the outputs the smaller graphs keep in the shared pool, is left free too. `gpu_kv_budget_bytes` is
+the arithmetic on those measurements.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import torch
 
 from engine.config import EngineConfig, EngineStartupError
+from engine.cuda_graphs import capture_decode_graphs, eager_reason, graph_sizes, max_graph_size
 from engine.kv_cache import GroupLayout
 from engine.loader import LoadedModel
 from engine.request import SamplingParams
@@ -41,29 +47,62 @@ _COSTLIEST_SAMPLING = SamplingParams(
 def kv_cache_budget_bytes(
     config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout], kv_bytes_per_page: int
 ) -> float:
-    """Bytes the KV cache may take: `cpu_kv_cache_gib` on CPU; on CUDA, `max_memory_percent` of the memory free
-    after loading, less the activations of the largest step (refused when that leaves less than one page,
-    `kv_bytes_per_page` for all layers)."""
+    """Bytes the KV cache's pools may take: `cpu_kv_cache_gib` on CPU; on CUDA, `max_memory_percent` of the memory
+    free after loading, less the activations of the largest step, the decode graphs' memory and the scratch pages
+    (refused when that leaves less than one page, `kv_bytes_per_page` for all layers)."""
     if loaded.device.type != "cuda":
         return config.cpu_kv_cache_gib * 2**30
     activations = largest_step_activation_bytes(config, loaded, layouts)
+    graphs = decode_graph_bytes(config, loaded, layouts) if eager_reason(config, loaded) is None else 0
     free, _ = torch.cuda.mem_get_info(loaded.device)
-    budget = free * config.max_memory_percent - activations
+    # One scratch page per group, each as many layers as the group: one page of every layer in all.
+    budget = gpu_kv_budget_bytes(free, config.max_memory_percent, activations, graphs, kv_bytes_per_page)
     if budget < kv_bytes_per_page:
         raise EngineStartupError(
             f"no GPU memory is left for the KV cache: {free / 2**30:.2f} GiB free after loading the model, "
-            f"--max-memory-percent {config.max_memory_percent} of it, and the largest step's activations take "
-            f"{activations / 2**30:.2f} GiB; raise --max-memory-percent, or lower --max-batch-tokens or --max-num-seqs"
+            f"--max-memory-percent {config.max_memory_percent} of it, the largest step's activations take "
+            f"{activations / 2**30:.2f} GiB and the decode graphs {graphs / 2**30:.2f} GiB; raise "
+            "--max-memory-percent, or lower --max-batch-tokens, --max-num-seqs or --cuda-graph-max-seqs "
+            "(--enforce-eager captures no graphs)"
         )
     logger.info(
         "GPU memory: %.2f GiB free after loading, %.2f GiB for the largest step's activations, %.2f GiB for the "
-        "KV cache (max_memory_percent %.2f)",
+        "decode graphs, %.2f GiB for the KV cache (max_memory_percent %.2f)",
         free / 2**30,
         activations / 2**30,
+        graphs / 2**30,
         max(budget, 0) / 2**30,
         config.max_memory_percent,
     )
     return budget
+
+
+def gpu_kv_budget_bytes(
+    free: int, max_memory_percent: float, activation_bytes: int, graph_bytes: int, scratch_bytes: int
+) -> float:
+    """The KV pools' share of the `free` device memory: `max_memory_percent` of it, less what the largest step's
+    activations, the decode graphs and the scratch pages (allocated with the cache, outside the pools) take."""
+    return free * max_memory_percent - activation_bytes - graph_bytes - scratch_bytes
+
+
+def decode_graphs_estimate(largest_pool_bytes: int, sizes: tuple[int, ...], output_row_bytes: int) -> int:
+    """The memory all decode graphs hold, from what capturing the largest size alone reserved: the smaller graphs
+    reuse the blocks it freed in the shared pool, but each keeps its output ([size, hidden], rounded up to the
+    allocator's 512-byte blocks) allocated there."""
+    return largest_pool_bytes + sum(-(-size * output_row_bytes // 512) * 512 for size in sizes[:-1])
+
+
+def decode_graph_bytes(config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout]) -> int:
+    """CUDA: the memory the decode graphs will hold, measured by capturing the largest size once through a runner
+    with a one-page cache (a graph holds the step's activations, not the cache), then released."""
+    sizes = graph_sizes(max_graph_size(config))
+    runner = ModelRunner(loaded, layouts, [1] * len(layouts), config)
+    largest = capture_decode_graphs(runner, sizes[-1:]).pool_bytes
+    del runner  # with it its graph and the graph's pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    row = loaded.hf_config.hidden_size * torch.empty((), dtype=loaded.dtype).element_size()
+    return decode_graphs_estimate(largest, sizes, row)
 
 
 def largest_step_lengths(max_batch_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:

@@ -14,6 +14,11 @@ the step's buffers come in two sets used in turn (N+1 fills one while N's forwar
 the device, read the other), a step keeps the sequences it samples from its own prepare, and a PLACEHOLDER (the
 token step N samples) is filled in by `run`, just before the token ids go to the device.
 
+With decode graphs (engine/cuda_graphs.py, `use_decode_graphs`) a step whose every sequence computes one token is
+padded to a graph size instead: its rows, then padding rows on the scratch pages, in its host buffers; `run` copies
+them into the graphs' static inputs (one set of device buffers, written only there, so a step prepared ahead never
+touches what a replay reads) and replays the captured graph of that size.
+
 A constrained sequence (structured output) also keeps its grammar state here: it advances with every token sampled
 for it, and the step's constrained rows get one grammar mask (engine/token_masks.py) that the sampler applies.
 """
@@ -21,6 +26,7 @@ for it, and the step's constrained rows get one grammar mask (engine/token_masks
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -30,6 +36,7 @@ import torch
 
 from engine.attention import StepMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import Capture, StepFn, decode_graph_size
 from engine.kv_cache import GroupLayout
 from engine.loader import LoadedModel
 from engine.request import SamplingParams, TokenLogprob
@@ -106,6 +113,10 @@ class StepInputs:
     """(packed token index, sequence) of each PLACEHOLDER: that sequence's latest token, filled in by `run`."""
     buffers: _StepBuffers
     prepare_seconds: float = 0.0
+    graph_size: int | None = None
+    """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
+    loaded from `buffers` by `run` (rows past the step's sequences are padding), and the forward pass replays its
+    graph."""
 
     @property
     def meta(self) -> StepMetadata:
@@ -143,9 +154,14 @@ class ModelRunner:
         for g, layout in enumerate(layouts):
             for layer in layout.layers:
                 self.group_of_layer[layer] = g
+        self.pool_pages = list(pool_pages)
+        """Pages of each group's pool: the ids the scheduler hands out are below these."""
+        self.scratch_pages = list(pool_pages)
+        """Each group's scratch page, one past its pool's pages: padded decode rows write and read it alone."""
         self.kv_caches = []
         for layer in range(model.num_layers):
-            shape = (pool_pages[self.group_of_layer[layer]], config.page_size, model.num_kv_heads, model.head_dim)
+            pages = pool_pages[self.group_of_layer[layer]] + 1  # the scratch page
+            shape = (pages, config.page_size, model.num_kv_heads, model.head_dim)
             self.kv_caches.append(
                 (
                     torch.zeros(shape, dtype=loaded.dtype, device=device),
@@ -174,6 +190,13 @@ class ModelRunner:
         # Two sets, used by steps in turn: a step prepared ahead fills one while the step before it reads the other.
         self._buffers = [_StepBuffers.allocate(shapes, device) for _ in range(2)]
         self._num_prepared = 0
+        self._max_rows = min(max_seqs, max_tokens)
+        self.graph_sizes: tuple[int, ...] = ()
+        """Decode steps of up to graph_sizes[-1] sequences are padded to the next of these (none: all eager)."""
+        self._static: dict[str, torch.Tensor] = {}
+        """The graphs' inputs on the device (rows for the largest size), written by `run` only."""
+        self._graph_metas: dict[int, list[StepMetadata]] = {}
+        self._decode_steps: dict[int, StepFn] = {}
 
     @staticmethod
     def kv_bytes_per_layer_page(model: torch.nn.Module, page_size: int, dtype: torch.dtype) -> int:
@@ -190,7 +213,6 @@ class ModelRunner:
         if inputs is None:
             return ModelRunnerOutput()
         started = time.perf_counter()
-        self._load_input_ids(inputs)
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
         forward_seconds = forwarded - started
@@ -218,13 +240,17 @@ class ModelRunner:
             sample_seconds=time.perf_counter() - forwarded,
         )
 
-    def _load_input_ids(self, inputs: StepInputs) -> None:
-        """Fill each PLACEHOLDER with its sequence's latest token (sampled by the step before), then, on CUDA, copy
-        the token ids to the device."""
+    def load_inputs(self, inputs: StepInputs) -> None:
+        """Fill each PLACEHOLDER with its sequence's latest token (sampled by the step before), then copy the token
+        ids to the device (on CPU only a padded step's: it has static buffers of its own there too). `forward` does
+        it first; doing it again changes nothing."""
         host = inputs.buffers.np["input_ids"]
         for token, seq in inputs.placeholders:
             host[token] = seq.output_ids[-1]
-        inputs.buffers.to_device("input_ids", len(inputs.input_ids))
+        if inputs.graph_size is None:
+            inputs.buffers.to_device("input_ids", len(inputs.input_ids))
+        else:
+            self._load_static(inputs.buffers, inputs.graph_size)
 
     def with_sampled_tokens(self, plan: SchedulerOutput) -> SchedulerOutput:
         """The plan with each PLACEHOLDER replaced by the token this runner sampled for its request: what the
@@ -268,6 +294,8 @@ class ModelRunner:
         np.cumsum(q_lens, out=cu_q[1:])
         total = int(cu_q[-1])
         seq_lens = starts + q_lens
+        max_query_len = int(q_lens.max())
+        graph_size = decode_graph_size(self.graph_sizes, num_seqs, max_query_len)
 
         host = buffers.np
         input_ids = host["input_ids"][:total]
@@ -289,14 +317,43 @@ class ModelRunner:
             self._prompt_rows(plan, cu_q, num_sampling, host["logits_rows"]) if self._scoring_prompts else ([], [])
         )
         num_rows = num_sampling + len(targets)
+        if graph_size is None:
+            step_ids, metas = self._eager_metas(buffers, plan, seq_rows, cu_q, seq_lens, seq_of_token, max_query_len)
+        else:
+            step_ids, metas = self._padded_metas(buffers, graph_size, num_seqs, seq_rows, int(seq_lens.max()))
+        return StepInputs(
+            step_ids,
+            metas,
+            buffers.to_device("logits_rows", num_rows),
+            num_sampling,
+            spans,
+            targets,
+            sampling=[seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled],
+            num_constrained=self._num_constrained,
+            placeholders=placeholders,
+            buffers=buffers,
+            prepare_seconds=time.perf_counter() - started,
+            graph_size=graph_size,
+        )
 
-        sizes = {
-            "positions": total,
-            "query_start_loc": num_seqs + 1,
-            "seq_lens": num_seqs,
-            "logits_rows": num_rows,
+    def _eager_metas(
+        self,
+        buffers: _StepBuffers,
+        plan: SchedulerOutput,
+        seq_rows: np.ndarray,
+        cu_q: np.ndarray,
+        seq_lens: np.ndarray,
+        seq_of_token: np.ndarray,
+        max_query_len: int,
+    ) -> tuple[torch.Tensor, list[StepMetadata]]:
+        """The step's token ids on the device (loaded by `run`) and each group's metadata, unpadded."""
+        host = buffers.np
+        num_seqs, total = len(seq_rows), int(cu_q[-1])
+        positions = host["positions"][:total]
+        dev = {
+            name: buffers.to_device(name, n)
+            for name, n in (("positions", total), ("query_start_loc", num_seqs + 1), ("seq_lens", num_seqs))
         }
-        dev = {name: buffers.to_device(name, n) for name, n in sizes.items()}
         max_seq_len = int(seq_lens.max())
         shared = dict(
             positions=dev["positions"],
@@ -305,7 +362,7 @@ class ModelRunner:
             query_start_loc_host=cu_q.tolist(),
             query_lens_host=list(plan.num_new_tokens),
             seq_lens_host=seq_lens.tolist(),
-            max_query_len=int(q_lens.max()),
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             page_size=self.page_size,
         )
@@ -325,19 +382,105 @@ class ModelRunner:
             )
             self.backend.prepare(meta)
             metas.append(meta)
-        return StepInputs(
-            buffers.device["input_ids"][:total],
-            metas,
-            dev["logits_rows"],
-            num_sampling,
-            spans,
-            targets,
-            sampling=[seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled],
-            num_constrained=self._num_constrained,
-            placeholders=placeholders,
-            buffers=buffers,
-            prepare_seconds=time.perf_counter() - started,
-        )
+        return buffers.device["input_ids"][:total], metas
+
+    def _padded_metas(
+        self, buffers: _StepBuffers, size: int, num_seqs: int, seq_rows: np.ndarray, max_seq_len: int
+    ) -> tuple[torch.Tensor, list[StepMetadata]]:
+        """The decode step whose host rows `prepare` filled, completed with padding rows up to `size`: the static
+        token ids and that size's metadata, which `run` loads from these host rows. Page tables are whole rows (the
+        static shape), the real ones as `prepare` builds them for an eager step; one token per sequence, so token i
+        is sequence i's."""
+        host = buffers.np
+        self._write_padding(host, num_seqs, size)
+        widest = -(-max_seq_len // self.page_size)
+        positions = host["positions"][:num_seqs]
+        for g, group_tables in enumerate(self._tables):
+            tables = host[f"page_tables{g}"]
+            tables[:num_seqs, :widest] = group_tables[seq_rows, :widest]
+            host[f"slot_mapping{g}"][:num_seqs] = (
+                tables[np.arange(num_seqs), positions // self.page_size] * self.page_size + positions % self.page_size
+            )
+        return self._static["input_ids"][:size], self._graph_metas[size]
+
+    def _write_padding(self, host: dict[str, np.ndarray], first: int, size: int) -> None:
+        """Host rows [first, size) become padding: token 0 at position 0 of a one-token sequence whose page table
+        and slot are its group's scratch page (row i is token i and sequence i alike)."""
+        host["input_ids"][first:size] = 0
+        host["positions"][first:size] = 0
+        host["query_start_loc"][first + 1 : size + 1] = np.arange(first + 1, size + 1)
+        host["seq_lens"][first:size] = 1
+        for g, scratch in enumerate(self.scratch_pages):
+            host[f"page_tables{g}"][first:size] = scratch
+            host[f"slot_mapping{g}"][first:size] = scratch * self.page_size
+
+    def _load_static(self, buffers: _StepBuffers, size: int) -> None:
+        """The first `size` rows of every graph input, from `buffers`' host rows into the static device buffers (in
+        place: the graphs read these addresses). On CUDA the copies queue behind the step before on the stream."""
+        rows = {name: size for name in self._static}
+        rows["query_start_loc"] = size + 1
+        for name, n in rows.items():
+            self._static[name][:n].copy_(buffers.host[name][:n], non_blocking=True)
+
+    def use_decode_graphs(self, sizes: tuple[int, ...], capture: Capture) -> None:
+        """From now on pad every decode step of up to `sizes[-1]` sequences to the next of `sizes` (ascending) and
+        run what `capture` made of the padded forward of that size (on CUDA, the replay of its graph;
+        engine/cuda_graphs.py). Called before the first step: the sizes are captured largest first, over a step
+        of padding rows only, which is what the static buffers hold until a step overwrites them."""
+        if self._seqs:
+            raise RuntimeError("decode graphs are set up before the first step")
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > self._max_rows:
+            raise ValueError(f"graph sizes must ascend from 1 up to {self._max_rows}, got {sizes}")
+        largest = sizes[-1]
+        staging = self._buffers[0].host
+        self._static = {
+            name: torch.empty(
+                (largest + 1 if name == "query_start_loc" else largest, *t.shape[1:]), dtype=t.dtype, device=self.device
+            )
+            for name, t in staging.items()
+            if name != "logits_rows"
+        }
+        self._write_padding(self._buffers[0].np, 0, largest)
+        self._load_static(self._buffers[0], largest)
+        for size in reversed(sizes):
+            self._graph_metas[size] = self._static_metas(size)
+            self._decode_steps[size] = capture(functools.partial(self._padded_forward, size))
+        self.graph_sizes = tuple(sizes)
+
+    def _static_metas(self, size: int) -> list[StepMetadata]:
+        """Each group's metadata over views of the first `size` rows of the static buffers: what a graph of that
+        size captures. Its host fields describe the padding-only step it is captured with, and stay so: a
+        `capturable` backend reads none of them but `max_query_len` (1 in every step a graph replays) and
+        `page_size`."""
+        static = self._static
+        return [
+            StepMetadata(
+                positions=static["positions"][:size],
+                slot_mapping=static[f"slot_mapping{g}"][:size],
+                query_start_loc=static["query_start_loc"][: size + 1],
+                seq_lens=static["seq_lens"][:size],
+                page_tables=static[f"page_tables{g}"][:size],  # [size, max_pages]: whole rows, a static shape
+                page_tables_host=np.full((size, static[f"page_tables{g}"].shape[1]), self.scratch_pages[g], np.int32),
+                query_start_loc_host=list(range(size + 1)),
+                query_lens_host=[1] * size,
+                seq_lens_host=[1] * size,
+                max_query_len=1,
+                max_seq_len=1,
+                page_size=self.page_size,
+            )
+            for g in range(len(self._tables))
+        ]
+
+    @torch.inference_mode()
+    def _padded_forward(self, size: int) -> torch.Tensor:
+        """The model over the static buffers' first `size` rows, up to the final norm: [size, hidden]. The
+        backend's `prepare` runs inside, so what it derives on the device is derived again by every replay."""
+        metas = self._graph_metas[size]
+        for meta in metas:
+            meta.backend_state.clear()
+            self.backend.prepare(meta)
+        input_ids = self._static["input_ids"][:size]
+        return self.model(input_ids, metas[0].positions, [metas[g] for g in self.group_of_layer], self.kv_caches)
 
     def _prompt_rows(
         self, plan: SchedulerOutput, cu_q: np.ndarray, offset: int, logits_rows: np.ndarray
@@ -431,6 +574,10 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens (and
         the prompt rows scored), None on a tensor-parallel rank other than 0."""
-        layer_metas = [inputs.metas[g] for g in self.group_of_layer]
-        hidden = self.model(inputs.input_ids, inputs.meta.positions, layer_metas, self.kv_caches)
+        self.load_inputs(inputs)
+        if inputs.graph_size is not None:
+            hidden = self._decode_steps[inputs.graph_size]()
+        else:
+            layer_metas = [inputs.metas[g] for g in self.group_of_layer]
+            hidden = self.model(inputs.input_ids, inputs.meta.positions, layer_metas, self.kv_caches)
         return self.model.compute_logits(hidden[inputs.logits_rows])

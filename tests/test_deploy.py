@@ -625,6 +625,8 @@ CPU_ENGINE_VALUES = {
     "attentionBackend": "torch",
     "modelImpl": "auto",
     "compile": "none",
+    "enforceEager": False,
+    "cudaGraphMaxSeqs": 64,
     "cpuThreads": 1,
     "asyncScheduling": True,
     "distributedTimeout": 60,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,12 @@ from transformers import AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import TorchPagedBackend
 from engine.attention.flash import FlashBackend, flash_available
+from engine.cuda_graphs import graph_sizes, max_graph_size
+from engine.kv_cache import group_layers
+from engine.loader import LoadedModel, load_model
+from engine.memory import decode_graph_bytes
+from engine.observer import StepRecord
+from tests.capturable_backend import DensePagedBackend
 from tests.test_attention import attention_runner, fresh_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -106,3 +113,82 @@ def test_flash_attention_refuses_float32_when_chosen(model_dir: Callable[[str], 
     config = EngineConfig(model=str(model_dir("llama")), device="cuda", dtype="float32", attention_backend="flash")
     with pytest.raises(ValueError, match="float16 or bfloat16 only"):
         EngineCore(config)
+
+
+# -- CUDA graphs (engine/cuda_graphs.py) ----------------------------------------------------------------------
+
+_GRAPH_PROMPTS = [[10 + (i * 7 + j) % 300 for j in range(5 + 9 * i)] for i in range(8)]
+_GRAPH_PARAMS = [SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True) for i in range(8)]
+
+
+def _graph_config(path: Path, **options: object) -> EngineConfig:
+    # max_batch_tokens 32 chunks the prompts, so eager mixed steps come between replayed decode steps; 8 sequences
+    # at most, so graphs of 1, 2, 4 and 8 sequences, each replayed as the batch drains.
+    defaults = dict(model=str(path), device="cuda", dtype="float32", page_size=4, max_batch_tokens=32, max_num_seqs=8)
+    return EngineConfig(**{**defaults, **options})  # type: ignore[arg-type]
+
+
+def _with_backend(loaded: LoadedModel, backend: DensePagedBackend) -> LoadedModel:
+    loaded.model.backend = backend  # the native model calls its own backend
+    return dataclasses.replace(loaded, backend=backend)
+
+
+def _greedy(engine: EngineCore) -> list[list[int]]:
+    results = generate_batch(_GRAPH_PROMPTS, params=_GRAPH_PARAMS, engine=engine)
+    assert engine.is_idle_and_clean()
+    return [results[f"req_{i}"].generated_ids for i in range(len(_GRAPH_PROMPTS))]
+
+
+def test_cuda_graphs_replay_the_eager_tokens(model_dir: Callable[[str], Path]) -> None:
+    """Decode steps replayed from graphs (a capturable backend, the KV budget measured with the graphs' memory)
+    generate what --enforce-eager generates, in float32; capture is quick and its memory was accounted for."""
+    config = _graph_config(model_dir("llama"), max_memory_percent=0.02)
+    loaded = _with_backend(load_model(config), DensePagedBackend())
+    eager = EngineCore(dataclasses.replace(config, enforce_eager=True), loaded=loaded)
+    assert eager.cuda_graphs is None
+    expected = _greedy(eager)
+    del eager
+    layouts = group_layers(loaded.model.sliding_windows)
+    estimate = decode_graph_bytes(config, loaded, layouts)
+    engine = EngineCore(config, loaded=loaded)
+    report = engine.cuda_graphs
+    assert report is not None and report.sizes == graph_sizes(max_graph_size(config)) == (1, 2, 4, 8)
+    assert report.seconds < 30
+    assert 0 < report.pool_bytes <= 1.5 * estimate + 64 * 2**20, (report.pool_bytes, estimate)
+    assert _greedy(engine) == expected
+
+
+def test_cuda_graphs_keep_real_pages_clean(model_dir: Callable[[str], Path]) -> None:
+    """Padded rows write the scratch page only: after padded decode steps every page the pool never handed out is
+    still zero, and the scratch page was written."""
+    handed: set[int] = set()
+
+    class Pages:
+        def on_step(self, record: StepRecord) -> None:
+            for new in record.plan.new_requests:
+                handed.update(new.page_tables[0])
+            for _, grant in record.plan.new_pages:
+                handed.update(grant[0])
+
+    config = _graph_config(model_dir("llama"), num_blocks=256)
+    engine = EngineCore(config, loaded=_with_backend(load_model(config), DensePagedBackend()), observers=[Pages()])
+    assert engine.cuda_graphs is not None
+    # Three sequences: every decode step pads to 4.
+    generate_batch(_GRAPH_PROMPTS[:3], params=_GRAPH_PARAMS[:3], engine=engine)
+    scratch = engine.runner.scratch_pages[0]
+    untouched = sorted(set(range(scratch)) - handed)
+    assert untouched and scratch not in handed
+    for k_cache, v_cache in engine.runner.kv_caches:
+        assert k_cache[untouched].abs().sum().item() == v_cache[untouched].abs().sum().item() == 0
+        assert k_cache[scratch, 0].abs().sum().item() > 0
+
+
+def test_cuda_graphs_with_the_chosen_backend(model_dir: Callable[[str], Path]) -> None:
+    """With the backend `auto` picks, where it is capturable: graphs against --enforce-eager, greedy."""
+    config = _graph_config(model_dir("llama"), num_blocks=256)
+    engine = EngineCore(config)
+    if not engine.runner.backend.capturable:
+        pytest.skip(f"the {engine.runner.backend.name} backend is not capturable: every step runs eagerly")
+    assert engine.cuda_graphs is not None
+    expected = _greedy(EngineCore(dataclasses.replace(config, enforce_eager=True)))
+    assert _greedy(engine) == expected
