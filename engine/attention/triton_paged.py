@@ -31,6 +31,10 @@ query's position: causal and window masks are per score, so rows of the same blo
 Keys outside that range, pages a window released (the table may say -1 there) and padding columns are never
 loaded. Soft-capping and ALiBi are applied in the torch backend's order: scale, soft-cap, bias.
 
+Triton settles whether a kernel is compiled or interpreted (`TRITON_INTERPRET=1`, numpy on CPU tensors) when this
+module is imported, for its own library functions when triton is first imported: tests/conftest.py turns the
+interpreter on before either, where there is no CUDA device.
+
 Long decodes run one program per (sequence, KV head) over all of their keys; a step of few, very long decodes
 would gain from splitting keys across programs (flash-decoding), which this kernel does not do.
 """
@@ -51,7 +55,9 @@ _BLOCK_N = 32
 """Keys per tile."""
 
 
-@triton.jit
+# The batch size changes every step: specialising on it (Triton does for 1 and multiples of 16) would compile
+# new variants mid-serving, a second each.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr,  # [T, H, D]
     query_ptr,  # [T, H, D]
