@@ -62,8 +62,8 @@ def select_backend(name: str, device_type: str, page_size: int, dtype: torch.dty
             return _triton_backend(device_type, dtype)
     logger.warning(
         "CUDA without a paged kernel for %s at page_size %d (flash-attn needs float16 or bfloat16, its package "
-        "and pages a multiple of %d; the Triton kernel needs the triton package): the torch backend gathers each "
-        "sequence's pages every step",
+        "and pages a multiple of %d; the Triton kernel float32, bfloat16 or float16 and the triton package): the "
+        "torch backend gathers each sequence's pages every step",
         dtype,
         page_size,
         256,
