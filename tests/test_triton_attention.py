@@ -313,6 +313,6 @@ def test_without_triton_auto_falls_back_and_triton_is_refused(
     monkeypatch.setattr("engine.attention.flash.flash_available", lambda: False)
     with caplog.at_level(logging.WARNING, logger="engine.attention"):
         assert isinstance(select_backend("auto", "cuda", 16, torch.bfloat16), TorchPagedBackend)
-    assert "needs the triton package" in caplog.text
+    assert "the triton package" in caplog.text
     with pytest.raises(ValueError, match="needs the triton package"):
         select_backend("triton", "cuda", 16, torch.bfloat16)
