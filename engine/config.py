@@ -73,11 +73,12 @@ class EngineConfig:
     unbounded."""
     seed: int = field(default=0, metadata=_SCHEDULING)
     """Seed for requests that sample without a seed of their own."""
-    attention_backend: Literal["auto", "torch", "cpu", "flash"] = field(default="auto", metadata=_MODEL)
+    attention_backend: Literal["auto", "torch", "cpu", "flash", "triton"] = field(default="auto", metadata=_MODEL)
     """Attention kernels: `torch` (any device; gathers each sequence's pages every step), `cpu` (a C++ kernel
-    compiled at first use and cached, reads the pages in place) or `flash` (flash-attn on CUDA, reads the pages
-    in place); `auto` takes cpu on CPU when it builds (a C++ compiler is needed) and flash on CUDA when
-    flash-attn is installed and the page size suits it, torch otherwise."""
+    compiled at first use and cached, reads the pages in place), `flash` (flash-attn on CUDA, reads the pages in
+    place; page sizes that are multiples of 256) or `triton` (a Triton kernel on CUDA, reads the pages in place at
+    any page size); `auto` takes cpu on CPU when it builds (a C++ compiler is needed), and on CUDA flash when
+    flash-attn is installed and the page size suits it, else triton when it is installed, torch otherwise."""
     model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
     """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
     otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""

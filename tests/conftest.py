@@ -1,12 +1,21 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.model_factory import build_model_dir, build_scripted_model_dir
 from tests.scripted_chat import CHAT_TEMPLATE, SCRIPTS
+
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the Triton attention kernel on CPU tensors (tests/test_triton_attention.py). It is
+    # chosen when a kernel is decorated, for triton's own library functions too, which are decorated when triton is
+    # first imported: torch imports it as soon as a test touches torch.compile, so it must be on from the start.
+    # Never where a CUDA device is: there the kernels (inductor's too) run compiled (tests/test_gpu.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +45,6 @@ def scripted_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def _inductor_compiles() -> bool:
     """Whether torch's inductor builds kernels here (it needs a C++ compiler)."""
-    import torch
-
     try:
         torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(3))
     except Exception:  # whatever inductor raises without a working compiler
@@ -51,8 +58,6 @@ def _inductor_compiles() -> bool:
 def compiling(_inductor_compiles: bool) -> None:
     """For tests of compiled engines: skipped where inductor cannot compile; each starts from a clean dynamo cache,
     so that its graphs and recompiles are its own (dynamo keeps them per code object, across engines)."""
-    import torch
-
     if not _inductor_compiles:
         pytest.skip("torch inductor cannot compile here (no C++ compiler)")
     torch._dynamo.reset()

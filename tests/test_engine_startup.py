@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine.attention as attention
 from engine.attention import TorchPagedBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
 from engine.core import EngineCore
@@ -47,9 +48,12 @@ def test_a_cache_that_holds_the_model_length_keeps_it(tiny_llama: Path) -> None:
     assert EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=32, max_model_len=512)).max_model_len == 512
 
 
-def test_flash_attention_with_float32_is_refused_when_chosen() -> None:
+def test_flash_attention_with_float32_is_refused_when_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="float16 or bfloat16 only"):
         select_backend("flash", "cuda", 256, torch.float32)
+    # auto passes flash-attn over for float32: to the Triton kernel where triton is installed
+    # (tests/test_triton_attention.py), else to the torch backend.
+    monkeypatch.setattr(attention, "_triton_installed", lambda: False)
     assert isinstance(select_backend("auto", "cuda", 256, torch.float32), TorchPagedBackend)
 
 

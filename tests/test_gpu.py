@@ -50,6 +50,34 @@ def test_cuda_engine_greedy_equals_generate(model_dir: Callable[[str], Path]) ->
     assert engine.is_idle_and_clean()
 
 
+def test_cuda_engine_with_the_triton_backend_greedy_equals_generate(model_dir: Callable[[str], Path]) -> None:
+    """The Triton kernel at the default page size inside the engine (prefill chunks over cached pages, decodes),
+    against transformers on the same device in float32."""
+    pytest.importorskip("triton")
+    path = model_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    prompts = [[10 + (i * 7 + j) % 300 for j in range(5 + 9 * i)] for i in range(8)]
+    expected = [
+        hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    config = EngineConfig(
+        model=str(path),
+        device="cuda",
+        dtype="float32",
+        attention_backend="triton",
+        page_size=16,
+        num_blocks=256,
+        max_batch_tokens=32,
+        debug_checks=True,
+    )
+    engine = EngineCore(config)
+    assert engine.runner.backend.name == "triton"
+    results = generate_batch(prompts, params=SamplingParams(max_new_tokens=12), engine=engine)
+    assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected
+    assert engine.is_idle_and_clean()
+
+
 class _Shapes(torch.nn.Module):
     """Just the attributes ModelRunner sizes its cache from."""
 
@@ -91,6 +119,35 @@ def test_flash_backend_matches_torch_backend() -> None:
                 )
             )
         torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
+
+
+# float32: well below what TF32 products would miss by (~1e-3), above the GPU's approximate exp2 over 600 keys.
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_triton_backend_matches_torch_backend(dtype: torch.dtype, tolerance: float) -> None:
+    """At page size 16, every kind of sequence in one step, plain and with each feature; then a decode-only step
+    (the kernel's other grid)."""
+    triton_paged = pytest.importorskip("engine.attention.triton_paged")
+    page, heads = 16, 8
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(heads)], device="cuda")
+    variants = [(None, None, None), (64, None, None), (None, 2.0, None), (None, None, slopes)]
+    for shapes in ([(0, 100), (600, 1), (300, 80), (33, 1), (0, 1)], [(600, 1), (33, 1), (250, 1), (0, 1)]):
+        runner = attention_runner(_Shapes(), 80, page, device=torch.device("cuda"), dtype=dtype, max_model_len=2048)
+        history = [torch.randn(c.shape, device="cuda", dtype=dtype, generator=generator) for c in runner.kv_caches[0]]
+        pages = iter(range(80))
+        tables = [[next(pages) for _ in range(-(-(computed + new) // page))] for computed, new in shapes]
+        meta = runner.prepare(fresh_plan(shapes, tables)).meta
+        total = sum(n for _, n in shapes)
+        q, k, v = (torch.randn(total, h, 64, device="cuda", dtype=dtype, generator=generator) for h in (heads, 2, 2))
+        for window, softcap, alibi_slopes in variants:
+            outputs = []
+            for backend in (TorchPagedBackend(), triton_paged.TritonPagedBackend()):
+                cache = (history[0].clone(), history[1].clone())
+                meta.backend_state.clear()
+                outputs.append(
+                    backend.forward(q, k, v, cache, meta, 64**-0.5, window, softcap=softcap, alibi_slopes=alibi_slopes)
+                )
+            torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
 def test_cuda_kv_cache_takes_the_memory_flag_after_the_profiled_step(model_dir: Callable[[str], Path]) -> None:

@@ -8,7 +8,9 @@ sequence's pages, block-diagonal and causal, so packing is exactly running each 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import os
 
 import torch
 
@@ -24,15 +26,20 @@ logger = logging.getLogger(__name__)
 
 def select_backend(name: str, device_type: str, page_size: int, dtype: torch.dtype) -> AttentionBackend:
     """`auto` takes the C++ kernel on CPU when it builds here (else plain torch, with one warning), and on CUDA
-    flash-attn when it is installed and the page size and dtype suit it, else plain torch.
+    flash-attn when it is installed and the page size and dtype suit it, else the Triton kernel when triton is
+    installed (torch's CUDA wheels bring it), else plain torch with a warning.
 
-    flash-attn computes in float16 and bfloat16 only, and the CPU kernel on CPU only: asking for either where it
-    cannot run is refused here, when the backend is chosen, not at the first request.
+    flash-attn computes in float16 and bfloat16 only, the CPU kernel runs on CPU only and the Triton kernel on
+    CUDA only (or on the CPU under Triton's interpreter, `TRITON_INTERPRET=1`, which is how its tests run it):
+    asking for one where it cannot run is refused here, when the backend is chosen, not at the first request.
+    triton is imported only once it is chosen, so the CPU start-up never pays for it.
     """
     if name == "torch":
         return TorchPagedBackend()
     if name == "cpu" or (name == "auto" and device_type == "cpu"):
         return _cpu_backend(name, device_type, dtype)
+    if name == "triton":
+        return _triton_backend(device_type, dtype)
     if name == "auto" and device_type != "cuda":
         return TorchPagedBackend()
     from engine.attention.flash import FLASH_DTYPES, FlashBackend, flash_available
@@ -41,23 +48,48 @@ def select_backend(name: str, device_type: str, page_size: int, dtype: torch.dty
         if dtype not in FLASH_DTYPES:
             raise ValueError(
                 f"attention_backend='flash' runs float16 or bfloat16 only, not {dtype}: choose --dtype bfloat16 "
-                "(or float16), or --attention-backend torch"
+                "(or float16), or --attention-backend triton"
             )
         if device_type != "cuda" or not flash_available():
             raise ValueError("attention_backend='flash' needs a CUDA device and the flash-attn package")
         return FlashBackend(page_size)
-    if dtype not in FLASH_DTYPES:
-        logger.info("dtype %s: flash-attn runs float16 and bfloat16 only, so attention uses the torch backend", dtype)
-        return TorchPagedBackend()
-    if flash_available() and FlashBackend.supports_page_size(page_size):
+    if dtype in FLASH_DTYPES and flash_available() and FlashBackend.supports_page_size(page_size):
         return FlashBackend(page_size)
+    if _triton_installed():
+        from engine.attention.triton_paged import TRITON_DTYPES
+
+        if dtype in TRITON_DTYPES:
+            return _triton_backend(device_type, dtype)
     logger.warning(
-        "CUDA without flash-attn paging (flash-attn missing, or page_size %d not a multiple of %d): the torch "
-        "backend gathers each sequence's pages every step; install the gpu extra and use --page-size 256",
+        "CUDA without a paged kernel for %s at page_size %d (flash-attn needs float16 or bfloat16, its package "
+        "and pages a multiple of %d; the Triton kernel float32, bfloat16 or float16 and the triton package): the "
+        "torch backend gathers each sequence's pages every step",
+        dtype,
         page_size,
         256,
     )
     return TorchPagedBackend()
+
+
+def _triton_installed() -> bool:
+    """Whether triton can be imported, without importing it (a second or so)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_backend(device_type: str, dtype: torch.dtype) -> AttentionBackend:
+    interpreted = device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if device_type != "cuda" and not interpreted:
+        raise ValueError(
+            f"attention_backend='triton' runs on CUDA, not {device_type} (on the CPU only under Triton's "
+            "interpreter, TRITON_INTERPRET=1, for tests)"
+        )
+    if not _triton_installed():
+        raise ValueError("attention_backend='triton' needs the triton package (torch's CUDA wheels install it)")
+    from engine.attention.triton_paged import TRITON_DTYPES, TritonPagedBackend
+
+    if dtype not in TRITON_DTYPES:
+        raise ValueError(f"attention_backend='triton' runs float32, bfloat16 or float16, not {dtype}")
+    return TritonPagedBackend()
 
 
 def _cpu_backend(name: str, device_type: str, dtype: torch.dtype) -> AttentionBackend:
