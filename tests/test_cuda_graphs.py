@@ -10,7 +10,9 @@ tests/test_gpu.py's.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -316,13 +318,29 @@ def _prefill(prompts: list[list[int]], tables: list[list[int]], num_groups: int)
     )
 
 
-@needs_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
-def test_the_padded_forward_computes_the_eager_steps_logits(model_dir: Callable[[str], Path], arch: str) -> None:
+_INTERPRETED_TRITON = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernel runs on CPU under Triton's interpreter (triton is in the test extra)",
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "backend"),
+    [
+        pytest.param("llama", "cpu", marks=needs_kernel),
+        pytest.param("qwen2_hybrid", "cpu", marks=needs_kernel),
+        pytest.param("llama", "triton", marks=_INTERPRETED_TRITON),
+    ],
+)
+def test_the_padded_forward_computes_the_eager_steps_logits(
+    model_dir: Callable[[str], Path], arch: str, backend: str
+) -> None:
     """Real rows through the padded static buffers get the eager step's logits, and the padded rows write the
-    scratch page only: every real page of every layer ends as the eager runner's."""
-    config = EngineConfig(model=str(model_dir(arch)), attention_backend="cpu", page_size=4, max_num_seqs=8)
+    scratch page only: every real page of every layer ends as the eager runner's. With the C++ CPU kernel, and with
+    the Triton kernel (the GPU's capturable backend) under Triton's interpreter."""
+    config = EngineConfig(model=str(model_dir(arch)), attention_backend=backend, page_size=4, max_num_seqs=8)
     loaded = load_model(config)
+    assert loaded.backend.name == backend and loaded.backend.capturable
     layouts = group_layers(loaded.model.sliding_windows)
     assert (len(layouts) == 2) == (arch == "qwen2_hybrid")
     pages = [16] * len(layouts)
