@@ -628,6 +628,7 @@ CPU_ENGINE_VALUES = {
     "enforceEager": False,
     "cudaGraphMaxSeqs": 64,
     "cpuThreads": 1,
+    "cpuPrefillThreads": 2,
     "asyncScheduling": True,
     "distributedTimeout": 60,
 }

@@ -4,6 +4,7 @@ is skipped)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from engine.kv_cache import group_layers
 from engine.loader import load_model
 from engine.memory import largest_step_lengths, run_largest_step
 from engine.request import RequestRejected, SamplingParams
+from engine.runner import PREFILL_STEP_TOKENS, step_threads
 
 
 def test_a_cache_too_small_for_an_asked_max_model_len_refuses_to_start(tiny_llama: Path) -> None:
@@ -71,3 +73,40 @@ def test_the_profiling_step_runs_through_a_runner(tiny_llama: Path) -> None:
     result = run_largest_step(config, loaded, group_layers(loaded.model.sliding_windows))
     assert len(result.token_ids) == 8
     assert all(logprob is not None and len(logprob.top) == 20 for logprob in result.logprobs)
+
+
+# -- CPU threads per step ------------------------------------------------------------------------------------
+
+
+def test_prefill_threads_are_every_core_unless_asked_or_off(tiny_llama: Path) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cores = len(os.sched_getaffinity(0))
+    config = EngineConfig(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=3)
+    assert step_threads(config, cpu) == (1, 3)
+    assert step_threads(config, cuda) is None, "a GPU step's threads only launch kernels"
+    auto = EngineConfig(model=str(tiny_llama), cpu_threads=1)
+    assert step_threads(auto, cpu) == ((1, cores) if cores > 1 else None)
+    two_ranks = EngineConfig(model=str(tiny_llama), cpu_threads=1, tensor_parallel_size=2)
+    assert step_threads(two_ranks, cpu) == ((1, cores // 2) if cores >= 4 else None), "a node's cores shared"
+    assert step_threads(EngineConfig(model=str(tiny_llama), cpu_threads=2, cpu_prefill_threads=2), cpu) is None
+    assert step_threads(EngineConfig(model=str(tiny_llama), cpu_threads=None, cpu_prefill_threads=4), cpu) is None
+    with pytest.raises(ValueError, match="cpu_prefill_threads"):
+        EngineConfig(model=str(tiny_llama), cpu_prefill_threads=0)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_of_prefill_size_runs_on_the_prefill_threads(tiny_llama: Path, async_scheduling: bool) -> None:
+    config = EngineConfig(
+        model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, async_scheduling=async_scheduling
+    )
+    threads: list[tuple[int, int]] = []  # (tokens, torch threads) of each forward pass
+    with EngineCore(config) as engine:
+        engine.runner.model.register_forward_pre_hook(
+            lambda _, args: threads.append((args[0].shape[0], torch.get_num_threads()))
+        )
+        engine.add_request("long", list(range(3, 3 + PREFILL_STEP_TOKENS)), SamplingParams(max_new_tokens=3))
+        engine.add_request("short", [5, 6, 7], SamplingParams(max_new_tokens=3))
+        while engine.has_unfinished():
+            engine.step()
+    assert threads[0] == (PREFILL_STEP_TOKENS + 3, 2), "both prompts in one step: the prefill threads"
+    assert threads[1:] and all(n == 1 for _, n in threads[1:]), "decode steps: cpu_threads"
