@@ -25,7 +25,7 @@ Otherwise every step runs eagerly, and the start-up log says why once.
 
 Steps with a prefill chunk run eagerly: whether prefill steps would gain from graphs of their own token counts is
 for a GPU measurement to decide (the offline benchmark in scripts/gpu_bench.sh, graphs on against --enforce-eager,
-once a capturable GPU backend exists: neither torch nor flash is one), and is not built. A prefill step's large
+with the Triton backend, the capturable one on CUDA: torch and flash are not), and is not built. A prefill step's large
 matmuls keep the GPU busy, so launch overhead matters far less there than in a decode step.
 
 Memory: engine/memory.py captures the largest size once before the KV budget is set, and counts its pool (plus
