@@ -484,3 +484,28 @@ def test_matmul_floor_times_every_gemm_of_ferrys_steps(tiny_llama: Path) -> None
     assert floor["seconds"] > 0 and report["matmul_fraction"] > 0
     assert set(floor["implementations"].values()) <= {"model's layer", "F.linear"}
     assert "matmul floor" in format_offline(report)
+
+
+def test_the_floors_replay_the_steps_of_the_reported_repeat(tiny_llama: Path) -> None:
+    """Repeats after the first hit the prefix cache it filled, so they compute fewer tokens: the floors replay the
+    steps of the repeat whose wall time is reported, not the first one's."""
+    options = OfflineOptions(
+        model=str(tiny_llama),
+        device="cpu",
+        workload=SMALL,
+        batch_size=3,
+        max_batch_tokens=16,
+        page_size=4,
+        warmup=False,
+        systems=("ferry",),
+        repeat=3,
+        floor=True,
+        matmul_floor=True,
+    )
+    report = run_offline(options)
+    details = report["systems"]["ferry"]["details"]
+    prompts, outputs = report["workload"]["prompt_lens"], report["workload"]["output_lens"]
+    cold = sum(prompts) + sum(outputs) - len(outputs)
+    # Whichever repeat is the median (most often a warm one), the floor computes what it computed.
+    assert report["floor"]["steps"] == details["steps"]
+    assert report["floor"]["tokens_computed"] == cold - details["prefix_cache_hits"]
