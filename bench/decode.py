@@ -67,7 +67,8 @@ def _engine(model_dir: Path, num_seqs: int, eager: bool, options: DecodeOptions)
             attention_backend=options.attention_backend,
             page_size=options.page_size,
             num_blocks=num_seqs * (ceil(tokens_per_seq / options.page_size) + 1),
-            max_batch_tokens=max(8192, options.context_len),
+            # Every prompt in one prefill step, so every sequence then decodes in lockstep from the same length.
+            max_batch_tokens=max(2048, num_seqs * options.context_len),
             max_num_seqs=num_seqs,
             max_model_len=tokens_per_seq + options.page_size,
             max_queue_size=0,
@@ -91,9 +92,10 @@ def _decode_seconds(engine: EngineCore, num_seqs: int, options: DecodeOptions) -
     params = SamplingParams(max_new_tokens=options.steps + 4, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(str(i), [rng.randrange(vocab) for _ in range(options.context_len)], params)
-    # Prefill (in as many steps as the token budget takes), then two decode steps untimed: first-use allocations.
-    while engine.stats().num_waiting or engine.stats().num_running < num_seqs:
-        engine.step()
+    # The prefill step (every prompt, one token each), then two decode steps untimed: first-use allocations.
+    prefilled = {output.request_id for output in engine.step() if output.new_token_ids}
+    if len(prefilled) != num_seqs:
+        raise RuntimeError(f"{len(prefilled)} of {num_seqs} prompts were prefilled in the first step")
     for _ in range(2):
         engine.step()
     seconds = []
