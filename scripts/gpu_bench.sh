@@ -4,7 +4,7 @@
 #      the Triton paged kernel against the torch backend, CUDA graphs against eager);
 #   2. a float32 greedy-equality check of Ferry against transformers on the GPU (Qwen3-0.6B shape, strict);
 #   3. the offline benchmark, bfloat16, Qwen3-0.6B-shaped: transformers' `generate_batch` (its continuous batching),
-#      Ferry with CUDA graphs, then Ferry with --enforce-eager;
+#      Ferry with CUDA graphs, then Ferry with --enforce-eager, then Ferry with --async-scheduling;
 #   4. the same for Qwen3-4B-shaped dummy weights;
 #   5. decode step time at batch 1 / 16 / 64 / 256 against the HBM roofline, CUDA graphs on and off, both shapes;
 #   6. on a machine with more than one GPU: tensor parallelism, the TP=2 engine step against TP=1 (NCCL).
@@ -38,10 +38,10 @@ step() {
 { nvidia-smi || true; "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"; } > "$OUT/machine.txt" 2>&1
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { echo "no CUDA device"; exit 2; }
 
-step gpu-tests 90 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml"
+step gpu-tests 80 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml"
 
 # float32 on the GPU: the same saved weights in both systems, so greedy tokens must match exactly.
-step offline-qwen3-0.6b-fp32-check 60 "$PY" -m bench offline --model qwen3-0.6b --weights saved --dtype float32 \
+step offline-qwen3-0.6b-fp32-check 50 "$PY" -m bench offline --model qwen3-0.6b --weights saved --dtype float32 \
     --systems transformers-cb,ferry --check strict --num-requests 16 --prompt-len uniform:16:256 \
     --output-len uniform:8:64 --batch-size 8 --page-size 16 --no-floor \
     --json "$OUT/offline-qwen3-0.6b-fp32-check.json"
@@ -55,9 +55,14 @@ step offline-qwen3-0.6b-eager 45 "$PY" -m bench offline --model qwen3-0.6b --wei
     --systems ferry --enforce-eager --num-requests 128 --prompt-len uniform:32:512 \
     --output-len pareto:16:512:1.2 --batch-size 64 --max-batch-tokens 8192 --page-size 16 \
     --json "$OUT/offline-qwen3-0.6b-eager.json"
+# Overlap: step N+1 planned and prepared on the host while N runs on the device.
+step offline-qwen3-0.6b-async 45 "$PY" -m bench offline --model qwen3-0.6b --weights dummy --dtype bfloat16 \
+    --systems ferry --async-scheduling --num-requests 128 --prompt-len uniform:32:512 \
+    --output-len pareto:16:512:1.2 --batch-size 64 --max-batch-tokens 8192 --page-size 16 \
+    --json "$OUT/offline-qwen3-0.6b-async.json"
 
 # 4B: per-system dummy weights (saving and reloading 8 GB would eat the time budget), so no token check.
-step offline-qwen3-4b 120 "$PY" -m bench offline --model qwen3-4b --weights dummy --dtype bfloat16 \
+step offline-qwen3-4b 105 "$PY" -m bench offline --model qwen3-4b --weights dummy --dtype bfloat16 \
     --systems transformers-cb,ferry --num-requests 128 --prompt-len uniform:32:512 \
     --output-len pareto:16:512:1.2 --batch-size 64 --max-batch-tokens 8192 --page-size 16 \
     --json "$OUT/offline-qwen3-4b.json"
@@ -68,7 +73,7 @@ step offline-qwen3-4b-eager 45 "$PY" -m bench offline --model qwen3-4b --weights
 
 # The roofline: bytes of weights and K/V one decode step reads, over ~4.3 TB/s.
 for shape in qwen3-0.6b qwen3-4b; do
-    step "decode-$shape" 75 "$PY" -m bench decode --model "$shape" --device cuda --dtype bfloat16 \
+    step "decode-$shape" 70 "$PY" -m bench decode --model "$shape" --device cuda --dtype bfloat16 \
         --sizes 1,16,64,256 --context-len 512 --steps 30 --graphs on,off --json "$OUT/decode-$shape.json"
 done
 

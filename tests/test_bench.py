@@ -423,9 +423,10 @@ def test_gpu_script_is_valid_bash_and_every_bench_command_parses(tmp_path: Path)
         parser.parse_args(shlex.split(command.replace('"$shape"', "qwen3-4b").replace("$OUT", str(tmp_path))))
         for command in commands
     ]
-    assert [args.bench_command for args in parsed] == ["offline"] * 5 + ["decode"]
+    assert [args.bench_command for args in parsed] == ["offline"] * 6 + ["decode"]
     assert all(args.json.parent == tmp_path for args in parsed)
-    assert [args.enforce_eager for args in parsed[:5]] == [False, False, True, False, True]
+    assert [args.enforce_eager for args in parsed[:6]] == [False, False, True, False, False, True]
+    assert [args.async_scheduling for args in parsed[:6]] == [False, False, False, True, False, False]
     assert all(args.page_size == 16 for args in parsed)
     decode = parsed[-1]
     assert decode.sizes == (1, 16, 64, 256) and decode.graphs == ("on", "off") and decode.device == "cuda"
