@@ -24,9 +24,19 @@ from tests.test_attention import attention_runner, fresh_plan
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def test_cuda_engine_greedy_equals_generate(model_dir: Callable[[str], Path]) -> None:
-    """Pinned staging buffers, async copies and the torch backend on the device, against transformers on the same
-    device in float32."""
+@pytest.mark.parametrize(
+    ("backend", "page_size", "async_scheduling"),
+    [("torch", 4, False), ("triton", 16, False), ("triton", 16, True)],
+    ids=["torch", "triton-graphs", "triton-graphs-async"],
+)
+def test_cuda_engine_greedy_equals_generate(
+    model_dir: Callable[[str], Path], backend: str, page_size: int, async_scheduling: bool
+) -> None:
+    """Against transformers on the same device in float32: pinned staging buffers and async copies with the torch
+    backend; the Triton kernel at the default page size (prefill chunks over cached pages, decodes replayed from
+    CUDA graphs); and the same with steps planned and prepared while the one before runs."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     path = model_dir("llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
     prompts = [[10 + (i * 7 + j) % 300 for j in range(5 + 9 * i)] for i in range(8)]
@@ -38,44 +48,19 @@ def test_cuda_engine_greedy_equals_generate(model_dir: Callable[[str], Path]) ->
         model=str(path),
         device="cuda",
         dtype="float32",
-        attention_backend="torch",
-        page_size=4,
+        attention_backend=backend,
+        page_size=page_size,
         num_blocks=256,
         max_batch_tokens=32,
+        async_scheduling=async_scheduling,
         debug_checks=True,
     )
-    engine = EngineCore(config)
-    results = generate_batch(prompts, params=SamplingParams(max_new_tokens=12), engine=engine)
-    assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected
-    assert engine.is_idle_and_clean()
-
-
-def test_cuda_engine_with_the_triton_backend_greedy_equals_generate(model_dir: Callable[[str], Path]) -> None:
-    """The Triton kernel at the default page size inside the engine (prefill chunks over cached pages, decodes),
-    against transformers on the same device in float32."""
-    pytest.importorskip("triton")
-    path = model_dir("llama")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
-    prompts = [[10 + (i * 7 + j) % 300 for j in range(5 + 9 * i)] for i in range(8)]
-    expected = [
-        hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
-        for p in prompts
-    ]
-    config = EngineConfig(
-        model=str(path),
-        device="cuda",
-        dtype="float32",
-        attention_backend="triton",
-        page_size=16,
-        num_blocks=256,
-        max_batch_tokens=32,
-        debug_checks=True,
-    )
-    engine = EngineCore(config)
-    assert engine.runner.backend.name == "triton"
-    results = generate_batch(prompts, params=SamplingParams(max_new_tokens=12), engine=engine)
-    assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected
-    assert engine.is_idle_and_clean()
+    with EngineCore(config) as engine:
+        assert engine.runner.backend.name == backend
+        assert bool(engine.runner.graph_sizes) == (backend == "triton"), "graphs wherever the backend is capturable"
+        results = generate_batch(prompts, params=SamplingParams(max_new_tokens=12), engine=engine)
+        assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected
+        assert engine.is_idle_and_clean()
 
 
 class _Shapes(torch.nn.Module):
