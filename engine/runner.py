@@ -95,7 +95,7 @@ class _StepBuffers:
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
-    """On the device; on CUDA its copy is issued by `run`, once the placeholders are filled."""
+    """On the device; on CUDA its copy is issued by `load_inputs`, once the placeholders are filled."""
     metas: list[StepMetadata]
     """One per KV-cache group (positions shared, page tables and slot mappings its own)."""
     logits_rows: torch.Tensor  # [S + P] packed-row index of each sampling sequence's last token, then prompt rows
@@ -108,8 +108,8 @@ class StepInputs:
     """The prompt token each of the P prompt rows scores."""
     sampling: list[_Sequence]
     """The sequences sampled, row order: taken when prepared, since a later plan may drop them from the runner."""
-    num_constrained: int
-    """Constrained sequences running when prepared: none means no row of this step has a grammar."""
+    constrained: list[int]
+    """The rows of `sampling` with a grammar (structured output)."""
     placeholders: list[tuple[int, _Sequence]]
     """(packed token index, sequence) of each PLACEHOLDER: that sequence's latest token, filled in by `run`."""
     buffers: _StepBuffers
@@ -175,8 +175,6 @@ class ModelRunner:
                 self.group_of_layer[layer] = g
         self.pool_pages = list(pool_pages)
         """Pages of each group's pool: the ids the scheduler hands out are below these."""
-        self.scratch_pages = list(pool_pages)
-        """Each group's scratch page, one past its pool's pages: padded decode rows write and read it alone."""
         self.kv_caches = []
         for layer in range(model.num_layers):
             pages = pool_pages[self.group_of_layer[layer]] + 1  # the scratch page
@@ -217,6 +215,11 @@ class ModelRunner:
         self._graph_metas: dict[int, list[StepMetadata]] = {}
         self._decode_steps: dict[int, StepFn] = {}
 
+    @property
+    def scratch_pages(self) -> list[int]:
+        """Each group's scratch page, one past its pool's pages: padded decode rows write and read it alone."""
+        return self.pool_pages
+
     @staticmethod
     def kv_bytes_per_layer_page(model: torch.nn.Module, page_size: int, dtype: torch.dtype) -> int:
         """Bytes of K and V one layer keeps in one page (a group's page holds this for each of its layers)."""
@@ -241,10 +244,7 @@ class ModelRunner:
         forward_seconds = forwarded - started
         if logits is None:  # a tensor-parallel rank other than 0: the driver samples, from the gathered logits
             return ModelRunnerOutput(prepare_seconds=inputs.prepare_seconds, forward_seconds=forward_seconds)
-        sampling = inputs.sampling
-        constrained = (
-            [row for row, seq in enumerate(sampling) if seq.grammar is not None] if inputs.num_constrained else []
-        )
+        sampling, constrained = inputs.sampling, inputs.constrained
         # After the forward pass was issued: on CUDA the CPU fills the masks while the device computes.
         grammar_bias = (
             (constrained, self._grammar_bias([sampling[row].grammar for row in constrained])) if constrained else None
@@ -340,6 +340,7 @@ class ModelRunner:
             self._prompt_rows(plan, cu_q, num_sampling, host["logits_rows"]) if self._scoring_prompts else ([], [])
         )
         num_rows = num_sampling + len(targets)
+        sampling = [seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled]
         if graph_size is None:
             step_ids, metas = self._eager_metas(buffers, plan, seq_rows, cu_q, seq_lens, seq_of_token, max_query_len)
         else:
@@ -351,8 +352,10 @@ class ModelRunner:
             num_sampling,
             spans,
             targets,
-            sampling=[seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled],
-            num_constrained=self._num_constrained,
+            sampling=sampling,
+            constrained=[row for row, seq in enumerate(sampling) if seq.grammar is not None]
+            if self._num_constrained
+            else [],
             placeholders=placeholders,
             buffers=buffers,
             prepare_seconds=time.perf_counter() - started,
@@ -391,12 +394,9 @@ class ModelRunner:
         )
         widest = -(-max_seq_len // self.page_size)
         metas = []
-        for g, group_tables in enumerate(self._tables):
+        for g in range(len(self._tables)):
+            self._write_tables(host, g, seq_rows, widest, seq_of_token, positions)
             tables = host[f"page_tables{g}"][:num_seqs, :widest]
-            tables[:] = group_tables[seq_rows, :widest]
-            host[f"slot_mapping{g}"][:total] = (
-                tables[seq_of_token, positions // self.page_size] * self.page_size + positions % self.page_size
-            )
             meta = StepMetadata(
                 slot_mapping=buffers.to_device(f"slot_mapping{g}", total),
                 page_tables=buffers.to_device(f"page_tables{g}", num_seqs)[:, :widest],
@@ -418,13 +418,26 @@ class ModelRunner:
         self._write_padding(host, num_seqs, size)
         widest = -(-max_seq_len // self.page_size)
         positions = host["positions"][:num_seqs]
-        for g, group_tables in enumerate(self._tables):
-            tables = host[f"page_tables{g}"]
-            tables[:num_seqs, :widest] = group_tables[seq_rows, :widest]
-            host[f"slot_mapping{g}"][:num_seqs] = (
-                tables[np.arange(num_seqs), positions // self.page_size] * self.page_size + positions % self.page_size
-            )
+        for g in range(len(self._tables)):
+            self._write_tables(host, g, seq_rows, widest, np.arange(num_seqs), positions)
         return self._static["input_ids"][:size], self._graph_metas[size]
+
+    def _write_tables(
+        self,
+        host: dict[str, np.ndarray],
+        g: int,
+        seq_rows: np.ndarray,
+        widest: int,
+        seq_of_token: np.ndarray,
+        positions: np.ndarray,
+    ) -> None:
+        """Group g's page-table rows of the step's sequences (their first `widest` columns) and the cache slot of
+        each of its tokens, into the host rows."""
+        tables = host[f"page_tables{g}"][: len(seq_rows), :widest]
+        tables[:] = self._tables[g][seq_rows, :widest]
+        host[f"slot_mapping{g}"][: len(positions)] = (
+            tables[seq_of_token, positions // self.page_size] * self.page_size + positions % self.page_size
+        )
 
     def _write_padding(self, host: dict[str, np.ndarray], first: int, size: int) -> None:
         """Host rows [first, size) become padding: token 0 at position 0 of a one-token sequence whose page table
