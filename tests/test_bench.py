@@ -458,19 +458,8 @@ def test_gpu_script_runs_tensor_parallelism_only_with_several_gpus(tmp_path: Pat
 
 
 def test_matmul_floor_times_every_gemm_of_ferrys_steps(tiny_llama: Path) -> None:
-    options = OfflineOptions(
-        model=str(tiny_llama),
-        device="cpu",
-        workload=SMALL,
-        batch_size=3,
-        max_batch_tokens=16,
-        page_size=4,
-        warmup=False,
-        systems=("ferry",),
-        floor=False,
-        matmul_floor=True,
-    )
-    report = run_offline(options)
+    options = _two_systems(tiny_llama, max_batch_tokens=16, floor=False, matmul_floor=True)
+    report = run_offline(dataclasses.replace(options, systems=("ferry",)))
     config = json.loads((tiny_llama / "config.json").read_text())
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
@@ -490,20 +479,8 @@ def test_matmul_floor_times_every_gemm_of_ferrys_steps(tiny_llama: Path) -> None
 def test_the_floors_replay_the_steps_of_the_reported_repeat(tiny_llama: Path) -> None:
     """Repeats after the first hit the prefix cache it filled, so they compute fewer tokens: the floors replay the
     steps of the repeat whose wall time is reported, not the first one's."""
-    options = OfflineOptions(
-        model=str(tiny_llama),
-        device="cpu",
-        workload=SMALL,
-        batch_size=3,
-        max_batch_tokens=16,
-        page_size=4,
-        warmup=False,
-        systems=("ferry",),
-        repeat=3,
-        floor=True,
-        matmul_floor=True,
-    )
-    report = run_offline(options)
+    options = _two_systems(tiny_llama, max_batch_tokens=16, repeat=3, floor=True, matmul_floor=True)
+    report = run_offline(dataclasses.replace(options, systems=("ferry",)))
     details = report["systems"]["ferry"]["details"]
     prompts, outputs = report["workload"]["prompt_lens"], report["workload"]["output_lens"]
     cold = sum(prompts) + sum(outputs) - len(outputs)
