@@ -16,7 +16,7 @@ from engine.config import CompileLevel
 
 if TYPE_CHECKING:
     from engine import EngineCore
-    from engine.observer import StepRecord
+    from engine.core.observer import StepRecord
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 def measure_floor(engine: EngineCore, shapes: list[StepShape]) -> Floor:
     from engine import SamplingParams
-    from engine.step import NewRequest, SchedulerOutput
+    from engine.core.step import NewRequest, SchedulerOutput
 
     runner = engine.runner
     page_size = runner.page_size

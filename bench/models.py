@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
-from engine.loader import resolve_device, resolve_dtype
+from engine.models.loader import resolve_device, resolve_dtype
 
 WeightsMode = Literal["saved", "dummy"]
 

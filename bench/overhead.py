@@ -26,7 +26,7 @@ from bench.report import fmt, format_table, stamp
 
 if TYPE_CHECKING:
     from engine import EngineCore
-    from engine.observer import StepRecord
+    from engine.core.observer import StepRecord
 
 # Small vocabulary: greedy argmax over [N, vocab] zeros is real sampler work, but a 32k vocabulary would make it
 # the dominant term on a CPU and hide the bookkeeping this benchmark is about.
@@ -88,7 +88,7 @@ def _generated_tokens(options: OverheadOptions) -> int:
 
 def _engine(model_dir: Path, num_seqs: int, options: OverheadOptions) -> EngineCore:
     from engine import EngineConfig, EngineCore
-    from engine.loader import load_model
+    from engine.models.loader import load_model
 
     tokens_per_seq = options.prompt_len + _generated_tokens(options)
     config = EngineConfig(

@@ -22,8 +22,7 @@ from functools import partial
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.driver import (
+from engine.core.driver import (
     AbortRequests,
     AddRequests,
     EngineInput,
@@ -33,7 +32,8 @@ from engine.driver import (
     Shutdown,
     StepMessage,
 )
-from engine.request import FinishReason, GenerationOutput, RequestRejected, SamplingParams, StepOutput
+from engine.core.engine_core import EngineCore
+from engine.core.request import FinishReason, GenerationOutput, RequestRejected, SamplingParams, StepOutput
 
 logger = logging.getLogger(__name__)
 

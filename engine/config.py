@@ -83,14 +83,14 @@ class EngineConfig:
     """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
     otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""
     compile: CompileLevel = field(default="none", metadata=_MODEL)
-    """torch.compile of the native model (engine/compile.py): `none` runs eagerly; `piecewise` compiles each
+    """torch.compile of the native model (engine/execution/compile.py): `none` runs eagerly; `piecewise` compiles each
     decoder layer into one graph all layers share, paged attention an opaque op inside it; `full` compiles the
     whole decoder into one graph. Compiled at start-up (seconds; torch caches inductor's output for the next
     start), with a dynamic token dimension so ragged steps do not recompile. CPU and the native Llama-family
     modules only: other setups refuse a level other than none at start-up."""
     enforce_eager: bool = field(default=False, metadata=_MODEL)
     """CUDA: run every step eagerly (vLLM's option). By default decode steps replay CUDA graphs captured at
-    start-up (engine/cuda_graphs.py) where the attention backend allows it; steps with a prefill chunk, CPUs,
+    start-up (engine/execution/cuda_graphs.py) where the attention backend allows it; steps with a prefill chunk, CPUs,
     tensor parallelism and the transformers adapter always run eagerly."""
     cuda_graph_max_seqs: int = field(default=256, metadata=_MODEL)
     """CUDA: the largest decode step (in sequences) replayed from a graph, capped by max_num_seqs and

@@ -55,7 +55,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def _checkpoint_bytes(model_dir: str, element_bytes: int) -> int:
     from safetensors import safe_open
 
-    from engine.checkpoint import checkpoint_files
+    from engine.models.checkpoint import checkpoint_files
 
     total = 0
     for path, names in checkpoint_files(model_dir).items():
@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine.config import EngineConfig
-    from engine.loader import load_model
+    from engine.models.loader import load_model
 
     config = EngineConfig(model=args.model_dir, dtype=args.dtype, device="cpu", model_impl="native")
     anon_before, rss_before = _anon_bytes(), _max_rss_bytes()

@@ -134,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     if engine_config.node_rank > 0:
         # Another node of a multi-node tensor-parallel run: its ranks only, no HTTP; node 0 serves.
-        from engine.worker import run_node
+        from engine.distributed.worker import run_node
 
         return run_node(engine_config)
     lifecycle = Lifecycle(settings.drain_timeout)

@@ -22,14 +22,14 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.driver import AbortRequests, AddRequests, EngineRequest, Heartbeat, Rejection, Shutdown, StepMessage
-from engine.request import QueueFull, RequestRejected, StepOutput
+from engine.core.driver import AbortRequests, AddRequests, EngineRequest, Heartbeat, Rejection, Shutdown, StepMessage
+from engine.core.request import QueueFull, RequestRejected, StepOutput
 from server.engine_process import run_engine_process
 from server.ipc import EngineFailed, EngineReady
 from server.settings import LogFormat
 
 if TYPE_CHECKING:
-    from engine.stats import EngineStats
+    from engine.core.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The engine process: owns the EngineCore and runs the engine's own loop (`engine.driver.EngineLoop`) with the
+"""The engine process: owns the EngineCore and runs the engine's own loop (`engine.core.driver.EngineLoop`) with the
 request pipe as its inbox and the output pipe as its outbox. When idle the loop blocks on the request pipe (no
 spinning) and a heartbeat goes out each second so the front end can tell the loop is alive.
 
@@ -18,8 +18,8 @@ import traceback
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
-from engine.driver import EngineInput, EngineLoop, Shutdown
-from engine.lifetime import die_with_parent
+from engine.core.driver import EngineInput, EngineLoop, Shutdown
+from engine.distributed.lifetime import die_with_parent
 from server.ipc import EngineFailed, EngineReady
 from server.logs import configure_logging
 from server.settings import LogFormat
@@ -43,7 +43,7 @@ def run_engine_process(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level, log_format, label="engine")
     try:
-        from engine.core import EngineCore  # imported here: the front end never needs torch for this module
+        from engine.core.engine_core import EngineCore  # imported here: the front end never needs torch for this module
 
         engine = EngineCore(config)
     except Exception:

@@ -1,7 +1,7 @@
 """The engine process's pipes: what travels over them, and the two messages of the process's own lifecycle.
 
 The engine's protocol (`AddRequests`, `AbortRequests`, `Shutdown` in; one `StepMessage` per step and a
-`Heartbeat` while idle out) is defined by the engine, in `engine/driver.py`; the server only pickles those
+`Heartbeat` while idle out) is defined by the engine, in `engine/core/driver.py`; the server only pickles those
 messages over two multiprocessing pipes. It adds `EngineReady` (sent once the model is loaded) and
 `EngineFailed` (sent just before the process dies of an exception).
 """

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from engine.stats import EngineStats
+    from engine.core.stats import EngineStats
 
 RejectionReason = Literal["queue_full", "timeout", "invalid", "unauthorized", "unavailable"]
 

@@ -14,7 +14,7 @@ import huggingface_hub
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from engine.checkpoint import checkpoint_files, indexed_shards
+from engine.models.checkpoint import checkpoint_files, indexed_shards
 
 METADATA_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 """Config, generation config, tokenizer and chat-template files: everything but the weights."""

@@ -18,11 +18,11 @@ from transformers import PretrainedConfig
 from engine.attention import AttentionBackend, CpuPagedBackend, TorchPagedBackend
 from engine.attention.cpu_kernel import KernelUnavailable, load_kernel
 from engine.config import EngineConfig
-from engine.kv_cache import GroupLayout
-from engine.loader import LoadedModel
-from engine.request import SamplingParams
-from engine.runner import ModelRunner
-from engine.step import NewRequest, SchedulerOutput
+from engine.core.kv_cache import GroupLayout
+from engine.core.request import SamplingParams
+from engine.core.step import NewRequest, SchedulerOutput
+from engine.execution.runner import ModelRunner
+from engine.models.loader import LoadedModel
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 SOFTCAP = 2.0

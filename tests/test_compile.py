@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, EngineCore
-from engine.compile import check_compile_level
 from engine.config import EngineStartupError
+from engine.execution.compile import check_compile_level
 from server import cli
 
 

@@ -1,5 +1,5 @@
-"""Captured decode steps (engine/cuda_graphs.py), everything a CPU can check: the sizes and padding, which steps
-replay, why an engine runs eagerly, the static buffers a padded step fills (and reuses), the scratch page, the
+"""Captured decode steps (engine/execution/cuda_graphs.py), everything a CPU can check: the sizes and padding, which
+steps replay, why an engine runs eagerly, the static buffers a padded step fills (and reuses), the scratch page, the
 memory arithmetic, and the padded forward itself.
 
 Nothing is captured on CPU: the tests hand `ModelRunner.use_decode_graphs` a capture strategy that returns the
@@ -27,7 +27,12 @@ from transformers import PretrainedConfig
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import CpuPagedBackend, TorchPagedBackend
 from engine.attention.cpu_kernel import load_kernel
-from engine.cuda_graphs import (
+from engine.core.kv_cache import group_layers
+from engine.core.observer import StepRecord
+from engine.core.page_pool import PagePool
+from engine.core.request import Request
+from engine.core.step import NewRequest, SchedulerOutput
+from engine.execution.cuda_graphs import (
     StepFn,
     decode_graph_size,
     eager_reason,
@@ -36,14 +41,9 @@ from engine.cuda_graphs import (
     padded_size,
     start_decode_graphs,
 )
-from engine.kv_cache import group_layers
-from engine.loader import LoadedModel, load_model
-from engine.memory import decode_graphs_estimate, gpu_kv_budget_bytes
-from engine.observer import StepRecord
-from engine.page_pool import PagePool
-from engine.request import Request
-from engine.runner import ModelRunner
-from engine.step import NewRequest, SchedulerOutput
+from engine.execution.memory import decode_graphs_estimate, gpu_kv_budget_bytes
+from engine.execution.runner import ModelRunner
+from engine.models.loader import LoadedModel, load_model
 from tests.capturable_backend import DensePagedBackend
 from tests.test_attention import attention_runner, fresh_plan
 from tests.test_cpu_attention import needs_kernel
@@ -163,7 +163,7 @@ def test_why_an_engine_runs_eagerly(
     assert found is None if reason is None else reason in found
     if reason is not None:
         runner = attention_runner(_Shapes(), 4, 4)
-        with caplog.at_level(logging.INFO, logger="engine.cuda_graphs"):
+        with caplog.at_level(logging.INFO, logger="engine.execution.cuda_graphs"):
             assert start_decode_graphs(runner, config, loaded) is None
         messages = [r.getMessage() for r in caplog.records]
         assert len(messages) == 1 and reason in messages[0] and "runs eagerly" in messages[0]
@@ -175,9 +175,9 @@ def test_a_cpu_engine_logs_once_why_it_runs_eagerly(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture, enforce_eager: bool
 ) -> None:
     config = EngineConfig(model=str(tiny_llama), num_blocks=16, enforce_eager=enforce_eager)
-    with caplog.at_level(logging.INFO, logger="engine.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="engine.execution.cuda_graphs"):
         engine = EngineCore(config)
-    messages = [r.getMessage() for r in caplog.records if r.name == "engine.cuda_graphs"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "engine.execution.cuda_graphs"]
     assert messages == [
         "CUDA graphs off, every step runs eagerly: "
         + ("--enforce-eager" if enforce_eager else "CUDA graphs need a CUDA device, and the engine runs on cpu")

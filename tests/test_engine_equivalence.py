@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
-from engine.kv_cache import sliding_pool_pages
-from engine.observer import StepRecord
+from engine.core.kv_cache import sliding_pool_pages
+from engine.core.observer import StepRecord
 
 ARCHS = [
     "llama",
@@ -247,7 +247,8 @@ def test_hybrid_model_sliding_layers_release_pages(model_dir: Callable[[str], Pa
     primary, sliding = engine.kv_cache.pools
     assert [layout.window for layout in engine.kv_cache.layouts] == [None, 20]
     assert sliding.num_pages == sliding_pool_pages(20, 4, max_num_seqs=8, max_batch_tokens=128) < primary.num_pages
-    # Each layer's cache: its pool's pages and the scratch page padded decode rows use (engine/cuda_graphs.py).
+    # Each layer's cache: its pool's pages and the scratch page padded decode rows use
+    # (engine/execution/cuda_graphs.py).
     assert [cache[0].shape[0] for cache in engine.runner.kv_caches] == [primary.num_pages + 1, sliding.num_pages + 1]
     engine.add_request("a", list(range(10, 90)), SamplingParams(max_new_tokens=4))
     engine.step()

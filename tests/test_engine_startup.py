@@ -13,12 +13,12 @@ import torch
 import engine.attention as attention
 from engine.attention import TorchPagedBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
-from engine.core import EngineCore
-from engine.kv_cache import group_layers
-from engine.loader import load_model
-from engine.memory import largest_step_lengths, run_largest_step
-from engine.request import RequestRejected, SamplingParams
-from engine.runner import PREFILL_STEP_TOKENS, step_threads
+from engine.core.engine_core import EngineCore
+from engine.core.kv_cache import group_layers
+from engine.core.request import RequestRejected, SamplingParams
+from engine.execution.memory import largest_step_lengths, run_largest_step
+from engine.execution.runner import PREFILL_STEP_TOKENS, step_threads
+from engine.models.loader import load_model
 
 
 def test_a_cache_too_small_for_an_asked_max_model_len_refuses_to_start(tiny_llama: Path) -> None:
@@ -34,7 +34,7 @@ def test_a_cache_too_small_for_an_asked_max_model_len_refuses_to_start(tiny_llam
 def test_a_default_max_model_len_is_lowered_to_what_the_cache_holds(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("WARNING", logger="engine.core"):
+    with caplog.at_level("WARNING", logger="engine.core.engine_core"):
         engine = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=8))
     assert engine.max_model_len == 8 * 16
     assert "max_model_len lowered to 128" in caplog.text

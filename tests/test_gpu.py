@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import TorchPagedBackend
 from engine.attention.flash import FlashBackend, flash_available
-from engine.cuda_graphs import graph_sizes, max_graph_size
-from engine.kv_cache import group_layers
-from engine.loader import LoadedModel, load_model
-from engine.memory import decode_graph_bytes
-from engine.observer import StepRecord
+from engine.core.kv_cache import group_layers
+from engine.core.observer import StepRecord
+from engine.execution.cuda_graphs import graph_sizes, max_graph_size
+from engine.execution.memory import decode_graph_bytes
+from engine.models.loader import LoadedModel, load_model
 from tests.capturable_backend import DensePagedBackend
 from tests.test_attention import attention_runner, fresh_plan
 
@@ -157,7 +157,7 @@ def test_flash_attention_refuses_float32_when_chosen(model_dir: Callable[[str], 
         EngineCore(config)
 
 
-# -- CUDA graphs (engine/cuda_graphs.py) ----------------------------------------------------------------------
+# -- CUDA graphs (engine/execution/cuda_graphs.py) ---------------------------------------------------------------------
 
 _GRAPH_PROMPTS = [[10 + (i * 7 + j) % 300 for j in range(5 + 9 * i)] for i in range(8)]
 _GRAPH_PARAMS = [SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True) for i in range(8)]

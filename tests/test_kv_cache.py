@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, sliding_pool_pages
-from engine.page_pool import PagePool
-from engine.request import Request
+from engine.core.kv_cache import GroupLayout, KVCacheManager, group_layers, sliding_pool_pages
+from engine.core.page_pool import PagePool
+from engine.core.request import Request
 from tests.test_page_pool import make_request
 
 WINDOW, PAGE = 8, 4

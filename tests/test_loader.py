@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from engine.checkpoint import SAFETENSORS_INDEX, checkpoint_files
 from engine.config import EngineConfig
-from engine.loader import load_model
+from engine.models.checkpoint import SAFETENSORS_INDEX, checkpoint_files
+from engine.models.loader import load_model
 from tests.model_factory import build_model_dir
 from tests.server_harness import REPO_ROOT
 
@@ -30,8 +30,8 @@ def _sharded_copy(source: Path, target: Path) -> Path:
 
 def _greedy_logits(model_dir: Path, **config: str) -> torch.Tensor:
     from engine.api import generate_batch
-    from engine.core import EngineCore
-    from engine.request import SamplingParams
+    from engine.core.engine_core import EngineCore
+    from engine.core.request import SamplingParams
 
     engine = EngineCore(EngineConfig(model=str(model_dir), num_blocks=64, **config))
     results = generate_batch([[5, 6, 7, 8]], params=SamplingParams(max_new_tokens=6, logprobs=True), engine=engine)

@@ -15,8 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import EngineConfig, EngineCore, SamplingParams, UnsupportedModelError, generate_batch
 from engine.attention import TorchPagedBackend
-from engine.loader import load_model
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
+from engine.models.loader import load_model
 from tests.model_factory import ARCHITECTURES, build_model_dir
 
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import engine.page_pool as page_pool
-from engine.page_pool import PagePool
-from engine.request import Request, SamplingParams
+import engine.core.page_pool as page_pool
+from engine.core.page_pool import PagePool
+from engine.core.request import Request, SamplingParams
 
 
 def make_request(request_id: str, prompt: list[int], max_new_tokens: int = 4) -> Request:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from engine.request import Request, RequestRejected, SamplingParams
-from engine.sampler import Sampler, argmax_rows
+from engine.core.request import Request, RequestRejected, SamplingParams
+from engine.sampling.sampler import Sampler, argmax_rows
 
 EOS = 2
 

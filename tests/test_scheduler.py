@@ -12,11 +12,11 @@ from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.kv_cache import GroupLayout, KVCacheManager
-from engine.page_pool import PagePool
-from engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from engine.scheduler import PriorityRequestQueue, RequestQueue, Scheduler
-from engine.step import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
+from engine.core.kv_cache import GroupLayout, KVCacheManager
+from engine.core.page_pool import PagePool
+from engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.core.scheduler import PriorityRequestQueue, RequestQueue, Scheduler
+from engine.core.step import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 
 _fresh_bases = itertools.count(1)
 

@@ -27,8 +27,8 @@ from engine import (
     StructuredOutput,
     generate_batch,
 )
-from engine.observer import StepRecord
-from engine.structured import CompiledGrammar, GrammarCompiler, check
+from engine.core.observer import StepRecord
+from engine.core.structured import CompiledGrammar, GrammarCompiler, check
 
 PROFILE = {
     "type": "object",

@@ -30,8 +30,8 @@ from engine import (
     StructuredOutput,
     generate_batch,
 )
-from engine.parallel import COLLECTIVES
-from engine.step import SchedulerOutput
+from engine.core.step import SchedulerOutput
+from engine.distributed.parallel import COLLECTIVES
 from server.tokens import Tokenizer
 from tests.model_factory import build_model_dir
 from tests.server_harness import REPO_ROOT, free_port, metric, metric_samples, node_process, server_process

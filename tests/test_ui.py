@@ -28,7 +28,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.config import EngineConfig
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 from server import cli
 from server.app import create_app
 from server.lifecycle import Lifecycle

@@ -41,7 +41,7 @@ class StepMetadata:
 class AttentionBackend(ABC):
     name: str
     capturable: bool = False
-    """Whether a CUDA graph can hold this backend's decode steps (engine/cuda_graphs.py): its `prepare` and
+    """Whether a CUDA graph can hold this backend's decode steps (engine/execution/cuda_graphs.py): its `prepare` and
     `forward` read only the metadata's tensors, plus `max_query_len` and `page_size`, never the host lists (a
     graph replays with new tensor contents but the host fields of the step it captured), and they neither
     synchronise with the host nor allocate outside torch's allocator."""

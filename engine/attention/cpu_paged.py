@@ -26,7 +26,7 @@ class CpuPagedBackend(AttentionBackend):
     name = "cpu"
     capturable = True
     """The kernel reads only the metadata's tensors. Nothing is captured on CPU, but a padded decode step
-    (engine/cuda_graphs.py) runs through it exactly as a graph would run it."""
+    (engine/execution/cuda_graphs.py) runs through it exactly as a graph would run it."""
 
     def __init__(self, kernel: Callable[..., torch.Tensor]) -> None:
         """`kernel`: `engine.attention.cpu_kernel.load_kernel()`."""

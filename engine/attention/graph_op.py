@@ -8,7 +8,7 @@ output's shape, and inductor calls it as an external kernel.
 
 The step's metadata reaches the op through `attention_step`, set around each forward pass on the engine's thread,
 keyed by sliding window: a layer's metadata is its KV-cache group's, and the groups are the model's distinct windows
-(engine/kv_cache.py). Keying by window rather than by layer index keeps the layer's number out of the graph, so one
+(engine/core/kv_cache.py). Keying by window rather than by layer index keeps the layer's number out of the graph, so one
 compiled decoder layer serves every layer with the same window.
 
 Eager callers go through the same `paged_attention` function, which calls the backend directly, without the op's

@@ -8,9 +8,9 @@ maths is the same; the sums are taken in another order (differences of about 1e-
 `torch.ops.mkldnn._linear_pointwise` and `_reorder_linear_weight` are the ops torch's own inductor uses for packed
 CPU linears; where they (or oneDNN) are missing, layers stay plain `nn.Linear`.
 
-Inside a `torch.compile` graph (engine/compile.py) a packed linear is the opaque op `ferry::packed_linear`: inductor
-lowers `_linear_pointwise` itself only for weights it froze into constants, which a graph shared by every decoder
-layer cannot have (each layer's weight is an input of the same graph).
+Inside a `torch.compile` graph (engine/execution/compile.py) a packed linear is the opaque op `ferry::packed_linear`:
+inductor lowers `_linear_pointwise` itself only for weights it froze into constants, which a graph shared by every
+decoder layer cannot have (each layer's weight is an input of the same graph).
 
 bfloat16 on a CPU without bfloat16 arithmetic (AVX2 only: no AVX512-BF16, AMX or AVX-NE-CONVERT) is the other
 case: oneDNN cannot pack it, and torch's own bfloat16 matmul there is a loop of dot products whose cost grows with

@@ -5,8 +5,8 @@ precomputed once for every position, the packed `[T, ...]` layout with no batch 
 paged backend, and no mask building per step. The maths (and so greedy output) is the same.
 
 The decoder (`Backbone.forward`, and each `DecoderLayer`) takes and returns tensors only: a layer's attention
-finds the step's metadata through `engine/attention/graph_op.py`, so `engine/compile.py` can compile a layer, or
-the whole decoder, into a graph that does not change from step to step.
+finds the step's metadata through `engine/attention/graph_op.py`, so `engine/execution/compile.py` can compile a
+layer, or the whole decoder, into a graph that does not change from step to step.
 
 With tensor parallelism (`tp`) each rank builds its shard, Megatron-style: QKV and gate/up are column-parallel
 (this rank's attention heads, KV heads and MLP columns), o and down row-parallel with one all-reduce each, the
@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from engine.attention import AttentionBackend, StepMetadata
 from engine.attention.graph_op import attention_step, paged_attention
 from engine.config import EngineStartupError
-from engine.parallel import TensorParallel
+from engine.distributed.parallel import TensorParallel
 
 NATIVE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.request import FinishReason, StepOutput, TokenLogprob
+from engine.core.request import FinishReason, StepOutput, TokenLogprob
 from server.openai.errors import engine_failure
 from server.openai.tool_parsers.base import ParsedCall, ToolCallDelta, ToolCallReader
 from server.reasoning import ReasoningSplitter

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.request import TokenLogprob
+from engine.core.request import TokenLogprob
 from server.openai.choices import ChoiceState
 from server.openai.errors import invalid_request
 from server.openai.generation import Generation, ServingContext, start_generation

@@ -21,8 +21,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from engine.driver import EngineRequest
-from engine.request import QueueFull, RequestRejected, SamplingParams, StepOutput, StructuredOutput
+from engine.core.driver import EngineRequest
+from engine.core.request import QueueFull, RequestRejected, SamplingParams, StepOutput, StructuredOutput
 from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
 from server.lifecycle import Lifecycle
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.request import TokenLogprob
+from engine.core.request import TokenLogprob
 from server.openai.schemas import ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from server.tokens import Tokenizer
 

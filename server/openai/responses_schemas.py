@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
-from engine.request import SamplingParams, StructuredOutput
+from engine.core.request import SamplingParams, StructuredOutput
 from server.openai.errors import invalid_request, unsupported_parameter
 from server.openai.schemas import FUNCTION_NAME_PATTERN, INT32_MAX, INT32_MIN
 from server.openai.structured import Constraint, json_object_constraint, json_schema_constraint

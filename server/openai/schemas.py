@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, model_validator
 
-from engine.request import SamplingParams, StructuredOutput
+from engine.core.request import SamplingParams, StructuredOutput
 from server.openai.errors import invalid_request, unsupported_parameter
 from server.openai.structured import (
     Constraint,

@@ -16,8 +16,8 @@ from typing import Any
 
 import jsonschema
 
-from engine import structured
-from engine.request import RequestRejected, StructuredOutput, StructuredOutputKind
+from engine.core import structured
+from engine.core.request import RequestRejected, StructuredOutput, StructuredOutputKind
 from server.openai.errors import APIError, invalid_request
 
 

@@ -50,11 +50,11 @@ class StructuredOutput:
     - `json_object`: empty; any JSON object.
     - `regex`: a regular expression (Rust `regex` syntax) the whole output must match.
     - `choice`: a JSON array of strings, the output is exactly one of them.
-    - `grammar`: a grammar in llguidance's Lark dialect (`start: ...`; engine/structured.py links its syntax).
+    - `grammar`: a grammar in llguidance's Lark dialect (`start: ...`; engine/core/structured.py links its syntax).
 
     Once the constraint is satisfied only the request's EOS and stop tokens may follow, so the request ends with
     `stop`; `ignore_eos` and `min_new_tokens` cannot go with it.
-    Checked here for shape only; `engine.structured.check(structured_output, tokenizer_dir)` compiles it, so what
+    Checked here for shape only; `engine.core.structured.check(structured_output, tokenizer_dir)` compiles it, so what
     the grammar library refuses is a 400 before anything streams.
     """
 

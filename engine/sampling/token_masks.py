@@ -17,7 +17,7 @@ import llguidance
 import numpy as np
 import torch
 
-from engine.structured import CompiledGrammar
+from engine.core.structured import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 

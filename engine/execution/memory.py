@@ -7,9 +7,9 @@ sequence sampled with the costliest sampling options), and its peak allocation a
 cache must leave free. Load-time garbage (checkpoint staging tensors, the allocator's cached blocks) is returned to
 the device first, so that free memory means free.
 
-The decode graphs (engine/cuda_graphs.py), when the engine will capture them, are measured the same way before the
-budget is set: the largest size is captured once through a runner with a one-page cache, and what its memory pool
-reserved, plus the outputs the smaller graphs keep in the shared pool, is left free too. `gpu_kv_budget_bytes` is
+The decode graphs (engine/execution/cuda_graphs.py), when the engine will capture them, are measured the same way
+before the budget is set: the largest size is captured once through a runner with a one-page cache, and what its memory
+pool reserved, plus the outputs the smaller graphs keep in the shared pool, is left free too. `gpu_kv_budget_bytes` is
 the arithmetic on those measurements.
 """
 
@@ -21,12 +21,12 @@ import logging
 import torch
 
 from engine.config import EngineConfig, EngineStartupError
-from engine.cuda_graphs import capture_decode_graphs, eager_reason, graph_sizes, max_graph_size
-from engine.kv_cache import GroupLayout
-from engine.loader import LoadedModel
-from engine.request import SamplingParams
-from engine.runner import ModelRunner
-from engine.step import ModelRunnerOutput, NewRequest, SchedulerOutput
+from engine.core.kv_cache import GroupLayout
+from engine.core.request import SamplingParams
+from engine.core.step import ModelRunnerOutput, NewRequest, SchedulerOutput
+from engine.execution.cuda_graphs import capture_decode_graphs, eager_reason, graph_sizes, max_graph_size
+from engine.execution.runner import ModelRunner
+from engine.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
 from engine.config import EngineConfig
-from engine.lifetime import die_with_parent
+from engine.distributed.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,13 @@ def run_worker(
     logging.basicConfig(level=log_level, handlers=[handler])
     # Join the ranks as soon as torch is in, so that the driver waits for no more than that import; the model
     # code (transformers and all) loads while the others load theirs.
-    from engine.parallel import CollectiveFailed, init_tensor_parallel
+    from engine.distributed.parallel import CollectiveFailed, init_tensor_parallel
 
     try:
         tp = init_tensor_parallel(config, rank)
-        from engine.core import kv_cache_layout
-        from engine.loader import load_model
-        from engine.runner import ModelRunner
+        from engine.core.engine_core import kv_cache_layout
+        from engine.execution.runner import ModelRunner
+        from engine.models.loader import load_model
 
         loaded, layouts, pages = kv_cache_layout(config, load_model(config, tp), tp)
         runner = ModelRunner(loaded, layouts, pages, config)
@@ -138,7 +138,7 @@ class Workers:
 
 def run_node(config: EngineConfig) -> int:
     """`ferry serve` on a node other than 0: run this node's ranks until node 0 stops them (0) or they fail (1)."""
-    from engine.parallel import with_rendezvous
+    from engine.distributed.parallel import with_rendezvous
 
     config.check_parallel_layout()
     config = with_rendezvous(config)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.page_pool import PagePool
-from engine.request import Request
+from engine.core.page_pool import PagePool
+from engine.core.request import Request
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from engine.request import QueueFull, RequestRejected, SamplingParams, StepOutput
-from engine.stats import EngineStats
+from engine.core.request import QueueFull, RequestRejected, SamplingParams, StepOutput
+from engine.core.stats import EngineStats
 
 if TYPE_CHECKING:
-    from engine.core import EngineCore
+    from engine.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 

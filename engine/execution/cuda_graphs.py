@@ -28,7 +28,7 @@ for a GPU measurement to decide (the offline benchmark in scripts/gpu_bench.sh, 
 with the Triton backend, the capturable one on CUDA: torch and flash are not), and is not built. A prefill step's large
 matmuls keep the GPU busy, so launch overhead matters far less there than in a decode step.
 
-Memory: engine/memory.py captures the largest size once before the KV budget is set, and counts its pool (plus
+Memory: engine/execution/memory.py captures the largest size once before the KV budget is set, and counts its pool (plus
 the smaller graphs' outputs) against the budget like the activations.
 """
 
@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig, EngineStartupError
-from engine.loader import LoadedModel
+from engine.models.loader import LoadedModel
 
 if TYPE_CHECKING:
-    from engine.runner import ModelRunner
+    from engine.execution.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

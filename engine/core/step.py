@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.request import SamplingParams, TokenLogprob
+from engine.core.request import SamplingParams, TokenLogprob
 
 PLACEHOLDER = -1
 """A token id the scheduler does not know yet: the token the runner samples for this request in the step before

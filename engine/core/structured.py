@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import llguidance
 import llguidance.hf
 
-from engine.request import RequestRejected, StructuredOutput
+from engine.core.request import RequestRejected, StructuredOutput
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON options: no whitespace beyond the one space after each separator."""

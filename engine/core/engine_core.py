@@ -1,7 +1,7 @@
 """The engine step: the scheduler plans, the runner executes, the scheduler applies the result.
 
 Every driver (generate_batch, the background manager, the server's engine process) runs this same `step`
-through the one loop in `engine/driver.py`.
+through the one loop in `engine/core/driver.py`.
 
 With `async_scheduling` the runner executes on a thread of its own, one step behind the scheduler: while it runs
 step N, this thread plans step N+1 and prepares its inputs (`ModelRunner.prepare`, into the buffer set N does not
@@ -10,7 +10,7 @@ is changed under it; the torch ops release the GIL. With tensor parallelism N+1 
 after N, since its plan goes to the other ranks with the tokens N sampled filled in.
 
 A request with structured output joins the scheduler only once its grammar compiled (on the compiler's threads,
-engine/structured.py); until then it waits here, counted as waiting, while the other requests keep stepping. The
+engine/core/structured.py); until then it waits here, counted as waiting, while the other requests keep stepping. The
 scheduler never knows.
 """
 
@@ -28,22 +28,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.compile import warm_up
 from engine.config import EngineConfig, EngineStartupError
-from engine.cuda_graphs import CaptureReport, start_decode_graphs
-from engine.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
-from engine.loader import LoadedModel, load_model, model_config
-from engine.memory import kv_cache_budget_bytes
-from engine.observer import StepObserver, StepRecord
-from engine.page_pool import PagePool
-from engine.parallel import CollectiveFailed, TensorParallel, init_tensor_parallel, with_rendezvous
-from engine.request import QueueFull, Request, RequestRejected, SamplingParams, StepOutput
-from engine.runner import ModelRunner
-from engine.scheduler import Scheduler
-from engine.stats import EngineStats
-from engine.step import ModelRunnerOutput, SchedulerOutput
-from engine.structured import CompiledGrammar, GrammarCompiler
-from engine.worker import Workers
+from engine.core.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
+from engine.core.observer import StepObserver, StepRecord
+from engine.core.page_pool import PagePool
+from engine.core.request import QueueFull, Request, RequestRejected, SamplingParams, StepOutput
+from engine.core.scheduler import Scheduler
+from engine.core.stats import EngineStats
+from engine.core.step import ModelRunnerOutput, SchedulerOutput
+from engine.core.structured import CompiledGrammar, GrammarCompiler
+from engine.distributed.parallel import CollectiveFailed, TensorParallel, init_tensor_parallel, with_rendezvous
+from engine.distributed.worker import Workers
+from engine.execution.compile import warm_up
+from engine.execution.cuda_graphs import CaptureReport, start_decode_graphs
+from engine.execution.memory import kv_cache_budget_bytes
+from engine.execution.runner import ModelRunner
+from engine.models.loader import LoadedModel, load_model, model_config
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ class EngineCore:
     nothing); by default the model `config` names is loaded. `observers` see one `StepRecord` per step. `grammars`
     compiles structured outputs; by default one for the model directory's tokenizer.
 
-    With `config.tensor_parallel_size` > 1 it starts this node's other ranks (engine/worker.py) and is rank 0, the
-    driver: each step's plan goes to every rank, and sampling (grammars included) happens here only. `close()`, or
-    leaving a `with` block, stops the ranks.
+    With `config.tensor_parallel_size` > 1 it starts this node's other ranks (engine/distributed/worker.py) and is rank
+    0, the driver: each step's plan goes to every rank, and sampling (grammars included) happens here only. `close()`,
+    or leaving a `with` block, stops the ranks.
     """
 
     def __init__(

@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.kv_cache import NO_NEW_PAGES, KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus, StepOutput, TokenLogprob
-from engine.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PageTables, PromptLogprobs, SchedulerOutput
+from engine.core.kv_cache import NO_NEW_PAGES, KVCacheManager
+from engine.core.request import FinishReason, Request, RequestStatus, StepOutput, TokenLogprob
+from engine.core.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PageTables, PromptLogprobs, SchedulerOutput
 
 
 class RequestQueue:

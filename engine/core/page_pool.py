@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 def _chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:

@@ -12,15 +12,15 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from engine.attention import AttentionBackend, select_backend
-from engine.checkpoint import checkpoint_files
-from engine.compile import check_compile_level, compile_model
 from engine.config import EngineConfig, EngineStartupError
+from engine.distributed.parallel import TensorParallel
+from engine.execution.compile import check_compile_level, compile_model
+from engine.models.checkpoint import checkpoint_files
 from engine.models.cpu_linear import bf16_matmul_native, onednn_linear_available, pack_linears, widen_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM, check_tensor_parallel
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
-from engine.parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

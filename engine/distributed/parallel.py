@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, EngineStartupError
-from engine.step import SchedulerOutput
+from engine.core.step import SchedulerOutput
 
 STARTUP_TIMEOUT = datetime.timedelta(minutes=30)
 """How long ranks wait for each other while they start and load their shards (a big checkpoint, a slow disk)."""

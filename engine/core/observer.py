@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.request import StepOutput
-from engine.step import ModelRunnerOutput, SchedulerOutput
+from engine.core.request import StepOutput
+from engine.core.step import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,11 +35,11 @@ import torch
 from torch import nn
 
 from engine.config import CompileLevel, EngineConfig, EngineStartupError
-from engine.request import SamplingParams
-from engine.step import NewRequest, SchedulerOutput
+from engine.core.request import SamplingParams
+from engine.core.step import NewRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.runner import ModelRunner
+    from engine.execution.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ the step's buffers come in two sets used in turn (N+1 fills one while N's forwar
 the device, read the other), a step keeps the sequences it samples from its own prepare, and a PLACEHOLDER (the
 token step N samples) is filled in by `run`, just before the token ids go to the device.
 
-With decode graphs (engine/cuda_graphs.py, `use_decode_graphs`) a step whose every sequence computes one token is
-padded to a graph size instead: its rows, then padding rows on the scratch pages, in its host buffers; `run` copies
-them into the graphs' static inputs (one set of device buffers, written only there, so a step prepared ahead never
-touches what a replay reads) and replays the captured graph of that size.
+With decode graphs (engine/execution/cuda_graphs.py, `use_decode_graphs`) a step whose every sequence computes one
+token is padded to a graph size instead: its rows, then padding rows on the scratch pages, in its host buffers; `run`
+copies them into the graphs' static inputs (one set of device buffers, written only there, so a step prepared ahead
+never touches what a replay reads) and replays the captured graph of that size.
 
 A constrained sequence (structured output) also keeps its grammar state here: it advances with every token sampled
-for it, and the step's constrained rows get one grammar mask (engine/token_masks.py) that the sampler applies.
+for it, and the step's constrained rows get one grammar mask (engine/sampling/token_masks.py) that the sampler applies.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ import torch
 
 from engine.attention import StepMetadata
 from engine.config import EngineConfig
-from engine.cuda_graphs import Capture, StepFn, decode_graph_size
-from engine.kv_cache import GroupLayout
-from engine.loader import LoadedModel
-from engine.request import SamplingParams, TokenLogprob
-from engine.sampler import Sampler
-from engine.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
-from engine.structured import GrammarCompiler
-from engine.token_masks import GrammarMasker, GrammarState
+from engine.core.kv_cache import GroupLayout
+from engine.core.request import SamplingParams, TokenLogprob
+from engine.core.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
+from engine.core.structured import GrammarCompiler
+from engine.execution.cuda_graphs import Capture, StepFn, decode_graph_size
+from engine.models.loader import LoadedModel
+from engine.sampling.sampler import Sampler
+from engine.sampling.token_masks import GrammarMasker, GrammarState
 
 
 @dataclass(slots=True)
@@ -461,8 +461,8 @@ class ModelRunner:
     def use_decode_graphs(self, sizes: tuple[int, ...], capture: Capture) -> None:
         """From now on pad every decode step of up to `sizes[-1]` sequences to the next of `sizes` (ascending) and
         run what `capture` made of the padded forward of that size (on CUDA, the replay of its graph;
-        engine/cuda_graphs.py). Called before the first step: the sizes are captured largest first, over a step
-        of padding rows only, which is what the static buffers hold until a step overwrites them."""
+        engine/execution/cuda_graphs.py). Called before the first step: the sizes are captured largest first, over a
+        step of padding rows only, which is what the static buffers hold until a step overwrites them."""
         if self._seqs:
             raise RuntimeError("decode graphs are set up before the first step")
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > self._max_rows:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from engine.request import SamplingParams, TokenLogprob
+from engine.core.request import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -112,7 +112,8 @@ class Sampler:
         """`logits`: [len(requests), >= vocab_size], one row per request, in the same order.
 
         `grammar_bias`: the constrained rows and, for each, 0 for the tokens its grammar allows and -inf for the
-        rest (engine/token_masks.py); added before penalties and temperature, so a banned token is never picked.
+        rest (engine/sampling/token_masks.py); added before penalties and temperature, so a banned token is never
+        picked.
         """
         if not requests:
             return SampleResult([], [])

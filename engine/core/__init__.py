@@ -1,0 +1,1 @@
+"""The step loop and its state."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: ranks, collectives, workers."""

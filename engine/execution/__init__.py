@@ -1,0 +1,1 @@
+"""Running a planned step: the runner and what it starts."""
