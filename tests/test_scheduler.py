@@ -73,7 +73,7 @@ def next_token(request: Request) -> int:
 
 
 def result(*tokens: int) -> ModelRunnerOutput:
-    return ModelRunnerOutput(list(tokens), [None] * len(tokens))
+    return ModelRunnerOutput([[token] for token in tokens], [None] * len(tokens))
 
 
 def sample(scheduler: Scheduler, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -830,7 +830,7 @@ def _decode_with(s: Scheduler, tokens: list[int]) -> list[list]:
     steps = []
     for token in tokens:
         plan = s.schedule()
-        steps.append(s.update(plan, ModelRunnerOutput([token] * plan.num_sampling, [None] * plan.num_sampling)))
+        steps.append(s.update(plan, ModelRunnerOutput([[token]] * plan.num_sampling, [None] * plan.num_sampling)))
     return steps
 
 

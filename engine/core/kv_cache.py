@@ -191,6 +191,14 @@ class KVCacheManager:
         for pool in self.pools:
             pool.commit(request)
 
+    def shrink(self, request: Request, num_tokens: int) -> tuple[int, ...] | None:
+        """Keep only the pages `num_tokens` tokens need in every pool; the table lengths per group when any page
+        went (the runner cuts its tables to them), else None."""
+        shrunk = [pool.shrink(request, num_tokens) for pool in self.pools]
+        if not any(shrunk):
+            return None
+        return tuple(len(pool.page_table(request.request_id)) for pool in self.pools)
+
     def free(self, request_id: str) -> None:
         for pool in self.pools:
             pool.free(request_id)

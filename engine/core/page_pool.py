@@ -262,6 +262,22 @@ class PagePool:
         seq.num_released = max(seq.num_released, release_to)
         self._check()
 
+    def shrink(self, request: Request, num_tokens: int) -> bool:
+        """Give back the request's trailing pages beyond those `num_tokens` tokens need (slots written for
+        rejected drafts); True when any went. Only pages past `num_computed_tokens` can go, and those were never
+        registered in the prefix cache (commit registers computed pages only), so they return to the free list."""
+        if num_tokens < request.num_computed_tokens:
+            raise ValueError(f"cannot shrink request {request.request_id!r} below its computed tokens")
+        seq = self._seqs[request.request_id]
+        keep = max(self.pages_needed(num_tokens), seq.num_released)
+        if len(seq.table) <= keep:
+            return False
+        for page in reversed(seq.table[keep:]):
+            self._unref(page)
+        del seq.table[keep:]
+        self._check()
+        return True
+
     def free(self, request_id: str) -> None:
         """Drop the request's table; idempotent. Hashed pages nobody else uses become cached-free.
 

@@ -16,6 +16,11 @@ sample for it (`num_pending_samples`): the next plan starts after them, and a de
 a `PLACEHOLDER` the runner fills in. Results are applied in plan order. What only a result can tell comes one step
 late: a request that stops (EOS, a stop token) had one more token planned, whose result is dropped; one preempted
 while a step computed for it keeps the token that step sampled.
+
+A result may bring several tokens for a request (see `ModelRunnerOutput`): each goes through the stop rules in
+order. A token at a position the request already knows (a step planned ahead sampled where an earlier result
+brought more than one token) is dropped, and so is that step's pending sample. Drafts (`schedule(drafts)`) are
+planned only for a decode with nothing in flight, and the request waits for that result before its next plan.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import bisect
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -139,8 +144,10 @@ class _Planned:
     """What one plan scheduled, per request in its order."""
 
     requests: list[Request]
+    starts: list[int]
     num_new_tokens: list[int]
     samples: list[bool]
+    """Cleared for a request whose sample position an earlier result already filled (see `update`)."""
 
 
 class _StepBuilder:
@@ -150,6 +157,7 @@ class _StepBuilder:
         self.requests: list[Request] = []
         self.num_new_tokens: list[int] = []
         self.samples: list[bool] = []
+        self.drafts: dict[str, tuple[int, ...]] = {}
         self.preempted: list[Request] = []
         self.admitted: set[str] = set()
         """Requests admitted this step: new to the runner."""
@@ -176,6 +184,7 @@ class _StepBuilder:
         self.preempted.append(request)
         self.admitted.discard(request.request_id)
         self.grants.pop(request.request_id, None)
+        self.drafts.pop(request.request_id, None)
         for i, scheduled in enumerate(self.requests):
             if scheduled is request:
                 del self.requests[i]
@@ -212,6 +221,10 @@ class Scheduler:
         self._planned: deque[_Planned] = deque()
         """Each plan whose result is not applied yet, oldest first: update() applies a step's result to its
         requests and takes their planned tokens out of flight."""
+        self._drafting: set[str] = set()
+        """Requests with drafts in flight: not planned again until that result is applied."""
+        self._shrunk: dict[str, tuple[int, ...]] = {}
+        """Table lengths per group of requests whose rejected drafts' pages went, for the next plan."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -235,16 +248,18 @@ class Scheduler:
         self._pending.append(output)
         return True
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts (see the module docstring for the rules)."""
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's requests and token counts (see the module docstring for the rules).
+
+        `drafts`: proposed next tokens by request id, planned (as many as fit) for running decodes."""
         builder = _StepBuilder(self.config.max_batch_tokens, self.config.max_num_seqs)
         # Under the priority policy the most important running requests get the budget first.
         running = sorted(self.running, key=priority_key) if self._by_priority else list(self.running)
         if self.config.scheduler_policy == "prefill_first":
             self._admit_waiting(builder)
-            self._schedule_running(running, builder)
+            self._schedule_running(running, builder, drafts or {})
         else:
-            self._schedule_running(running, builder)
+            self._schedule_running(running, builder, drafts or {})
             # Pages just taken from a preempted request go to running ones: admitting now would only thrash.
             if not builder.preempted:
                 self._admit_waiting(builder)
@@ -253,7 +268,7 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[StepOutput]:
         """Apply a step's result: its tokens now have K/V in the cache, sampled tokens are appended, stop rules
         finish requests (freeing their pages for the next plan). Returns every request's news, aborts included."""
-        planned = self._planned.popleft() if self._planned else _Planned([], [], [])
+        planned = self._planned.popleft() if self._planned else _Planned([], [], [], [])
         requests = planned.requests
         if len(requests) != len(plan.request_ids):
             raise ValueError("update() takes the results of the plans schedule() returned, oldest first")
@@ -262,33 +277,77 @@ class Scheduler:
         outputs, self._pending = self._pending, []
         sampled = zip(result.token_ids, result.logprobs, strict=True)
         now = time.monotonic()
-        commit, stop_reason = self.kv_cache.commit, self._stop_reason  # bound once: this loop is per request
+        commit = self.kv_cache.commit  # bound once: this loop is per request
         scored = {entry.request_id: entry for entry in result.prompt_logprobs}
         for request, num_planned, sampling in zip(requests, planned.num_new_tokens, planned.samples, strict=True):
             request.num_in_flight_tokens -= num_planned
             request.num_pending_samples -= sampling
-        for request, num_new, samples in zip(requests, plan.num_new_tokens, plan.samples, strict=True):
-            token, logprob = next(sampled) if samples else (None, None)
+        for i, (request, num_new, samples) in enumerate(zip(requests, plan.num_new_tokens, plan.samples, strict=True)):
+            tokens, logprobs = next(sampled) if samples else (None, None)
+            drafts = plan.drafts(i)
+            if drafts:
+                self._drafting.discard(request.request_id)
             # Aborted while the step ran (its pages already free, its final output queued), or, one plan ahead,
-            # stopped by the step before: this token was never part of it.
+            # stopped by the step before: these tokens were never part of it.
             if request.finished:
                 continue
-            # Preempted after this step was planned: its K/V are gone, but the token sampled from them is its own.
+            if tokens is not None and not tokens:
+                raise ValueError(f"the result has no token for sampled request {request.request_id!r}")
+            accepted = _num_accepted(drafts, tokens) if drafts else 0
+            # Preempted after this step was planned: its K/V are gone, but the tokens sampled from them are its own.
             if request.status is RequestStatus.RUNNING:
-                request.num_computed_tokens += num_new
+                request.num_computed_tokens += num_new - len(drafts) + accepted
                 commit(request)
+                if accepted < len(drafts):
+                    self._free_rejected(request)
             prompt_logprobs = self._fresh_prompt_logprobs(request, scored.get(request.request_id)) if scored else None
-            if token is None:
+            if tokens is None:
                 if prompt_logprobs:
                     outputs.append(_delta(request, [], None, None, prompt_logprobs))
                 continue
+            # Positions the request knows already (an earlier result brought several tokens) keep their tokens.
+            known = request.num_tokens - (plan.num_computed_tokens[i] + num_new - len(drafts))
+            appended = self._append(request, tokens[known:] if known > 0 else tokens)
+            if not appended:
+                continue
+            if len(appended) > 1 and request.num_pending_samples and not request.finished:
+                self._void_known_samples(request)
+            new_logprobs = None
+            if logprobs is not None:
+                first = max(0, known)
+                new_logprobs = logprobs[first : first + len(appended)]
+            timestamps = [now] * len(appended) if request.params.record_timestamps else None
+            outputs.append(_delta(request, appended, new_logprobs, timestamps, prompt_logprobs))
+        return outputs
+
+    def _append(self, request: Request, tokens: Sequence[int]) -> list[int]:
+        """Append `tokens` in order until one stops the request (that one included); returns those appended."""
+        for n, token in enumerate(tokens, 1):
             request.output_ids.append(token)
-            reason = stop_reason(request, token)
+            reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
-            timestamps = [now] if request.params.record_timestamps else None
-            outputs.append(_delta(request, [token], logprob, timestamps, prompt_logprobs))
-        return outputs
+                return list(tokens[:n])
+        return list(tokens)
+
+    def _free_rejected(self, request: Request) -> None:
+        """Give back the pages that hold only slots of rejected drafts (nothing else of it is in flight)."""
+        lengths = self.kv_cache.shrink(request, request.num_computed_tokens + request.num_in_flight_tokens)
+        if lengths is not None:
+            self._shrunk[request.request_id] = lengths
+
+    def _void_known_samples(self, request: Request) -> None:
+        """Planned steps in flight that sample `request` at a position it now knows: their tokens will be dropped,
+        so they are no longer pending (the next plan must not wait for them)."""
+        for planned in self._planned:
+            for j, scheduled in enumerate(planned.requests):
+                if (
+                    scheduled is request
+                    and planned.samples[j]
+                    and planned.starts[j] + planned.num_new_tokens[j] < request.num_tokens
+                ):
+                    planned.samples[j] = False
+                    request.num_pending_samples -= 1
 
     @staticmethod
     def _fresh_prompt_logprobs(request: Request, scored: PromptLogprobs | None) -> list[TokenLogprob] | None:
@@ -304,23 +363,29 @@ class Scheduler:
 
     def _plan(self, builder: _StepBuilder) -> SchedulerOutput:
         requests = builder.requests
-        self._planned.append(_Planned(requests, builder.num_new_tokens, builder.samples))
         starts = [r.num_computed_tokens + r.num_in_flight_tokens for r in requests]
+        self._planned.append(_Planned(requests, starts, builder.num_new_tokens, list(builder.samples)))
+        drafts = builder.drafts
         token_ids = tuple(
-            _planned_tokens(r, start, n) for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
+            _planned_tokens(r, start, n, drafts.get(r.request_id, ()))
+            for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
         )
+        self._drafting.update(drafts)
         for request, num_new, samples in zip(requests, builder.num_new_tokens, builder.samples, strict=True):
             request.num_in_flight_tokens += num_new
             request.num_pending_samples += samples
         finished, self._finished_ids = self._finished_ids, []
+        shrunk, self._shrunk = self._shrunk, {}
         return SchedulerOutput(
             request_ids=tuple(r.request_id for r in requests),
             num_computed_tokens=tuple(starts),
             num_new_tokens=tuple(builder.num_new_tokens),
             token_ids=token_ids,
             samples=tuple(builder.samples),
+            draft_token_ids=tuple(drafts.get(r.request_id, ()) for r in requests) if drafts else (),
             new_requests=tuple(self._new_request(r) for r in requests if r.request_id in builder.admitted),
             new_pages=tuple((rid, grant) for rid, grant in builder.grants.items() if rid not in builder.admitted),
+            shrunk_tables=tuple((rid, lengths) for rid, lengths in shrunk.items() if rid not in builder.admitted),
             preempted_ids=tuple(r.request_id for r in builder.preempted),
             finished_ids=tuple(finished),
         )
@@ -356,13 +421,15 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
-    def _schedule_running(self, requests: list[Request], builder: _StepBuilder) -> None:
+    def _schedule_running(
+        self, requests: list[Request], builder: _StepBuilder, drafts: Mapping[str, Sequence[int]]
+    ) -> None:
         """Give each running request (oldest first) its missing tokens, up to the budget left."""
         for request in requests:
             if builder.full:
                 return
-            # Preempted earlier in this loop, to make room for an older request.
-            if request.status is not RequestStatus.RUNNING:
+            # Preempted earlier in this loop, to make room for an older request; or its drafts are being checked.
+            if request.status is not RequestStatus.RUNNING or request.request_id in self._drafting:
                 continue
             pending = request.num_pending_samples
             # The token being sampled for it now is its last by length: the result finishes it.
@@ -375,9 +442,24 @@ class Scheduler:
                     "a sampled token or finish it after every step that computes its last token"
                 )
             num_new = min(needed, builder.budget)
-            grant = self._reserve_pages(request, num_new, builder)
+            proposed = self._plannable_drafts(request, needed, drafts.get(request.request_id, ()), builder.budget)
+            grant = self._reserve_pages(request, num_new + len(proposed), builder)
             if grant is not None:
-                builder.add(request, num_new, num_new == needed, grant)
+                builder.add(request, num_new + len(proposed), num_new == needed, grant)
+                if proposed:
+                    builder.drafts[request.request_id] = proposed
+
+    def _plannable_drafts(self, request: Request, needed: int, proposed: Sequence[int], budget: int) -> tuple[int, ...]:
+        """The drafts this decode can carry: none while anything of it is in flight, and no more than the budget,
+        the model length and `max_new_tokens` leave room for (the token sampled after them included)."""
+        if not proposed or needed != 1 or request.num_in_flight_tokens or request.num_pending_samples:
+            return ()
+        room = min(
+            budget - 1,
+            request.params.max_new_tokens - len(request.output_ids) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return tuple(proposed[: max(0, room)])
 
     def _ends_by_length(self, request: Request, pending: int) -> bool:
         """Whether `pending` tokens still to be applied bring the request to a length stop (see `_stop_reason`)."""
@@ -459,8 +541,22 @@ class Scheduler:
             builder.add(request, num_new, num_new == needed, grant)
 
 
-def _planned_tokens(request: Request, start: int, num_new: int) -> list[int]:
-    """Tokens [start, start + num_new) of the request; a position it has not sampled yet is a PLACEHOLDER."""
+def _num_accepted(drafts: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading drafts the result confirmed: those equal to its tokens, the last token excluded (it is
+    the one sampled after the accepted drafts)."""
+    accepted = 0
+    for draft, token in zip(drafts, tokens[:-1], strict=False):
+        if draft != token:
+            break
+        accepted += 1
+    return accepted
+
+
+def _planned_tokens(request: Request, start: int, num_new: int, drafts: Sequence[int] = ()) -> list[int]:
+    """Tokens [start, start + num_new) of the request, its drafts last; a position it has not sampled yet is a
+    PLACEHOLDER."""
+    if drafts:
+        return request.token_slice(start, start + num_new - len(drafts)) + list(drafts)
     known = request.num_tokens
     if start + num_new <= known:
         return request.token_slice(start, start + num_new)
@@ -470,7 +566,7 @@ def _planned_tokens(request: Request, start: int, num_new: int) -> list[int]:
 def _delta(
     request: Request,
     tokens: list[int],
-    logprob: TokenLogprob | None,
+    logprobs: list[TokenLogprob] | None,
     timestamps: list[float] | None,
     prompt_logprobs: list[TokenLogprob] | None = None,
 ) -> StepOutput:
@@ -482,7 +578,7 @@ def _delta(
         request_id=request.request_id,
         new_token_ids=tokens,
         finish_reason=request.finish_reason,
-        new_logprobs=[logprob] if logprob is not None else None,
+        new_logprobs=logprobs,
         new_timestamps=timestamps,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,

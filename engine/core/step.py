@@ -40,7 +40,16 @@ class NewRequest:
 class SchedulerOutput:
     """One step, decided. Per scheduled request (packing order): compute `token_ids[i]`, which are the tokens
     from position `num_computed_tokens[i]` on, and sample after them when `samples[i]`. A decode planned while
-    the step before it runs has the one token `PLACEHOLDER`: the token that step samples for the request."""
+    the step before it runs has the one token `PLACEHOLDER`: the token that step samples for the request.
+
+    Drafts: a sampling request may carry `draft_token_ids[i]` (guesses of the tokens after its last known one).
+    They are the last tokens of `token_ids[i]` and count in `num_new_tokens[i]`; the request is then sampled at
+    its last known token and at each draft (1 + drafts positions). Its result holds 1 + accepted tokens: the
+    accepted drafts, then the token sampled after the last of them. Only accepted positions become computed;
+    the K/V slots written for rejected drafts are garbage, overwritten by a later step, and pages holding only
+    such slots go back to the pool (see `Scheduler.update`). A request with drafts samples at its last position
+    as well (`samples[i]` is true) and is never planned ahead of its result (async scheduling).
+    """
 
     request_ids: tuple[str, ...] = ()
     num_computed_tokens: tuple[int, ...] = ()
@@ -48,10 +57,15 @@ class SchedulerOutput:
     token_ids: tuple[Sequence[int], ...] = ()
     samples: tuple[bool, ...] = ()
     """A request samples when this step computes its last known token (a finished prefill, or a decode)."""
+    draft_token_ids: tuple[tuple[int, ...], ...] = ()
+    """Per scheduled request, the drafts ending its `token_ids` (empty: none); `()` when no request has any."""
     new_requests: tuple[NewRequest, ...] = ()
     """Scheduled requests the runner has not seen, with their whole page tables."""
     new_pages: tuple[tuple[str, PageTables], ...] = ()
     """Pages appended this step to the tables of requests the runner already knows (only those that got any)."""
+    shrunk_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Tables cut since the previous plan (pages of rejected drafts freed): their length per group, applied
+    before `new_pages`."""
     preempted_ids: tuple[str, ...] = ()
     """Preempted while this step was planned: back in the waiting queue, holding no pages."""
     finished_ids: tuple[str, ...] = ()
@@ -65,6 +79,10 @@ class SchedulerOutput:
     def num_sampling(self) -> int:
         return sum(self.samples)
 
+    def drafts(self, index: int) -> tuple[int, ...]:
+        """The drafts of scheduled request `index` (empty without)."""
+        return self.draft_token_ids[index] if self.draft_token_ids else ()
+
 
 @dataclass(frozen=True, slots=True)
 class PromptLogprobs:
@@ -77,10 +95,17 @@ class PromptLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """What the step produced: per sampling request, in plan order, its token and (when asked) logprobs."""
+    """What the step produced: per sampling request, in plan order, its new tokens and (when asked) their logprobs.
 
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    A request gets at least one token and at most 1 + its drafts: the drafts accepted, in order, then the token
+    sampled after the last accepted one. A runner may also return tokens it knows to follow by other means (a
+    scripted runner in the tests); tokens beyond the accepted drafts have no K/V yet and are computed by a later
+    step. The scheduler applies the stop rules to each token in order and drops those after the one that stops.
+    """
+
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    """Per sampling request, one entry per token of `token_ids` (None: logprobs not asked for)."""
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     """For requests with `prompt_logprobs` whose prompt this step computed part of."""
     prepare_seconds: float = 0.0

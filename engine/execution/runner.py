@@ -43,7 +43,7 @@ from engine.core.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PromptL
 from engine.core.structured import GrammarCompiler
 from engine.execution.cuda_graphs import Capture, StepFn, decode_graph_size
 from engine.models.loader import LoadedModel
-from engine.sampling.sampler import Sampler
+from engine.sampling.sampler import Sampler, SampleResult
 from engine.sampling.token_masks import GrammarMasker, GrammarState
 
 
@@ -67,6 +67,16 @@ class _Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, position: int) -> int:
+        return self.output_ids[position - len(self.prompt_ids)]
+
+    def extend_at(self, position: int, tokens: list[int]) -> list[int]:
+        """Add the tokens a step produced from `position` on; positions already known keep their tokens (a step
+        planned ahead sampled where an earlier step returned several, as the scheduler decides too)."""
+        new = tokens[max(0, self.num_tokens - position) :]
+        self.output_ids.extend(new)
+        return new
 
 
 @dataclass
@@ -110,8 +120,10 @@ class StepInputs:
     """The sequences sampled, row order: taken when prepared, since a later plan may drop them from the runner."""
     constrained: list[int]
     """The rows of `sampling` with a grammar (structured output)."""
-    placeholders: list[tuple[int, _Sequence]]
-    """(packed token index, sequence) of each PLACEHOLDER: that sequence's latest token, filled in by `run`."""
+    placeholders: list[tuple[int, _Sequence, int]]
+    """(packed token index, sequence, position) of each PLACEHOLDER: its token there, filled in by `run`."""
+    sample_positions: list[int]
+    """The position of the first token sampled for each of `sampling`."""
     buffers: _StepBuffers
     prepare_seconds: float = 0.0
     graph_size: int | None = None
@@ -249,27 +261,40 @@ class ModelRunner:
         grammar_bias = (
             (constrained, self._grammar_bias([sampling[row].grammar for row in constrained])) if constrained else None
         )
-        result = self.sampler(logits[: inputs.num_sampling], sampling, grammar_bias)
-        for seq, token in zip(sampling, result.token_ids, strict=True):
-            seq.output_ids.append(token)
+        token_ids, logprobs = self.step_tokens(
+            inputs, self.sampler(logits[: inputs.num_sampling], sampling, grammar_bias)
+        )
+        added = [
+            seq.extend_at(position, tokens)
+            for seq, position, tokens in zip(sampling, inputs.sample_positions, token_ids, strict=True)
+        ]
         for row in constrained:
-            sampling[row].grammar.advance(result.token_ids[row])
+            for token in added[row]:
+                sampling[row].grammar.advance(token)
         return ModelRunnerOutput(
-            result.token_ids,
-            result.logprobs,
+            token_ids,
+            logprobs,
             self._score_prompts(logits[inputs.num_sampling :], inputs) if inputs.prompt_spans else [],
             prepare_seconds=inputs.prepare_seconds,
             forward_seconds=forward_seconds,
             sample_seconds=time.perf_counter() - forwarded,
         )
 
+    def step_tokens(
+        self, inputs: StepInputs, sampled: SampleResult
+    ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """The tokens each sampling sequence gets from this step, with their logprobs: here the one sampled."""
+        return [[token] for token in sampled.token_ids], [
+            None if logprob is None else [logprob] for logprob in sampled.logprobs
+        ]
+
     def load_inputs(self, inputs: StepInputs) -> None:
         """Fill each PLACEHOLDER with its sequence's latest token (sampled by the step before), then copy the token
         ids to the device (on CPU only a padded step's: it has static buffers of its own there too). `forward` does
         it first; doing it again changes nothing."""
         host = inputs.buffers.np["input_ids"]
-        for token, seq in inputs.placeholders:
-            host[token] = seq.output_ids[-1]
+        for token, seq, position in inputs.placeholders:
+            host[token] = seq.token_at(position)
         if inputs.graph_size is None:
             inputs.buffers.to_device("input_ids", len(inputs.input_ids))
         else:
@@ -279,10 +304,10 @@ class ModelRunner:
         """The plan with each PLACEHOLDER replaced by the token this runner sampled for its request: what the
         tensor-parallel ranks, which never sample, are sent under async scheduling."""
         token_ids = tuple(
-            [self._seqs[request_id].output_ids[-1] if t == PLACEHOLDER else t for t in ids]
+            [self._seqs[request_id].token_at(start + k) if t == PLACEHOLDER else t for k, t in enumerate(ids)]
             if PLACEHOLDER in ids
             else ids
-            for request_id, ids in zip(plan.request_ids, plan.token_ids, strict=True)
+            for request_id, start, ids in zip(plan.request_ids, plan.num_computed_tokens, plan.token_ids, strict=True)
         )
         return dataclasses.replace(plan, token_ids=token_ids)
 
@@ -295,8 +320,12 @@ class ModelRunner:
                 self._free_rows.append(seq.row)
                 self._scoring_prompts.discard(request_id)
                 self._num_constrained -= seq.grammar is not None
+        if plan.draft_token_ids:
+            raise NotImplementedError("this runner has no verifying sampler: it cannot take a plan with drafts")
         for new in plan.new_requests:
             self._add(new)
+        for request_id, lengths in plan.shrunk_tables:
+            self._seqs[request_id].num_pages[:] = lengths
         for request_id, grant in plan.new_pages:
             seq = self._seqs[request_id]
             for g, pages in enumerate(grant):
@@ -325,11 +354,12 @@ class ModelRunner:
         input_ids[:] = list(itertools.chain.from_iterable(plan.token_ids))
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         # Planned before the step that samples them (async scheduling): `run` fills them in.
-        placeholders = [
-            (token, seqs[seq_of_token[token]]) for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist()
-        ]
         positions = host["positions"][:total]
         positions[:] = np.repeat(starts - cu_q[:-1], q_lens) + np.arange(total)
+        placeholders = [
+            (token, seqs[seq_of_token[token]], int(positions[token]))
+            for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist()
+        ]
         host["query_start_loc"][: num_seqs + 1] = cu_q
         host["seq_lens"][:num_seqs] = seq_lens
         samples = np.asarray(plan.samples, dtype=bool)
@@ -357,6 +387,7 @@ class ModelRunner:
             if self._num_constrained
             else [],
             placeholders=placeholders,
+            sample_positions=seq_lens[samples].tolist(),
             buffers=buffers,
             prepare_seconds=time.perf_counter() - started,
             graph_size=graph_size,
