@@ -70,17 +70,14 @@ class ChoiceState:
         if output.finish_reason is FinishReason.ABORT:
             # We never see our own aborts (their requests are unrouted first), so this one is the engine's.
             raise engine_failure(output.error or "The engine aborted the request.")
-        self.num_tokens += len(output.new_token_ids)
+        emitted, stopped, num_used = self._text_until_stop(output.new_token_ids, output.finished)
+        self.num_tokens += num_used
         self.num_cached_tokens = output.num_cached_tokens
-        new_logprobs = output.new_logprobs or []
+        new_logprobs = (output.new_logprobs or [])[:num_used]
         prompt_logprobs = output.new_prompt_logprobs or []
         if self.keep_logprobs:
             self.logprobs.extend(new_logprobs)
             self.prompt_logprobs.extend(prompt_logprobs)
-        text = self._detokenizer.push(output.new_token_ids)
-        if output.finished:
-            text += self._detokenizer.flush()
-        emitted, stopped = self._stop.feed(text)
         finish_reason = None
         if stopped:
             finish_reason = "stop"
@@ -89,7 +86,7 @@ class ChoiceState:
             finish_reason = output.finish_reason.value
         reasoning = ""
         if self.reasoning_splitter is not None:
-            emitted, reasoning = self._split(emitted, len(output.new_token_ids), finished=finish_reason is not None)
+            emitted, reasoning = self._split(emitted, num_used, finished=finish_reason is not None)
         calls: list[ToolCallDelta] = []
         if self.tool_reader is not None:
             read = self.tool_reader.feed(emitted)
@@ -103,6 +100,24 @@ class ChoiceState:
         self.text.append(emitted)
         self.reasoning.append(reasoning)
         return ChoiceUpdate(emitted, new_logprobs, finish_reason, calls, reasoning, prompt_logprobs)
+
+    def _text_until_stop(self, tokens: Sequence[int], finished: bool) -> tuple[str, bool, int]:
+        """(text safe to emit, whether a stop string ended it, tokens up to the one it ended in). A delta of
+        several tokens goes in token by token when there are stop strings: the tokens after the one that completes
+        a stop string were never generated as far as the client is concerned (text, logprobs, usage)."""
+        if len(tokens) <= 1 or not self.stop:
+            text = self._detokenizer.push(tokens) + (self._detokenizer.flush() if finished else "")
+            return *self._stop.feed(text), len(tokens)
+        parts = []
+        for n, token in enumerate(tokens, 1):
+            text = self._detokenizer.push([token])
+            if finished and n == len(tokens):
+                text += self._detokenizer.flush()
+            part, stopped = self._stop.feed(text)
+            parts.append(part)
+            if stopped:
+                return "".join(parts), True, n
+        return "".join(parts), False, len(tokens)
 
     def _split(self, text: str, num_new_tokens: int, finished: bool) -> tuple[str, str]:
         """(answer, reasoning) of the new text."""
