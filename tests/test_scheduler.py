@@ -1072,3 +1072,104 @@ def test_a_request_preempted_while_its_step_runs_keeps_the_token_it_sampled() ->
     assert new.status is RequestStatus.WAITING and new.output_ids == [6] and new.num_computed_tokens == 0
     s.update(second, result(4))
     assert old.output_ids == [5, 4]
+
+
+def _stop_reference(truth: list[int], params: SamplingParams, prompt_len: int, max_model_len: int) -> list[int]:
+    """The tokens a request keeps out of its model's stream: each in turn through EOS (2), stop ids,
+    `min_new_tokens`, `max_new_tokens` and the model length, up to and including the one that stops it."""
+    for n, token in enumerate(truth, 1):
+        stops = n >= params.min_new_tokens and (token == 2 or token in params.stop_token_ids)
+        if stops or n >= params.max_new_tokens or prompt_len + n >= max_model_len:
+            return truth[:n]
+    raise AssertionError("the stream is longer than any request")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_requests=st.integers(1, 4),
+    ahead=st.booleans(),
+    use_drafts=st.booleans(),
+    num_pages=st.integers(8, 40),
+)
+def test_update_appends_several_tokens_by_the_stop_rules(
+    data: st.DataObject, num_requests: int, ahead: bool, use_drafts: bool, num_pages: int
+) -> None:
+    """Results of 1..4 tokens (the model's stream from the sampled position on), drafts accepted in part, plans
+    one step ahead or not: every request ends with its stream cut by the stop rules, pages all given back."""
+    max_model_len = 40
+    s = make_scheduler(num_pages, 4, max_model_len=max_model_len, max_batch_tokens=16)
+    truths: dict[str, list[int]] = {}
+    prompts: dict[str, int] = {}
+    params_of: dict[str, SamplingParams] = {}
+    for i in range(num_requests):
+        params = SamplingParams(
+            max_new_tokens=data.draw(st.integers(1, 12)),
+            min_new_tokens=data.draw(st.integers(0, 3)),
+            stop_token_ids=tuple(data.draw(st.lists(st.integers(2, 9), max_size=2))),
+        )
+        request = make_request(f"r{i}", data.draw(st.integers(1, 20)))
+        request.params = params
+        truths[request.request_id] = data.draw(st.lists(st.integers(2, 9), min_size=60, max_size=60))
+        prompts[request.request_id] = request.num_prompt_tokens
+        params_of[request.request_id] = params
+        s.add(request)
+    outputs: dict[str, list[int]] = {rid: [] for rid in truths}
+    finish: dict[str, FinishReason] = {}
+
+    def run(plan: SchedulerOutput) -> ModelRunnerOutput:
+        tokens = []
+        for i, (rid, sampled) in enumerate(zip(plan.request_ids, plan.samples, strict=True)):
+            if not sampled:
+                continue
+            drafts = plan.drafts(i)
+            first = plan.num_computed_tokens[i] + plan.num_new_tokens[i] - len(drafts) - prompts[rid]
+            stream = truths[rid][first:]
+            if drafts:
+                accepted = next((k for k, d in enumerate(drafts) if d != stream[k]), len(drafts))
+                tokens.append(stream[: accepted + 1])
+            else:
+                tokens.append(stream[: data.draw(st.integers(1, 4))])
+        return ModelRunnerOutput(tokens, [None] * len(tokens))
+
+    def apply(plan: SchedulerOutput) -> None:
+        for out in s.update(plan, run(plan)):
+            outputs[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                finish[out.request_id] = out.finish_reason
+
+    def drafts() -> dict[str, list[int]]:
+        if not use_drafts:
+            return {}
+        proposed = {}
+        for request in s.running:
+            # A draft of the true continuation with maybe one wrong token.
+            start = len(request.output_ids)
+            guess = list(truths[request.request_id][start : start + data.draw(st.integers(0, 3))])
+            if guess and data.draw(st.booleans()):
+                guess[data.draw(st.integers(0, len(guess) - 1))] = 1  # never in a stream
+            proposed[request.request_id] = guess
+        return proposed
+
+    in_flight: SchedulerOutput | None = None
+    for _ in range(400):
+        if not s.has_unfinished:
+            if in_flight is not None:
+                apply(in_flight)
+            break
+        plan = s.schedule(drafts())
+        if ahead:
+            if in_flight is not None:
+                apply(in_flight)
+            in_flight = plan
+        else:
+            apply(plan)
+        s.kv_cache.check_invariants()
+        for request in s.running:
+            assert request.num_computed_tokens <= request.num_tokens
+    else:
+        raise AssertionError("the requests did not finish")
+    for rid, truth in truths.items():
+        assert outputs[rid] == _stop_reference(truth, params_of[rid], prompts[rid], max_model_len), rid
+        assert finish[rid] in (FinishReason.STOP, FinishReason.LENGTH)
+    assert s.kv_cache.all_free()

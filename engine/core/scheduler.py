@@ -310,7 +310,12 @@ class Scheduler:
             appended = self._append(request, tokens[known:] if known > 0 else tokens)
             if not appended:
                 continue
-            if len(appended) > 1 and request.num_pending_samples and not request.finished:
+            # A step in flight samples at the end of what it computes: a position this result may have filled.
+            if (
+                request.num_pending_samples
+                and request.num_computed_tokens + request.num_in_flight_tokens < request.num_tokens
+                and not request.finished
+            ):
                 self._void_known_samples(request)
             new_logprobs = None
             if logprobs is not None:
