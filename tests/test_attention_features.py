@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import AttentionBackend, TorchPagedBackend
+from engine.attention import AttentionBackend, TorchPagedBackend, UnsupportedAttention, select_backend
 from engine.attention.base import AttentionFeature, AttentionNeeds, SplitSpan, step_spans, write_kv
 from engine.core.request import SamplingParams, Spans
 from engine.core.step import NewRequest, SchedulerOutput
@@ -248,3 +248,36 @@ def test_every_backend_declares_what_it_computes() -> None:
     assert torch_backend.missing(AttentionNeeds(kv_cache_dtype=torch.int8), torch.float32) == [
         "a torch.int8 KV cache for a torch.float32 model"
     ]
+
+
+def test_an_explicit_backend_lacking_a_need_is_refused_by_name_and_auto_passes_over_it() -> None:
+    cache = AttentionNeeds(kv_cache_dtype=torch.float16)
+    backend_named("cpu")  # skips where the kernel does not build
+    with pytest.raises(UnsupportedAttention, match=r"'cpu' cannot compute a torch.float16 KV cache for a torch"):
+        select_backend("cpu", "cpu", 16, torch.float32, cache)
+    assert isinstance(select_backend("auto", "cpu", 16, torch.float32, cache), TorchPagedBackend)
+    assert select_backend("auto", "cpu", 16, torch.float32, SINK).name in ("cpu", "torch")
+    with pytest.raises(UnsupportedAttention, match=r"'torch' cannot compute a torch.int8 KV cache"):
+        select_backend("torch", "cpu", 16, torch.float32, AttentionNeeds(kv_cache_dtype=torch.int8))
+
+
+def test_flash_declares_no_sinks_spans_or_other_cache_and_auto_on_cuda_takes_triton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("triton")
+    from engine.attention.flash import FlashBackend
+
+    needs = AttentionNeeds(frozenset(AttentionFeature), torch.float8_e4m3fn)
+    assert FlashBackend.missing(needs, torch.bfloat16) == [
+        "attention sinks",
+        "non-causal spans",
+        "a torch.float8_e4m3fn KV cache for a torch.bfloat16 model",
+    ]
+    monkeypatch.setattr("engine.attention.flash.flash_available", lambda: True)
+    for need in (SINK, SPANS, AttentionNeeds(kv_cache_dtype=torch.float16)):
+        assert select_backend("auto", "cuda", 256, torch.bfloat16, need).name == "triton"
+    # float8 caches: only the torch backend computes them on a GPU (the Triton kernel's are not tested there).
+    assert (
+        select_backend("auto", "cuda", 256, torch.bfloat16, AttentionNeeds(kv_cache_dtype=torch.float8_e4m3fn)).name
+        == "torch"
+    )

@@ -100,6 +100,10 @@ class AttentionNeeds:
     """None: the model's own dtype."""
 
 
+NO_NEEDS = AttentionNeeds()
+"""Causal attention over a cache in the model's dtype (the sliding window, soft-cap and ALiBi every backend has)."""
+
+
 class UnsupportedAttention(ValueError):
     """The backend asked for cannot compute what the model needs; the message names the backend and each need."""
 
@@ -116,11 +120,12 @@ class AttentionBackend(ABC):
     graph replays with new tensor contents but the host fields of the step it captured), and they neither
     synchronise with the host nor allocate outside torch's allocator."""
 
-    def missing(self, needs: AttentionNeeds, dtype: torch.dtype) -> list[str]:
+    @classmethod
+    def missing(cls, needs: AttentionNeeds, dtype: torch.dtype) -> list[str]:
         """What of `needs` this backend cannot compute for a model in `dtype` (empty: it serves the model)."""
-        lacking = [feature.value for feature in needs.features - self.features]
+        lacking = [feature.value for feature in AttentionFeature if feature in needs.features - cls.features]
         cache_dtype = needs.kv_cache_dtype
-        if cache_dtype not in (None, dtype) and cache_dtype not in self.kv_cache_dtypes.get(dtype, frozenset()):
+        if cache_dtype not in (None, dtype) and cache_dtype not in cls.kv_cache_dtypes.get(dtype, frozenset()):
             lacking.append(f"a {cache_dtype} KV cache for a {dtype} model")
         return lacking
 
