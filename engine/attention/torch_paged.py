@@ -182,7 +182,7 @@ class TorchPagedBackend(AttentionBackend):
     name = "torch"
     features = frozenset(AttentionFeature)
     kv_cache_dtypes: ClassVar[dict[torch.dtype, frozenset[torch.dtype]]] = {
-        model: frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2})
+        model: frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn})
         for model in (torch.float32, torch.bfloat16, torch.float16)
     }
 
