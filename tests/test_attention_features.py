@@ -14,6 +14,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.attention import AttentionBackend, TorchPagedBackend, UnsupportedAttention, select_backend
 from engine.attention.base import AttentionFeature, AttentionNeeds, SplitSpan, step_spans, write_kv
@@ -281,3 +283,29 @@ def test_flash_declares_no_sinks_spans_or_other_cache_and_auto_on_cuda_takes_tri
         select_backend("auto", "cuda", 256, torch.bfloat16, AttentionNeeds(kv_cache_dtype=torch.float8_e4m3fn)).name
         == "torch"
     )
+
+
+def test_the_runner_refuses_a_plan_that_cuts_a_span() -> None:
+    runner = attention_runner(_Shapes(), 8, 4)
+    with pytest.raises(SplitSpan, match=r"up to 6, inside the non-causal span \[3, 9\)"):
+        runner.prepare(_plan([(0, 6, ((3, 9),))], [[0, 1, 2]]))
+
+
+@st.composite
+def _spanned_steps(draw: st.DrawFn) -> SpannedStep:
+    """Sequences of up to 40 tokens, each with up to two spans that its step enters whole or not at all."""
+    step = []
+    for _ in range(draw(st.integers(1, 6))):
+        computed, new = draw(st.integers(0, 30)), draw(st.integers(1, 10))
+        total = computed + new
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=0, max_size=4, unique=True)))
+        spans = tuple((s, e) for s, e in zip(cuts[::2], cuts[1::2], strict=False) if e > s)
+        step.append((computed, new, spans))
+    return step
+
+
+@given(step=_spanned_steps(), page_size=st.sampled_from([1, 4, 16]), window=st.sampled_from([None, 5]))
+@settings(max_examples=40, deadline=None)
+def test_random_spans_match_dense_attention(step: SpannedStep, page_size: int, window: int | None) -> None:
+    for name in ("torch", "cpu"):
+        check_against_dense_attention(_backend(name, SPANS), page_size, window, step=step, sinks=SINKS)
