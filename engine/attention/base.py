@@ -101,7 +101,7 @@ class AttentionNeeds:
 
 
 NO_NEEDS = AttentionNeeds()
-"""Causal attention over a cache in the model's dtype (the sliding window, soft-cap and ALiBi every backend has)."""
+"""Causal attention over a cache in the model's dtype: what every backend computes."""
 
 
 class UnsupportedAttention(ValueError):
