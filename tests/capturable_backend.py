@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, StepMetadata, write_kv
+from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata, write_kv
 
 
 class DensePagedBackend(AttentionBackend):
     name = "dense-test"
+    features = frozenset({AttentionFeature.SLIDING_WINDOW})
     capturable = True
 
     def forward(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Hashable
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 import engine.core.page_pool as page_pool
 from engine.core.page_pool import PagePool
-from engine.core.request import Request, SamplingParams
+from engine.core.request import ExtraKey, Request, SamplingParams
 
 
 def make_request(request_id: str, prompt: list[int], max_new_tokens: int = 4) -> Request:
@@ -227,9 +228,9 @@ def test_commit_hashes_each_page_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, ...]] = []
     real = page_pool._chain_hash
 
-    def counting(parent: int | None, tokens: tuple[int, ...]) -> int:
+    def counting(parent: int | None, tokens: tuple[int, ...], keys: tuple[Hashable, ...] = ()) -> int:
         calls.append(tokens)
-        return real(parent, tokens)
+        return real(parent, tokens, keys)
 
     monkeypatch.setattr(page_pool, "_chain_hash", counting)
     bm = manager(num_pages=16, page_size=4)
@@ -387,3 +388,92 @@ def test_random_lifecycles_keep_accounting(
         bm.free(request.request_id)
     assert bm.num_free_pages == 64
     assert bm.prefix_hits <= bm.prefix_queries
+
+
+# -- extra keys: what K/V depend on besides token ids ------------------------------------------------------------
+
+
+def keyed_request(request_id: str, prompt: list[int], extra_keys: tuple[ExtraKey, ...]) -> Request:
+    request = make_request(request_id, prompt)
+    request.extra_keys = extra_keys
+    return request
+
+
+def test_a_whole_request_key_separates_every_page() -> None:
+    """An adapter or a cache salt covers the first token; the chain carries it to every later page."""
+    bm = manager(num_pages=16, page_size=4)
+    prompt = list(range(10, 23))
+    compute_all(bm, keyed_request("a", prompt, (ExtraKey(0, 1, ("adapter", "x")),)))
+    assert bm.match_prefix(keyed_request("b", prompt, (ExtraKey(0, 1, ("adapter", "y")),))) == 0
+    assert bm.match_prefix(keyed_request("c", prompt, ())) == 0
+    assert bm.match_prefix(keyed_request("d", prompt, (ExtraKey(0, 1, ("adapter", "x")),))) == 12
+
+
+def test_an_image_key_separates_the_pages_it_covers_and_those_after() -> None:
+    """Equal placeholder tokens, different images: the pages before the image are shared, the rest are not."""
+    bm = manager(num_pages=32, page_size=4)
+    prompt = [1] * 5 + [99] * 6 + list(range(30, 40))  # the image's placeholder tokens at [5, 11)
+    compute_all(bm, keyed_request("a", prompt, (ExtraKey(5, 11, "image-1"),)))
+    assert bm.match_prefix(keyed_request("b", prompt, (ExtraKey(5, 11, "image-2"),))) == 4
+    assert bm.match_prefix(keyed_request("c", prompt, (ExtraKey(5, 11, "image-1"),))) == 20
+    bm.check_invariants()
+
+
+def test_extra_keys_reach_the_pages_commit_hashes() -> None:
+    """Pages filled by decode steps hash with the keys too, so a follow-up with the same key matches them."""
+    bm = manager(num_pages=16, page_size=4)
+    key = (ExtraKey(0, 1, "salt"),)
+    a = keyed_request("a", list(range(10, 16)), key)
+    compute_all(bm, a)
+    for token in (40, 41, 42):
+        a.output_ids.append(token)
+        assert bm.allocate(a, 1) is not None
+        a.num_computed_tokens += 1
+        bm.commit(a)
+    follow_up = [*a.all_token_ids, 50]
+    assert bm.match_prefix(keyed_request("b", follow_up, ())) == 0
+    assert bm.match_prefix(keyed_request("c", follow_up, key)) == 8
+
+
+def test_an_extra_key_range_must_be_non_empty() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        ExtraKey(3, 3, "x")
+
+
+_keys = st.lists(st.tuples(st.integers(0, 23), st.integers(1, 8), st.sampled_from("abc")), max_size=3).map(
+    lambda ks: tuple(ExtraKey(start, start + length, key) for start, length, key in ks)
+)
+
+
+@given(
+    page_size=st.sampled_from([1, 2, 4]),
+    prompt=st.lists(st.integers(0, 2), min_size=1, max_size=24),
+    other_prompt=st.lists(st.integers(0, 2), min_size=1, max_size=24),
+    keys=_keys,
+    other_keys=_keys,
+)
+@settings(max_examples=200, deadline=None)
+def test_pages_are_shared_exactly_when_tokens_and_keys_agree_up_to_them(
+    page_size: int,
+    prompt: list[int],
+    other_prompt: list[int],
+    keys: tuple[ExtraKey, ...],
+    other_keys: tuple[ExtraKey, ...],
+) -> None:
+    """Page i of the second request is a hit iff every page up to i holds the same tokens and is covered by the
+    same keys in both requests (never a page computed under another adapter or image)."""
+    bm = manager(num_pages=64, page_size=page_size)
+    compute_all(bm, keyed_request("a", prompt, keys))
+
+    def covering(extra: tuple[ExtraKey, ...], page: int) -> list[object]:
+        start, end = page * page_size, (page + 1) * page_size
+        return [k.key for k in extra if k.start < end and k.end > start]
+
+    expected = 0
+    for page in range(min(len(prompt) // page_size, (len(other_prompt) - 1) // page_size)):
+        start, end = page * page_size, (page + 1) * page_size
+        if prompt[start:end] != other_prompt[start:end] or covering(keys, page) != covering(other_keys, page):
+            break
+        expected = page + 1
+    assert bm.match_prefix(keyed_request("b", other_prompt, other_keys)) == expected * page_size
+    bm.check_invariants()

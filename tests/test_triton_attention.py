@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 import engine.attention as attention
 from engine.attention import StepMetadata, TorchPagedBackend, select_backend
+from engine.attention.base import AttentionNeeds
 from tests.test_attention import (
     ALIBI_SLOPES,
     DIM,
@@ -38,6 +39,7 @@ from tests.test_attention import (
     attention_runner,
     fresh_plan,
 )
+from tests.test_attention_features import SINKS, check_against_dense_attention
 from tests.test_cpu_attention import Step, _attend, _inputs
 
 triton = pytest.importorskip("triton", reason="triton is in the `test` extra: pip install -e '.[test]'")
@@ -248,10 +250,11 @@ for dtype in ("bf16", "fp32"):
         constants = {
             "GROUP": 4, "BLOCK_M": 16 if decode else 64, "BLOCK_Q": 1 if decode else 16, "BLOCK_N": 32,
             "BLOCK_D": 128, "DECODE": decode, "USE_SOFTCAP": True, "USE_ALIBI": True,
+            "USE_SINKS": True, "USE_SPANS": True,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
         }
         pointers = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "page_tables_ptr": "*i32",
-                    "alibi_slopes_ptr": "*fp32"}
+                    "alibi_slopes_ptr": "*fp32", "sinks_ptr": "*fp32", "token_spans_ptr": "*i32"}
         signature = {}
         for name in inspect.signature(kernel.fn).parameters:
             if name in constants:
@@ -259,7 +262,7 @@ for dtype in ("bf16", "fp32"):
             elif name.endswith("_ptr"):
                 signature[name] = pointers.get(name, "*" + dtype)
             else:
-                signature[name] = "fp32" if name in ("scale", "softcap") else "i32"
+                signature[name] = "fp32" if name in ("scale", "v_scale", "softcap") else "i32"
         compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"], (dtype, decode)
         print("compiled", dtype, "decode" if decode else "prefill")
@@ -316,3 +319,52 @@ def test_without_triton_auto_falls_back_and_triton_is_refused(
     assert "the triton package" in caplog.text
     with pytest.raises(ValueError, match="needs the triton package"):
         select_backend("triton", "cuda", 16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------- spans, sinks, cache dtypes
+
+# MIXED's kinds of sequence, with spans: a fresh prompt holding one, a decode ending a long one (past a window of
+# 8), a chunk entering one from its history, a chunk ending with one.
+SPANNED = [
+    (0, 9, ((2, 7),)),
+    (21, 1, ((9, 22),)),
+    (5, 1, ()),
+    (13, 6, ((10, 16),)),
+    (30, 12, ((1, 4), (35, 42))),
+    (2, 17, ()),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("feature", [None, "alibi", "sinks"])
+def test_noncausal_spans_and_sinks_match_float64_attention(window: int | None, feature: str | None) -> None:
+    check_against_dense_attention(
+        _triton(), 8, window, step=SPANNED, alibi=feature == "alibi", sinks=SINKS if feature == "sinks" else None
+    )
+
+
+@interpreted
+def test_sinks_in_a_decode_only_step() -> None:
+    check_against_dense_attention(_triton(), 4, None, step=[(c, n, ()) for c, n in DECODES], sinks=SINKS)
+
+
+@interpreted
+@pytest.mark.usefixtures("bfloat16_dots")
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype", "tolerance"),
+    [
+        (torch.float32, torch.bfloat16, 1e-5),
+        (torch.bfloat16, torch.float16, 2e-2),
+        (torch.float16, torch.float32, 3e-3),
+    ],
+)
+def test_a_cache_of_another_dtype_is_read_back_as_written(
+    dtype: torch.dtype, cache_dtype: torch.dtype, tolerance: float
+) -> None:
+    backend = _triton()
+    assert not backend.missing(AttentionNeeds(kv_cache_dtype=cache_dtype), dtype)
+    step = [(c, n, ()) for c, n, _ in SPANNED]
+    check_against_dense_attention(
+        backend, 8, 8, step=step, dtype=dtype, cache_dtype=cache_dtype, scales=(0.5, 2.0), tolerance=tolerance
+    )

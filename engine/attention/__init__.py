@@ -14,18 +14,32 @@ import os
 
 import torch
 
-from engine.attention.base import AttentionBackend, StepMetadata
+from engine.attention.base import NO_NEEDS, AttentionBackend, AttentionNeeds, StepMetadata, UnsupportedAttention
 from engine.attention.cpu_kernel import KernelUnavailable, load_kernel
 from engine.attention.cpu_paged import CPU_DTYPES, CpuPagedBackend
 from engine.attention.torch_paged import TorchPagedBackend
 
-__all__ = ["AttentionBackend", "CpuPagedBackend", "StepMetadata", "TorchPagedBackend", "select_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionNeeds",
+    "CpuPagedBackend",
+    "StepMetadata",
+    "TorchPagedBackend",
+    "UnsupportedAttention",
+    "select_backend",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def select_backend(name: str, device_type: str, page_size: int, dtype: torch.dtype) -> AttentionBackend:
-    """`auto` takes the C++ kernel on CPU when it builds here (else plain torch, with one warning), and on CUDA
+def select_backend(
+    name: str, device_type: str, page_size: int, dtype: torch.dtype, needs: AttentionNeeds = NO_NEEDS
+) -> AttentionBackend:
+    """A backend that computes what the model `needs` (its layers' features, its cache's dtype), else
+    `UnsupportedAttention` naming the backend and each need it lacks: an explicit one is refused, `auto` passes
+    over a kernel that lacks one to the next, down to the torch backend, which computes every feature.
+
+    `auto` takes the C++ kernel on CPU when it builds here (else plain torch, with one warning), and on CUDA
     flash-attn when it is installed and the page size and dtype suit it, else the Triton kernel when triton is
     installed (torch's CUDA wheels bring it), else plain torch with a warning.
 
@@ -34,10 +48,19 @@ def select_backend(name: str, device_type: str, page_size: int, dtype: torch.dty
     asking for one where it cannot run is refused here, when the backend is chosen, not at the first request.
     triton is imported only once it is chosen, so the CPU start-up never pays for it.
     """
+    backend = _select(name, device_type, page_size, dtype, needs)
+    missing = backend.missing(needs, dtype)
+    if missing:
+        raise UnsupportedAttention(f"attention_backend={backend.name!r} cannot compute {'; '.join(missing)}")
+    return backend
+
+
+def _select(name: str, device_type: str, page_size: int, dtype: torch.dtype, needs: AttentionNeeds) -> AttentionBackend:
     if name == "torch":
         return TorchPagedBackend()
     if name == "cpu" or (name == "auto" and device_type == "cpu"):
-        return _cpu_backend(name, device_type, dtype)
+        backend = _cpu_backend(name, device_type, dtype)
+        return TorchPagedBackend() if name == "auto" and backend.missing(needs, dtype) else backend
     if name == "triton":
         return _triton_backend(device_type, dtype)
     if name == "auto" and device_type != "cuda":
@@ -53,17 +76,18 @@ def select_backend(name: str, device_type: str, page_size: int, dtype: torch.dty
         if device_type != "cuda" or not flash_available():
             raise ValueError("attention_backend='flash' needs a CUDA device and the flash-attn package")
         return FlashBackend(page_size)
-    if dtype in FLASH_DTYPES and flash_available() and FlashBackend.supports_page_size(page_size):
+    suits_flash = dtype in FLASH_DTYPES and FlashBackend.supports_page_size(page_size)
+    if suits_flash and not FlashBackend.missing(needs, dtype) and flash_available():
         return FlashBackend(page_size)
     if _triton_installed():
-        from engine.attention.triton_paged import TRITON_DTYPES
+        from engine.attention.triton_paged import TRITON_DTYPES, TritonPagedBackend
 
-        if dtype in TRITON_DTYPES:
+        if dtype in TRITON_DTYPES and not TritonPagedBackend.missing(needs, dtype):
             return _triton_backend(device_type, dtype)
     logger.warning(
         "CUDA without a paged kernel for %s at page_size %d (flash-attn needs float16 or bfloat16, its package "
-        "and pages a multiple of %d; the Triton kernel float32, bfloat16 or float16 and the triton package): the "
-        "torch backend gathers each sequence's pages every step",
+        "and pages a multiple of %d; the Triton kernel float32, bfloat16 or float16 and the triton package; or the "
+        "model needs what neither computes): the torch backend gathers each sequence's pages every step",
         dtype,
         page_size,
         256,

@@ -9,11 +9,18 @@
 // softmax and the weighted sum of values are float32 whatever the cache's dtype (bfloat16 and float16 are
 // widened as read). Items are spread over torch's threads (at::parallel_for, so `torch.set_num_threads` governs
 // it) by estimated cost rather than count, because one prefill chunk can cost as much as hundreds of decodes.
+//
+// Each query sees one interval of keys, [lo, hi): causal (from its window's start, if any, to itself), widened to
+// the non-causal span that holds it when the step has spans (engine/attention/base.py). A cache may hold another
+// dtype than the queries (float8 e4m3, or bfloat16 under float32 queries), scaled: its scales fold into the
+// score's scale and the output's normalisation, so a key or value costs only its widening. Sinks add one logit
+// per query head to the softmax's denominator, at the end.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -25,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -141,6 +149,8 @@ inline float widen(T x) {
     return x;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16);
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    return static_cast<float>(x);
   } else {
     return static_cast<float>(std::bit_cast<_Float16>(x.x));
   }
@@ -162,9 +172,12 @@ struct Params {
   int64_t kv_heads, group, dim, page_size, num_pages;
   int64_t query_token_stride, query_head_stride, table_stride;
   int64_t window;  // 0: no sliding window
-  float scale;
+  float scale;         // times k_scale: the cache holds keys / k_scale
+  float v_scale;       // the cache holds values / v_scale
   float softcap;       // 0: none
   const float* alibi;  // [heads] slopes, or nullptr
+  const float* sinks;  // [heads] logits, or nullptr
+  const int32_t* token_spans;  // [tokens, 2] (start, end) of the non-causal span holding each query, or nullptr
   const int32_t* query_start_loc;
   const int32_t* seq_lens;
   const int32_t* page_tables;
@@ -174,6 +187,35 @@ struct Params {
 struct Block {
   int64_t seq, first, last;
 };
+
+// The keys [lo, hi) that the query at packed index `token`, position `pos`, sees.
+inline std::pair<int64_t, int64_t> visible_keys(const Params& p, int64_t token, int64_t pos) {
+  int64_t lo = p.window ? std::max<int64_t>(0, pos - p.window + 1) : 0, hi = pos + 1;
+  if (p.token_spans) {
+    const int64_t start = p.token_spans[2 * token], end = p.token_spans[2 * token + 1];
+    if (start < end) {
+      lo = std::min(lo, start);
+      hi = std::max(hi, end);
+    }
+  }
+  return {lo, hi};
+}
+
+// The keys the queries of `block` see together: the union of their intervals.
+inline std::pair<int64_t, int64_t> block_keys(const Params& p, const Block& block) {
+  const int64_t start = p.query_start_loc[block.seq];
+  const int64_t first_pos = p.seq_lens[block.seq] - (p.query_start_loc[block.seq + 1] - start) + block.first;
+  int64_t lo = visible_keys(p, start + block.first, first_pos).first;
+  int64_t hi = first_pos + block.last - block.first;
+  if (p.token_spans) {
+    for (int64_t t = block.first; t < block.last; ++t) {
+      const auto [a, e] = visible_keys(p, start + t, first_pos + t - block.first);
+      lo = std::min(lo, a);
+      hi = std::max(hi, e);
+    }
+  }
+  return {lo, hi};
+}
 
 // Per-thread buffers, sized once per call for the largest item.
 struct Scratch {
@@ -195,8 +237,8 @@ struct Scratch {
 // for every KV head, so each page is read front to back (a slot holds all KV heads side by side). `kDim` is the
 // head size with W-lane vectors, or 0 with W = 1 for any head size. Returns false when the page table points
 // outside the cache.
-template <typename T, int64_t kDim, int W>
-bool attend(const Params& p, const T* query, const T* key_cache, const T* value_cache, T* out, const Block& block,
+template <typename T, typename C, int64_t kDim, int W>
+bool attend(const Params& p, const T* query, const C* key_cache, const C* value_cache, T* out, const Block& block,
             Scratch& s) {
   static_assert(kDim % W == 0 && kKeyBlock % W == 0 && (kDim > 0 || W == 1));
   constexpr int64_t kChunks = kDim ? kDim / W : kMaxScalarDim;  // capacity of a row held in vectors
@@ -226,10 +268,9 @@ bool attend(const Params& p, const T* query, const T* key_cache, const T* value_
   std::fill_n(s.row_max.data(), rows, kMinusInf);
   std::fill_n(s.row_sum.data(), rows, 0.0f);
 
-  const int64_t last_pos = first_pos + block_queries - 1;
-  const int64_t key_lo = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
-  for (int64_t j0 = key_lo; j0 <= last_pos; j0 += kKeyBlock) {
-    const int64_t j1 = std::min(j0 + kKeyBlock, last_pos + 1);
+  const auto [key_lo, key_hi] = block_keys(p, block);
+  for (int64_t j0 = key_lo; j0 < key_hi; j0 += kKeyBlock) {
+    const int64_t j1 = std::min(j0 + kKeyBlock, key_hi);
     int64_t page_index = j0 / p.page_size;
     int64_t slot = j0 - page_index * p.page_size;
     int64_t page = table[page_index];
@@ -249,9 +290,10 @@ bool attend(const Params& p, const T* query, const T* key_cache, const T* value_
     for (int64_t h = 0; h < p.kv_heads; ++h) {
       for (int64_t t = 0; t < block_queries; ++t) {
         const int64_t pos = first_pos + t;
-        // Keys [j0 + a, j0 + e) of this block are visible to query `pos`: causal, and inside its window.
-        const int64_t a = (p.window ? std::max(j0, pos - p.window + 1) : j0) - j0;
-        const int64_t e = std::min(j1 - 1, pos) + 1 - j0;
+        // Keys [j0 + a, j0 + e) of this block are visible to query `pos`.
+        const auto [lo, hi] = visible_keys(p, start + block.first + t, pos);
+        const int64_t a = std::max(j0, lo) - j0;
+        const int64_t e = std::min(j1, hi) - j0;
         if (a >= e) continue;
         const int64_t group_lo = a / W, group_hi = (e + W - 1) / W;
         for (int64_t g = 0; g < p.group; ++g) {
@@ -319,7 +361,8 @@ bool attend(const Params& p, const T* query, const T* key_cache, const T* value_
   }
 
   for (int64_t m = 0; m < rows; ++m) {
-    const float inverse = 1.0f / s.row_sum[m];
+    const float sink = p.sinks ? std::exp(p.sinks[m % heads] - s.row_max[m]) : 0.0f;
+    const float inverse = p.v_scale / (s.row_sum[m] + sink);
     const float* acc = s.acc.data() + m * dim;
     T* dst = out + (start + block.first) * heads * dim + m * dim;  // out is [tokens, heads, dim], contiguous
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inverse);
@@ -327,7 +370,7 @@ bool attend(const Params& p, const T* query, const T* key_cache, const T* value_
   return true;
 }
 
-template <typename T, int64_t kDim, int W>
+template <typename T, typename C, int64_t kDim, int W>
 void run(const Params& p, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          at::Tensor& out, int64_t num_seqs) {
   // Blocks of queries, and a running total of their estimated cost for splitting them among threads.
@@ -341,9 +384,9 @@ void run(const Params& p, const at::Tensor& query, const at::Tensor& key_cache, 
     const int64_t total = p.seq_lens[seq];
     for (int64_t first = 0; first < n; first += chunk_block) {
       const int64_t last = std::min(n, first + chunk_block);
-      const int64_t first_pos = total - n + first;
-      const int64_t keys = total - n + last - (p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0);
       blocks.push_back({seq, first, last});
+      const auto [key_lo, key_hi] = block_keys(p, blocks.back());
+      const int64_t keys = key_hi - key_lo;
       cost_before.push_back(cost_before.back() + (last - first) * p.group * keys + kItemOverhead);
       max_rows = std::max(max_rows, (last - first) * p.group * p.kv_heads);
     }
@@ -351,8 +394,8 @@ void run(const Params& p, const at::Tensor& query, const at::Tensor& key_cache, 
   if (blocks.empty()) return;
 
   const T* q = query.const_data_ptr<T>();
-  const T* k = key_cache.const_data_ptr<T>();
-  const T* v = value_cache.const_data_ptr<T>();
+  const C* k = key_cache.const_data_ptr<C>();
+  const C* v = value_cache.const_data_ptr<C>();
   T* o = out.mutable_data_ptr<T>();
   const int64_t total_cost = cost_before.back();
   const int64_t num_tasks = std::min<int64_t>(at::get_num_threads(), blocks.size());
@@ -364,39 +407,39 @@ void run(const Params& p, const at::Tensor& query, const at::Tensor& key_cache, 
       const auto first = std::lower_bound(cost_before.begin(), cost_before.end() - 1, total_cost * task / num_tasks);
       const auto last = std::lower_bound(cost_before.begin(), cost_before.end() - 1, total_cost * (task + 1) / num_tasks);
       for (auto b = first - cost_before.begin(); b < last - cost_before.begin(); ++b) {
-        if (!attend<T, kDim, W>(p, q, k, v, o, blocks[b], scratch)) bad_page = true;
+        if (!attend<T, C, kDim, W>(p, q, k, v, o, blocks[b], scratch)) bad_page = true;
       }
     }
   });
   TORCH_CHECK(!bad_page, "paged_attention: a page table entry points outside the KV cache");
 }
 
-template <typename T>
+template <typename T, typename C>
 void run_dim(const Params& p, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
              at::Tensor& out, int64_t num_seqs) {
   // The head sizes models use get vectors and a fixed trip count (rows held in registers); any other the scalar
   // path.
   switch (p.dim) {
-    case 16: return run<T, 16, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
-    case 32: return run<T, 32, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
-    case 64: return run<T, 64, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
-    case 128: return run<T, 128, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
-    case 256: return run<T, 256, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
-    default: return run<T, 0, 1>(p, query, key_cache, value_cache, out, num_seqs);
+    case 16: return run<T, C, 16, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
+    case 32: return run<T, C, 32, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
+    case 64: return run<T, C, 64, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
+    case 128: return run<T, C, 128, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
+    case 256: return run<T, C, 256, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
+    default: return run<T, C, 0, 1>(p, query, key_cache, value_cache, out, num_seqs);
   }
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            const at::Tensor& page_tables, double scale, int64_t window, double softcap,
-                           const std::optional<at::Tensor>& alibi_slopes) {
+                           const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+                           const std::optional<at::Tensor>& token_spans, double k_scale, double v_scale) {
   TORCH_CHECK(query.device().is_cpu(), "paged_attention runs on CPU tensors");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim], head_dim contiguous");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes(),
               "key and value caches must be contiguous [pages, page_size, kv_heads, head_dim]");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
-              "query and caches must share a dtype");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "key and value caches must share a dtype");
   TORCH_CHECK(query.size(2) == key_cache.size(3), "query and cache head sizes differ");
   TORCH_CHECK(query.size(2) <= kMaxScalarDim, "head sizes up to ", kMaxScalarDim, " are supported");
   const int64_t heads = query.size(1), kv_heads = key_cache.size(2);
@@ -408,10 +451,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && page_tables.dim() == 2 && page_tables.size(0) == num_seqs,
               "query_start_loc must have one entry more than seq_lens, page_tables one row per sequence");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
-  if (alibi_slopes) {
-    TORCH_CHECK(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous() &&
-                    alibi_slopes->numel() == heads,
-                "alibi_slopes must be float32 [heads]");
+  for (const auto* slopes : {&alibi_slopes, &sinks}) {
+    TORCH_CHECK(!*slopes || ((*slopes)->scalar_type() == at::kFloat && (*slopes)->is_contiguous() &&
+                             (*slopes)->numel() == heads),
+                "alibi_slopes and sinks must be float32 [heads]");
+  }
+  if (token_spans) {
+    TORCH_CHECK(token_spans->scalar_type() == at::kInt && token_spans->is_contiguous() && token_spans->dim() == 2 &&
+                    token_spans->size(0) == query.size(0) && token_spans->size(1) == 2,
+                "token_spans must be int32 [tokens, 2]");
   }
 
   Params p{};
@@ -424,19 +472,38 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   p.query_head_stride = query.stride(1);
   p.table_stride = page_tables.stride(0);
   p.window = window;
-  p.scale = static_cast<float>(scale);
+  p.scale = static_cast<float>(scale * k_scale);
+  p.v_scale = static_cast<float>(v_scale);
   p.softcap = static_cast<float>(softcap);
   p.alibi = alibi_slopes ? alibi_slopes->const_data_ptr<float>() : nullptr;
+  p.sinks = sinks ? sinks->const_data_ptr<float>() : nullptr;
+  p.token_spans = token_spans ? token_spans->const_data_ptr<int32_t>() : nullptr;
   p.query_start_loc = query_start_loc.const_data_ptr<int32_t>();
   p.seq_lens = seq_lens.const_data_ptr<int32_t>();
   p.page_tables = page_tables.const_data_ptr<int32_t>();
 
   at::Tensor out = at::empty({query.size(0), heads, p.dim}, query.options());
-  switch (query.scalar_type()) {
-    case at::kFloat: run_dim<float>(p, query, key_cache, value_cache, out, num_seqs); break;
-    case at::kBFloat16: run_dim<c10::BFloat16>(p, query, key_cache, value_cache, out, num_seqs); break;
-    case at::kHalf: run_dim<c10::Half>(p, query, key_cache, value_cache, out, num_seqs); break;
-    default: TORCH_CHECK(false, "paged_attention computes float32, bfloat16 or float16, not ", query.scalar_type());
+  using Float8 = c10::Float8_e4m3fn;
+  const auto query_type = query.scalar_type(), cache_type = key_cache.scalar_type();
+  const auto is = [&](at::ScalarType q, at::ScalarType c) { return query_type == q && cache_type == c; };
+  const auto args = std::tie(p, query, key_cache, value_cache, out, num_seqs);
+  if (is(at::kFloat, at::kFloat)) {
+    std::apply(run_dim<float, float>, args);
+  } else if (is(at::kFloat, at::kBFloat16)) {
+    std::apply(run_dim<float, c10::BFloat16>, args);
+  } else if (is(at::kFloat, at::kFloat8_e4m3fn)) {
+    std::apply(run_dim<float, Float8>, args);
+  } else if (is(at::kBFloat16, at::kBFloat16)) {
+    std::apply(run_dim<c10::BFloat16, c10::BFloat16>, args);
+  } else if (is(at::kBFloat16, at::kFloat8_e4m3fn)) {
+    std::apply(run_dim<c10::BFloat16, Float8>, args);
+  } else if (is(at::kHalf, at::kHalf)) {
+    std::apply(run_dim<c10::Half, c10::Half>, args);
+  } else if (is(at::kHalf, at::kFloat8_e4m3fn)) {
+    std::apply(run_dim<c10::Half, Float8>, args);
+  } else {
+    TORCH_CHECK(false, "paged_attention computes float32, bfloat16 or float16 over a cache of the same dtype or ",
+                "float8_e4m3fn (float32 also over bfloat16), not ", query_type, " over ", cache_type);
   }
   return out;
 }
@@ -446,6 +513,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 TORCH_LIBRARY(ferry_attention, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor query_start_loc, "
-      "Tensor seq_lens, Tensor page_tables, float scale, int window, float softcap, Tensor? alibi_slopes) -> Tensor");
+      "Tensor seq_lens, Tensor page_tables, float scale, int window, float softcap, Tensor? alibi_slopes, "
+      "Tensor? sinks, Tensor? token_spans, float k_scale, float v_scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }

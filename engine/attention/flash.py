@@ -8,7 +8,8 @@ pages.
 
 Soft-capping and ALiBi are the kernels' own `softcap` (0.0 turns it off) and `alibi_slopes` ([H] float32, a bias
 of `-slope * |query_position - key_position|`, which under the causal mask is the `slope * (key - query)` the
-torch backend adds).
+torch backend adds). flash-attn has no sinks and no per-query key intervals, and reads the cache in the query's
+dtype: a model needing any of these is refused when the backend is chosen (and `forward` refuses them too).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import importlib.util
 
 import torch
 
-from engine.attention.base import AttentionBackend, StepMetadata, write_kv
+from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata, UnsupportedAttention, write_kv
 
 PAGE_MULTIPLE = 256
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -30,6 +31,7 @@ def flash_available() -> bool:
 
 class FlashBackend(AttentionBackend):
     name = "flash"
+    features = frozenset({AttentionFeature.SLIDING_WINDOW, AttentionFeature.SOFTCAP, AttentionFeature.ALIBI})
 
     def __init__(self, page_size: int) -> None:
         if not self.supports_page_size(page_size):
@@ -63,7 +65,14 @@ class FlashBackend(AttentionBackend):
         *,
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        if sinks is not None or meta.token_spans is not None or kv_cache[0].dtype != query.dtype or k_scale != 1.0:
+            raise UnsupportedAttention(
+                "attention_backend='flash' computes no sinks, no non-causal spans and no cache of another dtype"
+            )
         write_kv(key, value, kv_cache, meta.slot_mapping)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         if meta.max_query_len == 1:

@@ -13,19 +13,36 @@ Whole pages are gathered (memcpy-sized rows; advanced indexing is several times 
 
 ALiBi biases depend on heads and positions but not on the layer, so they are folded into the masks the step's
 plan builds once per window (a `[group, H, 1, keys]` bias per decode group, `[H, n, keys]` per chunk). Soft-capped
-scores cannot go through `scaled_dot_product_attention`, which has no hook between the product and the softmax:
-those layers run the same masks through the eager formula (the one transformers' eager attention computes).
+scores and sinks cannot go through `scaled_dot_product_attention`, which has no hook between the product and the
+softmax: those layers run the same masks through the eager formula (the one transformers' eager attention
+computes; a sink is one more column of the softmax, dropped after it).
+
+A sequence whose queries lie in a non-causal span this step attends as a chunk over its gathered pages, one
+token or many, with each query's visible interval written into its mask.
+
+A cache in another dtype than the model's (or scaled) is read back converted as it is gathered; a fresh prompt's
+own K/V take the same round trip, so that it sees what a later step reads from the pages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, StepMetadata, write_kv
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionFeature,
+    Spans,
+    StepMetadata,
+    from_cache,
+    is_float8,
+    to_cache,
+    write_kv,
+)
 
 _GROUP_PAD_LIMIT = 1.25
 """A decode group's longest sequence may have at most this many times the pages of its shortest."""
@@ -60,6 +77,26 @@ class _Plan:
     """Held so that its id, part of the plan's key, cannot be reused by another tensor within the step."""
 
 
+@dataclass(frozen=True)
+class _Attention:
+    """A layer's arguments beyond the step: how scores are formed and how the cache is read."""
+
+    scale: float
+    softcap: float | None
+    sinks: torch.Tensor | None
+    k_scale: float
+    v_scale: float
+
+    @property
+    def eager(self) -> bool:
+        """Soft-capping and sinks need the eager formula: SDPA has no hook between the product and the softmax."""
+        return self.softcap is not None or self.sinks is not None
+
+    def read(self, kv: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered cache rows in the model's dtype."""
+        return from_cache(kv[0], dtype, self.k_scale), from_cache(kv[1], dtype, self.v_scale)
+
+
 @dataclass
 class _Visible:
     """The keys one sequence sees this step, as a page range and offsets inside it."""
@@ -79,6 +116,18 @@ def _visible(n: int, total: int, window: int | None, page_size: int) -> _Visible
     return _Visible(first_key // page_size, (total - 1) // page_size, first_key)
 
 
+def _query_bounds(n: int, total: int, window: int | None, spans: Spans) -> tuple[np.ndarray, np.ndarray]:
+    """For each of a sequence's last `n` queries, `[lo, hi)`: the keys it sees (engine/attention/base.py)."""
+    query_pos = np.arange(total - n, total)
+    lo = np.zeros(n, np.int64) if window is None else np.maximum(query_pos - window + 1, 0)
+    hi = query_pos + 1
+    for start, end in spans:
+        inside = (query_pos >= start) & (query_pos < end)
+        lo = np.where(inside, np.minimum(lo, start), lo)
+        hi = np.where(inside, np.maximum(hi, end), hi)
+    return lo, hi
+
+
 def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """`array` as a tensor on `device`; on CUDA staged in pinned memory, so building it never stalls the host."""
     tensor = torch.from_numpy(array)
@@ -90,8 +139,11 @@ def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def _gather(kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of whole pages, page after page: two `[len(pages) * page_size, Hkv, D]` copies."""
     num_pages, _, kv_heads, dim = kv_cache[0].shape
-    keys = kv_cache[0].view(num_pages, -1).index_select(0, pages).view(-1, kv_heads, dim)
-    values = kv_cache[1].view(num_pages, -1).index_select(0, pages).view(-1, kv_heads, dim)
+    stored = kv_cache[0].dtype
+    # torch selects float8 rows only as the bytes they are.
+    as_bytes = torch.uint8 if is_float8(stored) else stored
+    keys = kv_cache[0].view(as_bytes).view(num_pages, -1).index_select(0, pages).view(stored).view(-1, kv_heads, dim)
+    values = kv_cache[1].view(as_bytes).view(num_pages, -1).index_select(0, pages).view(stored).view(-1, kv_heads, dim)
     return keys, values
 
 
@@ -101,20 +153,38 @@ def _alibi_bias(slopes: torch.Tensor, distance: torch.Tensor, allowed: torch.Ten
     return bias.masked_fill(~allowed, float("-inf"))
 
 
-def _softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+def _eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Eager attention with soft-capped scores: `q [..., m, D]` over `k, v [..., L, D]`; `mask` broadcasts to
-    `[..., m, L]`, boolean (True: may attend) or additive. The order of operations is transformers' own."""
+    """Eager attention: `q [..., m, D]` over `k, v [..., L, D]`; `mask` broadcasts to `[..., m, L]`, boolean
+    (True: may attend) or additive; `sinks` to `[..., m, 1]`, one more logit in each row's softmax. The order of
+    operations is transformers' own (gpt-oss's for sinks)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1, dtype=torch.float32)
+        probs = probs[..., :-1].to(q.dtype)
     return torch.matmul(probs, v)
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
+    features = frozenset(AttentionFeature)
+    kv_cache_dtypes: ClassVar[dict[torch.dtype, frozenset[torch.dtype]]] = {
+        model: frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn})
+        for model in (torch.float32, torch.bfloat16, torch.float16)
+    }
 
     def _plan(
         self,
@@ -146,8 +216,13 @@ class TorchPagedBackend(AttentionBackend):
         chunk_pages: list[int] = []
         chunks: list[_Chunk] = []
         decodes: list[tuple[int, int, _Visible]] = []  # (sequence, total, visible)
+        all_spans = meta.noncausal_spans_host
         for i, (n, total) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
             q_start = meta.query_start_loc_host[i]
+            spans = all_spans[i] if all_spans is not None else ()
+            if spans:
+                chunks.append(TorchPagedBackend._span_chunk(meta, i, window, spans, alibi_slopes, dtype, chunk_pages))
+                continue
             if total == n and (window is None or n <= window):
                 mask = None
                 if alibi_slopes is not None:
@@ -172,6 +247,33 @@ class TorchPagedBackend(AttentionBackend):
             chunks.append(_Chunk(q_start, q_start + n, k_start, total - vis.first_key, mask))
         groups = TorchPagedBackend._group_decodes(meta, decodes, device, dtype, alibi_slopes, kv_heads)
         return _Plan(_from_host(np.asarray(chunk_pages, dtype=np.int64), device), chunks, groups, alibi_slopes)
+
+    @staticmethod
+    def _span_chunk(
+        meta: StepMetadata,
+        i: int,
+        window: int | None,
+        spans: Spans,
+        alibi_slopes: torch.Tensor | None,
+        dtype: torch.dtype,
+        chunk_pages: list[int],
+    ) -> _Chunk:
+        """Sequence `i`'s queries over its gathered pages, each seeing its own interval of keys; appends the pages
+        to `chunk_pages`."""
+        ps, device = meta.page_size, meta.positions.device
+        n, total = meta.query_lens_host[i], meta.seq_lens_host[i]
+        lo, hi = _query_bounds(n, total, window, spans)
+        first_key = int(lo.min())
+        first_page = first_key // ps
+        k_start = len(chunk_pages) * ps + first_key - first_page * ps
+        chunk_pages.extend(meta.page_tables_host[i][first_page : (total - 1) // ps + 1])
+        key_pos = np.arange(first_key, total)[None, :]
+        mask = _from_host((key_pos >= lo[:, None]) & (key_pos < hi[:, None]), device)
+        if alibi_slopes is not None:
+            distance = _from_host(key_pos - np.arange(total - n, total)[:, None], device)
+            mask = _alibi_bias(alibi_slopes, distance, mask).to(dtype)
+        q_start = meta.query_start_loc_host[i]
+        return _Chunk(q_start, q_start + n, k_start, total - first_key, mask)
 
     @staticmethod
     def _group_decodes(
@@ -232,14 +334,21 @@ class TorchPagedBackend(AttentionBackend):
         *,
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv(key, value, kv_cache, meta.slot_mapping)
+        write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         plan = self._plan(meta, sliding_window, query.dtype, alibi_slopes, kv_cache[0].shape[2])
+        attention = _Attention(scale, softcap, sinks, k_scale, v_scale)
         out = torch.empty_like(query)
         for group in plan.groups:
-            self._decode_group(query, kv_cache, group, scale, softcap, out)
+            self._decode_group(query, kv_cache, group, attention, out)
         if plan.chunks:
-            self._chunks(query, key, value, kv_cache, plan, scale, softcap, out)
+            # A fresh prompt reads its own K/V as the cache holds them.
+            key = from_cache(to_cache(key, kv_cache[0], k_scale), key.dtype, k_scale)
+            value = from_cache(to_cache(value, kv_cache[1], v_scale), value.dtype, v_scale)
+            self._chunks(query, key, value, kv_cache, plan, attention, out)
         return out
 
     @staticmethod
@@ -247,20 +356,23 @@ class TorchPagedBackend(AttentionBackend):
         query: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         group: _DecodeGroup,
-        scale: float,
-        softcap: float | None,
+        attention: _Attention,
         out: torch.Tensor,
     ) -> None:
         _, _, kv_heads, dim = kv_cache[0].shape
         heads = query.shape[1]
         size = group.rows.shape[0]
         # [b, Hkv, L, D] views over the gathered pages; each KV head's query group rides the query axis.
-        keys, values = (t.view(size, -1, kv_heads, dim).transpose(1, 2) for t in _gather(kv_cache, group.pages))
+        keys, values = (
+            t.view(size, -1, kv_heads, dim).transpose(1, 2)
+            for t in attention.read(_gather(kv_cache, group.pages), query.dtype)
+        )
         q = query.index_select(0, group.rows).view(size, kv_heads, heads // kv_heads, dim)
-        if softcap is None:
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scale)
+        if attention.eager:
+            sinks = None if attention.sinks is None else attention.sinks.view(kv_heads, -1, 1)
+            o = _eager_attention(q, keys, values, group.mask, attention.scale, attention.softcap, sinks)
         else:
-            o = _softcapped_attention(q, keys, values, group.mask, scale, softcap)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=attention.scale)
         out.index_copy_(0, group.rows, o.reshape(size, heads, dim))
 
     @staticmethod
@@ -270,13 +382,12 @@ class TorchPagedBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         plan: _Plan,
-        scale: float,
-        softcap: float | None,
+        attention: _Attention,
         out: torch.Tensor,
     ) -> None:
         heads, kv_heads = query.shape[1], kv_cache[0].shape[2]
         group = heads // kv_heads
-        keys, values = _gather(kv_cache, plan.chunk_pages)
+        keys, values = attention.read(_gather(kv_cache, plan.chunk_pages), query.dtype)
         for c in plan.chunks:
             if c.k_start < 0:
                 k = key[c.q_start : c.q_end].transpose(0, 1)
@@ -285,9 +396,9 @@ class TorchPagedBackend(AttentionBackend):
                 k = keys[c.k_start : c.k_start + c.k_len].transpose(0, 1)  # [Hkv, L, D]
                 v = values[c.k_start : c.k_start + c.k_len].transpose(0, 1)
             q = query[c.q_start : c.q_end].transpose(0, 1)  # [H, n, D]
-            if softcap is None:
+            if not attention.eager:
                 o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=group > 1
+                    q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=attention.scale, enable_gqa=group > 1
                 )
             else:
                 n = c.q_end - c.q_start
@@ -296,7 +407,9 @@ class TorchPagedBackend(AttentionBackend):
                     mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
                 elif mask.dim() == 3:
                     mask = mask.view(kv_heads, group, n, c.k_len)
+                sinks = None if attention.sinks is None else attention.sinks.view(kv_heads, group, 1, 1)
                 # [Hkv, H / Hkv, n, D]: each KV head's query heads side by side, as in the decode groups.
                 q4 = q.reshape(kv_heads, group, n, q.shape[-1])
-                o = _softcapped_attention(q4, k[:, None], v[:, None], mask, scale, softcap).reshape(heads, n, -1)
+                o = _eager_attention(q4, k[:, None], v[:, None], mask, attention.scale, attention.softcap, sinks)
+                o = o.reshape(heads, n, -1)
             out[c.q_start : c.q_end] = o.transpose(0, 1)

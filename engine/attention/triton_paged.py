@@ -29,7 +29,11 @@ are, float32 in full IEEE precision, not TF32, so that it matches the other back
 A program attends to keys from its first query's window start (0 without a sliding window) up to its last
 query's position: causal and window masks are per score, so rows of the same block see different prefixes.
 Keys outside that range, pages a window released (the table may say -1 there) and padding columns are never
-loaded. Soft-capping and ALiBi are applied in the torch backend's order: scale, soft-cap, bias.
+loaded. Soft-capping and ALiBi are applied in the torch backend's order: scale, soft-cap, bias. With non-causal
+spans (`USE_SPANS`, the metadata's `token_spans`) each row's keys are its own interval `[lo, hi)`
+(engine/attention/base.py), and the program visits the union of its rows' intervals. Sinks add one logit per
+query head to the denominator at the end. A cache of another dtype than the queries' is converted to theirs as
+each tile is loaded; its scales fold into the score's scale and the output's normalisation.
 
 Triton settles whether a kernel is compiled or interpreted (`TRITON_INTERPRET=1`, numpy on CPU tensors) when this
 module is imported, for its own library functions when triton is first imported: tests/conftest.py turns the
@@ -41,11 +45,13 @@ would gain from splitting keys across programs (flash-decoding), which this kern
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import triton
 import triton.language as tl
 
-from engine.attention.base import AttentionBackend, StepMetadata, write_kv
+from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata, write_kv
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PREFILL_ROWS = 64
@@ -67,8 +73,11 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [B] int32
     page_tables_ptr,  # [B, max_pages] int32
     alibi_slopes_ptr,  # [H] float32 (unread without ALiBi)
+    sinks_ptr,  # [H] float32 (unread without sinks)
+    token_spans_ptr,  # [T, 2] int32 (unread without spans)
     num_seqs,
-    scale,
+    scale,  # times k_scale: the cache holds keys / k_scale
+    v_scale,  # the cache holds values / v_scale
     softcap,
     window,  # 0: no sliding window
     stride_ot,
@@ -93,6 +102,8 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,  # every sequence has one query: program b is sequence b
     USE_SOFTCAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    USE_SPANS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
@@ -134,6 +145,17 @@ def _paged_attention_kernel(
     first_pos = seq_len - num_queries + block * BLOCK_Q
     key_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the block's last query position
     key_start = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
+    row_lo = tl.where(window > 0, tl.maximum(query_pos - window + 1, 0), 0)  # [BLOCK_M] keys [lo, hi) per row
+    row_hi = query_pos + 1
+    if USE_SPANS:
+        span_offsets = (query_start + token) * 2
+        span_start = tl.load(token_spans_ptr + span_offsets, mask=row_valid, other=0)
+        span_end = tl.load(token_spans_ptr + span_offsets + 1, mask=row_valid, other=0)
+        in_span = span_start < span_end
+        row_lo = tl.where(in_span, tl.minimum(row_lo, span_start), row_lo)
+        row_hi = tl.where(in_span, tl.maximum(row_hi, span_end), row_hi)
+        key_start = tl.min(tl.where(row_valid, row_lo, seq_len), axis=0)
+        key_end = tl.max(tl.where(row_valid, row_hi, 0), axis=0)
 
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running maximum, log2 units
     lse = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running sum of exponentials
@@ -151,15 +173,15 @@ def _paged_attention_kernel(
             key_cache_ptr + k_offsets[None, :] + dims[:, None],
             mask=key_valid[None, :] & dim_valid[:, None],
             other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
+        ).to(q.dtype)  # [BLOCK_D, BLOCK_N]
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         if USE_SOFTCAP:
             # softcap * tanh(scores / softcap), tanh written with exp (core tl has none); it saturates to +-1.
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         if USE_ALIBI:
             scores += slopes[:, None] * (key_pos[None, :] - query_pos[:, None]).to(tl.float32)
-        visible = row_valid[:, None] & key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
-        visible &= (window <= 0) | (key_pos[None, :] > query_pos[:, None] - window)
+        visible = row_valid[:, None] & key_valid[None, :]
+        visible &= (key_pos[None, :] >= row_lo[:, None]) & (key_pos[None, :] < row_hi[:, None])
         # In log2 units from here on (times log2(e)): exp2 is the hardware's instruction, exp is not.
         scores = tl.where(visible, scores * 1.4426950408889634, float("-inf"))
 
@@ -173,17 +195,24 @@ def _paged_attention_kernel(
             value_cache_ptr + v_offsets[:, None] + dims[None, :],
             mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    out = acc / tl.where(lse == 0.0, 1.0, lse)[:, None]
+    if USE_SINKS:
+        sinks = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+        lse += tl.exp2(sinks - tl.where(m == float("-inf"), 0.0, m))
+    out = acc * v_scale / tl.where(lse == 0.0, 1.0, lse)[:, None]
     o_offsets = (query_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
+    features = frozenset(AttentionFeature)
+    kv_cache_dtypes: ClassVar[dict[torch.dtype, frozenset[torch.dtype]]] = {
+        model: frozenset(TRITON_DTYPES) - {model} for model in TRITON_DTYPES
+    }
     capturable = True
     """One launch per layer whose grid depends on tensor shapes only, over device metadata only."""
 
@@ -199,8 +228,11 @@ class TritonPagedBackend(AttentionBackend):
         *,
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv(key, value, kv_cache, meta.slot_mapping)
+        write_kv(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         k_cache, v_cache = kv_cache
         # The kernel steps through the head dimension with unit stride (vector loads); projections' views have it.
         query = query if query.stride(-1) == 1 else query.contiguous()
@@ -223,8 +255,11 @@ class TritonPagedBackend(AttentionBackend):
             meta.seq_lens,
             tables,
             query if alibi_slopes is None else alibi_slopes,
+            query if sinks is None else sinks,
+            tables if meta.token_spans is None else meta.token_spans,
             num_seqs,
-            scale,
+            scale * k_scale,
+            v_scale,
             softcap or 0.0,
             sliding_window or 0,
             out.stride(0),
@@ -245,6 +280,8 @@ class TritonPagedBackend(AttentionBackend):
             DECODE=decode,
             USE_SOFTCAP=softcap is not None,
             USE_ALIBI=alibi_slopes is not None,
+            USE_SINKS=sinks is not None,
+            USE_SPANS=meta.token_spans is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         )
         return out

@@ -15,27 +15,42 @@ tokens at equal positions, the whole prefix included, which is what a page's key
 chain uses Python's 64-bit tuple hash: computed once per page, when it fills, and cheap enough to run on every
 decode step; a collision between two different live prefixes (about n²/2⁶⁴ for n cached pages) is accepted, as
 nano-vllm and early vLLM do.
+
+K/V depend on more than token ids when a request says so (`Request.extra_keys`: an adapter, an image's hash, a
+cache salt, each over a token range): a page's hash then takes the keys of every range that overlaps the page,
+`hash((parent_hash, page_token_ids, keys))`, and through the chain so does every page after it. One mechanism
+for all of them: a key for the whole request covers its first token, an image's the tokens it was expanded to.
+A page no key covers hashes as it does without any, so requests without extra keys hash as before.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
-from engine.core.request import Request
+from engine.core.request import ExtraKey, Request
 
 
-def _chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Identity of a full page: its tokens and, through `parent`, every token before it."""
-    return hash((parent, tokens))
+def _chain_hash(parent: int | None, tokens: tuple[int, ...], keys: tuple[Hashable, ...] = ()) -> int:
+    """Identity of a full page: its tokens, the extra keys that cover it and, through `parent`, everything before."""
+    return hash((parent, tokens, keys)) if keys else hash((parent, tokens))
 
 
-def _page_hashes(tokens: list[int], page_size: int, num_pages: int) -> Iterator[int]:
+def _page_keys(extra_keys: tuple[ExtraKey, ...], start: int, end: int) -> tuple[Hashable, ...]:
+    """The keys of the ranges overlapping tokens `[start, end)`, in the request's order."""
+    return tuple(extra.key for extra in extra_keys if extra.start < end and extra.end > start)
+
+
+def _page_hashes(
+    tokens: list[int], page_size: int, num_pages: int, extra_keys: tuple[ExtraKey, ...] = ()
+) -> Iterator[int]:
     """The hash chain of the first `num_pages` full pages of `tokens`, lazily: callers may stop early."""
     parent: int | None = None
     for start in range(0, num_pages * page_size, page_size):
-        parent = _chain_hash(parent, tuple(tokens[start : start + page_size]))
+        end = start + page_size
+        keys = _page_keys(extra_keys, start, end) if extra_keys else ()
+        parent = _chain_hash(parent, tuple(tokens[start:end]), keys)
         yield parent
 
 
@@ -135,7 +150,7 @@ class PagePool:
         if not self.enable_prefix_caching or not self._in_flight:
             return False
         tokens = request.all_token_ids
-        for h in _page_hashes(tokens, self.page_size, self._matchable_pages(len(tokens))):
+        for h in _page_hashes(tokens, self.page_size, self._matchable_pages(len(tokens)), request.extra_keys):
             if h not in self._hash_to_page:
                 return h in self._in_flight
         return False
@@ -148,7 +163,8 @@ class PagePool:
             return 0
         tokens = request.all_token_ids
         matchable = self._matchable_pages(len(tokens), max_tokens)
-        return self._hit_pages(list(_page_hashes(tokens, self.page_size, matchable))) * self.page_size
+        hashes = list(_page_hashes(tokens, self.page_size, matchable, request.extra_keys))
+        return self._hit_pages(hashes) * self.page_size
 
     def can_allocate(self, request: Request, num_new_tokens: int, keep_free: int = 0) -> bool:
         """Whether `allocate(request, num_new_tokens, keep_free)` would succeed now."""
@@ -178,7 +194,7 @@ class PagePool:
         tokens = request.all_token_ids
         ps = self.page_size
         # Hash every full page now; commit() registers them as they get computed instead of hashing again.
-        seq.hashes.extend(_page_hashes(tokens, ps, len(tokens) // ps))
+        seq.hashes.extend(_page_hashes(tokens, ps, len(tokens) // ps, request.extra_keys))
         hit_pages = self._hit_pages(seq.hashes[: self._matchable_pages(len(tokens), max_tokens)])
         hit = hit_pages * ps
         # Pages already out of the window of every token still to compute are never read: skip them.
@@ -248,7 +264,9 @@ class PagePool:
                     self._land(seq.hashes[i])
                 if i == len(seq.hashes):
                     parent = seq.hashes[-1] if seq.hashes else None
-                    seq.hashes.append(_chain_hash(parent, _token_range(request, i * ps, (i + 1) * ps)))
+                    start, end = i * ps, (i + 1) * ps
+                    keys = _page_keys(request.extra_keys, start, end) if request.extra_keys else ()
+                    seq.hashes.append(_chain_hash(parent, _token_range(request, start, end), keys))
                 h = seq.hashes[i]
                 if h not in self._hash_to_page:
                     page = seq.table[i]

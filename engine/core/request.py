@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -176,6 +177,27 @@ class TokenLogprob:
     """The `top_logprobs` most likely tokens at this position, most likely first."""
 
 
+Spans = tuple[tuple[int, int], ...]
+"""Position ranges `[start, end)`, in order and not overlapping: a request's non-causal spans (an image's tokens, an
+encoder's input), whose tokens attend to each other in both directions (engine/attention/base.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKey:
+    """Something besides the token ids that the K/V of tokens `[start, end)` depend on: a LoRA adapter, an image
+    (its hash), a client's cache salt. The prefix cache mixes `key` into the hash of every page the range overlaps
+    (engine/core/page_pool.py), so requests with equal tokens and different keys never share those pages or any
+    after them. A key for the whole request (an adapter, a salt) covers `[0, 1)`: the chain carries it onward."""
+
+    start: int
+    end: int
+    key: Hashable
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"an extra key's token range must be non-empty, from 0 on: [{self.start}, {self.end})")
+
+
 @dataclass(slots=True)
 class Request:
     """Engine-side state of one sequence. Only the engine thread/process touches it."""
@@ -202,6 +224,10 @@ class Request:
     """Tokens of planned steps whose results are not applied yet (with async scheduling, one step ahead)."""
     num_pending_samples: int = 0
     """Planned steps that sample this request, results not applied yet: tokens it has but does not know yet."""
+    noncausal_spans: Spans = ()
+    """Positions attended in both directions (engine/attention/base.py); a plan computes each one whole."""
+    extra_keys: tuple[ExtraKey, ...] = ()
+    """What its pages' K/V depend on besides token ids, for the prefix cache's page hashes."""
 
     @property
     def num_tokens(self) -> int:

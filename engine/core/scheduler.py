@@ -404,6 +404,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             generator_seed=request.generator_seed,
             page_tables=self.kv_cache.page_tables(request.request_id),
+            noncausal_spans=request.noncausal_spans,
         )
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

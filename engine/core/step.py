@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.core.request import SamplingParams, TokenLogprob
+from engine.core.request import SamplingParams, Spans, TokenLogprob
 
 PLACEHOLDER = -1
 """A token id the scheduler does not know yet: the token the runner samples for this request in the step before
@@ -34,6 +34,8 @@ class NewRequest:
     generator_seed: int
     page_tables: PageTables
     """The whole table in every group, prefix-cache hits included."""
+    noncausal_spans: Spans = ()
+    """Positions whose tokens attend to each other in both directions (an image's, an encoder's input)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,9 +36,10 @@ import numpy as np
 import torch
 
 from engine.attention import StepMetadata
+from engine.attention.base import step_spans
 from engine.config import EngineConfig
 from engine.core.kv_cache import GroupLayout
-from engine.core.request import SamplingParams, TokenLogprob
+from engine.core.request import SamplingParams, Spans, TokenLogprob
 from engine.core.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PromptLogprobs, SchedulerOutput
 from engine.core.structured import GrammarCompiler
 from engine.execution.cuda_graphs import Capture, StepFn, decode_graph_size
@@ -63,6 +64,7 @@ class _Sequence:
     """Alternatives per prompt-token logprob, for a request that asked for prompt logprobs."""
     grammar: GrammarState | None
     """Set for a request with structured output."""
+    noncausal_spans: Spans = ()
 
     @property
     def num_tokens(self) -> int:
@@ -347,7 +349,11 @@ class ModelRunner:
         total = int(cu_q[-1])
         seq_lens = starts + q_lens
         max_query_len = int(q_lens.max())
-        graph_size = decode_graph_size(self.graph_sizes, num_seqs, max_query_len)
+        noncausal = None
+        if any(seq.noncausal_spans for seq in seqs):
+            noncausal = step_spans([seq.noncausal_spans for seq in seqs], starts, seq_lens)
+        # A graph's static metadata has no spans: a step with queries in one runs eagerly.
+        graph_size = decode_graph_size(self.graph_sizes, num_seqs, max_query_len) if noncausal is None else None
 
         host = buffers.np
         input_ids = host["input_ids"][:total]
@@ -372,7 +378,9 @@ class ModelRunner:
         num_rows = num_sampling + len(targets)
         sampling = [seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled]
         if graph_size is None:
-            step_ids, metas = self._eager_metas(buffers, plan, seq_rows, cu_q, seq_lens, seq_of_token, max_query_len)
+            step_ids, metas = self._eager_metas(
+                buffers, plan, seq_rows, cu_q, seq_lens, seq_of_token, max_query_len, noncausal
+            )
         else:
             step_ids, metas = self._padded_metas(buffers, graph_size, num_seqs, seq_rows, int(seq_lens.max()))
         return StepInputs(
@@ -402,6 +410,7 @@ class ModelRunner:
         seq_lens: np.ndarray,
         seq_of_token: np.ndarray,
         max_query_len: int,
+        noncausal: tuple[list[Spans], np.ndarray] | None,
     ) -> tuple[torch.Tensor, list[StepMetadata]]:
         """The step's token ids on the device (loaded by `run`) and each group's metadata, unpadded."""
         host = buffers.np
@@ -423,6 +432,10 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             page_size=self.page_size,
         )
+        if noncausal is not None:
+            # Rare (steps with an image's or an encoder's tokens): staged on its own rather than in a step buffer.
+            spans, bounds = noncausal
+            shared.update(noncausal_spans_host=spans, token_spans=torch.from_numpy(bounds).to(self.device))
         widest = -(-max_seq_len // self.page_size)
         metas = []
         for g in range(len(self._tables)):
@@ -612,6 +625,7 @@ class ModelRunner:
             list(new.output_ids),
             new.params.prompt_logprobs,
             self._grammar_state(new),
+            new.noncausal_spans,
         )
         if new.params.prompt_logprobs is not None:
             self._scoring_prompts.add(new.request_id)
