@@ -1,12 +1,10 @@
-"""Executes a step's plan: owns the paged KV cache, persistent step buffers, the model and the sampler.
+"""Executes a step's plan: owns the paged KV cache, the model and the sampler; reads as prepare, forward, sample.
 
 `execute(plan)` packs every scheduled token of every sequence into one unpadded row, runs the model, computes
-logits only at the sampling sequences' last tokens, and samples. The runner keeps its own state per sequence
-(a row of the page-table buffer, what the sampler reads) from the plan's deltas: new requests arrive with their
-whole page tables, continuing ones with the pages appended this step, finished and preempted ones are dropped.
-
-Per-step work is per sequence, never per token: token ids are copied into preallocated buffers in one piece, and
-positions, page tables and slot mappings come from vectorised numpy ops over per-sequence offsets.
+logits only at the sampling sequences' last tokens, and samples. The sequences, their page-table rows, the plan's
+deltas and the packing into step buffers are the input batch's (engine/execution/input_batch.py); prompt rows and
+their logprobs are engine/execution/prompt_logprobs.py's. The model runs inside the step context
+(engine/attention/context.py), which the runner enters around every forward pass.
 
 `execute` is `prepare` (apply the deltas, fill the step's buffers) then `run` (forward, sample). Under async
 scheduling the engine calls `prepare` for step N+1 on its own thread while `run` of step N is on the runner's, so
@@ -121,7 +119,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             model, self.group_of_layer, pool_pages, config.page_size, loaded.dtype, device
         )
-        self.sliding_windows = list(model.sliding_windows)
+        self.sliding_windows = [layouts[g].window for g in self.group_of_layer]
         max_seqs, max_tokens = config.max_num_seqs, config.max_batch_tokens
         max_pages = -(-loaded.max_model_len // config.page_size)
         self.batch = InputBatch(len(layouts), max_seqs, max_tokens, max_pages, config.page_size, device)
