@@ -79,5 +79,5 @@ def test_a_start_up_where_inductor_cannot_build_kernels_is_refused(
 @pytest.mark.parametrize("level", ["piecewise", "full"])
 def test_the_warm_up_leaves_no_trace_in_the_runner(tiny_llama: Path, level: str, compiling: None) -> None:
     engine = EngineCore(EngineConfig(model=str(tiny_llama), compile=level, num_blocks=32, debug_checks=True))
-    assert not engine.runner._seqs
+    assert not engine.runner.batch.seqs
     assert engine.is_idle_and_clean()

@@ -232,7 +232,7 @@ def test_a_padded_step_fills_the_static_buffers() -> None:
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert set(meta.page_tables[n:].flatten().tolist()) == {scratch}
     assert meta.slot_mapping[n:].tolist() == [scratch * page]
-    assert meta.page_tables.shape == (4, padded._tables[0].shape[1]), "whole rows: a static shape"
+    assert meta.page_tables.shape == (4, padded.batch.tables[0].shape[1]), "whole rows: a static shape"
     # No real row's slot or visible page is the scratch page.
     assert all(s // page != scratch for s in meta.slot_mapping[:n].tolist())
     for row, seq_len in enumerate(meta.seq_lens[:n].tolist()):

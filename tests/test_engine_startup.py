@@ -34,7 +34,7 @@ def test_a_cache_too_small_for_an_asked_max_model_len_refuses_to_start(tiny_llam
 def test_a_default_max_model_len_is_lowered_to_what_the_cache_holds(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("WARNING", logger="engine.core.engine_core"):
+    with caplog.at_level("WARNING", logger="engine.execution.startup"):
         engine = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=8))
     assert engine.max_model_len == 8 * 16
     assert "max_model_len lowered to 128" in caplog.text

@@ -95,8 +95,10 @@ def test_attention_computed_outside_the_interface_is_refused(model_dir: Callable
 class _RowPositions(TransformersCausalLM):
     """Hands the model row indices for positions, as a model that ignores `position_ids` would see them."""
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return super()._hidden(input_ids, torch.arange(len(positions), device=positions.device))
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        return super().forward(input_ids, torch.arange(len(positions), device=positions.device), kv_caches)
 
 
 @pytest.mark.parametrize(

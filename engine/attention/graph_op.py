@@ -6,10 +6,10 @@ registered with `torch.library` whose arguments are tensors and constants only (
 caches, which inductor then passes in place); dynamo records it as one node, its fake implementation giving the
 output's shape, and inductor calls it as an external kernel.
 
-The step's metadata reaches the op through `attention_step`, set around each forward pass on the engine's thread,
-keyed by sliding window: a layer's metadata is its KV-cache group's, and the groups are the model's distinct windows
-(engine/core/kv_cache.py). Keying by window rather than by layer index keeps the layer's number out of the graph, so one
-compiled decoder layer serves every layer with the same window.
+The step's metadata reaches the op through the step context (engine/attention/context.py), which the runner enters
+around each forward pass, looked up by sliding window: a layer's metadata is its KV-cache group's, and the groups are
+the model's distinct windows (engine/core/kv_cache.py). Keying by window rather than by layer index keeps the layer's
+number out of the graph, so one compiled decoder layer serves every layer with the same window.
 
 Eager callers go through the same `paged_attention` function, which calls the backend directly, without the op's
 dispatch (a few microseconds a call).
@@ -17,41 +17,9 @@ dispatch (a few microseconds a call).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-
 import torch
 
-from engine.attention.base import AttentionBackend, StepMetadata
-
-
-@dataclass
-class _Step:
-    backend: AttentionBackend
-    metas: dict[int | None, StepMetadata]
-    """Each KV-cache group's metadata, by the sliding window of its layers (None: full attention)."""
-
-
-class _Active(threading.local):
-    """The step whose forward pass runs on this thread (engines in other threads run their own steps)."""
-
-    step: _Step | None = None
-
-
-_active = _Active()
-
-
-@contextmanager
-def attention_step(backend: AttentionBackend, metas: dict[int | None, StepMetadata]) -> Iterator[None]:
-    """Make `metas` (by sliding window) the metadata that `paged_attention` calls on this thread read until the
-    block ends."""
-    _active.step = _Step(backend, metas)
-    try:
-        yield
-    finally:
-        _active.step = None
+from engine.attention.context import current_step
 
 
 def _attend(
@@ -63,10 +31,8 @@ def _attend(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    step = _active.step
-    if step is None:
-        raise RuntimeError("paged attention called outside an engine step (no attention_step is active)")
-    meta = step.metas[sliding_window]
+    step = current_step()
+    meta = step.by_window[sliding_window]
     return step.backend.forward(query, key, value, (key_cache, value_cache), meta, scale, sliding_window)
 
 

@@ -17,7 +17,6 @@ scheduler never knows.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -28,8 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.config import EngineConfig, EngineStartupError
-from engine.core.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages
+from engine.config import EngineConfig
+from engine.core.kv_cache import KVCacheManager
 from engine.core.observer import StepObserver, StepRecord
 from engine.core.page_pool import PagePool
 from engine.core.request import QueueFull, Request, RequestRejected, SamplingParams, StepOutput
@@ -39,10 +38,8 @@ from engine.core.step import ModelRunnerOutput, SchedulerOutput
 from engine.core.structured import CompiledGrammar, GrammarCompiler
 from engine.distributed.parallel import CollectiveFailed, TensorParallel, init_tensor_parallel, with_rendezvous
 from engine.distributed.worker import Workers
-from engine.execution.compile import warm_up
-from engine.execution.cuda_graphs import CaptureReport, start_decode_graphs
-from engine.execution.memory import kv_cache_budget_bytes
-from engine.execution.runner import ModelRunner
+from engine.execution.cuda_graphs import CaptureReport
+from engine.execution.startup import start_runner
 from engine.models.loader import LoadedModel, load_model, model_config
 
 logger = logging.getLogger(__name__)
@@ -92,7 +89,14 @@ class EngineCore:
         self._last_step_tokens = 0
 
     def _build(self, config: EngineConfig, loaded: LoadedModel, grammars: GrammarCompiler | None) -> None:
-        loaded, layouts, pages = kv_cache_layout(config, loaded, self.tensor_parallel)
+        self.grammars = grammars or GrammarCompiler(
+            config.model, vocab_size=loaded.hf_config.vocab_size, eos_token_ids=loaded.eos_token_ids
+        )
+        started = start_runner(config, loaded, self.tensor_parallel, self.grammars)
+        self.runner = started.runner
+        self.cuda_graphs: CaptureReport | None = started.cuda_graphs
+        """What was captured (sizes, seconds, memory); None when every step runs eagerly."""
+        loaded, layouts, pages = started.loaded, started.layouts, started.pages
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
@@ -109,14 +113,6 @@ class EngineCore:
         ]
         self.kv_cache = KVCacheManager(layouts, pools)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
-        self.grammars = grammars or GrammarCompiler(
-            config.model, vocab_size=self.hf_config.vocab_size, eos_token_ids=self.eos_token_ids
-        )
-        self.runner = ModelRunner(loaded, layouts, pages, config, self.grammars)
-        if config.compile != "none":
-            warm_up(self.runner, config)
-        self.cuda_graphs: CaptureReport | None = start_decode_graphs(self.runner, config, loaded)
-        """What was captured (sizes, seconds, memory); None when every step runs eagerly."""
         self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []
@@ -394,66 +390,9 @@ KEEP_ALIVE_INTERVAL_S = 0.25
 compiles, and each empty plan costs a broadcast on every rank."""
 
 
-def kv_cache_layout(
-    config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None = None
-) -> tuple[LoadedModel, list[GroupLayout], list[int]]:
-    """The KV-cache groups, the pages of each group's pool, and `loaded` with the longest request those pages
-    hold (`_fit_max_model_len`). With tensor parallelism every rank sizes its own cache (its KV heads, its
-    device's free memory) and all take the smallest count, since one scheduler hands out the same pages on every
-    rank; every rank then fits the same max_model_len."""
-    layouts = group_layers(loaded.model.sliding_windows)
-    layer_page_bytes = ModelRunner.kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype)
-    budget = 0.0
-    if not config.num_blocks:
-        if tp is not None and loaded.device.type == "cuda":
-            # The profiling step's collectives wait only distributed_timeout: start it once every rank has loaded.
-            tp.wait_for_peers()
-        budget = kv_cache_budget_bytes(config, loaded, layouts, layer_page_bytes * loaded.model.num_layers)
-    pages = pool_pages(
-        layouts,
-        num_pages=config.num_blocks,
-        budget_bytes=budget,
-        layer_page_bytes=layer_page_bytes,
-        page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs,
-        max_batch_tokens=config.max_batch_tokens,
-    )
-    if tp is not None:
-        pages = tp.min_over_ranks(pages)
-    max_model_len = _fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.page_size)
-    return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages
-
-
 def _raise_if_failed(grammar: Future[CompiledGrammar]) -> None:
     """Raise a compile failure as a fresh RequestRejected: a cached failure is raised for every request repeating it
     (the compiler fails only with RequestRejected)."""
     error = grammar.exception()
     if error is not None:
         raise RequestRejected(str(error), code=getattr(error, "code", "invalid_structured_output"))
-
-
-def _fit_max_model_len(config: EngineConfig, loaded: LoadedModel, cache_tokens: int) -> int:
-    """The longest request the engine takes: the model's limit, unless the whole KV cache holds fewer tokens.
-
-    A cache that cannot hold one request of an explicitly asked `max_model_len` is refused (every request that
-    leaves its length to the server would otherwise be refused); a default one is lowered to what fits.
-    """
-    wanted = loaded.max_model_len
-    if wanted <= cache_tokens:
-        return wanted
-    budget_flag = "--max-memory-percent" if loaded.device.type == "cuda" else "--cpu-kv-cache-gib"
-    if config.max_model_len is not None:
-        raise EngineStartupError(
-            f"the KV cache holds {cache_tokens} tokens ({cache_tokens // config.page_size} pages of "
-            f"{config.page_size}), fewer than one request of --max-model-len {wanted} needs: lower --max-model-len "
-            f"to at most {cache_tokens}, or give the cache more room with --num-blocks or {budget_flag}"
-        )
-    logger.warning(
-        "the KV cache holds %d tokens, fewer than the model's %d: max_model_len lowered to %d (choose it with "
-        "--max-model-len, or give the cache more room with --num-blocks or %s)",
-        cache_tokens,
-        wanted,
-        cache_tokens,
-        budget_flag,
-    )
-    return cache_tokens

@@ -47,13 +47,12 @@ def run_worker(
 
     try:
         tp = init_tensor_parallel(config, rank)
-        from engine.core.engine_core import kv_cache_layout
-        from engine.execution.runner import ModelRunner
+        from engine.execution.startup import start_runner
         from engine.models.loader import load_model
 
-        loaded, layouts, pages = kv_cache_layout(config, load_model(config, tp), tp)
-        runner = ModelRunner(loaded, layouts, pages, config)
-        logger.info("rank %d of %d ready on %s: %d KV-cache pages", rank, tp.size, tp.device, pages[0])
+        started = start_runner(config, load_model(config, tp), tp)
+        runner = started.runner
+        logger.info("rank %d of %d ready on %s: %d KV-cache pages", rank, tp.size, tp.device, started.pages[0])
         while (plan := tp.receive_plan()) is not None:
             runner.execute(plan)
     except CollectiveFailed:

@@ -1,5 +1,5 @@
-"""`torch.compile` levels (`EngineConfig.compile`): what each level compiles, which setups refuse a level, and the
-start-up warm-up that compiles every graph a step can need.
+"""`torch.compile` levels (`EngineConfig.compile`): what each level compiles, which setups refuse a level; the
+start-up warm-up (engine/execution/startup.py) compiles every graph a step can need.
 
 - `none`: eager.
 - `piecewise`: each decoder layer is one graph (input norm, QKV projection and rotary, attention, output projection
@@ -27,29 +27,14 @@ a warm-up on one rank would break.
 
 from __future__ import annotations
 
-import logging
-import time
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from engine.config import CompileLevel, EngineConfig, EngineStartupError
-from engine.core.request import SamplingParams
-from engine.core.step import NewRequest, SchedulerOutput
-
-if TYPE_CHECKING:
-    from engine.execution.runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 _RECOMPILE_LIMIT = 16
 """Graphs per compiled function: a one-token and a dynamic graph per sliding window (and the bfloat16 widened
 linears' third), with room to spare; past it the start-up fails rather than run eagerly."""
-_WARM_UP_TOKENS = (1, 2, 16)
-"""Step sizes the warm-up runs, in this order: the one-token graph (dynamo specializes sizes 0 and 1), then a second
-size, which makes the token dimension dynamic (for 2 tokens and more), then a larger step, which must reuse it. A
-bfloat16 `WidenedLinear` branches on 3 rows, so there 16 gets a third graph."""
 
 
 def check_compile_level(config: EngineConfig, *, native: bool, device: torch.device) -> None:
@@ -75,59 +60,11 @@ def check_compile_level(config: EngineConfig, *, native: bool, device: torch.dev
 
 
 def compile_model(model: nn.Module, level: CompileLevel) -> None:
-    """Wrap the native model's decoder for `level`; nothing compiles until `warm_up` runs a step."""
+    """Wrap the native model's decoder for `level`; nothing compiles until the start-up warm-up runs a step
+    (`warm_up`, engine/execution/startup.py)."""
     options = {"fullgraph": True, "recompile_limit": _RECOMPILE_LIMIT}
     if level == "piecewise":
         for layer in model.model.layers:
             layer.compile(**options)
     elif level == "full":
         model.model.compile(**options)
-
-
-def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
-    """Compile every graph now, so that no request waits for one: steps of a throwaway sequence of each warm-up size.
-
-    Its K/V land in the first pages of every pool; nothing else is cached yet, and a page's slots are always written
-    by the sequence that owns it before they are read.
-    """
-    capacity = min(runner.pool_pages) * config.page_size
-    sizes = sorted({min(n, config.max_batch_tokens, capacity) for n in _WARM_UP_TOKENS})
-    request_id = "compile-warm-up"
-    pages = tuple(range(-(-sizes[-1] // config.page_size)))
-    prompt = (0,) * sizes[-1]
-    new = NewRequest(
-        request_id, prompt, (), SamplingParams(), frozenset(), 0, (pages,) * (max(runner.group_of_layer) + 1)
-    )
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    started = time.perf_counter()
-    try:
-        for i, n in enumerate(sizes):
-            # Each step (re)computes the sequence's first n positions: the runner takes plans as they come.
-            runner.execute(
-                SchedulerOutput(
-                    request_ids=(request_id,),
-                    num_computed_tokens=(0,),
-                    num_new_tokens=(n,),
-                    token_ids=(prompt[:n],),
-                    samples=(True,),
-                    new_requests=(new,) if i == 0 else (),
-                )
-            )
-    except Exception as error:  # dynamo and inductor raise many types; each is a reason this level cannot run here
-        raise EngineStartupError(
-            f"--compile {config.compile} failed at start-up ({type(error).__name__}: {_first_line(error)}); "
-            "--compile none runs the model eagerly"
-        ) from error
-    finally:
-        runner.execute(SchedulerOutput(finished_ids=(request_id,)))
-    logger.info(
-        "compiled (--compile %s): %d graphs in %.1f s",
-        config.compile,
-        torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
-        time.perf_counter() - started,
-    )
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else "no message"

@@ -40,15 +40,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.config import EngineConfig, EngineStartupError
 from engine.models.loader import LoadedModel
-
-if TYPE_CHECKING:
-    from engine.execution.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +53,15 @@ StepFn = Callable[[], torch.Tensor]
 """A decode forward over the runner's static buffers of one size: returns [size, hidden]."""
 Capture = Callable[[StepFn], StepFn]
 """Turns the forward of one size into what each step of that size calls (on CUDA: a graph's replay)."""
+
+
+class GraphedRunner(Protocol):
+    """What capture needs of the runner (engine/execution/runner.py, which pads its decode steps for the graphs)."""
+
+    device: torch.device
+
+    def use_decode_graphs(self, sizes: tuple[int, ...], capture: Capture) -> None: ...
+
 
 _WARM_UP_RUNS = 2
 """Eager runs of each size before its capture, on a side stream: lazy initialisation (cuBLAS handles and
@@ -152,7 +158,7 @@ class CaptureReport:
     """GPU memory the graphs hold (reserved by the allocator across the capture)."""
 
 
-def capture_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> CaptureReport:
+def capture_decode_graphs(runner: GraphedRunner, sizes: tuple[int, ...]) -> CaptureReport:
     """Capture the runner's padded decode step at every size (CUDA), measuring time and the memory reserved."""
     device = runner.device
     gc.collect()
@@ -174,7 +180,7 @@ def capture_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> Captur
     return CaptureReport(tuple(sizes), seconds, torch.cuda.memory_reserved(device) - reserved)
 
 
-def start_decode_graphs(runner: ModelRunner, config: EngineConfig, loaded: LoadedModel) -> CaptureReport | None:
+def start_decode_graphs(runner: GraphedRunner, config: EngineConfig, loaded: LoadedModel) -> CaptureReport | None:
     """At start-up, with the KV cache allocated: capture the decode graphs, or log once why steps run eagerly."""
     reason = eager_reason(config, loaded)
     if reason is not None:

@@ -21,15 +21,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from engine.attention import AttentionBackend, StepMetadata, TorchPagedBackend
-from engine.models.hf_attention import (
-    ATTN_IMPLEMENTATION,
-    KNOWN_ARGUMENT_FEATURES,
-    AttentionCall,
-    StepContext,
-    alibi_slopes,
-    num_kv_heads,
-    step_context,
-)
+from engine.attention.context import StepContext, step_context
+from engine.models.hf_attention import ATTN_IMPLEMENTATION, KNOWN_ARGUMENT_FEATURES, AttentionCall, num_kv_heads
 from engine.models.llama import sliding_window_of_layer
 from engine.models.support import UnsupportedModelError
 
@@ -55,23 +48,15 @@ class TransformersCausalLM(nn.Module):
         self.num_kv_heads = num_kv_heads(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.sliding_windows = [sliding_window_of_layer(config, i) for i in range(self.num_layers)]
-        # A plain attribute, not a buffer: it stays float32 (flash-attn's requirement) whatever the model's dtype.
-        self.alibi_slopes = alibi_slopes(config, hf_model.device)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
         self.logit_scale: float | None = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
         self.logits_scaling: float | None = getattr(config, "logits_scaling", None)  # Granite: logits / it
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        layer_metas: list[StepMetadata],
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
-        with step_context(StepContext(layer_metas, kv_caches, self.backend, self.alibi_slopes)):
-            return self._hidden(input_ids, positions)
-
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Inside the step's context (engine/attention/context.py), which the runner enters: the attention layers
+        read the K/V caches from there, as they read the metadata."""
         out = self.hf_model.base_model(
             input_ids=input_ids[None], position_ids=positions[None], use_cache=False, return_dict=True
         )
@@ -199,7 +184,7 @@ class TransformersCausalLM(nn.Module):
         ids = torch.tensor([t for tokens, _ in seqs for t in tokens], device=device)
         positions = torch.tensor([c + i for tokens, c in seqs for i in range(len(tokens))], device=device)
         with self._probe_context(seqs, caches, on_call):
-            return self._hidden(ids, positions)
+            return self(ids, positions, caches)
 
     def _probe_context(
         self,
@@ -229,7 +214,7 @@ class TransformersCausalLM(nn.Module):
             max_seq_len=max(totals),
             page_size=_PROBE_PAGE,
         )
-        context = StepContext([meta] * self.num_layers, caches, TorchPagedBackend(), self.alibi_slopes, on_call)
+        context = StepContext(TorchPagedBackend(), [meta] * self.num_layers, self.sliding_windows, caches, on_call)
         return step_context(context)
 
 

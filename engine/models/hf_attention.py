@@ -6,22 +6,21 @@ attention in modules of their own, and get paged modules from here:
 - Falcon looks its attention class up in a table of its own keyed by the implementation name
   (`FALCON_ATTENTION_CLASSES`); `PagedFalconAttention` is its `ferry_paged` entry.
 - Bloom builds `BloomAttention` by name, so `replace_own_attention` swaps those modules for `PagedBloomAttention`
-  after loading, keeping their parameters. Bloom's ALiBi slopes come from the step context: one tensor for the
-  whole model, so the backend builds its biased masks once per step, not once per layer.
+  after loading, keeping their parameters. Bloom's ALiBi slopes are one tensor that all those modules share, so the
+  backend builds its biased masks once per step, not once per layer.
 
-The step's metadata reaches these calls through `_active`, set around each forward by `step_context`, because
-transformers offers no per-call channel down to every architecture's attention.
+The step's metadata reaches these calls through the step context the runner enters around each forward pass
+(engine/attention/context.py), looked up by layer, because transformers offers no per-call channel down to every
+architecture's attention.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 from transformers.models.bloom.modeling_bloom import BloomAttention, _get_alibi_slopes, dropout_add
 from transformers.models.falcon.modeling_falcon import (
     FALCON_ATTENTION_CLASSES,
@@ -29,7 +28,7 @@ from transformers.models.falcon.modeling_falcon import (
     apply_rotary_pos_emb,
 )
 
-from engine.attention import AttentionBackend, StepMetadata
+from engine.attention.context import AttentionCall, StepContext, current_step
 
 ATTN_IMPLEMENTATION = "ferry_paged"
 
@@ -57,51 +56,6 @@ KNOWN_ARGUMENT_FEATURES = {
 """Attention arguments that change the result and that the paged backends do not implement, by what they are."""
 
 
-@dataclass(frozen=True)
-class AttentionCall:
-    """What one layer's call into the paged backend asked for; the adapter's load-time probe checks these."""
-
-    layer: int
-    kv_heads: int
-    key_dim: int
-    value_dim: int
-    sliding_window: int | None
-    causal: bool
-    own_mask: bool
-    """The model built an attention mask of its own, which the paged backend would not apply."""
-    unimplemented: tuple[str, ...]
-    """Arguments that change the result and that the paged backends do not implement."""
-
-
-@dataclass
-class StepContext:
-    layer_metas: list[StepMetadata]
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    backend: AttentionBackend
-    alibi_slopes: torch.Tensor | None = None
-    on_call: Callable[[AttentionCall], None] | None = None
-    """Called before each layer's attention runs (the load-time probe); None while serving."""
-
-
-_active: StepContext | None = None
-
-
-@contextmanager
-def step_context(context: StepContext) -> Iterator[None]:
-    global _active
-    _active = context
-    try:
-        yield
-    finally:
-        _active = None
-
-
-def _context() -> StepContext:
-    if _active is None:
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called outside an engine step")
-    return _active
-
-
 def _attend(
     context: StepContext,
     layer: int,
@@ -111,7 +65,7 @@ def _attend(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
-    alibi: bool = False,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [1, T, H, D], as transformers' attention functions return
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     out = context.backend.forward(
@@ -123,7 +77,7 @@ def _attend(
         scale,
         sliding_window,
         softcap=softcap,
-        alibi_slopes=context.alibi_slopes if alibi else None,
+        alibi_slopes=alibi_slopes,
     )
     return out.unsqueeze(0)
 
@@ -138,7 +92,7 @@ def paged_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    context = _context()
+    context = current_step()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")
@@ -190,7 +144,7 @@ class PagedFalconAttention(FalconAttention):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        context = _context()
+        context = current_step()
         batch, tokens, _ = hidden_states.shape
         fused = self.query_key_value(hidden_states)
         if self.new_decoder_architecture:
@@ -221,8 +175,10 @@ class PagedBloomAttention(nn.Module):
     than Bloom's own bias, which it rounds at absolute positions.
     """
 
-    def __init__(self, original: BloomAttention) -> None:
+    def __init__(self, original: BloomAttention, alibi_slopes: torch.Tensor) -> None:
         super().__init__()
+        # A plain attribute, not a buffer: it stays float32 (flash-attn's requirement) whatever the model's dtype.
+        self.alibi_slopes = alibi_slopes
         self.query_key_value = original.query_key_value
         self.dense = original.dense
         self.num_heads = original.num_heads
@@ -242,27 +198,33 @@ class PagedBloomAttention(nn.Module):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        context = _context()
+        context = current_step()
         batch, tokens, _ = hidden_states.shape
         # Bloom's fused layout: per head, its query, key and value side by side.
         qkv = self.query_key_value(hidden_states).view(batch, tokens, self.num_heads, 3, self.head_dim)
         query, key, value = (qkv[..., i, :].transpose(1, 2) for i in range(3))  # [1, H, T, D]
         _report_own_module_call(context, self.layer_idx, key, value)
-        out = _attend(context, self.layer_idx, query, key, value, self.inv_norm_factor, None, alibi=True)
+        out = _attend(
+            context, self.layer_idx, query, key, value, self.inv_norm_factor, None, alibi_slopes=self.alibi_slopes
+        )
         out = self.dense(out.reshape(batch, tokens, -1))
         return dropout_add(out, residual, self.hidden_dropout, self.training), None
 
 
-_REPLACEMENTS: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {BloomAttention: PagedBloomAttention}
+_REPLACEMENTS: dict[type[nn.Module], Callable[[nn.Module, torch.Tensor | None], nn.Module]] = {
+    BloomAttention: PagedBloomAttention
+}
 
 
-def replace_own_attention(model: nn.Module) -> None:
-    """Swap attention modules that compute attention themselves (and have no table entry) for paged ones."""
+def replace_own_attention(model: PreTrainedModel) -> None:
+    """Swap attention modules that compute attention themselves (and have no table entry) for paged ones, on the
+    model's device (called once it is there: the ALiBi slopes are made for it)."""
+    slopes = alibi_slopes(model.config, model.device)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             replacement = _REPLACEMENTS.get(type(child))
             if replacement is not None:
-                setattr(parent, name, replacement(child))
+                setattr(parent, name, replacement(child, slopes))
 
 
 def alibi_slopes(config: PretrainedConfig, device: torch.device) -> torch.Tensor | None:

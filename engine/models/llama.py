@@ -5,8 +5,8 @@ precomputed once for every position, the packed `[T, ...]` layout with no batch 
 paged backend, and no mask building per step. The maths (and so greedy output) is the same.
 
 The decoder (`Backbone.forward`, and each `DecoderLayer`) takes and returns tensors only: a layer's attention
-finds the step's metadata through `engine/attention/graph_op.py`, so `engine/execution/compile.py` can compile a
-layer, or the whole decoder, into a graph that does not change from step to step.
+finds the step's metadata in the step context (`engine/attention/context.py`), so `engine/execution/compile.py` can
+compile a layer, or the whole decoder, into a graph that does not change from step to step.
 
 With tensor parallelism (`tp`) each rank builds its shard, Megatron-style: QKV and gate/up are column-parallel
 (this rank's attention heads, KV heads and MLP columns), o and down row-parallel with one all-reduce each, the
@@ -24,8 +24,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.attention import AttentionBackend, StepMetadata
-from engine.attention.graph_op import attention_step, paged_attention
+from engine.attention import AttentionBackend
+from engine.attention.graph_op import paged_attention
 from engine.config import EngineStartupError
 from engine.distributed.parallel import TensorParallel
 
@@ -271,14 +271,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        layer_metas: list[StepMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """`layer_metas[i]`: the step metadata of layer i's KV-cache group."""
+        """Inside the step's context (engine/attention/context.py), which the runner enters."""
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
-        with attention_step(self.backend, dict(zip(self.sliding_windows, layer_metas, strict=True))):
-            return self.model(input_ids, cos, sin, kv_caches)
+        return self.model(input_ids, cos, sin, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others), the

@@ -28,8 +28,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class LoadedModel:
     model: nn.Module
-    """Has forward(input_ids, positions, meta, kv_caches) -> hidden, compute_logits(hidden), num_layers,
-    num_kv_heads, head_dim and sliding_windows (one entry per layer)."""
+    """Has forward(input_ids, positions, kv_caches) -> hidden (run inside the runner's step context),
+    compute_logits(hidden), num_layers, num_kv_heads, head_dim and sliding_windows (one entry per layer)."""
     hf_config: PretrainedConfig
     eos_token_ids: frozenset[int]
     max_model_len: int
@@ -174,11 +174,11 @@ def _load_transformers_model(
         raise UnsupportedModelError(
             hf_config.model_type, "attention classes from a table of the model's own with no paged entry"
         ) from error
-    hf_model.eval()
-    replace_own_attention(hf_model)
     # Built (or loaded) in `dtype` on the CPU, then moved: loading straight onto a GPU (`device_map`) would need
     # accelerate.
-    model = TransformersCausalLM(hf_model.to(device), backend)
+    hf_model = hf_model.eval().to(device)
+    replace_own_attention(hf_model)
+    model = TransformersCausalLM(hf_model, backend)
     model.check_runs_exactly()
     return model
 

@@ -1,0 +1,290 @@
+"""The runner's input batch: the sequences it runs (a page-table row each, and what sampling reads), kept in step
+with the plans' deltas, and the two sets of step buffers a step's inputs are packed into.
+
+The batch learns of new, grown, preempted and finished sequences only from plans (`apply`): new requests arrive
+with their whole page tables, continuing ones with the pages appended this step. `pack` writes a step's token
+ids, positions, query starts, sequence lengths and logits rows into the next buffer set, and `write_tables` each
+group's page-table rows and slot mappings, all with vectorised numpy ops over per-sequence offsets, never a loop
+over tokens. The two sets are used by steps in turn: a step prepared ahead (async scheduling) fills one while the
+step before it (its forward pass, or on CUDA its copies to the device) reads the other.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import StepMetadata
+from engine.core.request import SamplingParams, Spans
+from engine.core.step import PLACEHOLDER, NewRequest, SchedulerOutput
+from engine.sampling.token_masks import GrammarState
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """The runner's view of one running request: its page-table row and what sampling reads."""
+
+    row: int
+    num_pages: list[int]
+    """Pages in its table, per group."""
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator_seed: int
+    prompt_ids: tuple[int, ...]
+    output_ids: list[int]
+    prompt_logprobs: int | None
+    """Alternatives per prompt-token logprob, for a request that asked for prompt logprobs."""
+    grammar: GrammarState | None
+    """Set for a request with structured output."""
+    noncausal_spans: Spans = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, position: int) -> int:
+        return self.output_ids[position - len(self.prompt_ids)]
+
+    def extend_at(self, position: int, tokens: list[int]) -> list[int]:
+        """Add the tokens a step produced from `position` on; positions already known keep their tokens (a step
+        planned ahead sampled where an earlier step returned several, as the scheduler decides too)."""
+        new = tokens[max(0, self.num_tokens - position) :]
+        self.output_ids.extend(new)
+        return new
+
+
+@dataclass
+class StepBuffers:
+    """One set of a step's buffers: host staging (pinned on CUDA, so copies to the device are async), numpy views
+    of it, and the device copies (the host tensors themselves on CPU)."""
+
+    host: dict[str, torch.Tensor]
+    np: dict[str, np.ndarray]
+    device: dict[str, torch.Tensor]
+
+    @classmethod
+    def allocate(cls, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> StepBuffers:
+        pin = device.type == "cuda"
+        host = {name: torch.zeros(shape, dtype=dtype, pin_memory=pin) for name, (shape, dtype) in shapes.items()}
+        on_device = {name: torch.empty_like(t, device=device) for name, t in host.items()} if pin else host
+        return cls(host, {name: t.numpy() for name, t in host.items()}, on_device)
+
+    def to_device(self, name: str, n: int) -> torch.Tensor:
+        host = self.host[name][:n]
+        if self.device is self.host:
+            return host
+        return self.device[name][:n].copy_(host, non_blocking=True)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    """On the device; on CUDA its copy is issued by `load_inputs`, once the placeholders are filled."""
+    metas: list[StepMetadata]
+    """One per KV-cache group (positions shared, page tables and slot mappings its own)."""
+    logits_rows: torch.Tensor  # [S + P] packed-row index of each sampling sequence's last token, then prompt rows
+    num_sampling: int
+    """S: the first rows of the logits are the sampling sequences'; the P after them score prompt tokens."""
+    prompt_spans: list[tuple[str, int, int, int]]
+    """(request id, first prompt position scored, count, alternatives wanted) per sequence that wants prompt
+    logprobs, row order."""
+    prompt_targets: list[int]
+    """The prompt token each of the P prompt rows scores."""
+    sampling: list[SequenceState]
+    """The sequences sampled, row order: taken when prepared, since a later plan may drop them from the runner."""
+    constrained: list[int]
+    """The rows of `sampling` with a grammar (structured output)."""
+    placeholders: list[tuple[int, SequenceState, int]]
+    """(packed token index, sequence, position) of each PLACEHOLDER: its token there, filled in by `run`."""
+    sample_positions: list[int]
+    """The position of the first token sampled for each of `sampling`."""
+    buffers: StepBuffers
+    prepare_seconds: float = 0.0
+    graph_size: int | None = None
+    """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
+    loaded from `buffers` by `run` (rows past the step's sequences are padding), and the forward pass replays its
+    graph."""
+
+    @property
+    def meta(self) -> StepMetadata:
+        """The primary group's metadata (the only one, unless the model mixes attention kinds)."""
+        return self.metas[0]
+
+
+@dataclass
+class PackedStep:
+    """A step's host rows as `InputBatch.pack` wrote them, and the per-sequence offsets they came from."""
+
+    buffers: StepBuffers
+    seqs: list[SequenceState]
+    """The step's sequences, packing order."""
+    seq_rows: np.ndarray  # [B] each sequence's page-table row
+    cu_q: np.ndarray  # [B + 1] cumulative query lengths
+    seq_lens: np.ndarray  # [B] KV length of each sequence after this step
+    seq_of_token: np.ndarray  # [T]
+    max_query_len: int
+    num_sampling: int
+    """Logits rows [0, num_sampling) are the sampling sequences' last tokens."""
+    sampling: list[SequenceState]
+    sample_positions: list[int]
+    """The position of the first token sampled for each of `sampling`."""
+    placeholders: list[tuple[int, SequenceState, int]]
+    """(packed token index, sequence, position) of each PLACEHOLDER: its token there, filled in by `run`."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_q[-1])
+
+
+GrammarOf = Callable[[NewRequest], GrammarState | None]
+"""A new request's grammar state (structured output), or None."""
+
+
+class InputBatch:
+    def __init__(
+        self,
+        num_groups: int,
+        max_seqs: int,
+        max_tokens: int,
+        max_pages: int,
+        page_size: int,
+        device: torch.device,
+    ) -> None:
+        self.page_size = page_size
+        # Every running sequence's page table, one row each; a step gathers its sequences' rows.
+        self.tables = [np.zeros((max_seqs, max_pages), dtype=np.int32) for _ in range(num_groups)]
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self.seqs: dict[str, SequenceState] = {}
+        self.scoring_prompts: set[str] = set()
+        """Sequences that want prompt logprobs: the only ones a step looks at for prompt rows."""
+        self.num_constrained = 0
+        shapes = {
+            "input_ids": ((max_tokens,), torch.int64),
+            "positions": ((max_tokens,), torch.int64),
+            "query_start_loc": ((max_seqs + 1,), torch.int32),
+            "seq_lens": ((max_seqs,), torch.int32),
+            # Sampling rows (one per sequence), then rows scoring prompt tokens (at most the step's tokens).
+            "logits_rows": ((max_seqs + max_tokens,), torch.int64),
+        }
+        for g in range(num_groups):
+            shapes[f"slot_mapping{g}"] = ((max_tokens,), torch.int64)
+            shapes[f"page_tables{g}"] = ((max_seqs, max_pages), torch.int32)
+        # Two sets, used by steps in turn: a step prepared ahead fills one while the step before it reads the other.
+        self.buffers = [StepBuffers.allocate(shapes, device) for _ in range(2)]
+        self._num_packed = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.tables)
+
+    def apply(self, plan: SchedulerOutput, grammar_of: GrammarOf) -> None:
+        """The plan's deltas: drop finished and preempted sequences, add new ones, append granted pages."""
+        for request_id in itertools.chain(plan.preempted_ids, plan.finished_ids):
+            seq = self.seqs.pop(request_id, None)
+            if seq is not None:
+                self._free_rows.append(seq.row)
+                self.scoring_prompts.discard(request_id)
+                self.num_constrained -= seq.grammar is not None
+        if plan.draft_token_ids:
+            raise NotImplementedError("this runner has no verifying sampler: it cannot take a plan with drafts")
+        for new in plan.new_requests:
+            self._add(new, grammar_of(new))
+        for request_id, lengths in plan.shrunk_tables:
+            self.seqs[request_id].num_pages[:] = lengths
+        for request_id, grant in plan.new_pages:
+            seq = self.seqs[request_id]
+            for g, pages in enumerate(grant):
+                held = seq.num_pages[g]
+                self.tables[g][seq.row, held : held + len(pages)] = pages
+                seq.num_pages[g] = held + len(pages)
+
+    def _add(self, new: NewRequest, grammar: GrammarState | None) -> None:
+        if new.request_id in self.seqs:
+            raise ValueError(f"the runner already runs {new.request_id!r}")
+        row = self._free_rows.pop()
+        for tables, pages in zip(self.tables, new.page_tables, strict=True):
+            tables[row].fill(0)
+            if pages:
+                # Pages a sliding window released (-1) are outside every visible range: any page id will do.
+                tables[row, : len(pages)] = np.maximum(pages, 0)
+        self.seqs[new.request_id] = SequenceState(
+            row,
+            [len(pages) for pages in new.page_tables],
+            new.params,
+            new.eos_token_ids,
+            new.generator_seed,
+            new.prompt_ids,
+            list(new.output_ids),
+            new.params.prompt_logprobs,
+            grammar,
+            new.noncausal_spans,
+        )
+        self.num_constrained += grammar is not None
+        if new.params.prompt_logprobs is not None:
+            self.scoring_prompts.add(new.request_id)
+
+    def pack(self, plan: SchedulerOutput) -> PackedStep:
+        """The plan's token ids, positions, query starts, sequence lengths and sampling rows, into the next buffer
+        set's host rows (a non-empty plan, its deltas applied)."""
+        buffers = self.buffers[self._num_packed % 2]
+        self._num_packed += 1
+        num_seqs = len(plan.request_ids)
+        seqs = [self.seqs[rid] for rid in plan.request_ids]
+        seq_rows = np.fromiter((seq.row for seq in seqs), dtype=np.intp, count=num_seqs)
+        q_lens = np.asarray(plan.num_new_tokens, dtype=np.int64)
+        starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        total = int(cu_q[-1])
+        seq_lens = starts + q_lens
+
+        host = buffers.np
+        input_ids = host["input_ids"][:total]
+        input_ids[:] = list(itertools.chain.from_iterable(plan.token_ids))
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = host["positions"][:total]
+        positions[:] = np.repeat(starts - cu_q[:-1], q_lens) + np.arange(total)
+        # Planned before the step that samples them (async scheduling): `run` fills them in.
+        placeholders = [
+            (token, seqs[seq_of_token[token]], int(positions[token]))
+            for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist()
+        ]
+        host["query_start_loc"][: num_seqs + 1] = cu_q
+        host["seq_lens"][:num_seqs] = seq_lens
+        samples = np.asarray(plan.samples, dtype=bool)
+        rows = cu_q[1:][samples] - 1
+        host["logits_rows"][: len(rows)] = rows
+        return PackedStep(
+            buffers,
+            seqs,
+            seq_rows,
+            cu_q,
+            seq_lens,
+            seq_of_token,
+            int(q_lens.max()),
+            len(rows),
+            [seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled],
+            seq_lens[samples].tolist(),
+            placeholders,
+        )
+
+    def write_tables(
+        self,
+        host: dict[str, np.ndarray],
+        g: int,
+        seq_rows: np.ndarray,
+        widest: int,
+        seq_of_token: np.ndarray,
+        positions: np.ndarray,
+    ) -> None:
+        """Group g's page-table rows of the step's sequences (their first `widest` columns) and the cache slot of
+        each of its tokens, into the host rows."""
+        tables = host[f"page_tables{g}"][: len(seq_rows), :widest]
+        tables[:] = self.tables[g][seq_rows, :widest]
+        host[f"slot_mapping{g}"][: len(positions)] = (
+            tables[seq_of_token, positions // self.page_size] * self.page_size + positions % self.page_size
+        )

@@ -1,0 +1,169 @@
+"""Start-up in one place: what turns a loaded model into a runner that serves, the same on every rank.
+
+`start_runner` sizes the KV cache (on CUDA after profiling the largest step and the decode graphs' memory,
+engine/execution/memory.py; with tensor parallelism the smallest count over the ranks), fits `max_model_len` to
+what the cache holds, allocates the runner and its cache, compiles every graph a step can need (`--compile`,
+engine/execution/compile.py) and captures the decode graphs (engine/execution/cuda_graphs.py). The engine
+(engine/core/engine_core.py) and each tensor-parallel worker (engine/distributed/worker.py) call it alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, EngineStartupError
+from engine.core.kv_cache import GroupLayout, group_layers, pool_pages
+from engine.core.request import SamplingParams
+from engine.core.step import NewRequest, SchedulerOutput
+from engine.core.structured import GrammarCompiler
+from engine.distributed.parallel import TensorParallel
+from engine.execution.cuda_graphs import CaptureReport, start_decode_graphs
+from engine.execution.memory import kv_cache_budget_bytes
+from engine.execution.runner import ModelRunner, kv_bytes_per_layer_page
+from engine.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartedRunner:
+    runner: ModelRunner
+    loaded: LoadedModel
+    """The model, its `max_model_len` fitted to the KV cache."""
+    layouts: list[GroupLayout]
+    pages: list[int]
+    """Pages of each KV-cache group's pool."""
+    cuda_graphs: CaptureReport | None
+    """What was captured (sizes, seconds, memory); None when every step runs eagerly."""
+
+
+def start_runner(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    tp: TensorParallel | None = None,
+    grammars: GrammarCompiler | None = None,
+) -> StartedRunner:
+    """The runner of `loaded` with its KV cache sized, its graphs compiled and captured, ready for the first step
+    (`grammars`: the structured-output compiler to share, as ModelRunner takes it)."""
+    loaded, layouts, pages = kv_cache_layout(config, loaded, tp)
+    runner = ModelRunner(loaded, layouts, pages, config, grammars)
+    if config.compile != "none":
+        warm_up(runner, config)
+    return StartedRunner(runner, loaded, layouts, pages, start_decode_graphs(runner, config, loaded))
+
+
+def kv_cache_layout(
+    config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None = None
+) -> tuple[LoadedModel, list[GroupLayout], list[int]]:
+    """The KV-cache groups, the pages of each group's pool, and `loaded` with the longest request those pages
+    hold (`_fit_max_model_len`). With tensor parallelism every rank sizes its own cache (its KV heads, its
+    device's free memory) and all take the smallest count, since one scheduler hands out the same pages on every
+    rank; every rank then fits the same max_model_len."""
+    layouts = group_layers(loaded.model.sliding_windows)
+    layer_page_bytes = kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype)
+    budget = 0.0
+    if not config.num_blocks:
+        if tp is not None and loaded.device.type == "cuda":
+            # The profiling step's collectives wait only distributed_timeout: start it once every rank has loaded.
+            tp.wait_for_peers()
+        budget = kv_cache_budget_bytes(config, loaded, layouts, layer_page_bytes * loaded.model.num_layers)
+    pages = pool_pages(
+        layouts,
+        num_pages=config.num_blocks,
+        budget_bytes=budget,
+        layer_page_bytes=layer_page_bytes,
+        page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_batch_tokens=config.max_batch_tokens,
+    )
+    if tp is not None:
+        pages = tp.min_over_ranks(pages)
+    max_model_len = _fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.page_size)
+    return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages
+
+
+_WARM_UP_TOKENS = (1, 2, 16)
+"""Step sizes the warm-up runs, in this order: the one-token graph (dynamo specializes sizes 0 and 1), then a second
+size, which makes the token dimension dynamic (for 2 tokens and more), then a larger step, which must reuse it. A
+bfloat16 `WidenedLinear` branches on 3 rows, so there 16 gets a third graph."""
+
+
+def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
+    """Compile every graph now, so that no request waits for one: steps of a throwaway sequence of each warm-up size.
+
+    Its K/V land in the first pages of every pool; nothing else is cached yet, and a page's slots are always written
+    by the sequence that owns it before they are read.
+    """
+    capacity = min(runner.pool_pages) * config.page_size
+    sizes = sorted({min(n, config.max_batch_tokens, capacity) for n in _WARM_UP_TOKENS})
+    request_id = "compile-warm-up"
+    pages = tuple(range(-(-sizes[-1] // config.page_size)))
+    prompt = (0,) * sizes[-1]
+    new = NewRequest(
+        request_id, prompt, (), SamplingParams(), frozenset(), 0, (pages,) * (max(runner.group_of_layer) + 1)
+    )
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    try:
+        for i, n in enumerate(sizes):
+            # Each step (re)computes the sequence's first n positions: the runner takes plans as they come.
+            runner.execute(
+                SchedulerOutput(
+                    request_ids=(request_id,),
+                    num_computed_tokens=(0,),
+                    num_new_tokens=(n,),
+                    token_ids=(prompt[:n],),
+                    samples=(True,),
+                    new_requests=(new,) if i == 0 else (),
+                )
+            )
+    except Exception as error:  # dynamo and inductor raise many types; each is a reason this level cannot run here
+        raise EngineStartupError(
+            f"--compile {config.compile} failed at start-up ({type(error).__name__}: {_first_line(error)}); "
+            "--compile none runs the model eagerly"
+        ) from error
+    finally:
+        runner.execute(SchedulerOutput(finished_ids=(request_id,)))
+    logger.info(
+        "compiled (--compile %s): %d graphs in %.1f s",
+        config.compile,
+        torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+        time.perf_counter() - started,
+    )
+
+
+def _fit_max_model_len(config: EngineConfig, loaded: LoadedModel, cache_tokens: int) -> int:
+    """The longest request the engine takes: the model's limit, unless the whole KV cache holds fewer tokens.
+
+    A cache that cannot hold one request of an explicitly asked `max_model_len` is refused (every request that
+    leaves its length to the server would otherwise be refused); a default one is lowered to what fits.
+    """
+    wanted = loaded.max_model_len
+    if wanted <= cache_tokens:
+        return wanted
+    budget_flag = "--max-memory-percent" if loaded.device.type == "cuda" else "--cpu-kv-cache-gib"
+    if config.max_model_len is not None:
+        raise EngineStartupError(
+            f"the KV cache holds {cache_tokens} tokens ({cache_tokens // config.page_size} pages of "
+            f"{config.page_size}), fewer than one request of --max-model-len {wanted} needs: lower --max-model-len "
+            f"to at most {cache_tokens}, or give the cache more room with --num-blocks or {budget_flag}"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens, fewer than the model's %d: max_model_len lowered to %d (choose it with "
+        "--max-model-len, or give the cache more room with --num-blocks or %s)",
+        cache_tokens,
+        wanted,
+        cache_tokens,
+        budget_flag,
+    )
+    return cache_tokens
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no message"
