@@ -54,7 +54,7 @@ class ZeroCostModel(torch.nn.Module):
         self._hidden = torch.zeros(max_tokens, hidden_size, device=device)
         self._logits = torch.zeros(max_seqs, vocab_size, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object, kv_caches: object):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: object) -> torch.Tensor:
         return self._hidden[: input_ids.shape[0]]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

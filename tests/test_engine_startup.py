@@ -71,8 +71,8 @@ def test_the_profiling_step_runs_through_a_runner(tiny_llama: Path) -> None:
     config = EngineConfig(model=str(tiny_llama), max_batch_tokens=96, max_num_seqs=8, page_size=16)
     loaded = load_model(config)
     result = run_largest_step(config, loaded, group_layers(loaded.model.sliding_windows))
-    assert len(result.token_ids) == 8
-    assert all(logprob is not None and len(logprob.top) == 20 for logprob in result.logprobs)
+    assert [len(tokens) for tokens in result.token_ids] == [1] * 8
+    assert all(lps is not None and [len(lp.top) for lp in lps] == [20] for lps in result.logprobs)
 
 
 # -- CPU threads per step ------------------------------------------------------------------------------------
