@@ -16,8 +16,8 @@ from engine.config import EngineConfig, EngineStartupError
 from engine.core.engine_core import EngineCore
 from engine.core.kv_cache import group_layers
 from engine.core.request import RequestRejected, SamplingParams
+from engine.execution.cpu_threads import PREFILL_STEP_TOKENS, step_threads
 from engine.execution.memory import largest_step_lengths, run_largest_step
-from engine.execution.runner import PREFILL_STEP_TOKENS, step_threads
 from engine.models.loader import load_model
 
 
@@ -71,8 +71,8 @@ def test_the_profiling_step_runs_through_a_runner(tiny_llama: Path) -> None:
     config = EngineConfig(model=str(tiny_llama), max_batch_tokens=96, max_num_seqs=8, page_size=16)
     loaded = load_model(config)
     result = run_largest_step(config, loaded, group_layers(loaded.model.sliding_windows))
-    assert len(result.token_ids) == 8
-    assert all(logprob is not None and len(logprob.top) == 20 for logprob in result.logprobs)
+    assert len(result.token_ids) == 8 and all(len(tokens) == 1 for tokens in result.token_ids)
+    assert all(entries is not None and len(entries[0].top) == 20 for entries in result.logprobs)
 
 
 # -- CPU threads per step ------------------------------------------------------------------------------------
