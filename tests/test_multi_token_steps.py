@@ -65,9 +65,7 @@ def _scripted_run(path: Path, arch: str, shared_prefix: int, **overrides: object
     prompts, max_new, expected, expected_logprobs = _reference(path, arch, shared_prefix)
     watch = _MostTokens()
     config = EngineConfig(model=str(path), debug_checks=True, **{"num_blocks": 512, **overrides})  # type: ignore[arg-type]
-    engine = EngineCore(config, observers=[watch])
-    # A real ModelRunner, built by the engine, given the scripted subclass's one override.
-    engine.runner.__class__ = ScriptedRunner
+    engine = EngineCore(config, observers=[watch], runner_class=ScriptedRunner)
     runner = engine.runner
     assert isinstance(runner, ScriptedRunner)
     runner.continuations = {tuple(prompts[i]): (expected[i], expected_logprobs[i]) for i in range(0, len(prompts), 2)}

@@ -318,7 +318,7 @@ def _allowed(compiled: CompiledGrammar, prefix: list[int], candidates: list[int]
 def test_unconstrained_steps_never_touch_the_grammar_path(tiny_llama: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     engine = _engine(tiny_llama)
     generate_batch(_prompts(tokenizer, 4), params=SamplingParams(max_new_tokens=8), engine=engine)
-    assert engine.runner.grammar_masker is None
+    assert engine.runner.step_grammars.masker is None
     assert engine.grammars.cache_info().misses == 0
 
     class ConstrainedRows:
@@ -335,7 +335,7 @@ def test_unconstrained_steps_never_touch_the_grammar_path(tiny_llama: Path, toke
     params = [_constrained("regex", "[a-z]{3,6}"), *[SamplingParams(max_new_tokens=30)] * 3]
     generate_batch(_prompts(tokenizer, 4), params=params, engine=engine)
     # Exactly the constrained request's sampling rows were masked, none of its neighbours'.
-    assert engine.runner.grammar_masker.num_masked_rows == counter.rows > 0
+    assert engine.runner.step_grammars.masker.num_masked_rows == counter.rows > 0
 
 
 class _GatedCompiler(GrammarCompiler):

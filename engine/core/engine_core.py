@@ -39,6 +39,7 @@ from engine.core.structured import CompiledGrammar, GrammarCompiler
 from engine.distributed.parallel import CollectiveFailed, TensorParallel, init_tensor_parallel, with_rendezvous
 from engine.distributed.worker import Workers
 from engine.execution.cuda_graphs import CaptureReport
+from engine.execution.runner import ModelRunner
 from engine.execution.startup import start_runner
 from engine.models.loader import LoadedModel, load_model, model_config
 
@@ -50,7 +51,9 @@ class EngineCore:
 
     `loaded` is a model already loaded for `config` (the overhead benchmark passes one whose forward pass costs
     nothing); by default the model `config` names is loaded. `observers` see one `StepRecord` per step. `grammars`
-    compiles structured outputs; by default one for the model directory's tokenizer.
+    compiles structured outputs; by default one for the model directory's tokenizer. `runner_class` builds this
+    rank's runner: ModelRunner, or a subclass that changes what a step returns (tests script several tokens a step);
+    the other tensor-parallel ranks, which never sample, run ModelRunner.
 
     With `config.tensor_parallel_size` > 1 it starts this node's other ranks (engine/distributed/worker.py) and is rank
     0, the driver: each step's plan goes to every rank, and sampling (grammars included) happens here only. `close()`,
@@ -64,6 +67,7 @@ class EngineCore:
         loaded: LoadedModel | None = None,
         observers: Iterable[StepObserver] = (),
         grammars: GrammarCompiler | None = None,
+        runner_class: type[ModelRunner] = ModelRunner,
     ) -> None:
         self.model_name = os.path.basename(os.path.normpath(config.model))
         self.tensor_parallel: TensorParallel | None = None
@@ -80,7 +84,9 @@ class EngineCore:
         try:
             if self._workers is not None:
                 self.tensor_parallel = init_tensor_parallel(config, rank=0)
-            self._build(config, load_model(config, self.tensor_parallel) if loaded is None else loaded, grammars)
+            self._build(
+                config, load_model(config, self.tensor_parallel) if loaded is None else loaded, grammars, runner_class
+            )
         except BaseException:
             self._release(stopped=False)  # the other ranks may be anywhere in their start-up: no stop for them
             raise
@@ -88,11 +94,17 @@ class EngineCore:
         self._num_steps = 0
         self._last_step_tokens = 0
 
-    def _build(self, config: EngineConfig, loaded: LoadedModel, grammars: GrammarCompiler | None) -> None:
+    def _build(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        grammars: GrammarCompiler | None,
+        runner_class: type[ModelRunner],
+    ) -> None:
         self.grammars = grammars or GrammarCompiler(
             config.model, vocab_size=loaded.hf_config.vocab_size, eos_token_ids=loaded.eos_token_ids
         )
-        started = start_runner(config, loaded, self.tensor_parallel, self.grammars)
+        started = start_runner(config, loaded, self.tensor_parallel, self.grammars, runner_class)
         self.runner = started.runner
         self.cuda_graphs: CaptureReport | None = started.cuda_graphs
         """What was captured (sizes, seconds, memory); None when every step runs eagerly."""

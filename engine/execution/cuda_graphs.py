@@ -12,10 +12,11 @@ them (`decode_graph_size`); it is padded up to the next size:
                     one slot that page's first; so a padded row writes and reads the scratch page, never a real
                     page, and real rows never see it (their page tables list only pages the pool handed out)
 
-The scratch page is one page past each pool's pages (`ModelRunner.scratch_pages`), which the page pool never
-hands out. What is captured is the model up to the final norm ([size, hidden]); the LM head then runs eagerly on
-the sampling rows only (logits for padded rows would be wasted work, and each graph's static output would stay
-allocated in the pool: [size, vocab] float32 is large), and sampling stays outside the graph as before.
+The scratch page is one page past each pool's pages (`ModelRunner.scratch_pages`), which the page pool never hands
+out. The padding and the static buffers the graphs read are engine/execution/graph_inputs.py's. What is captured is
+the model up to the final norm ([size, hidden]); the LM head then runs eagerly on the sampling rows only (logits for
+padded rows would be wasted work, and each graph's static output would stay allocated in the pool: [size, vocab]
+float32 is large), and sampling stays outside the graph as before.
 
 Graphs run when the device is CUDA, the model is native (the transformers adapter's modules are not checked for
 capture), the attention backend is `capturable` (reads only the step's device tensors), tensor_parallel_size is 1
@@ -56,7 +57,8 @@ Capture = Callable[[StepFn], StepFn]
 
 
 class GraphedRunner(Protocol):
-    """What capture needs of the runner (engine/execution/runner.py, which pads its decode steps for the graphs)."""
+    """What capture needs of the runner (engine/execution/runner.py, whose PaddedDecode pads its decode steps for
+    the graphs)."""
 
     device: torch.device
 

@@ -13,21 +13,19 @@ the device, read the other), a step keeps the sequences it samples from its own 
 token step N samples) is filled in by `run`, just before the token ids go to the device.
 
 With decode graphs (engine/execution/cuda_graphs.py, `use_decode_graphs`) a step whose every sequence computes one
-token is padded to a graph size instead: its rows, then padding rows on the scratch pages, in its host buffers; `run`
-copies them into the graphs' static inputs (one set of device buffers, written only there, so a step prepared ahead
-never touches what a replay reads) and replays the captured graph of that size.
+token is padded to a graph size instead (engine/execution/graph_inputs.py): its rows, then padding rows on the
+scratch pages, in its host buffers; `run` copies them into the graphs' static inputs and replays the captured graph
+of that size.
 
-A constrained sequence (structured output) also keeps its grammar state here: it advances with every token sampled
-for it, and the step's constrained rows get one grammar mask (engine/sampling/token_masks.py) that the sampler applies.
+A constrained sequence (structured output) also keeps its grammar state, which advances with every token sampled
+for it; the step's constrained rows get one grammar mask that the sampler applies (engine/sampling/token_masks.py).
+On CPU the step's size picks its thread count (engine/execution/cpu_threads.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 import time
-from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
@@ -40,28 +38,14 @@ from engine.core.kv_cache import GroupLayout
 from engine.core.request import Spans, TokenLogprob
 from engine.core.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, SchedulerOutput
 from engine.core.structured import GrammarCompiler
-from engine.execution.cuda_graphs import Capture, StepFn, decode_graph_size
-from engine.execution.input_batch import InputBatch, PackedStep, StepBuffers, StepInputs
+from engine.execution.cpu_threads import step_threads
+from engine.execution.cuda_graphs import Capture, decode_graph_size
+from engine.execution.graph_inputs import PaddedDecode
+from engine.execution.input_batch import InputBatch, PackedStep, StepInputs
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
 from engine.models.loader import LoadedModel
 from engine.sampling.sampler import Sampler, SampleResult
-from engine.sampling.token_masks import GrammarMasker, GrammarState
-
-PREFILL_STEP_TOKENS = 256
-"""A CPU step of at least this many tokens runs on `cpu_prefill_threads` (measured on the demo model: 256 and 512
-gave the same TTFT; below, decode steps with a short new prompt would take the second core from the front end)."""
-
-
-def step_threads(config: EngineConfig, device: torch.device) -> tuple[int, int] | None:
-    """(threads for a small step, threads for a step of PREFILL_STEP_TOKENS or more) on CPU; None where every step
-    keeps one count (a GPU, cpu_threads None, or no more prefill threads than cpu_threads)."""
-    if device.type != "cpu" or config.cpu_threads is None:
-        return None
-    prefill = config.cpu_prefill_threads
-    if prefill is None:
-        ranks_here = config.tensor_parallel_size // config.nnodes
-        prefill = max(1, len(os.sched_getaffinity(0)) // ranks_here)
-    return (config.cpu_threads, prefill) if prefill > config.cpu_threads else None
+from engine.sampling.token_masks import GrammarState, StepGrammars
 
 
 def kv_bytes_per_layer_page(model: torch.nn.Module, page_size: int, dtype: torch.dtype) -> int:
@@ -102,15 +86,13 @@ class ModelRunner:
         self.page_size = config.page_size
         self.device = device = loaded.device
         self.sampler = Sampler(loaded.hf_config.vocab_size, device, config.seed)
-        self.grammars = grammars or GrammarCompiler(
-            config.model, vocab_size=loaded.hf_config.vocab_size, eos_token_ids=loaded.eos_token_ids
-        )
+        vocab_size = loaded.hf_config.vocab_size
+        compiler = grammars or GrammarCompiler(config.model, vocab_size=vocab_size, eos_token_ids=loaded.eos_token_ids)
+        self.step_grammars = StepGrammars(compiler, vocab_size, config.max_num_seqs, device)
+        """Structured output: the constrained sequences' grammar states and each step's grammar bias."""
         self.samples = loaded.rank == 0
         """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
         since the driver samples."""
-        self.grammar_masker: GrammarMasker | None = None
-        """Built with the first constrained sequence: steps without any never touch a grammar."""
-        self._max_seqs = config.max_num_seqs
         self._step_threads = step_threads(config, device)
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
@@ -127,17 +109,18 @@ class ModelRunner:
         self.batch = InputBatch(len(layouts), max_seqs, max_tokens, max_pages, config.page_size, device)
         """The running sequences (page-table rows, sampling state) and the step buffers they are packed into."""
         self._max_rows = min(max_seqs, max_tokens)
-        self.graph_sizes: tuple[int, ...] = ()
-        """Decode steps of up to graph_sizes[-1] sequences are padded to the next of these (none: all eager)."""
-        self._static: dict[str, torch.Tensor] = {}
-        """The graphs' inputs on the device (rows for the largest size), written by `run` only."""
-        self._graph_metas: dict[int, list[StepMetadata]] = {}
-        self._decode_steps: dict[int, StepFn] = {}
+        self.padded_decode: PaddedDecode | None = None
+        """Set by `use_decode_graphs`; None while every step runs eagerly."""
 
     @property
     def scratch_pages(self) -> list[int]:
         """Each group's scratch page, one past its pool's pages: padded decode rows write and read it alone."""
         return self.pool_pages
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        """Decode steps of up to graph_sizes[-1] sequences are padded to the next of these (none: all eager)."""
+        return () if self.padded_decode is None else self.padded_decode.sizes
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one planned step: pack, forward, sample."""
@@ -149,9 +132,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         started = time.perf_counter()
         if self._step_threads is not None:
-            # Per thread in torch: set on the thread that runs the step (the runner's own under async scheduling).
-            small, large = self._step_threads
-            torch.set_num_threads(large if len(inputs.input_ids) >= PREFILL_STEP_TOKENS else small)
+            self._step_threads.use_for(len(inputs.input_ids))
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
         forward_seconds = forwarded - started
@@ -159,9 +140,8 @@ class ModelRunner:
             return ModelRunnerOutput(prepare_seconds=inputs.prepare_seconds, forward_seconds=forward_seconds)
         sampling, constrained = inputs.sampling, inputs.constrained
         # After the forward pass was issued: on CUDA the CPU fills the masks while the device computes.
-        grammar_bias = (
-            (constrained, self._grammar_bias([sampling[row].grammar for row in constrained])) if constrained else None
-        )
+        grammars = [sampling[row].grammar for row in constrained]
+        grammar_bias = (constrained, self.step_grammars.bias(grammars)) if constrained else None
         token_ids, logprobs = self.step_tokens(
             inputs, self.sampler(logits[: inputs.num_sampling], sampling, grammar_bias)
         )
@@ -169,9 +149,7 @@ class ModelRunner:
             seq.extend_at(position, tokens)
             for seq, position, tokens in zip(sampling, inputs.sample_positions, token_ids, strict=True)
         ]
-        for row in constrained:
-            for token in added[row]:
-                sampling[row].grammar.advance(token)
+        self.step_grammars.advance(grammars, [added[row] for row in constrained])
         return ModelRunnerOutput(
             token_ids,
             logprobs,
@@ -203,7 +181,7 @@ class ModelRunner:
         if inputs.graph_size is None:
             inputs.buffers.to_device("input_ids", len(inputs.input_ids))
         else:
-            self._load_static(inputs.buffers, inputs.graph_size)
+            self._padded().load(inputs.buffers, inputs.graph_size)
 
     def with_sampled_tokens(self, plan: SchedulerOutput) -> SchedulerOutput:
         """The plan with each PLACEHOLDER replaced by the token this runner sampled for its request: what the
@@ -242,7 +220,7 @@ class ModelRunner:
         if graph_size is None:
             step_ids, metas = self._eager_metas(packed, plan, noncausal)
         else:
-            step_ids, metas = self._padded_metas(packed, graph_size)
+            step_ids, metas = self._padded().prepare(packed, graph_size)
         sampling = packed.sampling
         return StepInputs(
             step_ids,
@@ -305,118 +283,25 @@ class ModelRunner:
             metas.append(meta)
         return buffers.device["input_ids"][:total], metas
 
-    def _padded_metas(self, packed: PackedStep, size: int) -> tuple[torch.Tensor, list[StepMetadata]]:
-        """The decode step whose host rows `prepare` filled, completed with padding rows up to `size`: the static
-        token ids and that size's metadata, which `run` loads from these host rows. Page tables are whole rows (the
-        static shape), the real ones as `prepare` builds them for an eager step; one token per sequence, so token i
-        is sequence i's."""
-        host = packed.buffers.np
-        num_seqs = len(packed.seqs)
-        self._write_padding(host, num_seqs, size)
-        widest = -(-int(packed.seq_lens.max()) // self.page_size)
-        positions = host["positions"][:num_seqs]
-        for g in range(self.batch.num_groups):
-            self.batch.write_tables(host, g, packed.seq_rows, widest, np.arange(num_seqs), positions)
-        return self._static["input_ids"][:size], self._graph_metas[size]
-
-    def _write_padding(self, host: dict[str, np.ndarray], first: int, size: int) -> None:
-        """Host rows [first, size) become padding: token 0 at position 0 of a one-token sequence whose page table
-        and slot are its group's scratch page (row i is token i and sequence i alike)."""
-        host["input_ids"][first:size] = 0
-        host["positions"][first:size] = 0
-        host["query_start_loc"][first + 1 : size + 1] = np.arange(first + 1, size + 1)
-        host["seq_lens"][first:size] = 1
-        for g, scratch in enumerate(self.scratch_pages):
-            host[f"page_tables{g}"][first:size] = scratch
-            host[f"slot_mapping{g}"][first:size] = scratch * self.page_size
-
-    def _load_static(self, buffers: StepBuffers, size: int) -> None:
-        """The first `size` rows of every graph input, from `buffers`' host rows into the static device buffers (in
-        place: the graphs read these addresses). On CUDA the copies queue behind the step before on the stream."""
-        rows = {name: size for name in self._static}
-        rows["query_start_loc"] = size + 1
-        for name, n in rows.items():
-            self._static[name][:n].copy_(buffers.host[name][:n], non_blocking=True)
-
     def use_decode_graphs(self, sizes: tuple[int, ...], capture: Capture) -> None:
         """From now on pad every decode step of up to `sizes[-1]` sequences to the next of `sizes` (ascending) and
         run what `capture` made of the padded forward of that size (on CUDA, the replay of its graph;
-        engine/execution/cuda_graphs.py). Called before the first step: the sizes are captured largest first, over a
-        step of padding rows only, which is what the static buffers hold until a step overwrites them."""
+        engine/execution/cuda_graphs.py). Called before the first step (engine/execution/graph_inputs.py)."""
         if self.batch.seqs:
             raise RuntimeError("decode graphs are set up before the first step")
-        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > self._max_rows:
-            raise ValueError(f"graph sizes must ascend from 1 up to {self._max_rows}, got {sizes}")
-        largest = sizes[-1]
-        staging = self.batch.buffers[0].host
-        self._static = {
-            name: torch.empty(
-                (largest + 1 if name == "query_start_loc" else largest, *t.shape[1:]), dtype=t.dtype, device=self.device
-            )
-            for name, t in staging.items()
-            if name != "logits_rows"
-        }
-        self._write_padding(self.batch.buffers[0].np, 0, largest)
-        self._load_static(self.batch.buffers[0], largest)
-        for size in reversed(sizes):
-            self._graph_metas[size] = self._static_metas(size)
-            self._decode_steps[size] = capture(functools.partial(self._padded_forward, size))
-        self.graph_sizes = tuple(sizes)
+        self.padded_decode = PaddedDecode(
+            sizes, capture, self._model_forward, self.batch, self.backend, self.scratch_pages, self._max_rows
+        )
 
-    def _static_metas(self, size: int) -> list[StepMetadata]:
-        """Each group's metadata over views of the first `size` rows of the static buffers: what a graph of that
-        size captures. Its host fields describe the padding-only step it is captured with, and stay so: a
-        `capturable` backend reads none of them but `max_query_len` (1 in every step a graph replays) and
-        `page_size`."""
-        static = self._static
-        return [
-            StepMetadata(
-                positions=static["positions"][:size],
-                slot_mapping=static[f"slot_mapping{g}"][:size],
-                query_start_loc=static["query_start_loc"][: size + 1],
-                seq_lens=static["seq_lens"][:size],
-                page_tables=static[f"page_tables{g}"][:size],  # [size, max_pages]: whole rows, a static shape
-                page_tables_host=np.full((size, static[f"page_tables{g}"].shape[1]), self.scratch_pages[g], np.int32),
-                query_start_loc_host=list(range(size + 1)),
-                query_lens_host=[1] * size,
-                seq_lens_host=[1] * size,
-                max_query_len=1,
-                max_seq_len=1,
-                page_size=self.page_size,
-            )
-            for g in range(self.batch.num_groups)
-        ]
-
-    @torch.inference_mode()
-    def _padded_forward(self, size: int) -> torch.Tensor:
-        """The model over the static buffers' first `size` rows, up to the final norm: [size, hidden]. The
-        backend's `prepare` runs inside, so what it derives on the device is derived again by every replay."""
-        metas = self._graph_metas[size]
-        for meta in metas:
-            meta.backend_state.clear()
-            self.backend.prepare(meta)
-        with self._step_context(metas):
-            return self.model(self._static["input_ids"][:size], metas[0].positions, self.kv_caches)
+    def _padded(self) -> PaddedDecode:
+        """The padded decode steps, which a step with a graph size has."""
+        if self.padded_decode is None:
+            raise RuntimeError("a step padded to a graph size, yet no decode graphs are set up")
+        return self.padded_decode
 
     def _grammar_state(self, new: NewRequest) -> GrammarState | None:
-        """A constrained request's grammar state, caught up with the tokens it generated before a preemption."""
-        structured_output = new.params.structured_output
-        if structured_output is None or not self.samples:
-            return None
-        # Compiled before the request was admitted, so this is a cache hit (a recompile only if it was evicted).
-        compiled = self.grammars.compile(structured_output)
-        end_token_ids = new.eos_token_ids | frozenset(new.params.stop_token_ids)
-        return GrammarState(compiled, end_token_ids, new.output_ids)
-
-    def _grammar_bias(self, states: list[GrammarState]) -> torch.Tensor:
-        if self.grammar_masker is None:
-            self.grammar_masker = GrammarMasker(
-                self.sampler.vocab_size,
-                self._max_seqs,
-                self.device,
-                frozenset(self.grammars.tokenizer.eos_tokens),
-            )
-        return self.grammar_masker.bias(states)
+        """A constrained request's grammar state; none on a rank that does not sample."""
+        return self.step_grammars.state_of(new) if self.samples else None
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -424,13 +309,14 @@ class ModelRunner:
         the prompt rows scored), None on a tensor-parallel rank other than 0."""
         self.load_inputs(inputs)
         if inputs.graph_size is not None:
-            hidden = self._decode_steps[inputs.graph_size]()
+            hidden = self._padded().replay(inputs.graph_size)
         else:
-            with self._step_context(inputs.metas):
-                hidden = self.model(inputs.input_ids, inputs.meta.positions, self.kv_caches)
+            hidden = self._model_forward(inputs.input_ids, inputs.metas)
         return self.model.compute_logits(hidden[inputs.logits_rows])
 
-    def _step_context(self, metas: list[StepMetadata]) -> AbstractContextManager[None]:
-        """The step's context for the attention layers (engine/attention/context.py): each group's metadata."""
+    def _model_forward(self, input_ids: torch.Tensor, metas: list[StepMetadata]) -> torch.Tensor:
+        """The model up to the final norm, inside the step's context for the attention layers
+        (engine/attention/context.py): each group's metadata, per layer."""
         layer_metas = [metas[g] for g in self.group_of_layer]
-        return step_context(StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches))
+        with step_context(StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches)):
+            return self.model(input_ids, metas[0].positions, self.kv_caches)

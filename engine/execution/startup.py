@@ -47,11 +47,13 @@ def start_runner(
     loaded: LoadedModel,
     tp: TensorParallel | None = None,
     grammars: GrammarCompiler | None = None,
+    runner_class: type[ModelRunner] = ModelRunner,
 ) -> StartedRunner:
     """The runner of `loaded` with its KV cache sized, its graphs compiled and captured, ready for the first step
-    (`grammars`: the structured-output compiler to share, as ModelRunner takes it)."""
+    (`grammars`: the structured-output compiler to share, as ModelRunner takes it; `runner_class`: ModelRunner or
+    a subclass of it, built as ModelRunner is)."""
     loaded, layouts, pages = kv_cache_layout(config, loaded, tp)
-    runner = ModelRunner(loaded, layouts, pages, config, grammars)
+    runner = runner_class(loaded, layouts, pages, config, grammars)
     if config.compile != "none":
         warm_up(runner, config)
     return StartedRunner(runner, loaded, layouts, pages, start_decode_graphs(runner, config, loaded))

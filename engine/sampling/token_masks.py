@@ -1,8 +1,9 @@
 """Grammar-constrained rows of a step: each constrained sequence's grammar state, and the one bias tensor per step
 that bans every token those grammars forbid.
 
-The runner keeps a `GrammarState` per constrained sequence (on resume after a preemption it replays the tokens
-generated so far) and advances it with each token sampled; prefill chunks never touch it. `GrammarMasker.bias`
+The runner keeps a `GrammarState` per constrained sequence, built by `StepGrammars.state_of` when the sequence
+arrives (on resume after a preemption it replays the tokens generated so far), and advances it with each token
+sampled (`StepGrammars.advance`); prefill chunks never touch it. `GrammarMasker.bias`
 fills one bitmask for all the step's constrained rows with llguidance's batched fill on the CPU, then expands it on
 the device into an additive bias, 0 where a token is allowed and -inf where it is not, which the sampler adds to
 the logits in one operation.
@@ -17,7 +18,8 @@ import llguidance
 import numpy as np
 import torch
 
-from engine.core.structured import CompiledGrammar
+from engine.core.step import NewRequest
+from engine.core.structured import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +112,41 @@ def _word_bits(token_ids: frozenset[int], vocab_size: int) -> tuple[np.ndarray, 
     """Each token's bitmask word and its bit in that word (tokens outside the vocabulary left out)."""
     tokens = np.fromiter((t for t in token_ids if 0 <= t < vocab_size), dtype=np.int64)
     return tokens >> 5, (np.uint32(1) << (tokens & 31).astype(np.uint32)).astype(np.uint32)
+
+
+class StepGrammars:
+    """The runner's grammar side: the state of each constrained request it is handed, and each step's bias.
+
+    The masker is built with the first constrained row: steps without any never touch a grammar.
+    """
+
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        self.compiler = compiler
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        self.device = device
+        self.masker: GrammarMasker | None = None
+
+    def state_of(self, new: NewRequest) -> GrammarState | None:
+        """A constrained request's grammar state, caught up with the tokens it generated before a preemption."""
+        structured_output = new.params.structured_output
+        if structured_output is None:
+            return None
+        # Compiled before the request was admitted, so this is a cache hit (a recompile only if it was evicted).
+        compiled = self.compiler.compile(structured_output)
+        return GrammarState(compiled, new.eos_token_ids | frozenset(new.params.stop_token_ids), new.output_ids)
+
+    def bias(self, states: Sequence[GrammarState]) -> torch.Tensor:
+        """`GrammarMasker.bias` of the step's constrained rows."""
+        if self.masker is None:
+            self.masker = GrammarMasker(
+                self.vocab_size, self.max_rows, self.device, frozenset(self.compiler.tokenizer.eos_tokens)
+            )
+        return self.masker.bias(states)
+
+    @staticmethod
+    def advance(states: Sequence[GrammarState], added: Sequence[Sequence[int]]) -> None:
+        """Each state through the tokens its sequence was given this step."""
+        for state, tokens in zip(states, added, strict=True):
+            for token in tokens:
+                state.advance(token)
