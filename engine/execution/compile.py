@@ -8,7 +8,7 @@ start-up warm-up that compiles every graph a step can need.
 - `full`: the whole decoder in one graph: embedding, every layer, final norm.
 
 In both, paged attention is the opaque op `ferry::layer_attention` (engine/attention/graph_op.py) and oneDNN-packed
-linears are `ferry::packed_linear` (engine/models/cpu_linear.py); what inductor generates is the rest: norms,
+linears are `ferry::packed_linear` (engine/layers/linear_method.py); what inductor generates is the rest: norms,
 rotary, residuals, activations, fused into C++ loops. The rotary lookup, LM head and sampling stay eager.
 
 The token dimension is dynamic (dynamo's automatic dynamic shapes: a second size makes it symbolic; a one-token
@@ -49,7 +49,7 @@ linears' third), with room to spare; past it the start-up fails rather than run 
 _WARM_UP_TOKENS = (1, 2, 16)
 """Step sizes the warm-up runs, in this order: the one-token graph (dynamo specializes sizes 0 and 1), then a second
 size, which makes the token dimension dynamic (for 2 tokens and more), then a larger step, which must reuse it. A
-bfloat16 `WidenedLinear` branches on 3 rows, so there 16 gets a third graph."""
+bfloat16 `WidenedLinearMethod` branches on 3 rows, so there 16 gets a third graph."""
 
 
 def check_compile_level(config: EngineConfig, *, native: bool, device: torch.device) -> None:

@@ -12,7 +12,7 @@ packed row, or whose logits are post-processed in a way `compute_logits` does no
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
 import numpy as np
@@ -21,6 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from engine.attention import AttentionBackend, StepMetadata, TorchPagedBackend
+from engine.attention.spec import CacheSpec, attention_specs
 from engine.models.hf_attention import (
     ATTN_IMPLEMENTATION,
     KNOWN_ARGUMENT_FEATURES,
@@ -67,18 +68,46 @@ class TransformersCausalLM(nn.Module):
         positions: torch.Tensor,
         layer_metas: list[StepMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The `CausalLM` forward (engine/models/base.py): final hidden states `[T, hidden]`."""
+        if positions.dim() != 1:
+            raise ValueError(
+                f"the transformers adapter passes one axis of positions to {self.model_type}: positions must be [T], "
+                f"not {list(positions.shape)}"
+            )
         with step_context(StepContext(layer_metas, kv_caches, self.backend, self.alibi_slopes)):
-            return self._hidden(input_ids, positions)
+            return self._hidden(input_ids, positions, inputs_embeds)
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.hf_model.base_model(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, return_dict=True
-        )
+    def _hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            out = self.hf_model.base_model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False, return_dict=True
+            )
+        else:
+            out = self.hf_model.base_model(
+                inputs_embeds=inputs_embeds[None], position_ids=positions[None], use_cache=False, return_dict=True
+            )
         return out.last_hidden_state[0]
 
+    def cache_specs(self) -> list[CacheSpec]:
+        """Each layer's KV cache: full attention, or a sliding window."""
+        return attention_specs(self.num_kv_heads, self.head_dim, self.hf_model.dtype, self.sliding_windows)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors copied into the transformers model's parameters of the same names (before
+        `adopt_linears` repacks them: the loader reads checkpoints through transformers' `from_pretrained`)."""
+        params = dict(self.hf_model.named_parameters())
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.model_type} model")
+            params[name].copy_(tensor)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Looked up each call: loading may swap the head for a packed CPU linear after this wrapper is built.
+        # Looked up each call: `adopt_linears` replaces the head with a Ferry linear after this wrapper is built.
         logits = self.hf_model.get_output_embeddings()(hidden).float()
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
