@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -84,8 +85,9 @@ def test_a_tied_model_keeps_one_embedding_matrix(tmp_path: Path, dtype: str) -> 
 def test_a_load_peaks_near_the_size_of_its_weights(tmp_path: Path, dtype: str) -> None:
     """A float32 checkpoint of ~180 MB loaded as `dtype`: the process grows by about the weights, not by a float32
     model first (bfloat16), nor by the unpacked and the packed model at once (float32, which oneDNN packs on every
-    CPU; bfloat16 where it has bfloat16 arithmetic). Measured in a fresh process, from anonymous memory (the
-    checkpoint's page cache is not the loader's)."""
+    CPU; bfloat16 where it has bfloat16 arithmetic): packing goes layer by layer, so beside the weights only the
+    layer being packed exists twice (gate/up, the largest, is 17% of this model). Measured in a fresh process, from
+    anonymous memory (the checkpoint's page cache is not the loader's)."""
     model = build_model_dir(
         tmp_path / "mid", "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
         num_attention_heads=16, num_key_value_heads=4, vocab_size=8192,
@@ -93,10 +95,14 @@ def test_a_load_peaks_near_the_size_of_its_weights(tmp_path: Path, dtype: str) -
     result = subprocess.run(
         [sys.executable, "scripts/load_peak_memory.py", str(model), "--dtype", dtype],
         cwd=REPO_ROOT,
+        # The script's own folder, not the checkout, heads its sys.path: without this, `import engine` could find
+        # another checkout's installed copy and measure that one's loader.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))},
         capture_output=True,
         text=True,
         check=True,
     )
     measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(measured["loader"]).is_relative_to(REPO_ROOT), measured
     assert measured["weights_bytes"] > 80 * 2**20
     assert measured["peak_anon_bytes"] < 1.25 * measured["weights_bytes"], measured

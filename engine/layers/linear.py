@@ -80,6 +80,7 @@ class LinearBase(nn.Module):
             raise ValueError(f"{type(self).__name__} has no pending {name!r} of shard {shard_id!r}")
         target, source = self._placement(getattr(self, name), loaded, shard_id)
         target.copy_(source)
+        del target, source  # a slice may be a copy (a row-parallel bias): not kept while the method repacks
         self._pending.discard((name, shard_id))
         if not self._pending:
             self.method.process_weights_after_loading(self)

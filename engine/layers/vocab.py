@@ -14,11 +14,11 @@ from engine.layers.linear_method import LinearMethod
 
 
 def _vocab_rows(param: torch.Tensor, loaded: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's rows of `param`, zero-padded: what `loaded` has of them)."""
+    """(this rank's rows of `param` that `loaded` has, those rows of `loaded`); the rows past the real vocabulary
+    are zeroed here, in place, so no padded copy of the checkpoint's matrix is ever made."""
     rows = loaded[shard.rank * param.shape[0] : (shard.rank + 1) * param.shape[0]]
-    padded = loaded.new_zeros(param.shape)
-    padded[: rows.shape[0]] = rows
-    return param, padded
+    param[rows.shape[0] :].zero_()
+    return param[: rows.shape[0]], rows
 
 
 class VocabParallelEmbedding(nn.Module):
