@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.cpu_linear import PackedLinear
+from engine.layers.linear import ReplicatedLinear
+from engine.layers.linear_method import PackedLinearMethod
 
 SHAPES = {
     "qkv": (896, 1152),
@@ -55,7 +56,7 @@ def main() -> None:
     with torch.inference_mode():
         for name, (k, n) in SHAPES.items():
             layer = nn.Linear(k, n).eval()
-            packed = PackedLinear(layer.weight, layer.bias)
+            packed = ReplicatedLinear.adopt(layer, PackedLinearMethod())  # `layer` itself stays unpacked
             for rows in ROWS:
                 x = torch.randn(rows, k)
                 times = [

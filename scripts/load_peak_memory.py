@@ -2,10 +2,13 @@
 """Peak host memory of loading a model with Ferry's loader, against the size of the loaded weights.
 
 Prints one JSON object: `weights_bytes` (the checkpoint's tensors in the target dtype), `peak_anon_bytes` (the largest
-growth of the process's anonymous memory while loading, sampled from /proc/self/status every millisecond) and
+growth of the process's anonymous memory while loading, sampled from /proc/self/status every millisecond),
 `peak_rss_bytes` (the growth of the peak resident set, ru_maxrss, which also counts the checkpoint's pages read
-through mmap: page cache, given back as soon as the files are closed). tracemalloc would see none of it: torch
-allocates its storage outside Python's allocator.
+through mmap: page cache, given back as soon as the files are closed) and `loader` (the file of the loader it ran).
+tracemalloc would see none of it: torch allocates its storage outside Python's allocator.
+
+Run from a checkout, put that checkout on PYTHONPATH: the script's own folder heads sys.path, so an installed copy of
+Ferry elsewhere would otherwise be the one measured.
 
 Usage:  python scripts/load_peak_memory.py MODEL_DIR [--dtype bfloat16]     (Linux only: /proc and ru_maxrss)
 """
@@ -72,13 +75,13 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine.config import EngineConfig
-    from engine.models.loader import load_model
+    from engine.models import loader
 
     config = EngineConfig(model=args.model_dir, dtype=args.dtype, device="cpu", model_impl="native")
     anon_before, rss_before = _anon_bytes(), _max_rss_bytes()
     sampler = _PeakSampler()
     sampler.start()
-    load_model(config)
+    loader.load_model(config)
     peak_anon = sampler.stop()
     weights = _checkpoint_bytes(args.model_dir, _DTYPE_BYTES[args.dtype])
     print(
@@ -88,6 +91,7 @@ def main() -> None:
                 "weights_bytes": weights,
                 "peak_anon_bytes": peak_anon - anon_before,
                 "peak_rss_bytes": _max_rss_bytes() - rss_before,
+                "loader": loader.__file__,
             }
         )
     )

@@ -1,6 +1,6 @@
 """bfloat16 on CPU: the engine's packed, paged forward agrees with transformers' own bfloat16 forward within
 bfloat16's rounding, whichever linear path this CPU takes (oneDNN-packed bfloat16 where the CPU has bfloat16
-arithmetic, `WidenedLinear` where it has not)."""
+arithmetic, `WidenedLinearMethod` where it has not)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
-from engine.models.cpu_linear import PackedLinear, WidenedLinear, bf16_matmul_native, widen_linears
+from engine.layers.linear import LinearBase, adopt_linears
+from engine.layers.linear_method import PackedLinearMethod, WidenedLinearMethod, bf16_matmul_native
 from tests.test_engine_equivalence import _prompts
 
 BF16_LOGPROB_TOLERANCE = 0.15
@@ -27,8 +28,8 @@ another order than transformers (packed rows, paged attention); float32 agrees t
 def test_widened_linear_rounds_as_a_bfloat16_linear_does(bias: bool, rows: int) -> None:
     torch.manual_seed(0)
     layer = nn.Linear(96, 2500, bias=bias).to(torch.bfloat16)
-    widened = WidenedLinear(layer.weight, layer.bias)
-    widened._slice_rows = 700  # several slices, the last one short
+    widened = nn.Sequential(layer)
+    adopt_linears(widened, WidenedLinearMethod(slice_elements=700 * 96))  # several slices, the last one short
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     with torch.inference_mode():
         exact = x.float() @ layer.weight.float().t() + (layer.bias.float() if bias else 0)
@@ -40,7 +41,7 @@ def test_widened_linear_rounds_as_a_bfloat16_linear_does(bias: bool, rows: int) 
     torch.testing.assert_close(widened(x.view(1, rows, 96)), got.view(1, rows, 2500))
 
 
-def test_widen_linears_keeps_tied_weights_shared_and_transposes_conv1d() -> None:
+def test_widened_linears_keep_tied_weights_shared_and_transpose_conv1d() -> None:
     embedding = nn.Embedding(50, 16).to(torch.bfloat16)
     head = nn.Linear(16, 50, bias=False).to(torch.bfloat16)
     head.weight = embedding.weight
@@ -50,10 +51,10 @@ def test_widen_linears_keeps_tied_weights_shared_and_transposes_conv1d() -> None
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
         want = conv(x).float()
-        assert widen_linears(model) == 2
-        assert model["head"].weight.data_ptr() == embedding.weight.data_ptr()
+        assert adopt_linears(model, WidenedLinearMethod()) == 3
+        assert model["head"].weight is embedding.weight
         torch.testing.assert_close(model["conv"](x).float(), want, atol=3e-2, rtol=1e-2)
-    assert type(model["full"]) is nn.Linear
+    assert all(isinstance(model[name].method, WidenedLinearMethod) for name in ("head", "conv", "full"))
 
 
 @pytest.mark.parametrize(
@@ -72,8 +73,10 @@ def test_bfloat16_engine_agrees_with_transformers_bfloat16(
         model=str(path), dtype="bfloat16", num_blocks=256, max_batch_tokens=96, page_size=16, compile=level
     )
     engine = EngineCore(config)
-    linears = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear | WidenedLinear)]
-    assert linears and all(isinstance(m, WidenedLinear) != bf16_matmul_native(torch.device("cpu")) for m in linears)
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, LinearBase)]
+    # A tied LM head keeps the plain layout (torch's matmul where bfloat16 packs): only untied ones are checked.
+    want = PackedLinearMethod if bf16_matmul_native(torch.device("cpu")) else WidenedLinearMethod
+    assert linears and all(isinstance(m.method, want) for m in linears if not getattr(m, "tied", False))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     prompts, _ = _prompts(hf.config.vocab_size)
     params = [SamplingParams(max_new_tokens=1, prompt_logprobs=0) for _ in prompts]

@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers: same results as `nn.Linear`, and every linear of a CPU engine's model is packed."""
+"""The oneDNN-packed linear method: same results as `nn.Linear`, and every linear of a CPU engine's model is packed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from engine import EngineConfig, EngineCore
-from engine.models.cpu_linear import PackedLinear, onednn_linear_available, pack_linears
+from engine.layers.linear import LinearBase, adopt_linears
+from engine.layers.linear_method import PackedLinearMethod, UnquantizedLinearMethod, onednn_linear_available
 
 pytestmark = pytest.mark.skipif(
     not onednn_linear_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
@@ -28,8 +29,9 @@ def test_packed_linear_computes_what_linear_does(dtype: torch.dtype, bias: bool)
     inputs = [torch.randn(rows, 64, dtype=dtype) for rows in (1, 7, 64, 300)] + [torch.randn(1, 5, 64, dtype=dtype)]
     with torch.inference_mode():
         expected = [block(x) for x in inputs]
-        assert pack_linears(block) == 2
-        assert all(isinstance(block[i], PackedLinear) for i in (0, 2))
+        assert adopt_linears(block, PackedLinearMethod()) == 2
+        assert all(isinstance(block[i].method, PackedLinearMethod) for i in (0, 2))
+        assert not [name for name, _ in block.named_parameters() if name.endswith("weight")], "plain copies freed"
         got = [block(x) for x in inputs]
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for want, out in zip(expected, got, strict=True):
@@ -37,19 +39,26 @@ def test_packed_linear_computes_what_linear_does(dtype: torch.dtype, bias: bool)
         torch.testing.assert_close(out, want, **tolerance)
 
 
-def test_a_layer_onednn_cannot_pack_leaves_the_model_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_layer_onednn_cannot_pack_keeps_its_plain_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     block = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        want = block(x)
     calls: list[int] = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
 
     def refuse_second(weight: torch.Tensor, rows: int) -> torch.Tensor:
         calls.append(rows)
         if len(calls) == 2:
             raise RuntimeError("unsupported")
-        return weight
+        return reorder(weight, rows)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse_second)
-    assert pack_linears(block) == 0
-    assert all(type(layer) is nn.Linear for layer in block)
+    assert adopt_linears(block, PackedLinearMethod()) == 2
+    assert isinstance(block[0].method, PackedLinearMethod)
+    assert isinstance(block[1].method, UnquantizedLinearMethod) and block[1].weight.shape == (8, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_half_precision_and_cuda_are_left_to_torch() -> None:
@@ -65,7 +74,7 @@ def test_gpt2_conv1d_packs_with_its_transposed_weight() -> None:
     x = torch.randn(2, 5, 32)
     with torch.inference_mode():
         want = block(x)
-        assert pack_linears(block) == 1
+        assert adopt_linears(block, PackedLinearMethod()) == 1
         torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
 
 
@@ -74,4 +83,4 @@ def test_cpu_engine_packs_every_linear_native_and_breadth_path(arch: str, model_
     engine = EngineCore(EngineConfig(model=str(model_dir(arch)), num_blocks=64))
     modules = list(engine.runner.model.modules())
     assert not [m for m in modules if type(m) in (nn.Linear, Conv1D)]
-    assert sum(isinstance(m, PackedLinear) for m in modules) > 0
+    assert sum(isinstance(m, LinearBase) and isinstance(m.method, PackedLinearMethod) for m in modules) > 0

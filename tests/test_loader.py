@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,28 +66,43 @@ def test_weights_load_into_the_target_dtype(tiny_llama: Path) -> None:
     assert torch.equal(loaded.model.cos_cache, float32.model.cos_cache.to(torch.bfloat16))
 
 
-def test_a_tied_model_keeps_one_embedding_matrix(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_model_keeps_one_embedding_matrix(tmp_path: Path, dtype: str) -> None:
+    """Whatever method the linears take here (oneDNN-packed float32, widened or packed bfloat16), the LM head
+    reads the embedding's own storage, and no second copy of the matrix exists anywhere in the model."""
     tied = build_model_dir(tmp_path / "tied", "llama", tie_word_embeddings=True)
-    model = load_model(EngineConfig(model=str(tied), dtype="bfloat16", model_impl="native")).model
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = load_model(EngineConfig(model=str(tied), dtype=dtype, model_impl="native")).model
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embedding
+    assert model.lm_head.method.plain_layout
+    others = [t for name, t in model.state_dict(keep_vars=True).items() if name != "model.embed_tokens.weight"]
+    others += [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
+    assert not [t for t in others if t.shape == embedding.shape and t.data_ptr() != embedding.data_ptr()]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_a_bfloat16_load_peaks_near_the_size_of_its_weights(tmp_path: Path) -> None:
-    """A float32 checkpoint of ~180 MB loaded as bfloat16 (~90 MB): the process grows by about the weights, not
-    by a float32 model first. Measured in a fresh process, from anonymous memory (the checkpoint's page cache
-    is not the loader's)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_load_peaks_near_the_size_of_its_weights(tmp_path: Path, dtype: str) -> None:
+    """A float32 checkpoint of ~180 MB loaded as `dtype`: the process grows by about the weights, not by a float32
+    model first (bfloat16), nor by the unpacked and the packed model at once (float32, which oneDNN packs on every
+    CPU; bfloat16 where it has bfloat16 arithmetic): packing goes layer by layer, so beside the weights only the
+    layer being packed exists twice (gate/up, the largest, is 17% of this model). Measured in a fresh process, from
+    anonymous memory (the checkpoint's page cache is not the loader's)."""
     model = build_model_dir(
         tmp_path / "mid", "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
         num_attention_heads=16, num_key_value_heads=4, vocab_size=8192,
     )  # fmt: skip
     result = subprocess.run(
-        [sys.executable, "scripts/load_peak_memory.py", str(model), "--dtype", "bfloat16"],
+        [sys.executable, "scripts/load_peak_memory.py", str(model), "--dtype", dtype],
         cwd=REPO_ROOT,
+        # The script's own folder, not the checkout, heads its sys.path: without this, `import engine` could find
+        # another checkout's installed copy and measure that one's loader.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))},
         capture_output=True,
         text=True,
         check=True,
     )
     measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(measured["loader"]).is_relative_to(REPO_ROOT), measured
     assert measured["weights_bytes"] > 80 * 2**20
     assert measured["peak_anon_bytes"] < 1.25 * measured["weights_bytes"], measured

@@ -4,10 +4,11 @@ Compiled at first use, not at install (`pip install` stays a plain Python instal
 `$TORCH_EXTENSIONS_DIR` (by default `~/.cache/torch_extensions`); torch's file lock in the build directory makes
 processes that start at once wait for one build instead of racing.
 
-The instruction set comes from torch's own CPU capability (what its kernels dispatch to on this machine), not
-`-march=native`, and the extension's name carries a hash of the flags, the source, the compiler and torch's version:
-a cache built on an AVX-512 machine has another name than one built for AVX2, so it is never loaded where it
-would not run, and an edited source or another torch never reuses a stale build.
+The instruction set comes from torch's own CPU capability (what its kernels dispatch to on this machine, lowered
+to AVX2 by `FERRY_CPU_ISA=avx2`: engine/cpu_isa.py), not `-march=native`, and the extension's name carries a hash
+of the flags, the source, the compiler and torch's version: a cache built on an AVX-512 machine (or forced to AVX2
+there) has another name than one built for AVX2, so it is never loaded where it would not run, and an edited source
+or another torch never reuses a stale build.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_isa import cpu_capability
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged.cpp")
@@ -32,7 +35,8 @@ _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
 }
-"""By `torch.backends.cpu.get_cpu_capability()`; any other capability builds for the architecture's baseline."""
+"""By `cpu_capability()` (torch's own, or AVX2 where `FERRY_CPU_ISA=avx2` forces it); any other capability builds
+for the architecture's baseline."""
 
 
 class KernelUnavailable(RuntimeError):
@@ -40,7 +44,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_flags() -> list[str]:
-    return [*_FLAGS, *_ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    return [*_FLAGS, *_ISA_FLAGS.get(cpu_capability(), [])]
 
 
 def extension_name(flags: list[str]) -> str:

@@ -8,7 +8,7 @@ start-up warm-up (engine/execution/startup.py) compiles every graph a step can n
 - `full`: the whole decoder in one graph: embedding, every layer, final norm.
 
 In both, paged attention is the opaque op `ferry::layer_attention` (engine/attention/graph_op.py) and oneDNN-packed
-linears are `ferry::packed_linear` (engine/models/cpu_linear.py); what inductor generates is the rest: norms,
+linears are `ferry::packed_linear` (engine/layers/linear_method.py); what inductor generates is the rest: norms,
 rotary, residuals, activations, fused into C++ loops. The rotary lookup, LM head and sampling stay eager.
 
 The token dimension is dynamic (dynamo's automatic dynamic shapes: a second size makes it symbolic; a one-token

@@ -12,7 +12,7 @@ packed row, or whose logits are post-processed in a way `compute_logits` does no
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
 import numpy as np
@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from engine.attention import AttentionBackend, StepMetadata, TorchPagedBackend
 from engine.attention.context import StepContext, step_context
+from engine.attention.spec import CacheSpec, attention_specs
 from engine.models.hf_attention import ATTN_IMPLEMENTATION, KNOWN_ARGUMENT_FEATURES, AttentionCall, num_kv_heads
 from engine.models.llama import sliding_window_of_layer
 from engine.models.support import UnsupportedModelError
@@ -53,17 +54,40 @@ class TransformersCausalLM(nn.Module):
         self.logits_scaling: float | None = getattr(config, "logits_scaling", None)  # Granite: logits / it
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Inside the step's context (engine/attention/context.py), which the runner enters: the attention layers
-        read the K/V caches from there, as they read the metadata."""
-        out = self.hf_model.base_model(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, return_dict=True
-        )
+        """The `CausalLM` forward (engine/models/base.py): final hidden states `[T, hidden]`, inside the step's
+        context (engine/attention/context.py), which the runner enters: the attention layers read the K/V caches
+        from there, as they read the metadata."""
+        if positions.dim() != 1:
+            raise ValueError(
+                f"the transformers adapter passes one axis of positions to {self.model_type}: positions must be [T], "
+                f"not {list(positions.shape)}"
+            )
+        inputs = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+        out = self.hf_model.base_model(**inputs, position_ids=positions[None], use_cache=False, return_dict=True)
         return out.last_hidden_state[0]
 
+    def cache_specs(self) -> list[CacheSpec]:
+        """Each layer's KV cache: full attention, or a sliding window."""
+        return attention_specs(self.num_kv_heads, self.head_dim, self.hf_model.dtype, self.sliding_windows)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors copied into the transformers model's parameters of the same names (before
+        `adopt_linears` repacks them: the loader reads checkpoints through transformers' `from_pretrained`)."""
+        params = dict(self.hf_model.named_parameters())
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.model_type} model")
+            params[name].copy_(tensor)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Looked up each call: loading may swap the head for a packed CPU linear after this wrapper is built.
+        # Looked up each call: `adopt_linears` replaces the head with a Ferry linear after this wrapper is built.
         logits = self.hf_model.get_output_embeddings()(hidden).float()
         if self.logit_scale is not None:
             logits = logits * self.logit_scale

@@ -15,12 +15,14 @@ from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
 from engine.distributed.parallel import TensorParallel
 from engine.execution.compile import check_compile_level, compile_model
+from engine.layers.linear import LinearBase, adopt_linears
+from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod, select_linear_method
 from engine.models.checkpoint import checkpoint_files
-from engine.models.cpu_linear import bf16_matmul_native, onednn_linear_available, pack_linears, widen_linears
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
-from engine.models.llama import NATIVE_MODEL_TYPES, LlamaFamilyForCausalLM, check_tensor_parallel
-from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
+from engine.models.llama import check_tensor_parallel
+from engine.models.registry import NATIVE_MODELS, architecture, choose_model_class
+from engine.models.support import UnsupportedModelError, unsupported_feature
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,8 +30,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class LoadedModel:
     model: nn.Module
-    """Has forward(input_ids, positions, kv_caches) -> hidden (run inside the runner's step context),
-    compute_logits(hidden), num_layers, num_kv_heads, head_dim and sliding_windows (one entry per layer)."""
+    """A `CausalLM` (engine/models/base.py)."""
     hf_config: PretrainedConfig
     eos_token_ids: frozenset[int]
     max_model_len: int
@@ -85,25 +86,21 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
     if not os.path.isfile(os.path.join(config.model, "config.json")):
         raise FileNotFoundError(f"{config.model!r} is not a model directory (no config.json)")
     hf_config = AutoConfig.from_pretrained(config.model)
-    # `auto` takes the native modules where they run the model exactly, the transformers adapter otherwise.
-    native = config.model_impl == "native" or (
-        config.model_impl == "auto" and unsupported_feature(hf_config, native=True) is None
-    )
-    check_supported(hf_config, native)
+    native = choose_model_class(hf_config, config.model_impl) is not TransformersCausalLM
     check_compile_level(config, native=native, device=resolve_device(config.device))
     if config.tensor_parallel_size > 1:
         if not native:
             # The adapter runs transformers' modules whole, on one device: refused rather than served unsharded.
             if config.model_impl == "transformers":
                 why = "--model-impl transformers"
-            elif hf_config.model_type not in NATIVE_MODEL_TYPES:
+            elif architecture(hf_config) not in NATIVE_MODELS:
                 why = "there are no native modules for it"
             else:
                 why = f"the native modules lack {unsupported_feature(hf_config, native=True)}"
             raise EngineStartupError(
                 f"--tensor-parallel-size {config.tensor_parallel_size}: this {hf_config.model_type!r} model runs on "
                 f"the transformers adapter, which Ferry cannot shard ({why}); tensor parallelism runs the native "
-                f"Llama-family models only ({', '.join(sorted(NATIVE_MODEL_TYPES))})"
+                f"models only ({', '.join(sorted(NATIVE_MODELS))})"
             )
         check_tensor_parallel(hf_config, config.tensor_parallel_size)
     return hf_config, native
@@ -125,19 +122,20 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     torch.manual_seed(config.seed)
     # Weights go straight into `dtype` on `device`: each checkpoint tensor is converted as it is copied into its
     # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
+    method = select_linear_method(device, dtype)
     if native:
-        model = LlamaFamilyForCausalLM.empty(hf_config, backend, max_model_len, device, dtype, tp)
+        model_class = NATIVE_MODELS[architecture(hf_config)]
+        # A tied LM head reads the embedding's matrix, which the embedding looks rows up in: a plain layout, so
+        # the matrix is stored once (see `_tied_head_method`).
+        head_method = _tied_head_method(device, dtype) if getattr(hf_config, "tie_word_embeddings", False) else None
+        model = model_class.empty(hf_config, backend, max_model_len, device, dtype, tp, method, head_method)
         if config.load_format == "dummy":
             _init_dummy(model)
         else:
             model.load_weights(_checkpoint_tensors(config.model))
     else:
-        model = _load_transformers_model(config, hf_config, dtype, device, backend)
+        model = _load_transformers_model(config, hf_config, dtype, device, backend, method)
     model.eval()
-    if onednn_linear_available(device, dtype):
-        pack_linears(model)
-    elif dtype == torch.bfloat16 and not bf16_matmul_native(device):
-        widen_linears(model)
     compile_model(model, config.compile)
     return LoadedModel(
         model,
@@ -158,6 +156,7 @@ def _load_transformers_model(
     dtype: torch.dtype,
     device: torch.device,
     backend: AttentionBackend,
+    method: LinearMethod,
 ) -> TransformersCausalLM:
     hf_config._attn_implementation = ATTN_IMPLEMENTATION
     try:
@@ -180,12 +179,26 @@ def _load_transformers_model(
     replace_own_attention(hf_model)
     model = TransformersCausalLM(hf_model, backend)
     model.check_runs_exactly()
+    if not isinstance(method, UnquantizedLinearMethod):
+        adopt_linears(hf_model, method)
     return model
+
+
+def _tied_head_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
+    """The LM head's method where it shares the embedding's matrix: one that keeps the plain layout the lookup
+    reads. Measured on this AMD EPYC (2 threads, medians; the machine shared, so roughly): the demo model's head
+    (4096 x 256, float32) takes 0.54 ms plain against 0.37 ms packed for 8 rows, 0.13 ms either way for one row,
+    3.7 against 2.7 ms for 64 (one thread; no plain-layout form, NN, NT or transposed, comes closer: MKL's sgemm); an
+    `embed_rows()` reading the packed layout instead would have to unpack the whole matrix each step (0.30 ms
+    here, and a transient copy of a 150k-vocabulary matrix on a big model), and a second, packed copy is what the
+    tied model must not keep."""
+    return select_linear_method(device, dtype, plain_layout=True)
 
 
 @torch.no_grad()
 def _init_dummy(model: nn.Module) -> None:
-    """Random weights of a realistic scale, so activations and timings look like a trained model's."""
+    """Random weights of a realistic scale, so activations and timings look like a trained model's; then each
+    linear's method processes them, as loading would."""
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
@@ -193,3 +206,6 @@ def _init_dummy(model: nn.Module) -> None:
             param.normal_(0.0, 0.02)
         else:
             param.zero_()
+    for module in model.modules():
+        if isinstance(module, LinearBase) and not module.loaded:
+            module.finish_loading()

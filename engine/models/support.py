@@ -13,8 +13,6 @@ from collections.abc import Callable
 
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, PretrainedConfig
 
-from engine.models.llama import NATIVE_MODEL_TYPES
-
 
 class UnsupportedModelError(ValueError):
     """The model uses a feature the engine cannot run exactly."""
@@ -68,11 +66,10 @@ _REFUSED_NATIVE: tuple[_Check, ...] = (
 
 
 def unsupported_feature(config: PretrainedConfig, native: bool) -> str | None:
-    """The first feature of `config` the chosen path (native modules, or the transformers adapter) cannot run."""
+    """The first feature of `config` the chosen path (native modules, or the transformers adapter) cannot run
+    (whether native modules exist for it at all, the registry says: engine/models/registry.py)."""
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return "no causal language-model class in transformers"
-    if native and config.model_type not in NATIVE_MODEL_TYPES:
-        return f"--model-impl native (native modules exist for {', '.join(sorted(NATIVE_MODEL_TYPES))})"
     for check in _REFUSED + (_REFUSED_NATIVE if native else ()):
         feature = check(config)
         if feature is not None:

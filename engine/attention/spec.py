@@ -1,0 +1,86 @@
+"""What one layer's cache is: the per-layer cache specs a model declares (`CausalLM.cache_specs`), each carrying
+what sizing its pages needs.
+
+Today's models produce `FullAttentionSpec` and `SlidingWindowSpec`; `LatentAttentionSpec` (MLA: one compressed
+latent per token instead of K and V heads), `RecurrentStateSpec` (a fixed-size state per sequence, not per token)
+and `NoCacheSpec` (a layer that keeps nothing between steps) are the shapes other families bring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """K and V of `num_kv_heads` heads of `head_size` for every token of the sequence."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_size * _element_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    """As full attention, but a token attends to the last `window` positions only."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    window: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_size * _element_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec:
+    """One latent vector of `latent_size` (plus its rotary part) per token, K and V recomputed from it (MLA)."""
+
+    latent_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.latent_size * _element_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """A state of `state_bytes` per sequence, whatever its length (Mamba, linear attention)."""
+
+    state_bytes: int
+    bytes_per_token: int = 0
+
+
+@dataclass(frozen=True)
+class NoCacheSpec:
+    """A layer that keeps nothing between steps."""
+
+    bytes_per_token: int = 0
+
+
+CacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | RecurrentStateSpec | NoCacheSpec
+
+
+def attention_specs(
+    num_kv_heads: int, head_size: int, dtype: torch.dtype, sliding_windows: list[int | None]
+) -> list[CacheSpec]:
+    """One spec per layer of a model whose layers attend fully (window None) or over a sliding window."""
+    return [
+        FullAttentionSpec(num_kv_heads, head_size, dtype)
+        if window is None
+        else SlidingWindowSpec(num_kv_heads, head_size, dtype, window)
+        for window in sliding_windows
+    ]

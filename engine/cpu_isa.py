@@ -1,0 +1,41 @@
+"""The CPU instruction set Ferry builds and chooses its CPU paths for, read once from the environment.
+
+`FERRY_CPU_ISA=avx2` makes an AVX512 machine take the AVX2 paths: bfloat16 linears widened to float32
+(`WidenedLinearMethod`) instead of oneDNN-packed bfloat16, and the C++ attention kernel built with the AVX2 flags.
+So one machine's test run covers both kinds of CPU the project runs on. Unset (or empty), the machine's own
+capability decides. The switch only ever lowers what is used: an AVX2 machine is unchanged by it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ISA_VARIABLE = "FERRY_CPU_ISA"
+_FORCEABLE = ("avx2",)
+
+
+@functools.cache
+def forced_isa() -> str | None:
+    """The instruction set `FERRY_CPU_ISA` forces (lower-cased), or None; anything unknown is refused by name."""
+    value = os.environ.get(ISA_VARIABLE, "").strip().lower()
+    if not value:
+        return None
+    if value not in _FORCEABLE:
+        raise ValueError(f"{ISA_VARIABLE}={value!r}: the instruction sets it can force are {', '.join(_FORCEABLE)}")
+    return value
+
+
+def cpu_capability() -> str:
+    """torch's CPU capability name (`AVX2`, `AVX512`, ...), lowered to `AVX2` when forced and above it."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if forced_isa() == "avx2" and capability.startswith("AVX512"):
+        return "AVX2"
+    return capability
+
+
+def bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX, AVX-NE-CONVERT), as Ferry may use it."""
+    return forced_isa() is None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -1,0 +1,273 @@
+"""Linear layers that load their own weights and slice them for tensor parallelism, Megatron-style.
+
+Each layer holds this rank's part (`Shard`: rank and number of ranks) and a `LinearMethod` (the weight layout and
+arithmetic: engine/layers/linear_method.py). Checkpoint tensors arrive whole through `weight_loader(name, tensor,
+shard_id)`, and the layer copies the slice its rank holds; once its last shard is in, the method processes the
+weights (oneDNN packs them there), so packing goes layer by layer as the checkpoint streams in.
+
+- `ReplicatedLinear`: the whole matrix on every rank.
+- `ColumnParallelLinear`: this rank's rows of the output (`[out/size, in]`).
+- `MergedColumnParallelLinear`: several column-parallel matrices side by side (gate and up), shard ids 0, 1, ...
+- `QKVParallelLinear`: q, k and v (shard ids "q", "k", "v") of this rank's heads; with fewer KV heads than ranks
+  each KV head is replicated on the ranks whose query heads read it.
+- `RowParallelLinear`: this rank's columns of the input (`[out, in/size]`), partial sums all-reduced; the bias
+  is added once (rank 0 holds it, the other ranks zeros).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+
+ShardId = int | str | None
+"""Which part of a fused layer a checkpoint tensor is (None for an unfused layer)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's place among the tensor-parallel ranks: what part of each layer it holds."""
+
+    rank: int = 0
+    size: int = 1
+
+
+ONE_RANK = Shard()
+"""No tensor parallelism: every layer whole."""
+
+
+def _divide(total: int, size: int, what: str) -> int:
+    if total % size:
+        raise ValueError(f"{what} {total} does not divide by {size} tensor-parallel ranks")
+    return total // size
+
+
+class LinearBase(nn.Module):
+    """`x @ weight.T + bias` through `method`, on this rank's `[output_size, input_size]` part."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        method: LinearMethod,
+        dtype: torch.dtype | None = None,
+        shard: Shard = ONE_RANK,
+        shard_ids: tuple[ShardId, ...] = (None,),
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.shard = shard
+        self.method = method
+        method.create_weights(self, input_size, output_size, bias, dtype or torch.get_default_dtype())
+        self._pending = {(name, part) for part in shard_ids for name in (("weight", "bias") if bias else ("weight",))}
+        """The (parameter, shard id) pieces not loaded yet: the method processes the weights when none is left."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+    @torch.no_grad()
+    def weight_loader(self, name: str, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        """Copy this rank's slice of checkpoint tensor `loaded` (parameter `name`, "weight" or "bias"; `shard_id`
+        for a part of a fused layer) into place; the last piece hands the weights to the method."""
+        if (name, shard_id) not in self._pending:
+            raise ValueError(f"{type(self).__name__} has no pending {name!r} of shard {shard_id!r}")
+        target, source = self._placement(getattr(self, name), loaded, shard_id)
+        target.copy_(source)
+        del target, source  # a slice may be a copy (a row-parallel bias): not kept while the method repacks
+        self._pending.discard((name, shard_id))
+        if not self._pending:
+            self.method.process_weights_after_loading(self)
+
+    def finish_loading(self) -> None:
+        """Weights were written in place (dummy weights): process them as if each shard had been loaded."""
+        self._pending.clear()
+        self.method.process_weights_after_loading(self)
+
+    @property
+    def loaded(self) -> bool:
+        return not self._pending
+
+    def _placement(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(where in `param`, what of `loaded`) this rank keeps; a replicated layer keeps all of it."""
+        return param, loaded
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+            f"method={type(self.method).__name__}, rank={self.shard.rank}/{self.shard.size}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole matrix on every rank."""
+
+    @classmethod
+    def adopt(cls, module: nn.Linear | Conv1D, method: LinearMethod) -> ReplicatedLinear:
+        """A Ferry layer computing what transformers' `module` does through `method`, its weights taken over
+        (the same parameter for a plain-layout method on an `nn.Linear`: a tied matrix stays shared)."""
+        weight = module.weight if type(module) is nn.Linear else module.weight.t()  # Conv1D stores `[in, out]`
+        out_features, in_features = weight.shape
+        with torch.device("meta"):
+            layer = cls(in_features, out_features, bias=module.bias is not None, method=method, dtype=weight.dtype)
+        if method.plain_layout and type(module) is nn.Linear:
+            layer.weight = module.weight
+        else:
+            # Conv1D's weight made contiguous once, so each row is a plain block (and oneDNN reads `[out, in]`).
+            layer.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        layer.bias = module.bias
+        layer.finish_loading()
+        return layer
+
+
+class ColumnParallelLinear(LinearBase):
+    """This rank's `output_size / size` rows of the output (`output_size`: the whole layer's)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        method: LinearMethod,
+        dtype: torch.dtype | None = None,
+        shard: Shard = ONE_RANK,
+    ) -> None:
+        super().__init__(
+            input_size, _divide(output_size, shard.size, "output size"), bias=bias, method=method, dtype=dtype,
+            shard=shard,
+        )  # fmt: skip
+
+    def _placement(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = param.shape[0]
+        return param, loaded.narrow(0, self.shard.rank * rows, rows)
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Column-parallel matrices of `output_sizes` side by side (gate and up: shard ids 0 and 1), each split
+    over the ranks: this rank's part of each, in order."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool,
+        method: LinearMethod,
+        dtype: torch.dtype | None = None,
+        shard: Shard = ONE_RANK,
+    ) -> None:
+        self.part_sizes = [_divide(size, shard.size, "output size") for size in output_sizes]
+        super().__init__(
+            input_size, sum(self.part_sizes), bias=bias, method=method, dtype=dtype, shard=shard,
+            shard_ids=tuple(range(len(output_sizes))),
+        )  # fmt: skip
+
+    def _placement(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert isinstance(shard_id, int)
+        size = self.part_sizes[shard_id]
+        return param.narrow(0, sum(self.part_sizes[:shard_id]), size), loaded.narrow(0, self.shard.rank * size, size)
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k and v of this rank's heads side by side (shard ids "q", "k", "v"): `num_heads / size` query heads and
+    `num_kv_heads / size` KV heads, or, with fewer KV heads than ranks, the one KV head its query heads read."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        method: LinearMethod,
+        dtype: torch.dtype | None = None,
+        shard: Shard = ONE_RANK,
+    ) -> None:
+        self.head_dim = head_dim
+        self.total_kv_heads = num_kv_heads
+        self.num_heads = _divide(num_heads, shard.size, "attention heads")
+        if num_kv_heads % shard.size and shard.size % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads neither divide by nor divide {shard.size} ranks")
+        self.num_kv_heads = max(1, num_kv_heads // shard.size)
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(
+            hidden_size, self.q_size + 2 * self.kv_size, bias=bias, method=method, dtype=dtype, shard=shard,
+            shard_ids=("q", "k", "v"),
+        )  # fmt: skip
+
+    def _placement(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if shard_id == "q":
+            return param.narrow(0, 0, self.q_size), loaded.narrow(0, self.shard.rank * self.q_size, self.q_size)
+        offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        first_head = self.shard.rank * self.total_kv_heads // self.shard.size
+        return param.narrow(0, offset, self.kv_size), loaded.narrow(0, first_head * self.head_dim, self.kv_size)
+
+
+class RowParallelLinear(LinearBase):
+    """This rank's `input_size / size` columns of the input; `all_reduce` (the group's, None on one rank) sums
+    the ranks' partial products. The bias is added once: rank 0 holds it, the other ranks zeros."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        method: LinearMethod,
+        dtype: torch.dtype | None = None,
+        shard: Shard = ONE_RANK,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(
+            _divide(input_size, shard.size, "input size"), output_size, bias=bias, method=method, dtype=dtype,
+            shard=shard,
+        )  # fmt: skip
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.method.apply(self, x, self.bias)
+        return out if self.all_reduce is None else self.all_reduce(out)
+
+    def _placement(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if loaded.dim() == 1:  # the bias
+            return param, loaded if self.shard.rank == 0 else torch.zeros_like(loaded)
+        columns = param.shape[1]
+        return param, loaded.narrow(1, self.shard.rank * columns, columns)
+
+
+def adopt_linears(model: nn.Module, method: LinearMethod) -> int:
+    """Replace every `nn.Linear` and GPT-2 `Conv1D` inside transformers' `model` with a `ReplicatedLinear` on
+    `method` (a matrix another module shares, a tied LM head's, on the plain-layout `UnquantizedLinearMethod` when
+    `method` would repack it); returns how many. The one place the transformers fallback's linears change."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) in (nn.Linear, Conv1D)
+    ]
+    for parent, name, child in swaps:
+        shared = uses[id(child.weight)] > 1
+        chosen = UnquantizedLinearMethod() if shared and not method.plain_layout else method
+        setattr(parent, name, ReplicatedLinear.adopt(child, chosen))
+    return len(swaps)

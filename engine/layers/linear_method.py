@@ -1,0 +1,170 @@
+"""How a linear layer stores its weight and multiplies by it: the linear methods, and the choice of one per model.
+
+A method creates the parameters a layer loads into (`create_weights`), turns them into the layout it computes
+from once the layer's last shard is loaded (`process_weights_after_loading`), and computes `x @ weight.T + bias`
+(`apply`). The layers (engine/layers/linear.py) own the loading and the tensor-parallel slicing; a method owns only
+the layout and the arithmetic, so a quantized or LoRA method is one more class here.
+
+- `UnquantizedLinearMethod`: the plain `[out, in]` weight and `F.linear`.
+- `PackedLinearMethod`: the weight packed once for oneDNN. On CPU, `F.linear` goes to MKL's sgemm, which on AMD
+  processors takes a slower code path: 75-100 GFLOP/s on one core of the AMD EPYC we measure on, against 190-245
+  GFLOP/s for oneDNN with the weight in its blocked layout (the LM head of the tiny benchmark model: 5.0 ms instead
+  of 13.9 ms for 64 rows). The maths is the same; the sums are taken in another order (about 1e-5 relative).
+  `torch.ops.mkldnn._linear_pointwise` and `_reorder_linear_weight` are the ops torch's own inductor uses for
+  packed CPU linears. Inside a `torch.compile` graph (engine/execution/compile.py) a packed linear is the opaque op
+  `ferry::packed_linear`: inductor lowers `_linear_pointwise` itself only for weights it froze into constants,
+  which a graph shared by every decoder layer cannot have (each layer's weight is an input of the same graph).
+- `WidenedLinearMethod`: bfloat16 on a CPU without bfloat16 arithmetic (AVX2 only: no AVX512-BF16, AMX or
+  AVX-NE-CONVERT), where oneDNN cannot pack it and torch's own bfloat16 matmul is a loop of dot products whose cost
+  grows with every row (64 rows of a 4864x896 layer: 55 ms, against 9 ms in float32). It keeps the bfloat16 weight
+  and multiplies in float32, widening the weight a slice at a time.
+
+`plain_layout` says whether a method computes from the `[out, in]` weight as loaded: a matrix another module also
+reads (a tied LM head's, which the embedding looks rows up in) takes a method with a plain layout, so that it is
+stored once (`select_linear_method(..., plain_layout=True)`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cpu_isa import bf16_arithmetic
+
+logger = logging.getLogger(__name__)
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+_ROWS_HINT = 64
+"""oneDNN picks the packed layout for a typical row count; any count runs on it (decode batches are tens)."""
+WIDEN_SLICE = 1 << 20
+"""Weight elements widened to float32 at a time (4 MiB): a slice stays in cache for its GEMM, and the float32 copy
+never approaches the size of the layer (an LM head of 150k x 896 would be 545 MB at once)."""
+_WIDEN_MIN_ROWS = 3
+"""Below this many rows torch's bfloat16 matmul is faster than widening (one row: 0.9 against 1.3 ms, 4864x896)."""
+
+
+class LinearMethod:
+    """The weight layout and arithmetic of a linear layer (see the module's docstring)."""
+
+    plain_layout: bool = True
+    """Whether `apply` reads the `[out, in]` `weight` parameter as loaded (so another module may share it)."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        """Register on `layer` the parameters its checkpoint tensors load into: `weight` `[output_size,
+        input_size]` and `bias` `[output_size]` (None without a bias), this rank's sizes."""
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        layer.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once, when every shard of `layer`'s weights is loaded: the place to repack them."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The plain weight and torch's matmul: CUDA, float16, and whatever oneDNN cannot pack."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+_LIBRARY = torch.library.Library("ferry", "FRAGMENT")
+# A plain library definition, not `torch.library.custom_op`: its dispatch costs a third as much per call.
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor")
+_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ferry::packed_linear", lib=_LIBRARY)
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))  # the packed weight keeps `[out, in]` sizes
+
+
+class PackedLinearMethod(LinearMethod):
+    """The weight packed into oneDNN's blocked layout as soon as it is loaded; the plain copy is then freed.
+
+    A layer oneDNN cannot pack (another CPU family, an unusual shape) keeps its plain weight and runs on
+    `UnquantizedLinearMethod`, with a warning: packing is a speed-up, never a condition for running.
+    """
+
+    plain_layout = False
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        try:
+            with torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().contiguous(), _ROWS_HINT)
+        except RuntimeError as exc:
+            logger.warning("oneDNN could not pack a %s linear (%s); it uses torch's matmul", layer.weight.shape, exc)
+            layer.method = UnquantizedLinearMethod()
+            return
+        del layer.weight  # the parameter: freed here, layer by layer, so the plain and packed model never coexist
+        layer.packed_weight = packed
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.ferry.packed_linear(x, layer.packed_weight, bias)
+        return _packed_linear(x, layer.packed_weight, bias)
+
+
+class WidenedLinearMethod(LinearMethod):
+    """bfloat16 weights, float32 products: a bfloat16 linear for CPUs without bfloat16 arithmetic.
+
+    The products are exact in float32 and summed in float32 (torch's bfloat16 matmul also accumulates in float32),
+    and the result is rounded to bfloat16 once, so outputs match `F.linear` in bfloat16 within its rounding.
+    """
+
+    def __init__(self, slice_elements: int = WIDEN_SLICE) -> None:
+        self.slice_elements = slice_elements
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight = layer.weight
+        out_features, in_features = weight.shape
+        rows = x.reshape(-1, in_features)  # [N, in]
+        if rows.shape[0] < _WIDEN_MIN_ROWS:
+            return F.linear(x, weight, bias)
+        wide = rows.float()
+        out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)  # [N, out]
+        step = max(1, self.slice_elements // in_features)
+        for start in range(0, out_features, step):
+            end = min(start + step, out_features)
+            out[:, start:end] = torch.mm(wide, weight[start:end].float().t())
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], out_features)
+
+
+def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack linears of `dtype` here; bfloat16 needs bfloat16 arithmetic on the CPU."""
+    return (
+        device.type == "cpu"
+        and dtype in _PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or bf16_arithmetic())
+    )
+
+
+def bf16_matmul_native(device: torch.device) -> bool:
+    """Whether bfloat16 is multiplied in hardware on `device` (always on GPUs; on CPUs see engine/cpu_isa.py)."""
+    return device.type != "cpu" or bf16_arithmetic()
+
+
+def select_linear_method(device: torch.device, dtype: torch.dtype, *, plain_layout: bool = False) -> LinearMethod:
+    """The method a model's linears of `dtype` on `device` use: oneDNN-packed where it can pack them, widened
+    bfloat16 on a CPU without bfloat16 arithmetic, torch's matmul otherwise. With `plain_layout`, one that keeps
+    the weight as loaded (for a matrix another module shares)."""
+    if not plain_layout and onednn_linear_available(device, dtype):
+        return PackedLinearMethod()
+    if dtype == torch.bfloat16 and not bf16_matmul_native(device):
+        return WidenedLinearMethod()
+    return UnquantizedLinearMethod()

@@ -1,0 +1,28 @@
+"""Rotary position embeddings: cos/sin tables for every position, computed once, and their application."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+
+def rotary_tables(
+    config: PretrainedConfig, max_positions: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[max_positions, head_dim]`, computed in float32 by the transformers rotary module itself (all rope
+    scaling types), then stored in `dtype`, on the current default device."""
+    rotary = LlamaRotaryEmbedding(config)
+    positions = torch.arange(max_positions)[None, :]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    return cos[0].to(dtype), sin[0].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x` `[T, heads, head_dim]` rotated by its tokens' `cos`/`sin` `[T, 1, head_dim]`."""
+    return x * cos + _rotate_half(x) * sin

@@ -1,0 +1,55 @@
+"""The interface every model the runner drives implements, native or the transformers fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from engine.attention import AttentionBackend
+from engine.attention.spec import CacheSpec
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal LM on the packed `[T]` row of one step (no batch dimension)."""
+
+    backend: AttentionBackend
+    """The attention kernels its layers call."""
+    num_layers: int
+    num_kv_heads: int
+    """This rank's KV heads per layer: what its KV cache holds."""
+    head_dim: int
+    sliding_windows: list[int | None]
+    """Each layer's sliding window (None: full attention)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states `[T, hidden]` of the step's tokens (after the last norm: what pooling reads,
+        and what `compute_logits` projects).
+
+        `input_ids` `[T]`; `inputs_embeds` `[T, hidden]`, when given, is used instead of embedding `input_ids`
+        (image features spliced into a prompt). `positions` is `[T]`, or `[axes, T]` for a model with several
+        rotary axes (M-RoPE); a model with one axis raises ValueError for `[axes, T]`. `kv_caches[i]` is layer i's
+        K/V pages. It runs inside the step context the runner enters (engine/attention/context.py), where each
+        layer's attention finds its cache group's metadata.
+        """
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits `[rows, vocab]` of `hidden`'s rows; None on tensor-parallel ranks other than 0."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint `(name, tensor)` pairs, named as transformers names them."""
+        ...
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """One spec per layer: what its cache holds, for sizing the pages."""
+        ...

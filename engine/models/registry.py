@@ -1,0 +1,64 @@
+"""Which class runs a model: its architecture name (config.json's `architectures[0]`) to a `CausalLM` class.
+
+A natively implemented architecture runs on its own modules; any other, and any model under
+`--model-impl transformers`, on the transformers fallback (`TransformersCausalLM`, the entry under `TRANSFORMERS`).
+`--model-impl auto` takes the native class only where it runs the model exactly (engine/models/support.py), and
+`--model-impl native` refuses, by name, a model it cannot run that way.
+
+Adding a family is one file and one line: write `engine/models/<family>.py` with a class implementing
+`engine/models/base.py`'s `CausalLM` (build it on engine/layers/ and give it the `empty(...)` constructor and
+`load_weights` that `LlamaFamilyForCausalLM` has), then add `"<Architecture>ForCausalLM": <Class>` to
+`NATIVE_MODELS` below.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from engine.models.base import CausalLM
+from engine.models.hf_adapter import TransformersCausalLM
+from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
+
+TRANSFORMERS = "TransformersForCausalLM"
+"""The fallback's entry: any causal LM transformers has, through paged attention."""
+
+NATIVE_MODELS: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
+    "MistralForCausalLM": LlamaFamilyForCausalLM,
+}
+"""Architectures with modules of Ferry's own."""
+
+MODELS: dict[str, type[CausalLM]] = {**NATIVE_MODELS, TRANSFORMERS: TransformersCausalLM}
+
+ModelImpl = Literal["auto", "native", "transformers"]
+
+
+def architecture(config: PretrainedConfig) -> str:
+    """config.json's `architectures[0]`, or for a config without one, transformers' causal LM class of its type."""
+    names = getattr(config, "architectures", None)
+    if names:
+        return names[0]
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)
+
+
+def choose_model_class(config: PretrainedConfig, model_impl: ModelImpl) -> type[CausalLM]:
+    """The class that runs `config`'s model under `model_impl`; raises UnsupportedModelError, naming the
+    feature, for a model the chosen implementation cannot run exactly."""
+    native = NATIVE_MODELS.get(architecture(config))
+    if model_impl == "native" and native is None:
+        raise UnsupportedModelError(
+            config.model_type,
+            f"--model-impl native (native modules exist for {', '.join(sorted(NATIVE_MODELS))}; this model is "
+            f"{architecture(config)})",
+        )
+    use_native = native is not None and (
+        model_impl == "native" or (model_impl == "auto" and unsupported_feature(config, native=True) is None)
+    )
+    check_supported(config, native=use_native)
+    return native if use_native and native is not None else MODELS[TRANSFORMERS]

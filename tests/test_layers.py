@@ -1,0 +1,175 @@
+"""engine/layers/: each layer kind's sharded loading reassembles the checkpoint's matrix over its ranks, the
+method chosen for a device, dtype and CPU, and the switch that forces the AVX2 paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    Shard,
+)
+from engine.layers.linear_method import (
+    PackedLinearMethod,
+    UnquantizedLinearMethod,
+    WidenedLinearMethod,
+    onednn_linear_available,
+    select_linear_method,
+)
+from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from tests.server_harness import REPO_ROOT
+
+PLAIN = UnquantizedLinearMethod()
+RANKS = 2
+
+
+def _ranks(build: type[LinearBase], *args: object, **kwargs: object) -> list[LinearBase]:
+    return [build(*args, bias=True, method=PLAIN, shard=Shard(rank, RANKS), **kwargs) for rank in range(RANKS)]
+
+
+def test_replicated_linear_holds_the_whole_matrix() -> None:
+    weight, bias = torch.randn(6, 4), torch.randn(6)
+    layer = ReplicatedLinear(4, 6, bias=True, method=PLAIN)
+    layer.weight_loader("weight", weight)
+    assert not layer.loaded
+    layer.weight_loader("bias", bias)
+    assert layer.loaded and torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias)
+
+
+def test_column_parallel_ranks_hold_the_output_rows_in_order() -> None:
+    weight, bias = torch.randn(8, 4), torch.randn(8)
+    layers = _ranks(ColumnParallelLinear, 4, 8)
+    for layer in layers:
+        layer.weight_loader("weight", weight)
+        layer.weight_loader("bias", bias)
+    assert torch.equal(torch.cat([layer.weight for layer in layers]), weight)
+    assert torch.equal(torch.cat([layer.bias for layer in layers]), bias)
+
+
+def test_row_parallel_ranks_hold_the_input_columns_and_the_bias_once() -> None:
+    weight, bias = torch.randn(4, 8), torch.randn(4)
+    layers = _ranks(RowParallelLinear, 8, 4)
+    for layer in layers:
+        layer.weight_loader("weight", weight)
+        layer.weight_loader("bias", bias)
+    assert torch.equal(torch.cat([layer.weight for layer in layers], dim=1), weight)
+    assert torch.equal(layers[0].bias, bias) and not layers[1].bias.any()
+    x = torch.randn(3, 8)
+    summed = sum(layer(part) for layer, part in zip(layers, x.chunk(RANKS, dim=1), strict=True))
+    torch.testing.assert_close(summed, x @ weight.t() + bias)
+
+
+def test_merged_column_ranks_hold_their_part_of_each_matrix() -> None:
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    layers = _ranks(MergedColumnParallelLinear, 4, [6, 6])
+    for layer in layers:
+        for index, part in enumerate((gate, up)):
+            layer.weight_loader("weight", part, index)
+            layer.weight_loader("bias", part[:, 0], index)
+    halves = [layer.weight.split(3) for layer in layers]
+    assert torch.equal(torch.cat([h[0] for h in halves]), gate) and torch.equal(torch.cat([h[1] for h in halves]), up)
+    assert torch.equal(torch.cat([layer.bias[:3] for layer in layers]), gate[:, 0])
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_qkv_ranks_hold_their_heads_and_replicate_too_few_kv_heads(kv_heads: int) -> None:
+    head_dim, heads, hidden = 2, 4, 8
+    q, k, v = (
+        torch.randn(heads * head_dim, hidden),
+        torch.randn(kv_heads * head_dim, hidden),
+        torch.randn(kv_heads * head_dim, hidden),
+    )
+    layers = _ranks(QKVParallelLinear, hidden, head_dim, heads, kv_heads)
+    for layer in layers:
+        for shard_id, part in zip("qkv", (q, k, v), strict=True):
+            layer.weight_loader("weight", part, shard_id)
+            layer.weight_loader("bias", part[:, 0], shard_id)
+        assert layer.loaded
+    parts = [layer.weight.split([layer.q_size, layer.kv_size, layer.kv_size]) for layer in layers]
+    assert torch.equal(torch.cat([p[0] for p in parts]), q)
+    if kv_heads >= RANKS:
+        assert torch.equal(torch.cat([p[1] for p in parts]), k) and torch.equal(torch.cat([p[2] for p in parts]), v)
+    else:  # each rank holds the one KV head its query heads read
+        assert all(torch.equal(p[1], k) and torch.equal(p[2], v) for p in parts)
+
+
+def test_vocab_parallel_embedding_and_head_pad_the_last_rank() -> None:
+    table = torch.randn(7, 4)
+    embeddings = [VocabParallelEmbedding(7, 4, shard=Shard(rank, RANKS)) for rank in range(RANKS)]
+    heads = [ParallelLMHead(7, 4, method=PLAIN, shard=Shard(rank, RANKS)) for rank in range(RANKS)]
+    for embedding, head in zip(embeddings, heads, strict=True):
+        embedding.weight_loader("weight", table)
+        head.weight_loader("weight", table)
+    for parts in ([e.weight for e in embeddings], [h.weight for h in heads]):
+        whole = torch.cat(parts)
+        assert whole.shape == (8, 4) and torch.equal(whole[:7], table) and not whole[7].any()
+    ids = torch.tensor([0, 3, 4, 6])
+    assert torch.equal(sum(e(ids) for e in embeddings), table[ids])  # each token's one real row, summed
+
+
+def test_a_tied_head_refuses_a_method_that_repacks() -> None:
+    with pytest.raises(ValueError, match="tied LM head"):
+        ParallelLMHead(7, 4, method=PackedLinearMethod(), tied=True)
+
+
+def test_packing_happens_when_the_last_shard_is_loaded() -> None:
+    if not onednn_linear_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    layer = MergedColumnParallelLinear(4, [6, 6], bias=False, method=PackedLinearMethod())
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    layer.weight_loader("weight", gate, 0)
+    assert "weight" in dict(layer.named_parameters())
+    layer.weight_loader("weight", up, 1)
+    assert "weight" not in dict(layer.named_parameters()) and hasattr(layer, "packed_weight")
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(layer(x), x @ torch.cat([gate, up]).t(), atol=1e-5, rtol=1e-5)
+
+
+def test_method_selection_by_device_dtype_and_cpu() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(select_linear_method(cuda, torch.bfloat16), UnquantizedLinearMethod)
+    assert isinstance(select_linear_method(cpu, torch.float16), UnquantizedLinearMethod)
+    if onednn_linear_available(cpu, torch.float32):
+        assert isinstance(select_linear_method(cpu, torch.float32), PackedLinearMethod)
+    assert isinstance(select_linear_method(cpu, torch.float32, plain_layout=True), UnquantizedLinearMethod)
+    bf16 = select_linear_method(cpu, torch.bfloat16)
+    bf16_plain = select_linear_method(cpu, torch.bfloat16, plain_layout=True)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert isinstance(bf16, PackedLinearMethod) and isinstance(bf16_plain, UnquantizedLinearMethod)
+    else:
+        assert isinstance(bf16, WidenedLinearMethod) and isinstance(bf16_plain, WidenedLinearMethod)
+
+
+_AVX2_PROBE = """
+import torch
+from engine.attention.cpu_kernel import build_flags
+from engine.layers.linear_method import WidenedLinearMethod, bf16_matmul_native, select_linear_method
+assert not bf16_matmul_native(torch.device("cpu"))
+assert isinstance(select_linear_method(torch.device("cpu"), torch.bfloat16), WidenedLinearMethod)
+assert "-mavx2" in build_flags() and not [f for f in build_flags() if f.startswith("-mavx512")], build_flags()
+print("avx2 paths")
+"""
+
+
+def test_ferry_cpu_isa_avx2_selects_the_avx2_paths() -> None:
+    """On any machine (an AVX512-BF16 one included), `FERRY_CPU_ISA=avx2` widens bfloat16 instead of packing it
+    and builds the attention kernel with the AVX2 flags, under its own cache name."""
+    env = {"FERRY_CPU_ISA": "avx2", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", _AVX2_PROBE], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0 and "avx2 paths" in result.stdout, result.stderr
+    refused = subprocess.run(
+        [sys.executable, "-c", "from engine.cpu_isa import forced_isa; forced_isa()"],
+        cwd=REPO_ROOT, env={**env, "FERRY_CPU_ISA": "sse2"}, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "FERRY_CPU_ISA='sse2'" in refused.stderr
