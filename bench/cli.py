@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import get_args, get_type_hints
 
 from bench.workload import LengthDist, WorkloadSpec
-from engine.config import CompileLevel, EngineConfig
+from engine.config import CompileLevel, ModelConfig
 
-ATTENTION_BACKENDS = get_args(get_type_hints(EngineConfig)["attention_backend"])
+ATTENTION_BACKENDS = get_args(get_type_hints(ModelConfig)["attention_backend"])
 LENGTH_HELP = "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX | pareto:LO:MAX[:ALPHA]"
 
 

@@ -59,14 +59,14 @@ def _engine(model_dir: Path, num_seqs: int, eager: bool, options: DecodeOptions)
 
     tokens_per_seq = options.context_len + options.steps + 4
     return EngineCore(
-        EngineConfig(
+        EngineConfig.of(
             model=str(model_dir),
             load_format="dummy",
             device=options.device,
             dtype=options.dtype,
             attention_backend=options.attention_backend,
             page_size=options.page_size,
-            num_blocks=num_seqs * (ceil(tokens_per_seq / options.page_size) + 1),
+            num_pages=num_seqs * (ceil(tokens_per_seq / options.page_size) + 1),
             # Every prompt in one prefill step, so every sequence then decodes in lockstep from the same length.
             max_batch_tokens=max(2048, num_seqs * options.context_len),
             max_num_seqs=num_seqs,

@@ -47,14 +47,14 @@ def build_engine(
 ) -> EngineCore:
     from engine import EngineConfig, EngineCore
 
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(model.path),
         load_format="auto" if model.has_weights else "dummy",
         dtype=model.dtype_name,
         device=str(model.device),
         page_size=page_size,
         attention_backend=attention_backend,
-        num_blocks=workload.cache_pages(slots, page_size),
+        num_pages=workload.cache_pages(slots, page_size),
         max_batch_tokens=max_batch_tokens,
         max_num_seqs=slots,
         max_queue_size=0,
@@ -116,9 +116,9 @@ def run_ferry(
     stats = engine.stats()
     traces = [RequestTrace(i, recorder.admitted[i], done, done) for i, done in enumerate(recorder.finished)]
     details = {
-        "max_num_seqs": engine.config.max_num_seqs,
-        "max_batch_tokens": engine.config.max_batch_tokens,
-        "page_size": engine.config.page_size,
+        "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "max_batch_tokens": engine.config.scheduler.max_batch_tokens,
+        "page_size": engine.config.cache.page_size,
         "attention_backend": engine.runner.backend.name,
         "num_pages": stats.num_pages,
         # The engine's counters are cumulative; a warm-up run may have gone through the same engine.

@@ -91,14 +91,14 @@ def _engine(model_dir: Path, num_seqs: int, options: OverheadOptions) -> EngineC
     from engine.models.loader import load_model
 
     tokens_per_seq = options.prompt_len + _generated_tokens(options)
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(model_dir),
         load_format="dummy",
         device="cpu",
         cpu_threads=None,  # --threads decides
         dtype="float32",
         page_size=options.page_size,
-        num_blocks=num_seqs * (ceil(tokens_per_seq / options.page_size) + 1),
+        num_pages=num_seqs * (ceil(tokens_per_seq / options.page_size) + 1),
         # Every prompt is prefilled in one step; decode steps then use num_seqs tokens of it.
         max_batch_tokens=num_seqs * options.prompt_len,
         max_num_seqs=num_seqs,
@@ -107,7 +107,7 @@ def _engine(model_dir: Path, num_seqs: int, options: OverheadOptions) -> EngineC
     loaded = load_model(config)
     fake = ZeroCostModel(
         loaded.model,
-        config.max_batch_tokens,
+        config.scheduler.max_batch_tokens,
         num_seqs,
         int(loaded.hf_config.hidden_size),
         int(loaded.hf_config.vocab_size),

@@ -47,13 +47,13 @@ def _engine(model_dir: Path, tensor_parallel_size: int, num_seqs: int, options: 
 
     tokens_per_seq = options.prompt_len + options.steps + 4
     return EngineCore(
-        EngineConfig(
+        EngineConfig.of(
             model=str(model_dir),
             load_format="dummy",
             device=options.device,
             dtype=options.dtype,
             page_size=options.page_size,
-            num_blocks=num_seqs * (ceil(tokens_per_seq / options.page_size) + 1),
+            num_pages=num_seqs * (ceil(tokens_per_seq / options.page_size) + 1),
             max_batch_tokens=num_seqs * options.prompt_len,
             max_num_seqs=num_seqs,
             max_queue_size=0,

@@ -1,13 +1,17 @@
-"""Every engine option in one dataclass; the CLI, the manager and the benchmarks all build one of these.
+"""The engine's options: one frozen config per component, composed into `EngineConfig`.
 
-Each field's docstring is also its `ferry serve --help` text, and its metadata the help section it is listed
-under (server/flags.py turns every field into a flag); `"flag": False` marks a field the CLI fills in itself.
+Each component receives the part it reads (the scheduler a `SchedulerConfig`, the KV-cache manager a
+`CacheConfig`, ...). Each field's docstring is also its `ferry serve --help` text, and its metadata the help section
+it is listed under (server/flags.py turns every field of every part into a flag); `metadata["aliases"]` are other
+names the flag accepts. `EngineConfig.of(**options)` builds one from flat keyword options, each routed to the part
+that has a field of that name (what the CLI, the benchmarks and the tests write).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 SchedulerPolicy = Literal["fifo", "prefill_first"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -25,9 +29,11 @@ class EngineStartupError(ValueError):
     flags to change."""
 
 
-@dataclass
-class EngineConfig:
-    model: str = field(metadata={"flag": False})
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model runs, in what dtype, on which device and with which kernels (the loader's and the runner's part)."""
+
+    path: str = field(metadata={"flag": False})
     """A local Hugging Face model directory (config.json, safetensors, tokenizer files). No flag of its own:
     `ferry serve` resolves it from --model, or serves the model embedded in the package."""
     dtype: DType = field(default="auto", metadata=_MODEL)
@@ -37,24 +43,63 @@ class EngineConfig:
     load_format: Literal["auto", "dummy"] = field(default="auto", metadata=_MODEL)
     """`auto` reads the weights in the model directory; `dummy` builds random weights from config.json
     alone, for benchmarking big models without weights."""
+    max_model_len: int | None = field(default=None, metadata=_MODEL)
+    """Longest prompt + output in tokens; by default the model's `max_position_embeddings`, lowered (with a
+    warning) to what the KV cache holds. A value set here that the cache cannot hold stops the start-up."""
+    attention_backend: Literal["auto", "torch", "cpu", "flash", "triton"] = field(default="auto", metadata=_MODEL)
+    """Attention kernels: `torch` (any device; gathers each sequence's pages every step), `cpu` (a C++ kernel
+    compiled at first use and cached, reads the pages in place), `flash` (flash-attn on CUDA, reads the pages in
+    place; page sizes that are multiples of 256) or `triton` (a Triton kernel on CUDA, reads the pages in place at
+    any page size); `auto` takes cpu on CPU when it builds (a C++ compiler is needed), and on CUDA flash when
+    flash-attn is installed and the page size suits it, else triton when it is installed, torch otherwise."""
+    model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
+    """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
+    otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: page size, how many pages, prefix sharing (the KV-cache manager's part)."""
+
     page_size: int = field(default=16, metadata=_KV_CACHE)
     """Tokens per KV-cache page."""
-    num_blocks: int | None = field(default=None, metadata=_KV_CACHE)
-    """Number of KV-cache pages (named `num_blocks` as in transformers' continuous batching); by default
-    derived from the memory budget: max_memory_percent on GPU, cpu_kv_cache_gib on CPU."""
+    num_pages: int | None = field(default=None, metadata={**_KV_CACHE, "aliases": ("--num-blocks",)})
+    """Number of KV-cache pages (also accepted as --num-blocks, transformers' and vLLM's name); by default derived
+    from the memory budget: max_memory_percent on GPU, cpu_kv_cache_gib on CPU."""
     max_memory_percent: float = field(default=0.9, metadata=_KV_CACHE)
     """GPU: fraction of the device memory free once the model is loaded that the KV cache and the largest step's
     activations may take together (the activations are measured by a profiling step at start-up); with tensor
     parallelism each rank's own GPU, and every rank takes the pages the fullest one can hold."""
     cpu_kv_cache_gib: float = field(default=1.0, metadata=_KV_CACHE)
     """CPU: GiB given to the KV cache (by each rank, with tensor parallelism: a rank's cache holds its KV heads)."""
+    enable_prefix_caching: bool = field(default=True, metadata=_KV_CACHE)
+    """Share KV-cache pages between requests with a common prompt prefix (full pages, matched by a hash chain
+    over their tokens); freed pages stay cached until evicted, least recently used first."""
+    debug_checks: bool = field(default=False, metadata=_SCHEDULING)
+    """Assert KV-cache page-accounting invariants inside the page pools after every change (slow; tests turn
+    this on)."""
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if not 0.0 < self.max_memory_percent <= 1.0:
+            raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How steps are planned: budgets, policies, the waiting queue, request seeds (the scheduler's part)."""
+
     max_batch_tokens: int = field(default=2048, metadata=_SCHEDULING)
     """Token budget of one engine step: decode tokens plus prefill chunks."""
     max_num_seqs: int = field(default=256, metadata=_SCHEDULING)
     """Most sequences in one engine step."""
-    max_model_len: int | None = field(default=None, metadata=_MODEL)
-    """Longest prompt + output in tokens; by default the model's `max_position_embeddings`, lowered (with a
-    warning) to what the KV cache holds. A value set here that the cache cannot hold stops the start-up."""
     scheduler_policy: SchedulerPolicy = field(default="fifo", metadata=_SCHEDULING)
     """Who gets each step's token budget first. `fifo`: running requests, then waiting ones in arrival order;
     `prefill_first`: waiting requests, then running ones."""
@@ -65,23 +110,33 @@ class EngineConfig:
     is preempted first."""
     safety_margin: float = field(default=0.0, metadata=_SCHEDULING)
     """Fraction of all pages kept free for running sequences to grow into: no new prefill is admitted below it."""
-    enable_prefix_caching: bool = field(default=True, metadata=_KV_CACHE)
-    """Share KV-cache pages between requests with a common prompt prefix (full pages, matched by a hash chain
-    over their tokens); freed pages stay cached until evicted, least recently used first."""
     max_queue_size: int = field(default=1024, metadata=_SCHEDULING)
     """Most requests waiting for admission; beyond it the server answers 429 with Retry-After. 0 means
     unbounded."""
     seed: int = field(default=0, metadata=_SCHEDULING)
     """Seed for requests that sample without a seed of their own."""
-    attention_backend: Literal["auto", "torch", "cpu", "flash", "triton"] = field(default="auto", metadata=_MODEL)
-    """Attention kernels: `torch` (any device; gathers each sequence's pages every step), `cpu` (a C++ kernel
-    compiled at first use and cached, reads the pages in place), `flash` (flash-attn on CUDA, reads the pages in
-    place; page sizes that are multiples of 256) or `triton` (a Triton kernel on CUDA, reads the pages in place at
-    any page size); `auto` takes cpu on CPU when it builds (a C++ compiler is needed), and on CUDA flash when
-    flash-attn is installed and the page size suits it, else triton when it is installed, torch otherwise."""
-    model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
-    """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
-    otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""
+    async_scheduling: bool = field(default=False, metadata=_SCHEDULING)
+    """Plan each step while the one before it runs (the model on a thread of its own), vLLM's option: the host
+    work of scheduling overlaps the forward pass. Greedy output is the same; a request that stops on EOS or a
+    stop token computes one more token, discarded."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.0 <= self.safety_margin < 1.0:
+            raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
+        if self.scheduling_policy not in get_args(SchedulingPolicy):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduler_policy not in get_args(SchedulerPolicy):
+            raise ValueError(f"scheduler_policy must be 'fifo' or 'prefill_first', got {self.scheduler_policy!r}")
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How a planned step runs: compilation, CUDA graphs, CPU threads (the runner's part)."""
+
     compile: CompileLevel = field(default="none", metadata=_MODEL)
     """torch.compile of the native model (engine/execution/compile.py): `none` runs eagerly; `piecewise` compiles each
     decoder layer into one graph all layers share, paged attention an opaque op inside it; `full` compiles the
@@ -108,10 +163,22 @@ class EngineConfig:
     665 -> 409 ms, throughput unchanged, where 2 threads for every step cost 21% of it). None: every core this
     process may use (shared among the tensor-parallel ranks of a node); at most cpu_threads turns it off, and so
     does cpu_threads None."""
-    async_scheduling: bool = field(default=False, metadata=_SCHEDULING)
-    """Plan each step while the one before it runs (the model on a thread of its own), vLLM's option: the host
-    work of scheduling overlaps the forward pass. Greedy output is the same; a request that stops on EOS or a
-    stop token computes one more token, discarded."""
+
+    def __post_init__(self) -> None:
+        if self.compile not in get_args(CompileLevel):
+            raise ValueError(f"compile must be one of {', '.join(get_args(CompileLevel))}, got {self.compile!r}")
+        if self.cuda_graph_max_seqs < 1:
+            raise ValueError(f"cuda_graph_max_seqs must be >= 1, got {self.cuda_graph_max_seqs}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_prefill_threads is not None and self.cpu_prefill_threads < 1:
+            raise ValueError(f"cpu_prefill_threads must be >= 1, got {self.cpu_prefill_threads}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the ranks, the nodes they span and where they meet."""
+
     tensor_parallel_size: int = field(default=1, metadata=_PARALLEL)
     """Ranks the model is sharded over, one process (and on CUDA one GPU) each: attention heads, the MLP and the
     vocabulary are split Megatron-style, each rank's KV cache holds its own KV heads, and the scheduler and the
@@ -132,35 +199,8 @@ class EngineConfig:
     """Seconds a rank waits in one collective (an all-reduce, the step's plan) before it declares a peer dead or
     hung: the engine then fails, /health turns 503 and the server exits non-zero. An idle engine sends its ranks an
     empty plan every second, so only a stuck peer reaches this."""
-    debug_checks: bool = field(default=False, metadata=_SCHEDULING)
-    """Assert KV-cache page-accounting invariants inside the page pools after every change (slow; tests turn
-    this on)."""
 
     def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if not 0.0 <= self.safety_margin < 1.0:
-            raise ValueError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
-        if not 0.0 < self.max_memory_percent <= 1.0:
-            raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.scheduler_policy not in ("fifo", "prefill_first"):
-            raise ValueError(f"scheduler_policy must be 'fifo' or 'prefill_first', got {self.scheduler_policy!r}")
-        if self.compile not in get_args(CompileLevel):
-            raise ValueError(f"compile must be one of {', '.join(get_args(CompileLevel))}, got {self.compile!r}")
-        if self.cuda_graph_max_seqs < 1:
-            raise ValueError(f"cuda_graph_max_seqs must be >= 1, got {self.cuda_graph_max_seqs}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        if self.cpu_prefill_threads is not None and self.cpu_prefill_threads < 1:
-            raise ValueError(f"cpu_prefill_threads must be >= 1, got {self.cpu_prefill_threads}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.nnodes < 1:
@@ -172,9 +212,9 @@ class EngineConfig:
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
 
-    def check_parallel_layout(self) -> None:
+    def check_layout(self) -> None:
         """Raise ValueError unless the nodes split the ranks evenly and node_rank names one of them (checked where
-        ranks start, not on construction: the fields may be set one at a time)."""
+        ranks start: a layout is only wrong for the node that runs it)."""
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size}): every node "
@@ -186,3 +226,56 @@ class EngineConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
+
+
+_ALIASES = {"num_blocks": "num_pages", "model": "path"}
+"""Flat option names that differ from their field's: `model` is the model directory, `num_blocks` the old name of
+num_pages."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option, by the component that reads it."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def of(cls, **options: Any) -> EngineConfig:
+        """The config of flat options (`EngineConfig.of(model=path, page_size=32, tensor_parallel_size=2)`), each
+        routed to the part with a field of its name; an unknown name is a TypeError, as for a dataclass."""
+        parts = _by_part(options)
+        return cls(**{part: part_cls(**parts.get(part, {})) for part, part_cls in PART_CLASSES.items()})
+
+    def replace(self, **options: Any) -> EngineConfig:
+        """A copy with flat options changed (`config.replace(max_model_len=512)`), routed as in `of`."""
+        parts = _by_part(options)
+        return dataclasses.replace(
+            self, **{part: dataclasses.replace(getattr(self, part), **values) for part, values in parts.items()}
+        )
+
+
+def _by_part(options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat options grouped by the part that has a field of each name."""
+    parts: dict[str, dict[str, Any]] = {}
+    for name, value in options.items():
+        name = _ALIASES.get(name, name)
+        if name not in _PART_OF_FIELD:
+            raise TypeError(f"EngineConfig has no option {name!r}")
+        parts.setdefault(_PART_OF_FIELD[name], {})[name] = value
+    return parts
+
+
+PART_CLASSES: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "execution": ExecutionConfig,
+    "parallel": ParallelConfig,
+}
+"""EngineConfig's parts by attribute name, in flag order."""
+
+_PART_OF_FIELD = {f.name: part for part, part_cls in PART_CLASSES.items() for f in dataclasses.fields(part_cls)}

@@ -375,7 +375,7 @@ def engine(model_dir: str, steps: int) -> None:
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(32)]
     for label, structured_output in (("unconstrained", None), ("json_schema", schema)):
         phase = SamplePhase()
-        config = EngineConfig(model=model_dir, num_blocks=1024, load_format="dummy")
+        config = EngineConfig.of(model=model_dir, num_pages=1024, load_format="dummy")
         core = EngineCore(config, observers=[phase])
         params = SamplingParams(max_new_tokens=steps, structured_output=structured_output)
         generate_batch(prompts, params=params, engine=core)

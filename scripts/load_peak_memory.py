@@ -77,7 +77,7 @@ def main() -> None:
     from engine.config import EngineConfig
     from engine.models import loader
 
-    config = EngineConfig(model=args.model_dir, dtype=args.dtype, device="cpu", model_impl="native")
+    config = EngineConfig.of(model=args.model_dir, dtype=args.dtype, device="cpu", model_impl="native")
     anon_before, rss_before = _anon_bytes(), _max_rss_bytes()
     sampler = _PeakSampler()
     sampler.start()

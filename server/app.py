@@ -117,10 +117,10 @@ class ServerState:
         self.engine_config = engine_config
         self.settings = settings
         self.lifecycle = lifecycle
-        self.model_names = settings.served_model_name or (Path(engine_config.model).name,)
+        self.model_names = settings.served_model_name or (Path(engine_config.model.path).name,)
         """Every name clients may send as `model`; the first is the one responses report."""
         self.model_name = self.model_names[0]
-        self.metrics = ServerMetrics(self.model_name, engine_config.tensor_parallel_size)
+        self.metrics = ServerMetrics(self.model_name, engine_config.parallel.tensor_parallel_size)
         self.created = int(time.time())
         self.client = EngineClient(
             engine_config,
@@ -135,7 +135,9 @@ class ServerState:
         """Spawn the engine first, so that it loads the model while this process loads the tokenizer."""
         try:
             self.client.start()
-            tokenizer = await asyncio.to_thread(Tokenizer.load, self.settings.tokenizer or self.engine_config.model)
+            tokenizer = await asyncio.to_thread(
+                Tokenizer.load, self.settings.tokenizer or self.engine_config.model.path
+            )
             reasoning = ReasoningParser.for_model(self.settings.reasoning_parser, tokenizer)
             info = await self.client.wait_ready()
         except EngineDeadError:
@@ -147,7 +149,7 @@ class ServerState:
         self.serving = ServingContext(
             client=self.client,
             tokenizer=tokenizer,
-            model_dir=self.engine_config.model,
+            model_dir=self.engine_config.model.path,
             metrics=self.metrics,
             lifecycle=self.lifecycle,
             model_names=self.model_names,
@@ -267,7 +269,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
 
     def model_card(name: str) -> ModelCard:
         serving = state.get_serving()
-        tensor_parallel_size = engine_config.tensor_parallel_size
+        tensor_parallel_size = engine_config.parallel.tensor_parallel_size
         return ModelCard(
             id=name,
             created=state.created,

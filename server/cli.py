@@ -1,7 +1,7 @@
 """`ferry serve`: the OpenAI-compatible server's command line (ferry/cli.py hangs it under the `ferry` command).
 
-Every EngineConfig and ServerSettings field is a flag, documented where the field is (server/flags.py); only
---model is written here, because without it the model embedded in the package is served.
+Every field of EngineConfig's parts and of ServerSettings is a flag, documented where the field is
+(server/flags.py); only --model is written here, because without it the model embedded in the package is served.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import PART_CLASSES, EngineConfig
 from server.flags import add_flags, flag_values
 from server.settings import ServerSettings
 
@@ -45,7 +45,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "is served.",
     )
     groups = {"model": model}
-    add_flags(parser, EngineConfig, groups)
+    for part in PART_CLASSES.values():
+        add_flags(parser, part, groups)
     add_flags(parser, ServerSettings, groups)
     parser.set_defaults(func=run_serve, parser=parser)
 
@@ -81,17 +82,17 @@ def _resolve(args: argparse.Namespace, flag: str, spec: str, revision: str | Non
 
 def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's options, with --model resolved to a local directory (a Hub model is fetched here, once)."""
-    values = flag_values(EngineConfig, args)
+    values = {name: value for part in PART_CLASSES.values() for name, value in flag_values(part, args).items()}
     model_dir = _resolve(args, "--model", _model_spec(args), args.revision, weights=values["load_format"] != "dummy")
     try:
-        return EngineConfig(model=model_dir, **values)
+        return EngineConfig.of(model=model_dir, **values)
     except ValueError as exc:
         args.parser.error(str(exc))
 
 
 def _check_parallel_layout(args: argparse.Namespace, config: EngineConfig) -> None:
     try:
-        config.check_parallel_layout()
+        config.parallel.check_layout()
     except ValueError as exc:
         args.parser.error(str(exc))
 
@@ -132,7 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _check_parallel_layout(args, engine_config)
     settings = resolve_tokenizer(args, build_settings(args))
     configure_logging(settings.log_level, settings.log_format)
-    if engine_config.node_rank > 0:
+    if engine_config.parallel.node_rank > 0:
         # Another node of a multi-node tensor-parallel run: its ranks only, no HTTP; node 0 serves.
         from engine.distributed.worker import run_node
 

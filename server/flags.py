@@ -2,7 +2,8 @@
 
 Every field becomes `--field-name`: its type from the annotation (`bool` -> `--x/--no-x`, `Literal[...]` ->
 choices, `X | None` -> X, `tuple[X, ...]` -> one or more X), its default from the field, its help from the field's
-attribute docstring (the string right after it), and its help section from `metadata["group"]`. A field with
+attribute docstring (the string right after it), its help section from `metadata["group"]`, and other names it
+accepts from `metadata["aliases"]`. A field with
 `metadata["flag"] = False` is left to the caller.
 """
 
@@ -44,6 +45,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, argp
             groups[group_name] = parser.add_argument_group(group_name)
         groups[group_name].add_argument(
             flag_name(field.name),
+            *field.metadata.get("aliases", ()),
             dest=field.name,
             default=field.default,
             # argparse %-formats help texts (for `%(default)s`): a literal % must be doubled.

@@ -15,7 +15,7 @@ PROMPTS = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34, 35, 36, 37, 38],
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(tiny_llama), page_size=4, num_blocks=256, debug_checks=True))
+    return EngineCore(EngineConfig.of(model=str(tiny_llama), page_size=4, num_pages=256, debug_checks=True))
 
 
 def test_streaming_yields_growing_prefixes_then_final(engine: EngineCore) -> None:
@@ -183,11 +183,11 @@ def test_results_are_handed_out_once_then_forgotten(engine: EngineCore) -> None:
 def test_priorities_need_the_priority_policy(tiny_llama: Path) -> None:
     from engine import RequestRejected
 
-    fcfs = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=64))
+    fcfs = EngineCore(EngineConfig.of(model=str(tiny_llama), num_pages=64))
     with pytest.raises(RequestRejected) as refused:
         fcfs.add_request("p", [5, 6, 7], SamplingParams(max_new_tokens=2), priority=1)
     assert refused.value.code == "invalid_priority" and "--scheduling-policy priority" in str(refused.value)
-    by_priority = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=64, scheduling_policy="priority"))
+    by_priority = EngineCore(EngineConfig.of(model=str(tiny_llama), num_pages=64, scheduling_policy="priority"))
     by_priority.add_request("later", [5, 6, 7], SamplingParams(max_new_tokens=2), priority=2)
     by_priority.add_request("sooner", [5, 6, 8], SamplingParams(max_new_tokens=2), priority=-2)
     assert [r.request_id for r in by_priority.scheduler.waiting] == ["sooner", "later"]

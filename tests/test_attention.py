@@ -50,7 +50,7 @@ def attention_runner(
     loaded = LoadedModel(
         shapes, PretrainedConfig(vocab_size=16), frozenset(), max_model_len, device, dtype, True, TorchPagedBackend()
     )
-    config = EngineConfig(model="unused", page_size=page_size, max_batch_tokens=4096, max_num_seqs=64)
+    config = EngineConfig.of(model="unused", page_size=page_size, max_batch_tokens=4096, max_num_seqs=64)
     return ModelRunner(loaded, ONE_GROUP, [num_pages], config)
 
 

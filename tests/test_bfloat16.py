@@ -69,8 +69,8 @@ def test_bfloat16_engine_agrees_with_transformers_bfloat16(
     if level != "none":
         request.getfixturevalue("compiling")
     path = model_dir(arch)
-    config = EngineConfig(
-        model=str(path), dtype="bfloat16", num_blocks=256, max_batch_tokens=96, page_size=16, compile=level
+    config = EngineConfig.of(
+        model=str(path), dtype="bfloat16", num_pages=256, max_batch_tokens=96, page_size=16, compile=level
     )
     engine = EngineCore(config)
     linears = [m for m in engine.runner.model.modules() if isinstance(m, LinearBase)]

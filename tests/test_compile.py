@@ -26,7 +26,7 @@ def _serve_args(*flags: str) -> argparse.Namespace:
 @pytest.mark.parametrize("level", ["none", "piecewise", "full"])
 def test_each_level_is_a_serve_flag(tiny_llama: Path, level: str) -> None:
     config = cli.build_engine_config(_serve_args("--model", str(tiny_llama), "--compile", level))
-    assert config.compile == level
+    assert config.execution.compile == level
 
 
 def test_an_unknown_level_is_refused(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -34,7 +34,7 @@ def test_an_unknown_level_is_refused(tiny_llama: Path, capsys: pytest.CaptureFix
         _serve_args("--model", str(tiny_llama), "--compile", "max-autotune")
     assert "invalid choice: 'max-autotune'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="compile must be one of none, piecewise, full"):
-        EngineConfig(model=str(tiny_llama), compile="max-autotune")  # type: ignore[arg-type]
+        EngineConfig.of(model=str(tiny_llama), compile="max-autotune")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("level", ["piecewise", "full"])
@@ -42,20 +42,20 @@ def test_an_unknown_level_is_refused(tiny_llama: Path, capsys: pytest.CaptureFix
 def test_the_transformers_adapter_refuses_compiled_levels(
     model_dir: Callable[[str], Path], arch: str, model_impl: str, level: str
 ) -> None:
-    config = EngineConfig(model=str(model_dir(arch)), model_impl=model_impl, compile=level, num_blocks=16)
+    config = EngineConfig.of(model=str(model_dir(arch)), model_impl=model_impl, compile=level, num_pages=16)
     with pytest.raises(EngineStartupError, match=f"--compile {level} compiles the native .* use --compile none"):
         EngineCore(config)
 
 
 def test_devices_other_than_cpu_refuse_compiled_levels(tiny_llama: Path) -> None:
     cuda = torch.device("cuda")
-    check_compile_level(EngineConfig(model=str(tiny_llama)), native=True, device=cuda)
+    check_compile_level(EngineConfig.of(model=str(tiny_llama)), native=True, device=cuda)
     with pytest.raises(EngineStartupError, match="--compile full is built and checked for CPU only"):
-        check_compile_level(EngineConfig(model=str(tiny_llama), compile="full"), native=True, device=cuda)
+        check_compile_level(EngineConfig.of(model=str(tiny_llama), compile="full"), native=True, device=cuda)
 
 
 def test_tensor_parallelism_refuses_compiled_levels_before_any_rank_starts(tiny_llama: Path) -> None:
-    config = EngineConfig(model=str(tiny_llama), compile="piecewise", tensor_parallel_size=2, num_blocks=16)
+    config = EngineConfig.of(model=str(tiny_llama), compile="piecewise", tensor_parallel_size=2, num_pages=16)
     with pytest.raises(EngineStartupError, match="--compile piecewise runs on one device: with --tensor-parallel"):
         EngineCore(config)
 
@@ -67,7 +67,7 @@ def test_a_start_up_where_inductor_cannot_build_kernels_is_refused(
     than serving eagerly under a compiled level."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
-    config = EngineConfig(model=str(tiny_llama), compile="piecewise", num_blocks=16)
+    config = EngineConfig.of(model=str(tiny_llama), compile="piecewise", num_pages=16)
     no_compiler = {"cpp.cxx": (None, str(tmp_path / "no-such-c++")), "force_disable_caches": True}
     with torch._inductor.config.patch(no_compiler), pytest.raises(EngineStartupError) as refused:
         EngineCore(config)
@@ -78,6 +78,6 @@ def test_a_start_up_where_inductor_cannot_build_kernels_is_refused(
 
 @pytest.mark.parametrize("level", ["piecewise", "full"])
 def test_the_warm_up_leaves_no_trace_in_the_runner(tiny_llama: Path, level: str, compiling: None) -> None:
-    engine = EngineCore(EngineConfig(model=str(tiny_llama), compile=level, num_blocks=32, debug_checks=True))
+    engine = EngineCore(EngineConfig.of(model=str(tiny_llama), compile=level, num_pages=32, debug_checks=True))
     assert not engine.runner.batch.seqs
     assert engine.is_idle_and_clean()

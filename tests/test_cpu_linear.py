@@ -80,7 +80,7 @@ def test_gpt2_conv1d_packs_with_its_transposed_weight() -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
 def test_cpu_engine_packs_every_linear_native_and_breadth_path(arch: str, model_dir: Callable[[str], Path]) -> None:
-    engine = EngineCore(EngineConfig(model=str(model_dir(arch)), num_blocks=64))
+    engine = EngineCore(EngineConfig.of(model=str(model_dir(arch)), num_pages=64))
     modules = list(engine.runner.model.modules())
     assert not [m for m in modules if type(m) in (nn.Linear, Conv1D)]
     assert sum(isinstance(m, LinearBase) and isinstance(m.method, PackedLinearMethod) for m in modules) > 0

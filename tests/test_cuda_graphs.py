@@ -119,12 +119,12 @@ def test_which_steps_replay_a_graph(num_seqs: int, max_query_len: int, expected:
 
 
 def test_the_largest_graph_fits_every_step_limit() -> None:
-    assert max_graph_size(EngineConfig(model="m")) == 256
-    assert max_graph_size(EngineConfig(model="m", max_num_seqs=48)) == 48
-    assert max_graph_size(EngineConfig(model="m", max_batch_tokens=32)) == 32
-    assert max_graph_size(EngineConfig(model="m", cuda_graph_max_seqs=16)) == 16
+    assert max_graph_size(EngineConfig.of(model="m")) == 256
+    assert max_graph_size(EngineConfig.of(model="m", max_num_seqs=48)) == 48
+    assert max_graph_size(EngineConfig.of(model="m", max_batch_tokens=32)) == 32
+    assert max_graph_size(EngineConfig.of(model="m", cuda_graph_max_seqs=16)) == 16
     with pytest.raises(ValueError, match="cuda_graph_max_seqs"):
-        EngineConfig(model="m", cuda_graph_max_seqs=0)
+        EngineConfig.of(model="m", cuda_graph_max_seqs=0)
 
 
 # -- when graphs run, and why not -----------------------------------------------------------------------------
@@ -147,12 +147,12 @@ def _loaded(device: str, *, native: bool = True, capturable: bool = True) -> Loa
 @pytest.mark.parametrize(
     ("config", "loaded", "reason"),
     [
-        (EngineConfig(model="m", enforce_eager=True), _loaded("cuda"), "--enforce-eager"),
-        (EngineConfig(model="m"), _loaded("cpu"), "need a CUDA device"),
-        (EngineConfig(model="m", tensor_parallel_size=2), _loaded("cuda"), "--tensor-parallel-size 2"),
-        (EngineConfig(model="m"), _loaded("cuda", native=False), "transformers adapter"),
-        (EngineConfig(model="m"), _loaded("cuda", capturable=False), "the torch attention backend plans"),
-        (EngineConfig(model="m"), _loaded("cuda"), None),
+        (EngineConfig.of(model="m", enforce_eager=True), _loaded("cuda"), "--enforce-eager"),
+        (EngineConfig.of(model="m"), _loaded("cpu"), "need a CUDA device"),
+        (EngineConfig.of(model="m", tensor_parallel_size=2), _loaded("cuda"), "--tensor-parallel-size 2"),
+        (EngineConfig.of(model="m"), _loaded("cuda", native=False), "transformers adapter"),
+        (EngineConfig.of(model="m"), _loaded("cuda", capturable=False), "the torch attention backend plans"),
+        (EngineConfig.of(model="m"), _loaded("cuda"), None),
     ],
     ids=["enforce-eager", "cpu", "tensor-parallel", "transformers-adapter", "torch-backend", "graphs"],
 )
@@ -174,7 +174,7 @@ def test_why_an_engine_runs_eagerly(
 def test_a_cpu_engine_logs_once_why_it_runs_eagerly(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture, enforce_eager: bool
 ) -> None:
-    config = EngineConfig(model=str(tiny_llama), num_blocks=16, enforce_eager=enforce_eager)
+    config = EngineConfig.of(model=str(tiny_llama), num_pages=16, enforce_eager=enforce_eager)
     with caplog.at_level(logging.INFO, logger="engine.execution.cuda_graphs"):
         engine = EngineCore(config)
     messages = [r.getMessage() for r in caplog.records if r.name == "engine.execution.cuda_graphs"]
@@ -338,7 +338,7 @@ def test_the_padded_forward_computes_the_eager_steps_logits(
     """Real rows through the padded static buffers get the eager step's logits, and the padded rows write the
     scratch page only: every real page of every layer ends as the eager runner's. With the C++ CPU kernel, and with
     the Triton kernel (the GPU's capturable backend) under Triton's interpreter."""
-    config = EngineConfig(model=str(model_dir(arch)), attention_backend=backend, page_size=4, max_num_seqs=8)
+    config = EngineConfig.of(model=str(model_dir(arch)), attention_backend=backend, page_size=4, max_num_seqs=8)
     loaded = load_model(config)
     assert loaded.backend.name == backend and loaded.backend.capturable
     layouts = group_layers(loaded.model.sliding_windows)
@@ -390,11 +390,11 @@ def test_the_padded_forward_computes_the_eager_steps_logits(
 def test_every_decode_step_through_the_padded_path_generates_the_eager_tokens(
     tiny_llama: Path, async_scheduling: bool
 ) -> None:
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(tiny_llama),
         attention_backend="cpu",
         page_size=4,
-        num_blocks=96,
+        num_pages=96,
         max_model_len=128,
         max_num_seqs=8,
         max_batch_tokens=40,

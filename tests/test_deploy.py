@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import PART_CLASSES
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "ferry"
@@ -39,11 +39,13 @@ ADAPTER = DEPLOY / "prometheus" / "prometheus-adapter-values.yaml"
 KUBE_VERSIONS = ("1.25.0", "1.37.0")
 # Prometheus Operator kinds: custom resources, for which no Kubernetes schema exists.
 CRD_KINDS = {"ServiceMonitor"}
-# EngineConfig fields the chart does not map to engine.* values: --model is server.model, --debug-checks is a
-# test aid (extraArgs can still pass it), and the tensor-parallel layout comes from tensorParallel.* and, per pod,
-# from the LeaderWorkerSet (TENSOR_PARALLEL_FLAGS).
+# EngineConfig options the chart does not map to engine.* values: --model (ModelConfig.path) is server.model,
+# --debug-checks is a test aid (extraArgs can still pass it), and the tensor-parallel layout comes from
+# tensorParallel.* and, per pod, from the LeaderWorkerSet (TENSOR_PARALLEL_FLAGS).
 TENSOR_PARALLEL_FLAGS = {"tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"}
-NOT_ENGINE_FLAGS = {"model", "debug_checks", *TENSOR_PARALLEL_FLAGS}
+NOT_ENGINE_FLAGS = {"path", "debug_checks", *TENSOR_PARALLEL_FLAGS}
+ENGINE_FIELDS = [f.name for part in PART_CLASSES.values() for f in dataclasses.fields(part)]
+"""Every EngineConfig option, as the flat names its flags have."""
 MULTI_NODE = CHART / "ci" / "multi-node-values.yaml"
 
 
@@ -245,7 +247,7 @@ def test_chart_rejects_bad_values(helm: ModuleType, values: dict[str, Any]) -> N
 
 
 def test_every_engine_option_is_a_chart_value(helm: ModuleType) -> None:
-    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS]
+    fields = [name for name in ENGINE_FIELDS if name not in NOT_ENGINE_FLAGS]
     with helm.Chart.load(str(CHART)) as chart:
         default_engine = chart.values["engine"]
     assert set(default_engine) == {_camel(f) for f in fields}, "values.yaml engine: lists every EngineConfig field"
@@ -610,7 +612,7 @@ CPU_ENGINE_VALUES = {
     "device": "cpu",
     "loadFormat": "auto",
     "pageSize": 16,
-    "numBlocks": 128,
+    "numPages": 128,
     "maxMemoryPercent": 0.9,
     "cpuKvCacheGib": 0.25,
     "maxBatchTokens": 256,
@@ -663,7 +665,7 @@ def test_every_queried_metric_is_exported(helm: ModuleType, model_dir: Callable[
     # The chart's own rendering of every engine and server flag, minus the port (the harness picks one).
     docs = render(helm, {"engine": CPU_ENGINE_VALUES, "server": CPU_SERVER_VALUES, "gpu": {"count": 0}})
     assert {k for k in CPU_ENGINE_VALUES} == {
-        _camel(f.name) for f in dataclasses.fields(EngineConfig) if f.name not in NOT_ENGINE_FLAGS
+        _camel(name) for name in ENGINE_FIELDS if name not in NOT_ENGINE_FLAGS
     }
     args = [a for a in container_args(docs) if not a.startswith("--port=")]
 

@@ -88,11 +88,11 @@ def _reference(
 CONFIGS: dict[str, dict] = {
     "mixed": dict(max_batch_tokens=96, page_size=16),
     "chunked": dict(max_batch_tokens=16, page_size=16),
-    "preempt": dict(max_batch_tokens=256, page_size=4, num_blocks=24),
+    "preempt": dict(max_batch_tokens=256, page_size=4, num_pages=24),
     "page1": dict(max_batch_tokens=128, page_size=1),
     "page16": dict(max_batch_tokens=512, page_size=16),
     # flash-attn's paged kernels need pages of 256: the torch backend must agree at that size too.
-    "page256": dict(max_batch_tokens=96, page_size=256, num_blocks=32),
+    "page256": dict(max_batch_tokens=96, page_size=256, num_pages=32),
 }
 
 
@@ -111,7 +111,7 @@ def _run(
     model_path: Path, prompts, max_new, **overrides
 ) -> tuple[EngineCore, list[list[int]], list[list[float]], list[list[int]]]:
     # A few hundred pages: a 1 GiB default cache would make every debug invariant check scan ~10^5 pages.
-    config = EngineConfig(model=str(model_path), debug_checks=True, **{"num_blocks": 512, **overrides})
+    config = EngineConfig.of(model=str(model_path), debug_checks=True, **{"num_pages": 512, **overrides})
     query_lens: list[list[int]] = []
     engine = EngineCore(config, observers=[_QueryLens(query_lens)])
     params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
@@ -166,12 +166,12 @@ def test_compiled_greedy_equals_generate(
     path = _model_path(model_dir, arch)
     prompts, max_new, expected, expected_logprobs = _reference(path, arch, 0)
     before = counters["stats"]["unique_graphs"]
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(path),
         debug_checks=True,
         compile=level,
         async_scheduling=async_scheduling,
-        **{"num_blocks": 512, **CONFIGS[setup]},
+        **{"num_pages": 512, **CONFIGS[setup]},
     )
     engine = EngineCore(config)
     warmed_up = counters["stats"]["unique_graphs"]
@@ -226,7 +226,7 @@ def test_prefix_sharing_greedy(model_dir: Callable[[str], Path], arch: str) -> N
 def test_sliding_window_releases_pages(model_dir: Callable[[str], Path]) -> None:
     path = model_dir("mistral")  # sliding_window 24 in the fixture
     prompt = list(range(10, 90))
-    engine = EngineCore(EngineConfig(model=str(path), page_size=4, num_blocks=64, debug_checks=True))
+    engine = EngineCore(EngineConfig.of(model=str(path), page_size=4, num_pages=64, debug_checks=True))
     engine.add_request("a", prompt, SamplingParams(max_new_tokens=4))
     engine.step()
     (table,) = engine.kv_cache.page_tables("a")
@@ -242,7 +242,7 @@ def test_hybrid_model_sliding_layers_release_pages(model_dir: Callable[[str], Pa
     """Full-attention layers keep every page; the sliding layers' own pool lets old pages go and is sized to
     the windows of all running sequences, so the memory budget goes to the full layers."""
     path = model_dir("qwen2_hybrid")  # layer 0 full attention, layer 1 sliding window 20
-    config = EngineConfig(model=str(path), page_size=4, max_num_seqs=8, max_batch_tokens=128, debug_checks=True)
+    config = EngineConfig.of(model=str(path), page_size=4, max_num_seqs=8, max_batch_tokens=128, debug_checks=True)
     engine = EngineCore(config)
     primary, sliding = engine.kv_cache.pools
     assert [layout.window for layout in engine.kv_cache.layouts] == [None, 20]
@@ -269,7 +269,7 @@ def test_prompt_logprobs_equal_the_models_own(model_dir: Callable[[str], Path], 
     path = model_dir("llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts, max_new = _prompts(hf.config.vocab_size, shared_prefix=16)
-    config = EngineConfig(model=str(path), debug_checks=True, **{"num_blocks": 512, **CONFIGS[setup]})
+    config = EngineConfig.of(model=str(path), debug_checks=True, **{"num_pages": 512, **CONFIGS[setup]})
     engine = EngineCore(config)
     scored = [i % 2 == 0 for i in range(len(prompts))]
     params = [

@@ -16,18 +16,18 @@ from engine.config import EngineConfig, EngineStartupError
 from engine.core.engine_core import EngineCore
 from engine.core.kv_cache import group_layers
 from engine.core.request import RequestRejected, SamplingParams
+from engine.execution.cpu_threads import PREFILL_STEP_TOKENS, step_threads
 from engine.execution.memory import largest_step_lengths, run_largest_step
-from engine.execution.runner import PREFILL_STEP_TOKENS, step_threads
 from engine.models.loader import load_model
 
 
 def test_a_cache_too_small_for_an_asked_max_model_len_refuses_to_start(tiny_llama: Path) -> None:
-    config = EngineConfig(model=str(tiny_llama), num_blocks=8, max_model_len=512)
+    config = EngineConfig.of(model=str(tiny_llama), num_pages=8, max_model_len=512)
     with pytest.raises(EngineStartupError) as info:
         EngineCore(config)
     message = str(info.value)
     assert "128 tokens" in message
-    for flag in ("--max-model-len", "--num-blocks", "--cpu-kv-cache-gib"):
+    for flag in ("--max-model-len", "--num-pages", "--cpu-kv-cache-gib"):
         assert flag in message
 
 
@@ -35,7 +35,7 @@ def test_a_default_max_model_len_is_lowered_to_what_the_cache_holds(
     tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level("WARNING", logger="engine.execution.startup"):
-        engine = EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=8))
+        engine = EngineCore(EngineConfig.of(model=str(tiny_llama), num_pages=8))
     assert engine.max_model_len == 8 * 16
     assert "max_model_len lowered to 128" in caplog.text
     # A request that leaves its length to the server now fits: the whole cache, not a refusal.
@@ -47,7 +47,7 @@ def test_a_default_max_model_len_is_lowered_to_what_the_cache_holds(
 
 
 def test_a_cache_that_holds_the_model_length_keeps_it(tiny_llama: Path) -> None:
-    assert EngineCore(EngineConfig(model=str(tiny_llama), num_blocks=32, max_model_len=512)).max_model_len == 512
+    assert EngineCore(EngineConfig.of(model=str(tiny_llama), num_pages=32, max_model_len=512)).max_model_len == 512
 
 
 def test_flash_attention_with_float32_is_refused_when_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,7 +68,7 @@ def test_largest_step_fills_the_token_budget_over_the_most_sequences() -> None:
 
 
 def test_the_profiling_step_runs_through_a_runner(tiny_llama: Path) -> None:
-    config = EngineConfig(model=str(tiny_llama), max_batch_tokens=96, max_num_seqs=8, page_size=16)
+    config = EngineConfig.of(model=str(tiny_llama), max_batch_tokens=96, max_num_seqs=8, page_size=16)
     loaded = load_model(config)
     result = run_largest_step(config, loaded, group_layers(loaded.model.sliding_windows))
     assert [len(tokens) for tokens in result.token_ids] == [1] * 8
@@ -81,22 +81,22 @@ def test_the_profiling_step_runs_through_a_runner(tiny_llama: Path) -> None:
 def test_prefill_threads_are_every_core_unless_asked_or_off(tiny_llama: Path) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cores = len(os.sched_getaffinity(0))
-    config = EngineConfig(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=3)
+    config = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=3)
     assert step_threads(config, cpu) == (1, 3)
     assert step_threads(config, cuda) is None, "a GPU step's threads only launch kernels"
-    auto = EngineConfig(model=str(tiny_llama), cpu_threads=1)
+    auto = EngineConfig.of(model=str(tiny_llama), cpu_threads=1)
     assert step_threads(auto, cpu) == ((1, cores) if cores > 1 else None)
-    two_ranks = EngineConfig(model=str(tiny_llama), cpu_threads=1, tensor_parallel_size=2)
+    two_ranks = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, tensor_parallel_size=2)
     assert step_threads(two_ranks, cpu) == ((1, cores // 2) if cores >= 4 else None), "a node's cores shared"
-    assert step_threads(EngineConfig(model=str(tiny_llama), cpu_threads=2, cpu_prefill_threads=2), cpu) is None
-    assert step_threads(EngineConfig(model=str(tiny_llama), cpu_threads=None, cpu_prefill_threads=4), cpu) is None
+    assert step_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=2, cpu_prefill_threads=2), cpu) is None
+    assert step_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=None, cpu_prefill_threads=4), cpu) is None
     with pytest.raises(ValueError, match="cpu_prefill_threads"):
-        EngineConfig(model=str(tiny_llama), cpu_prefill_threads=0)
+        EngineConfig.of(model=str(tiny_llama), cpu_prefill_threads=0)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_step_of_prefill_size_runs_on_the_prefill_threads(tiny_llama: Path, async_scheduling: bool) -> None:
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, async_scheduling=async_scheduling
     )
     threads: list[tuple[int, int]] = []  # (tokens, torch threads) of each forward pass

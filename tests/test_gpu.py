@@ -44,13 +44,13 @@ def test_cuda_engine_greedy_equals_generate(
         hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
         for p in prompts
     ]
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(path),
         device="cuda",
         dtype="float32",
         attention_backend=backend,
         page_size=page_size,
-        num_blocks=256,
+        num_pages=256,
         max_batch_tokens=32,
         async_scheduling=async_scheduling,
         debug_checks=True,
@@ -140,7 +140,7 @@ def test_cuda_kv_cache_takes_the_memory_flag_after_the_profiled_step(model_dir: 
     and the largest step still runs once the cache holds its share."""
     torch.cuda.empty_cache()
     free_before, _ = torch.cuda.mem_get_info()
-    config = EngineConfig(
+    config = EngineConfig.of(
         model=str(model_dir("llama")), device="cuda", dtype="bfloat16", max_memory_percent=0.05, max_batch_tokens=512
     )
     engine = EngineCore(config)
@@ -152,7 +152,7 @@ def test_cuda_kv_cache_takes_the_memory_flag_after_the_profiled_step(model_dir: 
 
 
 def test_flash_attention_refuses_float32_when_chosen(model_dir: Callable[[str], Path]) -> None:
-    config = EngineConfig(model=str(model_dir("llama")), device="cuda", dtype="float32", attention_backend="flash")
+    config = EngineConfig.of(model=str(model_dir("llama")), device="cuda", dtype="float32", attention_backend="flash")
     with pytest.raises(ValueError, match="float16 or bfloat16 only"):
         EngineCore(config)
 
@@ -167,7 +167,7 @@ def _graph_config(path: Path, **options: object) -> EngineConfig:
     # max_batch_tokens 32 chunks the prompts, so eager mixed steps come between replayed decode steps; 8 sequences
     # at most, so graphs of 1, 2, 4 and 8 sequences, each replayed as the batch drains.
     defaults = dict(model=str(path), device="cuda", dtype="float32", page_size=4, max_batch_tokens=32, max_num_seqs=8)
-    return EngineConfig(**{**defaults, **options})  # type: ignore[arg-type]
+    return EngineConfig.of(**{**defaults, **options})  # type: ignore[arg-type]
 
 
 def _with_backend(loaded: LoadedModel, backend: DensePagedBackend) -> LoadedModel:
@@ -186,7 +186,7 @@ def test_cuda_graphs_replay_the_eager_tokens(model_dir: Callable[[str], Path]) -
     generate what --enforce-eager generates, in float32; capture is quick and its memory was accounted for."""
     config = _graph_config(model_dir("llama"), max_memory_percent=0.02)
     loaded = _with_backend(load_model(config), DensePagedBackend())
-    eager = EngineCore(dataclasses.replace(config, enforce_eager=True), loaded=loaded)
+    eager = EngineCore(config.replace(enforce_eager=True), loaded=loaded)
     assert eager.cuda_graphs is None
     expected = _greedy(eager)
     del eager
@@ -212,7 +212,7 @@ def test_cuda_graphs_keep_real_pages_clean(model_dir: Callable[[str], Path]) -> 
             for _, grant in record.plan.new_pages:
                 handed.update(grant[0])
 
-    config = _graph_config(model_dir("llama"), num_blocks=256)
+    config = _graph_config(model_dir("llama"), num_pages=256)
     engine = EngineCore(config, loaded=_with_backend(load_model(config), DensePagedBackend()), observers=[Pages()])
     assert engine.cuda_graphs is not None
     # Three sequences: every decode step pads to 4.
@@ -227,10 +227,10 @@ def test_cuda_graphs_keep_real_pages_clean(model_dir: Callable[[str], Path]) -> 
 
 def test_cuda_graphs_with_the_chosen_backend(model_dir: Callable[[str], Path]) -> None:
     """With the backend `auto` picks, where it is capturable: graphs against --enforce-eager, greedy."""
-    config = _graph_config(model_dir("llama"), num_blocks=256)
+    config = _graph_config(model_dir("llama"), num_pages=256)
     engine = EngineCore(config)
     if not engine.runner.backend.capturable:
         pytest.skip(f"the {engine.runner.backend.name} backend is not capturable: every step runs eagerly")
     assert engine.cuda_graphs is not None
-    expected = _greedy(EngineCore(dataclasses.replace(config, enforce_eager=True)))
+    expected = _greedy(EngineCore(config.replace(enforce_eager=True)))
     assert _greedy(engine) == expected

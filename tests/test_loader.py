@@ -33,7 +33,7 @@ def _greedy_logits(model_dir: Path, **config: str) -> torch.Tensor:
     from engine.core.engine_core import EngineCore
     from engine.core.request import SamplingParams
 
-    engine = EngineCore(EngineConfig(model=str(model_dir), num_blocks=64, **config))
+    engine = EngineCore(EngineConfig.of(model=str(model_dir), num_pages=64, **config))
     results = generate_batch([[5, 6, 7, 8]], params=SamplingParams(max_new_tokens=6, logprobs=True), engine=engine)
     return torch.tensor([entry.logprob for entry in results["req_0"].logprobs])
 
@@ -53,15 +53,15 @@ def test_a_sharded_checkpoint_loads_exactly_the_files_its_index_lists(tiny_llama
 
     (sharded / shards[-1]).unlink()
     with pytest.raises(FileNotFoundError, match=shards[-1]):
-        load_model(EngineConfig(model=str(sharded)))
+        load_model(EngineConfig.of(model=str(sharded)))
 
 
 def test_weights_load_into_the_target_dtype(tiny_llama: Path) -> None:
-    loaded = load_model(EngineConfig(model=str(tiny_llama), dtype="bfloat16", model_impl="native"))
+    loaded = load_model(EngineConfig.of(model=str(tiny_llama), dtype="bfloat16", model_impl="native"))
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     assert torch.equal(loaded.model.model.embed_tokens.weight, reference.model.embed_tokens.weight.to(torch.bfloat16))
-    float32 = load_model(EngineConfig(model=str(tiny_llama), dtype="float32", model_impl="native"))
+    float32 = load_model(EngineConfig.of(model=str(tiny_llama), dtype="float32", model_impl="native"))
     assert loaded.model.cos_cache.dtype == torch.bfloat16
     assert torch.equal(loaded.model.cos_cache, float32.model.cos_cache.to(torch.bfloat16))
 
@@ -71,7 +71,7 @@ def test_a_tied_model_keeps_one_embedding_matrix(tmp_path: Path, dtype: str) -> 
     """Whatever method the linears take here (oneDNN-packed float32, widened or packed bfloat16), the LM head
     reads the embedding's own storage, and no second copy of the matrix exists anywhere in the model."""
     tied = build_model_dir(tmp_path / "tied", "llama", tie_word_embeddings=True)
-    model = load_model(EngineConfig(model=str(tied), dtype=dtype, model_impl="native")).model
+    model = load_model(EngineConfig.of(model=str(tied), dtype=dtype, model_impl="native")).model
     embedding = model.model.embed_tokens.weight
     assert model.lm_head.weight is embedding
     assert model.lm_head.method.plain_layout

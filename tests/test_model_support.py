@@ -22,7 +22,7 @@ from tests.model_factory import ARCHITECTURES, build_model_dir
 
 def _refusal(path: Path, **config) -> UnsupportedModelError:
     with pytest.raises(UnsupportedModelError) as info:
-        load_model(EngineConfig(model=str(path), num_blocks=16, **config))
+        load_model(EngineConfig.of(model=str(path), num_pages=16, **config))
     return info.value
 
 
@@ -70,7 +70,7 @@ def test_a_feature_the_native_modules_lack_sends_auto_to_the_adapter(tmp_path: P
     """A Llama with a GELU MLP: `native` refuses it, `auto` runs it exactly through the transformers adapter."""
     path = build_model_dir(tmp_path, "llama", hidden_act="gelu")
     assert _refusal(path, model_impl="native").feature.startswith("hidden_act='gelu'")
-    engine = EngineCore(EngineConfig(model=str(path), num_blocks=64, debug_checks=True))
+    engine = EngineCore(EngineConfig.of(model=str(path), num_pages=64, debug_checks=True))
     assert isinstance(engine.runner.model, TransformersCausalLM)
     prompts = [[10, 20, 30, 40, 50], [60, 70, 80]]
     results = generate_batch(prompts, params=SamplingParams(max_new_tokens=8), engine=engine)

@@ -64,7 +64,7 @@ def _scripted_run(path: Path, arch: str, shared_prefix: int, **overrides: object
     """Runs the reference prompts through a scripted engine; asserts tokens and logprobs equal the reference."""
     prompts, max_new, expected, expected_logprobs = _reference(path, arch, shared_prefix)
     watch = _MostTokens()
-    config = EngineConfig(model=str(path), debug_checks=True, **{"num_blocks": 512, **overrides})  # type: ignore[arg-type]
+    config = EngineConfig.of(model=str(path), debug_checks=True, **{"num_pages": 512, **overrides})  # type: ignore[arg-type]
     engine = EngineCore(config, observers=[watch], runner_class=ScriptedRunner)
     runner = engine.runner
     assert isinstance(runner, ScriptedRunner)
@@ -109,7 +109,7 @@ def test_several_tokens_a_step_with_a_shared_prefix(model_dir: Callable[[str], P
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_several_tokens_a_step_at_tp2(model_dir: Callable[[str], Path], async_scheduling: bool) -> None:
     """Rank 0 samples and gets the scripted tokens; the other rank computes them from the plans it is sent."""
-    setup = dict(max_batch_tokens=32, page_size=4, num_blocks=None, cpu_kv_cache_gib=48 * 1024 / 2**30)
+    setup = dict(max_batch_tokens=32, page_size=4, num_pages=None, cpu_kv_cache_gib=48 * 1024 / 2**30)
     engine, _ = _scripted_run(
         model_dir("llama"), "llama", 16, tensor_parallel_size=2, async_scheduling=async_scheduling, **setup
     )

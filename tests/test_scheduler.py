@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
+from engine.config import SchedulerConfig
 from engine.core.kv_cache import GroupLayout, KVCacheManager
 from engine.core.page_pool import PagePool
 from engine.core.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -60,8 +60,7 @@ def make_scheduler(
 ) -> Scheduler:
     pool = PagePool(num_pages, page_size, enable_prefix_caching=caching, sliding_window=window, debug_checks=True)
     kv_cache = LookupCountingKVCache([GroupLayout(window, (0,))], [pool])
-    engine_config = EngineConfig(model="unused", page_size=page_size, **config)  # type: ignore[arg-type]
-    return Scheduler(engine_config, kv_cache, max_model_len)
+    return Scheduler(SchedulerConfig(**config), kv_cache, max_model_len)  # type: ignore[arg-type]
 
 
 def next_token(request: Request) -> int:

@@ -35,7 +35,7 @@ USER = [{"role": "user", "content": "Tell me about ferry boats."}]
 def server(model_dir: Callable[[str], Path]) -> Iterator[ServerProcess]:
     with server_process(
         model_dir("llama"),
-        "--served-model-name", MODEL, "--api-key", API_KEY, "--num-blocks", "1024",
+        "--served-model-name", MODEL, "--api-key", API_KEY, "--num-pages", "1024",
         "--max-request-bytes", str(MAX_REQUEST_BYTES), "--log-level", "warning",
     ) as running:  # fmt: skip
         yield running

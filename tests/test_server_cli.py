@@ -1,7 +1,7 @@
 """`ferry serve` flags: every engine option is one, with a sane default, and bad values are refused up front.
 
-The flags are generated from EngineConfig and ServerSettings (server/flags.py); these tests hold the generator to
-one flag per field with the field's default, help and type, and the `ferry` command to its layering.
+The flags are generated from EngineConfig's parts and ServerSettings (server/flags.py); these tests hold the
+generator to one flag per field with the field's default, help and type, and the `ferry` command to its layering.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any, Literal
 import pytest
 
 import ferry.cli
-from engine.config import EngineConfig
+from engine.config import PART_CLASSES, EngineConfig
 from server import cli
 from server.flags import flag_fields, flag_name
 from server.settings import ServerSettings
 
-OPTION_CLASSES = [EngineConfig, ServerSettings]
+OPTION_CLASSES = [*PART_CLASSES.values(), ServerSettings]
 SERVER_DIR = Path(cli.__file__).resolve().parent
 
 
@@ -46,7 +46,7 @@ def test_every_engine_option_is_a_documented_flag(capsys: pytest.CaptureFixture[
         ferry.cli.main(["serve", "--help"])
     assert info.value.code == 0
     help_text = capsys.readouterr().out
-    for field in dataclasses.fields(EngineConfig):
+    for field in (f for part in PART_CLASSES.values() for f in flag_fields(part)):
         assert f"--{field.name.replace('_', '-')}" in help_text, field.name
     for flag in ("--host", "--port", "--api-key", "--served-model-name", "--request-timeout", "--max-request-bytes",
                  "--drain-timeout", "--log-level"):  # fmt: skip
@@ -56,7 +56,7 @@ def test_every_engine_option_is_a_documented_flag(capsys: pytest.CaptureFixture[
 def test_defaults_are_the_engine_defaults(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     args = serve_parser().parse_args(["serve", "--model", str(tmp_path)])
-    assert cli.build_engine_config(args) == EngineConfig(model=str(tmp_path))
+    assert cli.build_engine_config(args) == EngineConfig.of(model=str(tmp_path))
     settings = cli.build_settings(args)
     assert (settings.host, settings.port, settings.api_key) == ("127.0.0.1", 8000, None)
 
@@ -68,8 +68,13 @@ def test_flags_reach_the_engine_config(tmp_path: Path) -> None:
          "--scheduler-policy", "prefill_first", "--max-queue-size", "0", "--dtype", "bfloat16", "--debug-checks"]
     )  # fmt: skip
     config = cli.build_engine_config(args)
-    assert (config.page_size, config.num_blocks, config.enable_prefix_caching) == (32, 100, False)
-    assert (config.scheduler_policy, config.max_queue_size, config.dtype, config.debug_checks) == (
+    assert (config.cache.page_size, config.cache.num_pages, config.cache.enable_prefix_caching) == (32, 100, False)
+    assert (
+        config.scheduler.scheduler_policy,
+        config.scheduler.max_queue_size,
+        config.model.dtype,
+        config.cache.debug_checks,
+    ) == (
         "prefill_first",
         0,
         "bfloat16",
@@ -116,7 +121,7 @@ def test_every_field_is_one_flag_with_its_default_and_help(cls: type) -> None:
 
 def test_only_the_model_directory_is_left_to_the_cli() -> None:
     excluded = {f.name for cls in OPTION_CLASSES for f in dataclasses.fields(cls) if f not in flag_fields(cls)}
-    assert excluded == {"model"}
+    assert excluded == {"path"}  # ModelConfig.path: --model, resolved by the CLI
     assert "--model" in serve_actions()["model"].option_strings
 
 
@@ -137,8 +142,14 @@ def test_literals_are_choices_and_bools_are_on_off_pairs() -> None:
     assert tuple(actions["scheduler_policy"].choices) == ("fifo", "prefill_first")
 
 
-def test_num_blocks_says_it_counts_kv_cache_pages() -> None:
-    assert "KV-cache pages" in serve_actions()["num_blocks"].help
+def test_num_pages_counts_kv_cache_pages_and_num_blocks_is_its_alias(tmp_path: Path) -> None:
+    action = serve_actions()["num_pages"]
+    assert "KV-cache pages" in action.help
+    assert action.option_strings == ["--num-pages", "--num-blocks"]
+    (tmp_path / "config.json").write_text("{}")
+    for flag in ("--num-pages", "--num-blocks"):
+        args = serve_parser().parse_args(["serve", "--model", str(tmp_path), flag, "7"])
+        assert cli.build_engine_config(args).cache.num_pages == 7
 
 
 def _other_value(annotation: Any, default: Any) -> Any:
@@ -176,8 +187,8 @@ def test_every_flag_round_trips_into_the_dataclass(cls: type, tmp_path: Path, mo
     hints = typing.get_type_hints(cls)
     values = {f.name: _other_value(hints[f.name], f.default) for f in flag_fields(cls)}
     args = serve_parser().parse_args(["serve", "--model", str(tmp_path), *_argv(values)])
-    if cls is EngineConfig:
-        assert cli.build_engine_config(args) == EngineConfig(model=str(tmp_path), **values)
+    if cls in PART_CLASSES.values():
+        assert cli.build_engine_config(args) == EngineConfig.of(model=str(tmp_path), **values)
     else:
         assert cli.build_settings(args) == ServerSettings(**values)
 

@@ -40,7 +40,7 @@ LONG = {"model": MODEL, "prompt": "Ferry boats", "max_tokens": 480, "ignore_eos"
 
 def serve(model_dir: Callable[[str], Path], *args: str) -> AbstractContextManager[ServerProcess]:
     return server_process(
-        model_dir("llama"), "--served-model-name", MODEL, "--num-blocks", "256", "--max-num-seqs", "1",
+        model_dir("llama"), "--served-model-name", MODEL, "--num-pages", "256", "--max-num-seqs", "1",
         "--log-level", "warning", *args,
     )  # fmt: skip
 

@@ -50,7 +50,7 @@ CHECKS = [
 def server() -> Iterator[ServerProcess]:
     with server_process(
         None, "--served-model-name", *NAMES, "--max-model-len", str(MAX_MODEL_LEN), "--page-size", "4",
-        "--num-blocks", "2048", "--log-format", "json", "--log-level", "info",
+        "--num-pages", "2048", "--log-format", "json", "--log-level", "info",
     ) as running:  # fmt: skip
         yield running
 

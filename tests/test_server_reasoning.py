@@ -38,7 +38,7 @@ def user(text: str) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def server(scripted_chat_model: Path) -> Iterator[ServerProcess]:
     with server_process(
-        scripted_chat_model, "--served-model-name", MODEL, "--num-blocks", "256", "--log-level", "warning",
+        scripted_chat_model, "--served-model-name", MODEL, "--num-pages", "256", "--log-level", "warning",
         "--sse-ping-interval", str(PING_SECONDS),
     ) as running:  # fmt: skip
         yield running

@@ -50,7 +50,7 @@ PARIS_ONLY = {
 @pytest.fixture(scope="module")
 def server(scripted_chat_model: Path) -> Iterator[ServerProcess]:
     with server_process(
-        scripted_chat_model, "--served-model-name", MODEL, "--num-blocks", "256", "--log-level", "warning"
+        scripted_chat_model, "--served-model-name", MODEL, "--num-pages", "256", "--log-level", "warning"
     ) as running:
         yield running
 

@@ -64,7 +64,7 @@ def offline(cache: Path) -> dict[str, str]:
 def hub_server(hub_cache: Path) -> Iterator[ServerProcess]:
     with server_process(
         None, "--model", "org/tiny", "--revision", "v2", "--tokenizer", "org/tokenizer",
-        "--served-model-name", "tiny", "tiny-alias", "--num-blocks", "8", "--log-level", "warning",
+        "--served-model-name", "tiny", "tiny-alias", "--num-pages", "8", "--log-level", "warning",
         env=offline(hub_cache),
     ) as running:  # fmt: skip
         yield running
@@ -73,7 +73,7 @@ def hub_server(hub_cache: Path) -> Iterator[ServerProcess]:
 def test_a_hub_model_serves_from_the_cache_offline(
     hub_server: ServerProcess, tiny_llama: Path, other_model: Path
 ) -> None:
-    """`--num-blocks 8` (128 tokens) with the model's 512 positions: the server lowers max_model_len, says so in
+    """`--num-pages 8` (128 tokens) with the model's 512 positions: the server lowers max_model_len, says so in
     /v1/models, and a chat request without max_tokens (the OpenAI SDK's default) is served."""
     http = httpx.Client(base_url=hub_server.base_url, timeout=60)
     cards = http.get("/v1/models").json()["data"]
@@ -115,9 +115,9 @@ def serve_until_exit(
 
 
 def test_a_cache_too_small_for_the_asked_max_model_len_stops_the_server(tiny_llama: Path) -> None:
-    result = serve_until_exit("--model", str(tiny_llama), "--num-blocks", "8", "--max-model-len", "512")
+    result = serve_until_exit("--model", str(tiny_llama), "--num-pages", "8", "--max-model-len", "512")
     assert result.returncode != 0
-    for words in ("holds 128 tokens", "--max-model-len", "--num-blocks", "--cpu-kv-cache-gib"):
+    for words in ("holds 128 tokens", "--max-model-len", "--num-pages", "--cpu-kv-cache-gib"):
         assert words in result.stderr, result.stderr[-3000:]
 
 

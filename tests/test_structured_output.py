@@ -80,7 +80,7 @@ def tokenizer(tiny_llama: Path) -> PreTrainedTokenizerBase:
 
 
 def _engine(model: Path, **overrides) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(model), debug_checks=True, **{"num_blocks": 256, **overrides}))
+    return EngineCore(EngineConfig.of(model=str(model), debug_checks=True, **{"num_pages": 256, **overrides}))
 
 
 def _prompts(tokenizer: PreTrainedTokenizerBase, count: int) -> list[list[int]]:
@@ -191,14 +191,15 @@ def test_constrained_output_survives_chunked_prefill_and_preemption(
 
     def run(observer: _Preemptions | None = None, **config) -> dict[str, list[int]]:
         engine = EngineCore(
-            EngineConfig(model=str(tiny_llama), debug_checks=True, **config), observers=[observer] if observer else []
+            EngineConfig.of(model=str(tiny_llama), debug_checks=True, **config),
+            observers=[observer] if observer else [],
         )
         return {rid: out.generated_ids for rid, out in generate_batch(prompts, params=params, engine=engine).items()}
 
-    roomy = run(num_blocks=512, max_batch_tokens=2048)
-    assert run(num_blocks=512, max_batch_tokens=16) == roomy
+    roomy = run(num_pages=512, max_batch_tokens=2048)
+    assert run(num_pages=512, max_batch_tokens=16) == roomy
     preemptions = _Preemptions()
-    assert run(preemptions, num_blocks=40, page_size=4, max_batch_tokens=256) == roomy
+    assert run(preemptions, num_pages=40, page_size=4, max_batch_tokens=256) == roomy
     constrained_ids = {f"req_{i}" for i in range(8) if params[i].structured_output is not None}
     assert preemptions.resumed_with_output & constrained_ids, "no constrained request resumed mid-answer"
 
@@ -352,7 +353,7 @@ class _GatedCompiler(GrammarCompiler):
 
 def test_slow_compile_stalls_nobody(tiny_llama: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     compiler = _GatedCompiler(str(tiny_llama))
-    config = EngineConfig(model=str(tiny_llama), num_blocks=256, debug_checks=True)
+    config = EngineConfig.of(model=str(tiny_llama), num_pages=256, debug_checks=True)
     engine = EngineCore(config, grammars=compiler)
     prompt = _prompts(tokenizer, 1)[0]
     with ContinuousBatchingManager(engine) as manager:

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 SHARED_PREFIX = 16
 # Prefills in chunks of 32 tokens, pages of 4, and a cache too small for the batch (preemption), sized in bytes:
 # 48 pages at TP=2, where each rank's cache holds one of the two KV heads.
-SETUP = dict(max_batch_tokens=32, page_size=4, num_blocks=None, cpu_kv_cache_gib=48 * 1024 / 2**30)
+SETUP = dict(max_batch_tokens=32, page_size=4, num_pages=None, cpu_kv_cache_gib=48 * 1024 / 2**30)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
@@ -51,7 +51,7 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
     path = model_dir(arch)
     prompts, max_new, expected, expected_logprobs = _reference(path, arch, SHARED_PREFIX)
     tp2_steps: list[list[int]] = []
-    config = EngineConfig(model=str(path), debug_checks=True, tensor_parallel_size=2, **SETUP)
+    config = EngineConfig.of(model=str(path), debug_checks=True, tensor_parallel_size=2, **SETUP)
     with EngineCore(config, observers=[_QueryLens(tp2_steps)]) as tp2:
         workers = tp2.worker_pids
         params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
@@ -69,7 +69,7 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
         assert tp2.tensor_parallel is not None and all(tp2.tensor_parallel.seconds[k] > 0 for k in COLLECTIVES)
         # A rank's cache holds half the KV heads, so the same bytes hold twice the pages one device's would.
         assert tp2.runner.kv_caches[0][0].shape[2] == 1
-        assert tp2.kv_cache.num_pages == 2 * EngineCore(EngineConfig(model=str(path), **SETUP)).kv_cache.num_pages
+        assert tp2.kv_cache.num_pages == 2 * EngineCore(EngineConfig.of(model=str(path), **SETUP)).kv_cache.num_pages
         pages = tp2.kv_cache.num_pages
         planned = list(tp2_steps)
         # A plan bigger than the broadcast buffer (64 KiB) travels in two broadcasts; the worker stays in step.
@@ -79,7 +79,7 @@ def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], ar
     assert len(workers) == 1
     assert all(process_gone(pid) for pid in workers), "close() leaves no worker behind"
     # TP=1 with as many pages plans the very same steps, and computes the same tokens.
-    _, tp1_outputs, _, tp1_steps = _run(path, prompts, max_new, **{**SETUP, "num_blocks": pages})
+    _, tp1_outputs, _, tp1_steps = _run(path, prompts, max_new, **{**SETUP, "num_pages": pages})
     assert tp1_steps == planned and tp1_outputs == tp2_outputs
 
 
@@ -88,7 +88,7 @@ def test_tp2_with_async_scheduling_equals_generate(model_dir: Callable[[str], Pa
     it filled in, under chunking, preemption and prefix sharing."""
     path = model_dir("llama")
     prompts, max_new, expected, _ = _reference(path, "llama", SHARED_PREFIX)
-    config = EngineConfig(model=str(path), debug_checks=True, tensor_parallel_size=2, async_scheduling=True, **SETUP)
+    config = EngineConfig.of(model=str(path), debug_checks=True, tensor_parallel_size=2, async_scheduling=True, **SETUP)
     with EngineCore(config) as tp2:
         params = [SamplingParams(max_new_tokens=n) for n in max_new]
         results = generate_batch(prompts, params=params, engine=tp2)
@@ -111,7 +111,7 @@ def test_fewer_kv_heads_than_ranks_tied_padded_vocab_and_biases(tmp_path: Path) 
         mlp_bias=True,
     )
     prompts, max_new, expected, _ = _reference(path, "llama-1kv", 0)
-    with ContinuousBatchingManager(EngineConfig(model=str(path), tensor_parallel_size=2, num_blocks=256)) as manager:
+    with ContinuousBatchingManager(EngineConfig.of(model=str(path), tensor_parallel_size=2, num_pages=256)) as manager:
         ids = [manager.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, max_new, strict=True)]
         results = [manager.get_result(rid, timeout=120) for rid in ids]
         assert manager.engine.runner.kv_caches[0][0].shape[2] == 1
@@ -143,7 +143,7 @@ def test_constrained_sampled_and_scored_requests_at_tp2_equal_tp1(model_dir: Cal
     ]
 
     def run(**overrides) -> dict:
-        with EngineCore(EngineConfig(model=str(path), num_blocks=128, **overrides)) as engine:
+        with EngineCore(EngineConfig.of(model=str(path), num_pages=128, **overrides)) as engine:
             results = generate_batch(prompts, params=params, engine=engine)
             assert engine.is_idle_and_clean()
             return results
@@ -171,7 +171,7 @@ def test_constrained_sampled_and_scored_requests_at_tp2_equal_tp1(model_dir: Cal
 def test_what_cannot_be_sharded_exactly_is_refused(
     model_dir: Callable[[str], Path], arch: str, overrides: dict, message: str
 ) -> None:
-    config = EngineConfig(model=str(model_dir(arch)), **overrides)
+    config = EngineConfig.of(model=str(model_dir(arch)), **overrides)
     with pytest.raises(ValueError, match=message):
         EngineCore(config)
 
@@ -179,10 +179,10 @@ def test_what_cannot_be_sharded_exactly_is_refused(
 def test_the_layout_is_checked_before_any_rank_starts(model_dir: Callable[[str], Path]) -> None:
     path = str(model_dir("llama"))
     with pytest.raises(ValueError, match=r"nnodes \(2\) must divide tensor_parallel_size \(3\)"):
-        EngineCore(EngineConfig(model=path, tensor_parallel_size=3, nnodes=2))
+        EngineCore(EngineConfig.of(model=path, tensor_parallel_size=3, nnodes=2))
     with pytest.raises(ValueError, match=r"node_rank must be in \[0, nnodes=2\), got 2"):
-        EngineConfig(model=path, tensor_parallel_size=2, nnodes=2, node_rank=2).check_parallel_layout()
-    assert EngineConfig(model=path, tensor_parallel_size=4, nnodes=2).ranks_per_node == 2
+        EngineConfig.of(model=path, tensor_parallel_size=2, nnodes=2, node_rank=2).check_parallel_layout()
+    assert EngineConfig.of(model=path, tensor_parallel_size=4, nnodes=2).ranks_per_node == 2
     result = subprocess.run(
         [sys.executable, "-m", "ferry", "serve", "--model", path, "--tensor-parallel-size", "4", "--nnodes", "3"],
         cwd=REPO_ROOT,
@@ -198,7 +198,7 @@ def test_the_layout_is_checked_before_any_rank_starts(model_dir: Callable[[str],
 MODEL = "tiny"
 # Prefills in chunks of 16 tokens; 20 pages of 4 tokens, far fewer than the four requests need together
 # (preemption, even with Mistral's window letting old pages go); the prompts share their first page.
-SERVE_SETUP = ("--served-model-name", MODEL, "--max-batch-tokens", "16", "--page-size", "4", "--num-blocks", "20",
+SERVE_SETUP = ("--served-model-name", MODEL, "--max-batch-tokens", "16", "--page-size", "4", "--num-pages", "20",
                "--log-level", "warning")  # fmt: skip
 PROMPTS = [[1, *range(40, 40 + n)] for n in (5, 23, 37, 30)]
 MAX_TOKENS = [24, 30, 40, 36]
@@ -208,7 +208,7 @@ def _expected_texts(path: Path) -> list[str]:
     """What the server should answer: the TP=1 engine's greedy tokens (the oracle above), detokenized as the
     server does."""
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    results = generate_batch(PROMPTS, EngineConfig(model=str(path), num_blocks=128, page_size=4), params=params)
+    results = generate_batch(PROMPTS, EngineConfig.of(model=str(path), num_pages=128, page_size=4), params=params)
     tokenizer = Tokenizer.load(path)
     texts = []
     for i, prompt in enumerate(PROMPTS):
@@ -299,7 +299,7 @@ def test_a_dead_or_hung_worker_fails_requests_and_the_server_exits(
     model_dir: Callable[[str], Path], fault: str
 ) -> None:
     with server_process(
-        model_dir("llama"), "--served-model-name", MODEL, "--num-blocks", "256", "--max-num-seqs", "1",
+        model_dir("llama"), "--served-model-name", MODEL, "--num-pages", "256", "--max-num-seqs", "1",
         "--tensor-parallel-size", "2", "--distributed-timeout", "3", "--log-level", "warning",
     ) as server:  # fmt: skip
         engine = server.engine_pid()

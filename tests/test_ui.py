@@ -47,7 +47,7 @@ TRAFFIC_MESSAGES = [{"role": "user", "content": "Tell me about ferry boats."}]
 
 def app_client(**settings: Any) -> TestClient:
     """The app without its engine: TestClient outside `with` never runs the lifespan, so nothing is spawned."""
-    app = create_app(EngineConfig(model=str(cli.DEFAULT_MODEL_DIR)), ServerSettings(**settings), Lifecycle(30.0))
+    app = create_app(EngineConfig.of(model=str(cli.DEFAULT_MODEL_DIR)), ServerSettings(**settings), Lifecycle(30.0))
     return TestClient(app)
 
 

@@ -55,9 +55,9 @@ class EngineCore:
     rank's runner: ModelRunner, or a subclass that changes what a step returns (tests script several tokens a step);
     the other tensor-parallel ranks, which never sample, run ModelRunner.
 
-    With `config.tensor_parallel_size` > 1 it starts this node's other ranks (engine/distributed/worker.py) and is rank
-    0, the driver: each step's plan goes to every rank, and sampling (grammars included) happens here only. `close()`,
-    or leaving a `with` block, stops the ranks.
+    With `config.parallel.tensor_parallel_size` > 1 it starts this node's other ranks (engine/distributed/worker.py)
+    and is rank 0, the driver: each step's plan goes to every rank, and sampling (grammars included) happens here
+    only. `close()`, or leaving a `with` block, stops the ranks.
     """
 
     def __init__(
@@ -69,17 +69,17 @@ class EngineCore:
         grammars: GrammarCompiler | None = None,
         runner_class: type[ModelRunner] = ModelRunner,
     ) -> None:
-        self.model_name = os.path.basename(os.path.normpath(config.model))
+        self.model_name = os.path.basename(os.path.normpath(config.model.path))
         self.tensor_parallel: TensorParallel | None = None
         """This process's rank 0 of the tensor-parallel group; None without tensor parallelism."""
         self._workers: Workers | None = None
-        if config.tensor_parallel_size > 1:
+        if config.parallel.tensor_parallel_size > 1:
             if loaded is not None:
                 raise ValueError("a model loaded beforehand cannot be sharded: tensor parallelism loads its own")
-            config.check_parallel_layout()
+            config.parallel.check_layout()
             config = with_rendezvous(config)
             model_config(config)  # refuse what cannot be sharded before any rank starts
-            self._workers = Workers(config, range(1, config.ranks_per_node))
+            self._workers = Workers(config, range(1, config.parallel.ranks_per_node))
         self.config = config
         try:
             if self._workers is not None:
@@ -102,7 +102,7 @@ class EngineCore:
         runner_class: type[ModelRunner],
     ) -> None:
         self.grammars = grammars or GrammarCompiler(
-            config.model, vocab_size=loaded.hf_config.vocab_size, eos_token_ids=loaded.eos_token_ids
+            config.model.path, vocab_size=loaded.hf_config.vocab_size, eos_token_ids=loaded.eos_token_ids
         )
         started = start_runner(config, loaded, self.tensor_parallel, self.grammars, runner_class)
         self.runner = started.runner
@@ -116,21 +116,21 @@ class EngineCore:
         pools = [
             PagePool(
                 n,
-                config.page_size,
-                enable_prefix_caching=config.enable_prefix_caching,
+                config.cache.page_size,
+                enable_prefix_caching=config.cache.enable_prefix_caching,
                 sliding_window=layout.window,
-                debug_checks=config.debug_checks,
+                debug_checks=config.cache.debug_checks,
             )
             for layout, n in zip(layouts, pages, strict=True)
         ]
         self.kv_cache = KVCacheManager(layouts, pools)
-        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []
         """Requests that stopped waiting for their grammar since `settle_grammars` last ran."""
         self._runner_thread: ThreadPoolExecutor | None = None
-        if config.async_scheduling:
+        if config.scheduler.async_scheduling:
             # torch's thread count is per thread: the runner's thread gets the one the loader set here.
             self._runner_thread = ThreadPoolExecutor(
                 1, "ferry-runner", initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
@@ -143,9 +143,9 @@ class EngineCore:
             "native" if loaded.native else "transformers",
             loaded.dtype,
             loaded.backend.name,
-            config.tensor_parallel_size,
+            config.parallel.tensor_parallel_size,
             pages[0],
-            config.page_size,
+            config.cache.page_size,
             self.max_model_len,
         )
 
@@ -173,7 +173,7 @@ class EngineCore:
         if not self.kv_cache.fits(total):
             raise RequestRejected(
                 f"the request needs {total} tokens of KV cache but the whole cache holds "
-                f"{self.kv_cache.num_pages * self.config.page_size}",
+                f"{self.kv_cache.num_pages * self.config.cache.page_size}",
                 code="context_length_exceeded",
             )
         vocab = self.hf_config.vocab_size
@@ -181,14 +181,14 @@ class EngineCore:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})", code="invalid_prompt")
         if any(not 0 <= token < vocab for token, _ in params.logit_bias):
             raise RequestRejected(f"logit_bias token ids must be in [0, {vocab})", code="invalid_logit_bias")
-        if priority and self.config.scheduling_policy != "priority":
+        if priority and self.config.scheduler.scheduling_policy != "priority":
             raise RequestRejected(
                 f"priority {priority} was given, but the server schedules first come, first served: start it with "
                 "--scheduling-policy priority to use priorities",
                 code="invalid_priority",
             )
         num_waiting = self._num_waiting
-        if self.config.max_queue_size and num_waiting >= self.config.max_queue_size:
+        if self.config.scheduler.max_queue_size and num_waiting >= self.config.scheduler.max_queue_size:
             raise QueueFull(f"{num_waiting} requests are already waiting")
         eos = frozenset(params.eos_token_ids) if params.eos_token_ids is not None else self.eos_token_ids
         request = Request(
@@ -243,7 +243,7 @@ class EngineCore:
 
     def _seed_for(self, request_id: str) -> int:
         """A request without a seed of its own samples from one derived from the engine seed and its id."""
-        digest = hashlib.blake2b(f"{self.config.seed}:{request_id}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{self.config.scheduler.seed}:{request_id}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") & (2**62 - 1)
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
@@ -387,9 +387,9 @@ class EngineCore:
 
     def queue_room(self) -> int | None:
         """Requests the waiting queue takes before it is full; None when it is unbounded."""
-        if not self.config.max_queue_size:
+        if not self.config.scheduler.max_queue_size:
             return None
-        return max(0, self.config.max_queue_size - self._num_waiting)
+        return max(0, self.config.scheduler.max_queue_size - self._num_waiting)
 
     def is_idle_and_clean(self) -> bool:
         """True when nothing is in flight and every page is free or merely cached (tests and debug checks)."""

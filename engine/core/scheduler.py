@@ -32,7 +32,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import SchedulerConfig
 from engine.core.kv_cache import NO_NEW_PAGES, KVCacheManager
 from engine.core.request import FinishReason, Request, RequestStatus, StepOutput, TokenLogprob
 from engine.core.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PageTables, PromptLogprobs, SchedulerOutput
@@ -200,7 +200,7 @@ class Scheduler:
     the interface names; they support the same len/iteration/`in` uses.
     """
 
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len

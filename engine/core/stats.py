@@ -10,7 +10,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_pages: int
-    """KV-cache pages of the primary pool (`--num-blocks` sets it)."""
+    """KV-cache pages of the primary pool (`--num-pages` sets it)."""
     num_free_pages: int
     kv_cache_usage: float
     prefix_cache_queries: int

@@ -18,7 +18,7 @@ import datetime
 import pickle
 import socket
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,30 +57,30 @@ class CollectiveFailed(RuntimeError):
 def with_rendezvous(config: EngineConfig) -> EngineConfig:
     """`config` with a master port every rank can be given: a free local port for a one-node run that named
     none (so two servers on one machine never collide), torchrun's default across nodes."""
-    if config.master_port is not None:
+    if config.parallel.master_port is not None:
         return config
-    if config.nnodes > 1:
-        return replace(config, master_port=MULTI_NODE_MASTER_PORT)
+    if config.parallel.nnodes > 1:
+        return config.replace(master_port=MULTI_NODE_MASTER_PORT)
     with socket.socket() as sock:
-        sock.bind((config.master_addr, 0))
-        return replace(config, master_port=sock.getsockname()[1])
+        sock.bind((config.parallel.master_addr, 0))
+        return config.replace(master_port=sock.getsockname()[1])
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     """Each rank's device: CUDA device `local_rank` on a GPU machine, else the CPU."""
-    if config.device.startswith("cuda:"):
+    if config.model.device.startswith("cuda:"):
         raise EngineStartupError(
-            f"--device {config.device} names one GPU, but with tensor parallelism each rank takes its own: "
+            f"--device {config.model.device} names one GPU, but with tensor parallelism each rank takes its own: "
             "rank r on a node uses cuda:r (pass --device cuda, or auto)"
         )
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    use_cuda = config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available())
     if not use_cuda:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise EngineStartupError("device='cuda' was asked for but no CUDA device is available")
-    if torch.cuda.device_count() < config.ranks_per_node:
+    if torch.cuda.device_count() < config.parallel.ranks_per_node:
         raise EngineStartupError(
-            f"{config.ranks_per_node} tensor-parallel ranks per node need as many GPUs, but this machine has "
+            f"{config.parallel.ranks_per_node} tensor-parallel ranks per node need as many GPUs, but this machine has "
             f"{torch.cuda.device_count()}"
         )
     return torch.device("cuda", local_rank)
@@ -218,24 +218,24 @@ class TensorParallel:
 
 def init_tensor_parallel(config: EngineConfig, rank: int) -> TensorParallel:
     """Join the ranks of `config` (whose master port is set: `with_rendezvous`) as `rank`; blocks until all came."""
-    assert config.master_port is not None, "with_rendezvous(config) first"
+    assert config.parallel.master_port is not None, "with_rendezvous(config) first"
     if dist.is_initialized():
         raise RuntimeError(
             "this process already belongs to a tensor-parallel group: one tensor-parallel engine per process "
             "(close() the other one first)"
         )
-    local_rank = rank % config.ranks_per_node
+    local_rank = rank % config.parallel.ranks_per_node
     device = rank_device(config, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        init_method=f"tcp://{config.parallel.master_addr}:{config.parallel.master_port}",
         rank=rank,
-        world_size=config.tensor_parallel_size,
+        world_size=config.parallel.tensor_parallel_size,
         timeout=STARTUP_TIMEOUT,
     )
-    step_timeout = datetime.timedelta(seconds=config.distributed_timeout)
+    step_timeout = datetime.timedelta(seconds=config.parallel.distributed_timeout)
     plan_group = dist.new_group(backend="gloo", timeout=step_timeout)
     group = plan_group if device.type == "cpu" else dist.new_group(backend="nccl", timeout=step_timeout)
-    return TensorParallel(rank, config.tensor_parallel_size, device, group, plan_group)
+    return TensorParallel(rank, config.parallel.tensor_parallel_size, device, group, plan_group)

@@ -139,22 +139,22 @@ def run_node(config: EngineConfig) -> int:
     """`ferry serve` on a node other than 0: run this node's ranks until node 0 stops them (0) or they fail (1)."""
     from engine.distributed.parallel import with_rendezvous
 
-    config.check_parallel_layout()
+    config.parallel.check_layout()
     config = with_rendezvous(config)
-    first = config.node_rank * config.ranks_per_node
+    first = config.parallel.node_rank * config.parallel.ranks_per_node
     logger.info(
         "node %d of %d: ranks %d..%d, meeting at %s:%s",
-        config.node_rank,
-        config.nnodes,
+        config.parallel.node_rank,
+        config.parallel.nnodes,
         first,
-        first + config.ranks_per_node - 1,
-        config.master_addr,
-        config.master_port,
+        first + config.parallel.ranks_per_node - 1,
+        config.parallel.master_addr,
+        config.parallel.master_port,
     )
     # Kubernetes stops a group's pods together: SIGTERM must not take these ranks away while node 0 drains its
     # requests. They leave when node 0 stops them (or fails); the pod's grace period bounds the wait.
     signal.signal(signal.SIGTERM, lambda *_: logger.info("SIGTERM: the ranks stay up until node 0 stops them"))
-    workers = Workers(config, range(first, first + config.ranks_per_node))
+    workers = Workers(config, range(first, first + config.parallel.ranks_per_node))
     try:
         return workers.wait()
     except KeyboardInterrupt:

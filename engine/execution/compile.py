@@ -39,7 +39,7 @@ linears' third), with room to spare; past it the start-up fails rather than run 
 
 def check_compile_level(config: EngineConfig, *, native: bool, device: torch.device) -> None:
     """Refuse, before anything loads, a level this setup cannot compile (`device`: where the model will run)."""
-    level = config.compile
+    level = config.execution.compile
     if level == "none":
         return
     if not native:
@@ -52,9 +52,9 @@ def check_compile_level(config: EngineConfig, *, native: bool, device: torch.dev
             f"--compile {level} is built and checked for CPU only (paged attention and the packed linears as "
             f"opaque ops), not {device.type}: use --compile none"
         )
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         raise EngineStartupError(
-            f"--compile {level} runs on one device: with --tensor-parallel-size {config.tensor_parallel_size} "
+            f"--compile {level} runs on one device: with --tensor-parallel-size {config.parallel.tensor_parallel_size} "
             "use --compile none"
         )
 

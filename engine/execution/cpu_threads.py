@@ -31,10 +31,10 @@ class StepThreads(NamedTuple):
 def step_threads(config: EngineConfig, device: torch.device) -> StepThreads | None:
     """The thread counts of small and large steps on CPU; None where every step keeps one count (a GPU, cpu_threads
     None, or no more prefill threads than cpu_threads)."""
-    if device.type != "cpu" or config.cpu_threads is None:
+    if device.type != "cpu" or config.execution.cpu_threads is None:
         return None
-    prefill = config.cpu_prefill_threads
+    prefill = config.execution.cpu_prefill_threads
     if prefill is None:
-        ranks_here = config.tensor_parallel_size // config.nnodes
+        ranks_here = config.parallel.tensor_parallel_size // config.parallel.nnodes
         prefill = max(1, len(os.sched_getaffinity(0)) // ranks_here)
-    return StepThreads(config.cpu_threads, prefill) if prefill > config.cpu_threads else None
+    return StepThreads(config.execution.cpu_threads, prefill) if prefill > config.execution.cpu_threads else None

@@ -102,19 +102,19 @@ def decode_graph_size(sizes: tuple[int, ...], num_seqs: int, max_query_len: int)
 def max_graph_size(config: EngineConfig) -> int:
     """The largest decode step a graph can hold: a step has at most max_num_seqs sequences and max_batch_tokens
     tokens."""
-    return min(config.cuda_graph_max_seqs, config.max_num_seqs, config.max_batch_tokens)
+    return min(config.execution.cuda_graph_max_seqs, config.scheduler.max_num_seqs, config.scheduler.max_batch_tokens)
 
 
 def eager_reason(config: EngineConfig, loaded: LoadedModel) -> str | None:
     """Why this engine runs every step eagerly, or None when decode steps replay CUDA graphs."""
-    if config.enforce_eager:
+    if config.execution.enforce_eager:
         return "--enforce-eager"
     if loaded.device.type != "cuda":
         return f"CUDA graphs need a CUDA device, and the engine runs on {loaded.device.type}"
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         return (
-            f"--tensor-parallel-size {config.tensor_parallel_size}: the layers' all-reduces would be captured, and "
-            "NCCL inside graphs is not supported here"
+            f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: the layers' all-reduces would be "
+            "captured, and NCCL inside graphs is not supported here"
         )
     if not loaded.native:
         return "the transformers adapter's modules are not checked for capture (native Llama-family modules only)"

@@ -51,16 +51,16 @@ def kv_cache_budget_bytes(
     free after loading, less the activations of the largest step, the decode graphs' memory and the scratch pages
     (refused when that leaves less than one page, `kv_bytes_per_page` for all layers)."""
     if loaded.device.type != "cuda":
-        return config.cpu_kv_cache_gib * 2**30
+        return config.cache.cpu_kv_cache_gib * 2**30
     activations = largest_step_activation_bytes(config, loaded, layouts)
     graphs = decode_graph_bytes(config, loaded, layouts) if eager_reason(config, loaded) is None else 0
     free, _ = torch.cuda.mem_get_info(loaded.device)
     # One scratch page per group, each as many layers as the group: one page of every layer in all.
-    budget = gpu_kv_budget_bytes(free, config.max_memory_percent, activations, graphs, kv_bytes_per_page)
+    budget = gpu_kv_budget_bytes(free, config.cache.max_memory_percent, activations, graphs, kv_bytes_per_page)
     if budget < kv_bytes_per_page:
         raise EngineStartupError(
             f"no GPU memory is left for the KV cache: {free / 2**30:.2f} GiB free after loading the model, "
-            f"--max-memory-percent {config.max_memory_percent} of it, the largest step's activations take "
+            f"--max-memory-percent {config.cache.max_memory_percent} of it, the largest step's activations take "
             f"{activations / 2**30:.2f} GiB and the decode graphs {graphs / 2**30:.2f} GiB; raise "
             "--max-memory-percent, or lower --max-batch-tokens, --max-num-seqs or --cuda-graph-max-seqs "
             "(--enforce-eager captures no graphs)"
@@ -72,7 +72,7 @@ def kv_cache_budget_bytes(
         activations / 2**30,
         graphs / 2**30,
         max(budget, 0) / 2**30,
-        config.max_memory_percent,
+        config.cache.max_memory_percent,
     )
     return budget
 
@@ -120,8 +120,10 @@ def largest_step_lengths(max_batch_tokens: int, max_num_seqs: int, max_model_len
 
 def run_largest_step(config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout]) -> ModelRunnerOutput:
     """Run the largest step once through a runner of its own, with just the pages that step fills."""
-    lengths = largest_step_lengths(config.max_batch_tokens, config.max_num_seqs, loaded.max_model_len)
-    pages_of = [-(-length // config.page_size) for length in lengths]
+    lengths = largest_step_lengths(
+        config.scheduler.max_batch_tokens, config.scheduler.max_num_seqs, loaded.max_model_len
+    )
+    pages_of = [-(-length // config.cache.page_size) for length in lengths]
     runner = ModelRunner(loaded, layouts, [sum(pages_of)] * len(layouts), config)
     new_requests = []
     first_page = 0

@@ -83,12 +83,14 @@ class ModelRunner:
         model = loaded.model
         self.model = model
         self.backend = loaded.backend
-        self.page_size = config.page_size
+        self.page_size = config.cache.page_size
         self.device = device = loaded.device
-        self.sampler = Sampler(loaded.hf_config.vocab_size, device, config.seed)
+        self.sampler = Sampler(loaded.hf_config.vocab_size, device, config.scheduler.seed)
         vocab_size = loaded.hf_config.vocab_size
-        compiler = grammars or GrammarCompiler(config.model, vocab_size=vocab_size, eos_token_ids=loaded.eos_token_ids)
-        self.step_grammars = StepGrammars(compiler, vocab_size, config.max_num_seqs, device)
+        compiler = grammars or GrammarCompiler(
+            config.model.path, vocab_size=vocab_size, eos_token_ids=loaded.eos_token_ids
+        )
+        self.step_grammars = StepGrammars(compiler, vocab_size, config.scheduler.max_num_seqs, device)
         """Structured output: the constrained sequences' grammar states and each step's grammar bias."""
         self.samples = loaded.rank == 0
         """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
@@ -101,12 +103,12 @@ class ModelRunner:
         self.pool_pages = list(pool_pages)
         """Pages of each group's pool: the ids the scheduler hands out are below these."""
         self.kv_caches = allocate_kv_caches(
-            model, self.group_of_layer, pool_pages, config.page_size, loaded.dtype, device
+            model, self.group_of_layer, pool_pages, config.cache.page_size, loaded.dtype, device
         )
         self.sliding_windows = [layouts[g].window for g in self.group_of_layer]
-        max_seqs, max_tokens = config.max_num_seqs, config.max_batch_tokens
-        max_pages = -(-loaded.max_model_len // config.page_size)
-        self.batch = InputBatch(len(layouts), max_seqs, max_tokens, max_pages, config.page_size, device)
+        max_seqs, max_tokens = config.scheduler.max_num_seqs, config.scheduler.max_batch_tokens
+        max_pages = -(-loaded.max_model_len // config.cache.page_size)
+        self.batch = InputBatch(len(layouts), max_seqs, max_tokens, max_pages, config.cache.page_size, device)
         """The running sequences (page-table rows, sampling state) and the step buffers they are packed into."""
         self._max_rows = min(max_seqs, max_tokens)
         self.padded_decode: PaddedDecode | None = None

@@ -54,7 +54,7 @@ def start_runner(
     a subclass of it, built as ModelRunner is)."""
     loaded, layouts, pages = kv_cache_layout(config, loaded, tp)
     runner = runner_class(loaded, layouts, pages, config, grammars)
-    if config.compile != "none":
+    if config.execution.compile != "none":
         warm_up(runner, config)
     return StartedRunner(runner, loaded, layouts, pages, start_decode_graphs(runner, config, loaded))
 
@@ -67,25 +67,25 @@ def kv_cache_layout(
     device's free memory) and all take the smallest count, since one scheduler hands out the same pages on every
     rank; every rank then fits the same max_model_len."""
     layouts = group_layers(loaded.model.sliding_windows)
-    layer_page_bytes = kv_bytes_per_layer_page(loaded.model, config.page_size, loaded.dtype)
+    layer_page_bytes = kv_bytes_per_layer_page(loaded.model, config.cache.page_size, loaded.dtype)
     budget = 0.0
-    if not config.num_blocks:
+    if not config.cache.num_pages:
         if tp is not None and loaded.device.type == "cuda":
             # The profiling step's collectives wait only distributed_timeout: start it once every rank has loaded.
             tp.wait_for_peers()
         budget = kv_cache_budget_bytes(config, loaded, layouts, layer_page_bytes * loaded.model.num_layers)
     pages = pool_pages(
         layouts,
-        num_pages=config.num_blocks,
+        num_pages=config.cache.num_pages,
         budget_bytes=budget,
         layer_page_bytes=layer_page_bytes,
-        page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs,
-        max_batch_tokens=config.max_batch_tokens,
+        page_size=config.cache.page_size,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_batch_tokens=config.scheduler.max_batch_tokens,
     )
     if tp is not None:
         pages = tp.min_over_ranks(pages)
-    max_model_len = _fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.page_size)
+    max_model_len = _fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.cache.page_size)
     return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages
 
 
@@ -101,10 +101,10 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
     Its K/V land in the first pages of every pool; nothing else is cached yet, and a page's slots are always written
     by the sequence that owns it before they are read.
     """
-    capacity = min(runner.pool_pages) * config.page_size
-    sizes = sorted({min(n, config.max_batch_tokens, capacity) for n in _WARM_UP_TOKENS})
+    capacity = min(runner.pool_pages) * config.cache.page_size
+    sizes = sorted({min(n, config.scheduler.max_batch_tokens, capacity) for n in _WARM_UP_TOKENS})
     request_id = "compile-warm-up"
-    pages = tuple(range(-(-sizes[-1] // config.page_size)))
+    pages = tuple(range(-(-sizes[-1] // config.cache.page_size)))
     prompt = (0,) * sizes[-1]
     new = NewRequest(
         request_id, prompt, (), SamplingParams(), frozenset(), 0, (pages,) * (max(runner.group_of_layer) + 1)
@@ -126,14 +126,14 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
             )
     except Exception as error:  # dynamo and inductor raise many types; each is a reason this level cannot run here
         raise EngineStartupError(
-            f"--compile {config.compile} failed at start-up ({type(error).__name__}: {_first_line(error)}); "
+            f"--compile {config.execution.compile} failed at start-up ({type(error).__name__}: {_first_line(error)}); "
             "--compile none runs the model eagerly"
         ) from error
     finally:
         runner.execute(SchedulerOutput(finished_ids=(request_id,)))
     logger.info(
         "compiled (--compile %s): %d graphs in %.1f s",
-        config.compile,
+        config.execution.compile,
         torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
         time.perf_counter() - started,
     )
@@ -149,15 +149,15 @@ def _fit_max_model_len(config: EngineConfig, loaded: LoadedModel, cache_tokens: 
     if wanted <= cache_tokens:
         return wanted
     budget_flag = "--max-memory-percent" if loaded.device.type == "cuda" else "--cpu-kv-cache-gib"
-    if config.max_model_len is not None:
+    if config.model.max_model_len is not None:
         raise EngineStartupError(
-            f"the KV cache holds {cache_tokens} tokens ({cache_tokens // config.page_size} pages of "
-            f"{config.page_size}), fewer than one request of --max-model-len {wanted} needs: lower --max-model-len "
-            f"to at most {cache_tokens}, or give the cache more room with --num-blocks or {budget_flag}"
+            f"the KV cache holds {cache_tokens} tokens ({cache_tokens // config.cache.page_size} pages of "
+            f"{config.cache.page_size}), fewer than one request of --max-model-len {wanted} needs: lower "
+            f"--max-model-len to at most {cache_tokens}, or give the cache more room with --num-pages or {budget_flag}"
         )
     logger.warning(
         "the KV cache holds %d tokens, fewer than the model's %d: max_model_len lowered to %d (choose it with "
-        "--max-model-len, or give the cache more room with --num-blocks or %s)",
+        "--max-model-len, or give the cache more room with --num-pages or %s)",
         cache_tokens,
         wanted,
         cache_tokens,

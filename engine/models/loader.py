@@ -83,26 +83,26 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
     """The model's transformers config, and whether it runs on the native modules (else the transformers adapter);
     raises UnsupportedModelError for a model the engine cannot run exactly, EngineStartupError for one it cannot
     shard over --tensor-parallel-size."""
-    if not os.path.isfile(os.path.join(config.model, "config.json")):
-        raise FileNotFoundError(f"{config.model!r} is not a model directory (no config.json)")
-    hf_config = AutoConfig.from_pretrained(config.model)
-    native = choose_model_class(hf_config, config.model_impl) is not TransformersCausalLM
-    check_compile_level(config, native=native, device=resolve_device(config.device))
-    if config.tensor_parallel_size > 1:
+    if not os.path.isfile(os.path.join(config.model.path, "config.json")):
+        raise FileNotFoundError(f"{config.model.path!r} is not a model directory (no config.json)")
+    hf_config = AutoConfig.from_pretrained(config.model.path)
+    native = choose_model_class(hf_config, config.model.model_impl) is not TransformersCausalLM
+    check_compile_level(config, native=native, device=resolve_device(config.model.device))
+    if config.parallel.tensor_parallel_size > 1:
         if not native:
             # The adapter runs transformers' modules whole, on one device: refused rather than served unsharded.
-            if config.model_impl == "transformers":
+            if config.model.model_impl == "transformers":
                 why = "--model-impl transformers"
             elif architecture(hf_config) not in NATIVE_MODELS:
                 why = "there are no native modules for it"
             else:
                 why = f"the native modules lack {unsupported_feature(hf_config, native=True)}"
             raise EngineStartupError(
-                f"--tensor-parallel-size {config.tensor_parallel_size}: this {hf_config.model_type!r} model runs on "
-                f"the transformers adapter, which Ferry cannot shard ({why}); tensor parallelism runs the native "
-                f"models only ({', '.join(sorted(NATIVE_MODELS))})"
+                f"--tensor-parallel-size {config.parallel.tensor_parallel_size}: this {hf_config.model_type!r} "
+                f"model runs on the transformers adapter, which Ferry cannot shard ({why}); tensor parallelism runs "
+                f"the native models only ({', '.join(sorted(NATIVE_MODELS))})"
             )
-        check_tensor_parallel(hf_config, config.tensor_parallel_size)
+        check_tensor_parallel(hf_config, config.parallel.tensor_parallel_size)
     return hf_config, native
 
 
@@ -110,16 +110,16 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     """The model of `config` on its device, with the attention backend it runs with (sets torch's CPU threads);
     with `tp`, this rank's shard of it on the rank's device."""
     hf_config, native = model_config(config)
-    device = resolve_device(config.device) if tp is None else tp.device
-    if device.type == "cpu" and config.cpu_threads is not None:
-        torch.set_num_threads(config.cpu_threads)
-    dtype = resolve_dtype(config.dtype, device)
-    backend = select_backend(config.attention_backend, device.type, config.page_size, dtype)
+    device = resolve_device(config.model.device) if tp is None else tp.device
+    if device.type == "cpu" and config.execution.cpu_threads is not None:
+        torch.set_num_threads(config.execution.cpu_threads)
+    dtype = resolve_dtype(config.model.dtype, device)
+    backend = select_backend(config.model.attention_backend, device.type, config.cache.page_size, dtype)
     limit = getattr(hf_config, "max_position_embeddings", None)
-    max_model_len = config.max_model_len or limit or 4096
+    max_model_len = config.model.max_model_len or limit or 4096
     if limit is not None and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.scheduler.seed)
     # Weights go straight into `dtype` on `device`: each checkpoint tensor is converted as it is copied into its
     # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
     method = select_linear_method(device, dtype)
@@ -129,18 +129,18 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         # the matrix is stored once (see `_tied_head_method`).
         head_method = _tied_head_method(device, dtype) if getattr(hf_config, "tie_word_embeddings", False) else None
         model = model_class.empty(hf_config, backend, max_model_len, device, dtype, tp, method, head_method)
-        if config.load_format == "dummy":
+        if config.model.load_format == "dummy":
             _init_dummy(model)
         else:
-            model.load_weights(_checkpoint_tensors(config.model))
+            model.load_weights(_checkpoint_tensors(config.model.path))
     else:
         model = _load_transformers_model(config, hf_config, dtype, device, backend, method)
     model.eval()
-    compile_model(model, config.compile)
+    compile_model(model, config.execution.compile)
     return LoadedModel(
         model,
         hf_config,
-        _eos_ids(config.model, hf_config),
+        _eos_ids(config.model.path, hf_config),
         max_model_len,
         device,
         dtype,
@@ -160,11 +160,11 @@ def _load_transformers_model(
 ) -> TransformersCausalLM:
     hf_config._attn_implementation = ATTN_IMPLEMENTATION
     try:
-        if config.load_format == "dummy":
+        if config.model.load_format == "dummy":
             hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
         else:
             hf_model = AutoModelForCausalLM.from_pretrained(
-                config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+                config.model.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
             )
     except KeyError as error:
         if error.args != (ATTN_IMPLEMENTATION,):
