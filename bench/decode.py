@@ -29,6 +29,7 @@ from transformers import AutoConfig
 
 from bench.models import NAMED_CONFIGS
 from bench.report import fmt, format_table, stamp
+from engine.layers.vocab import VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from engine import EngineCore
@@ -123,10 +124,12 @@ def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[
     }
     weights = sum(weights_by_tensor.values())
     if not getattr(engine.hf_config, "tie_word_embeddings", False):
-        embedding = next(m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        embedding = next(
+            m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))
+        )
         weights -= embedding.numel() * embedding.element_size()
-    k_cache = engine.runner.kv_caches[0][0]
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * k_cache.element_size()
+    # K and V of one token in every layer: a page's bytes over its tokens ([pages, page_size, heads, head_dim]).
+    per_token = sum(2 * k[0, 0].numel() * k.element_size() for k, _ in engine.runner.kv_caches)
     return weights, num_seqs * mean_context * per_token
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.ferry import StepShape
+from engine.layers.linear import LinearBase
 
 if TYPE_CHECKING:
     from engine import EngineCore
@@ -55,6 +56,8 @@ class _Shape:
 
 def _features(module: nn.Module) -> tuple[int, int] | None:
     """(in, out) of a module that is one linear layer, else None."""
+    if isinstance(module, LinearBase):  # Ferry's layers (native models, and adopted transformers linears)
+        return module.input_size, module.output_size
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     if hasattr(module, "in_features") and hasattr(module, "out_features") and not list(module.children()):

@@ -181,8 +181,8 @@ def test_the_layout_is_checked_before_any_rank_starts(model_dir: Callable[[str],
     with pytest.raises(ValueError, match=r"nnodes \(2\) must divide tensor_parallel_size \(3\)"):
         EngineCore(EngineConfig.of(model=path, tensor_parallel_size=3, nnodes=2))
     with pytest.raises(ValueError, match=r"node_rank must be in \[0, nnodes=2\), got 2"):
-        EngineConfig.of(model=path, tensor_parallel_size=2, nnodes=2, node_rank=2).check_parallel_layout()
-    assert EngineConfig.of(model=path, tensor_parallel_size=4, nnodes=2).ranks_per_node == 2
+        EngineConfig.of(model=path, tensor_parallel_size=2, nnodes=2, node_rank=2).parallel.check_layout()
+    assert EngineConfig.of(model=path, tensor_parallel_size=4, nnodes=2).parallel.ranks_per_node == 2
     result = subprocess.run(
         [sys.executable, "-m", "ferry", "serve", "--model", path, "--tensor-parallel-size", "4", "--nnodes", "3"],
         cwd=REPO_ROOT,
