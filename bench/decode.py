@@ -125,8 +125,7 @@ def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[
     if not getattr(engine.hf_config, "tie_word_embeddings", False):
         embedding = next(m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding))
         weights -= embedding.numel() * embedding.element_size()
-    k_cache = engine.runner.kv_caches[0][0]
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * k_cache.element_size()
+    per_token = sum(spec.bytes_per_token for spec in model.cache_specs())
     return weights, num_seqs * mean_context * per_token
 
 
