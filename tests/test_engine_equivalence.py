@@ -37,6 +37,7 @@ ARCHS = [
     "cohere",
     "granite",
     "stablelm",
+    "gpt_oss",  # attention sinks (beside alternating sliding windows)
 ]
 LOGPROB_TOLERANCE = 1e-4
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"

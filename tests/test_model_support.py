@@ -31,7 +31,6 @@ def _refusal(path: Path, **config) -> UnsupportedModelError:
     [
         ("falcon", {"alibi": True}, "ALiBi as Falcon computes it"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
-        ("gpt_oss", {}, "attention sinks (s_aux)"),
         ("gpt_neo", {}, "attention classes from a table of the model's own with no paged entry"),
         ("mpt", {}, "code that does not run on paged attention"),
         ("jamba", {}, "layers whose attention is not one call each of the attention interface ([1])"),
