@@ -128,8 +128,7 @@ def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[
             m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))
         )
         weights -= embedding.numel() * embedding.element_size()
-    # K and V of one token in every layer: a page's bytes over its tokens ([pages, page_size, heads, head_dim]).
-    per_token = sum(2 * k[0, 0].numel() * k.element_size() for k, _ in engine.runner.kv_caches)
+    per_token = sum(spec.bytes_per_token for spec in model.cache_specs())
     return weights, num_seqs * mean_context * per_token
 
 

@@ -26,6 +26,7 @@ from bench.report import fmt, format_table, stamp
 
 if TYPE_CHECKING:
     from engine import EngineCore
+    from engine.attention.spec import CacheSpec
     from engine.core.observer import StepRecord
 
 # Small vocabulary: greedy argmax over [N, vocab] zeros is real sampler work, but a 32k vocabulary would make it
@@ -49,8 +50,8 @@ class ZeroCostModel(torch.nn.Module):
     def __init__(self, real: torch.nn.Module, max_tokens: int, max_seqs: int, hidden_size: int, vocab_size: int):
         super().__init__()
         device = next(real.parameters()).device
-        self.num_layers, self.num_kv_heads, self.head_dim = real.num_layers, real.num_kv_heads, real.head_dim
-        self.sliding_windows = real.sliding_windows
+        self.num_layers = real.num_layers
+        self._specs = real.cache_specs()
         self._hidden = torch.zeros(max_tokens, hidden_size, device=device)
         self._logits = torch.zeros(max_seqs, vocab_size, device=device)
 
@@ -59,6 +60,9 @@ class ZeroCostModel(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._logits[: hidden.shape[0]]
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return self._specs
 
 
 class _PhaseTotals:

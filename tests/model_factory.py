@@ -74,9 +74,7 @@ ARCHITECTURES: dict[str, dict] = {
         residual_multiplier=0.5,
     ),
     "stablelm": dict(model_type="stablelm", num_key_value_heads=2, partial_rotary_factor=0.5, qk_layernorm=True),
-    # Refused at load (tests/test_model_support.py): attention sinks, an attention-class table without a paged
-    # entry, a model whose own code needs the masks paged attention does not build, Mamba layers beside attention
-    # ones, and multi-head latent attention (value heads narrower than key heads).
+    # Attention sinks (gpt-oss's s_aux) beside alternating sliding windows: run through the adapter.
     "gpt_oss": dict(
         model_type="gpt_oss",
         num_key_value_heads=2,
@@ -85,6 +83,9 @@ ARCHITECTURES: dict[str, dict] = {
         num_experts_per_tok=2,
         sliding_window=16,
     ),
+    # Refused at load (tests/test_model_support.py): an attention-class table without a paged entry, a model whose
+    # own code needs the masks paged attention does not build, Mamba layers beside attention ones, and multi-head
+    # latent attention (value heads narrower than key heads).
     "gpt_neo": dict(model_type="gpt_neo", num_heads=4, num_layers=2, attention_types=[[["global", "local"], 1]]),
     "mpt": dict(model_type="mpt", n_heads=4, n_layers=2, d_model=64),
     "jamba": dict(

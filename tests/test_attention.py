@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from engine.attention import AttentionBackend, CpuPagedBackend, TorchPagedBackend
 from engine.attention.cpu_kernel import KernelUnavailable, load_kernel
+from engine.attention.spec import FullAttentionSpec
 from engine.config import EngineConfig
 from engine.core.kv_cache import GroupLayout
 from engine.core.request import SamplingParams
@@ -27,14 +28,26 @@ from engine.models.loader import LoadedModel
 HEADS, KV_HEADS, DIM = 4, 2, 8
 SOFTCAP = 2.0
 ALIBI_SLOPES = torch.tensor([2.0**-3, 2.0**-5, 2.0**-7, 2.0**-9])
-ONE_GROUP = [GroupLayout(None, (0,))]
+ONE_GROUP = [GroupLayout(None, (0,), 1)]
 CPU = torch.device("cpu")
 
 
 class _Shapes(torch.nn.Module):
-    """Just the attributes ModelRunner sizes its cache from."""
+    """The K/V heads of the one attention layer whose attention a test drives."""
 
     num_layers, num_kv_heads, head_dim = 1, KV_HEADS, DIM
+
+
+class _CacheOnly(torch.nn.Module):
+    """A model that is only its layer's cache spec: what ModelRunner sizes and allocates its cache from."""
+
+    def __init__(self, shapes: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_layers = shapes.num_layers
+        self._specs = [FullAttentionSpec(shapes.num_kv_heads, shapes.head_dim, dtype)] * shapes.num_layers
+
+    def cache_specs(self) -> list[FullAttentionSpec]:
+        return self._specs
 
 
 def attention_runner(
@@ -47,8 +60,9 @@ def attention_runner(
     max_model_len: int = 512,
 ) -> ModelRunner:
     """A runner around a model that has only the shapes the KV cache is sized from (its attention is tested)."""
+    model = _CacheOnly(shapes, dtype)
     loaded = LoadedModel(
-        shapes, PretrainedConfig(vocab_size=16), frozenset(), max_model_len, device, dtype, True, TorchPagedBackend()
+        model, PretrainedConfig(vocab_size=16), frozenset(), max_model_len, device, dtype, True, TorchPagedBackend()
     )
     config = EngineConfig.of(model="unused", page_size=page_size, max_batch_tokens=4096, max_num_seqs=64)
     return ModelRunner(loaded, ONE_GROUP, [num_pages], config)

@@ -27,7 +27,6 @@ from transformers import PretrainedConfig
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import CpuPagedBackend, TorchPagedBackend
 from engine.attention.cpu_kernel import load_kernel
-from engine.core.kv_cache import group_layers
 from engine.core.observer import StepRecord
 from engine.core.page_pool import PagePool
 from engine.core.request import Request
@@ -41,6 +40,7 @@ from engine.execution.cuda_graphs import (
     padded_size,
     start_decode_graphs,
 )
+from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import decode_graphs_estimate, gpu_kv_budget_bytes
 from engine.execution.runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
@@ -341,7 +341,7 @@ def test_the_padded_forward_computes_the_eager_steps_logits(
     config = EngineConfig.of(model=str(model_dir(arch)), attention_backend=backend, page_size=4, max_num_seqs=8)
     loaded = load_model(config)
     assert loaded.backend.name == backend and loaded.backend.capturable
-    layouts = group_layers(loaded.model.sliding_windows)
+    layouts = kv_cache_groups(loaded.model, config.cache.page_size)
     assert (len(layouts) == 2) == (arch == "qwen2_hybrid")
     pages = [16] * len(layouts)
     eager = ModelRunner(loaded, layouts, pages, config)

@@ -14,9 +14,9 @@ import engine.attention as attention
 from engine.attention import TorchPagedBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
 from engine.core.engine_core import EngineCore
-from engine.core.kv_cache import group_layers
 from engine.core.request import RequestRejected, SamplingParams
 from engine.execution.cpu_threads import PREFILL_STEP_TOKENS, step_threads
+from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import largest_step_lengths, run_largest_step
 from engine.models.loader import load_model
 
@@ -70,7 +70,7 @@ def test_largest_step_fills_the_token_budget_over_the_most_sequences() -> None:
 def test_the_profiling_step_runs_through_a_runner(tiny_llama: Path) -> None:
     config = EngineConfig.of(model=str(tiny_llama), max_batch_tokens=96, max_num_seqs=8, page_size=16)
     loaded = load_model(config)
-    result = run_largest_step(config, loaded, group_layers(loaded.model.sliding_windows))
+    result = run_largest_step(config, loaded, kv_cache_groups(loaded.model, config.cache.page_size))
     assert [len(tokens) for tokens in result.token_ids] == [1] * 8
     assert all(lps is not None and [len(lp.top) for lp in lps] == [20] for lps in result.logprobs)
 

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import TorchPagedBackend
 from engine.attention.flash import FlashBackend, flash_available
-from engine.core.kv_cache import group_layers
 from engine.core.observer import StepRecord
 from engine.execution.cuda_graphs import graph_sizes, max_graph_size
+from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import decode_graph_bytes
 from engine.models.loader import LoadedModel, load_model
 from tests.capturable_backend import DensePagedBackend
@@ -171,7 +171,6 @@ def _graph_config(path: Path, **options: object) -> EngineConfig:
 
 
 def _with_backend(loaded: LoadedModel, backend: DensePagedBackend) -> LoadedModel:
-    loaded.model.backend = backend  # the native model calls its own backend
     return dataclasses.replace(loaded, backend=backend)
 
 
@@ -190,7 +189,7 @@ def test_cuda_graphs_replay_the_eager_tokens(model_dir: Callable[[str], Path]) -
     assert eager.cuda_graphs is None
     expected = _greedy(eager)
     del eager
-    layouts = group_layers(loaded.model.sliding_windows)
+    layouts = kv_cache_groups(loaded.model, config.cache.page_size)
     estimate = decode_graph_bytes(config, loaded, layouts)
     engine = EngineCore(config, loaded=loaded)
     report = engine.cuda_graphs

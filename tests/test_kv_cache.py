@@ -6,8 +6,12 @@ Pure Python, no model: a primary (full attention) pool next to a sliding-window 
 from __future__ import annotations
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from engine.core.kv_cache import GroupLayout, KVCacheManager, group_layers, sliding_pool_pages
+from engine.attention.spec import FullAttentionSpec, SlidingWindowSpec
+from engine.core.kv_cache import GroupLayout, KVCacheManager, group_layers, pool_pages, sliding_pool_pages
 from engine.core.page_pool import PagePool
 from engine.core.request import Request
 from tests.test_page_pool import make_request
@@ -16,7 +20,7 @@ WINDOW, PAGE = 8, 4
 
 
 def hybrid(primary_pages: int = 32, sliding_pages: int = 16) -> KVCacheManager:
-    layouts = [GroupLayout(None, (0, 2)), GroupLayout(WINDOW, (1, 3))]
+    layouts = [GroupLayout(None, (0, 2), 1), GroupLayout(WINDOW, (1, 3), 1)]
     pools = [
         PagePool(primary_pages, PAGE, debug_checks=True),
         PagePool(sliding_pages, PAGE, sliding_window=WINDOW, debug_checks=True),
@@ -30,12 +34,57 @@ def compute(groups: KVCacheManager, request: Request, num_new: int) -> None:
     groups.commit(request)
 
 
+def _spec(window: int | None, kv_heads: int = 2, head_size: int = 8, dtype: torch.dtype = torch.float32):
+    if window is None:
+        return FullAttentionSpec(kv_heads, head_size, dtype)
+    return SlidingWindowSpec(kv_heads, head_size, dtype, window)
+
+
+def _specs(windows: list[int | None]) -> list[FullAttentionSpec | SlidingWindowSpec]:
+    return [_spec(window) for window in windows]
+
+
+LAYER_PAGE = 2 * 2 * 8 * 4 * PAGE  # K and V, 2 heads of 8 float32, a page of PAGE tokens
+
+
 def test_layers_group_by_window_full_attention_first() -> None:
-    assert group_layers([None, None]) == [GroupLayout(None, (0, 1))]
-    assert group_layers([24, 24, 24]) == [GroupLayout(24, (0, 1, 2))]
-    assert group_layers([8, None, 8, None]) == [GroupLayout(None, (1, 3)), GroupLayout(8, (0, 2))]
+    assert group_layers(_specs([None, None]), PAGE) == [GroupLayout(None, (0, 1), 2 * LAYER_PAGE)]
+    assert group_layers(_specs([24, 24, 24]), PAGE) == [GroupLayout(24, (0, 1, 2), 3 * LAYER_PAGE)]
+    assert group_layers(_specs([8, None, 8, None]), PAGE) == [
+        GroupLayout(None, (1, 3), 2 * LAYER_PAGE),
+        GroupLayout(8, (0, 2), 2 * LAYER_PAGE),
+    ]
     # No full layer: the widest window bounds admission.
-    assert group_layers([8, 32, 8]) == [GroupLayout(32, (1,)), GroupLayout(8, (0, 2))]
+    assert group_layers(_specs([8, 32, 8]), PAGE) == [
+        GroupLayout(32, (1,), LAYER_PAGE),
+        GroupLayout(8, (0, 2), 2 * LAYER_PAGE),
+    ]
+
+
+def test_a_group_page_holds_what_each_layer_spec_keeps() -> None:
+    """Heads and dtypes may differ across layers: a page is sized from each layer's own spec."""
+    specs = [_spec(None, 4, 16, torch.bfloat16), _spec(16, 1, 8, torch.float32), _spec(None, 2, 8, torch.float16)]
+    layouts = group_layers(specs, PAGE)
+    assert [(layout.window, layout.layers) for layout in layouts] == [(None, (0, 2)), (16, (1,))]
+    assert [layout.page_bytes for layout in layouts] == [PAGE * (2 * 4 * 16 * 2 + 2 * 2 * 8 * 2), PAGE * 2 * 8 * 4]
+    # A budget for 20 primary pages beside the sliding pool's cap: the bytes of each group's pages, not a count of
+    # layers times one layer's page.
+    cap = sliding_pool_pages(16, PAGE, max_num_seqs=2, max_batch_tokens=8)
+    budget = 20 * layouts[0].page_bytes + cap * layouts[1].page_bytes
+    pages = pool_pages(layouts, num_pages=None, budget_bytes=budget, page_size=PAGE, max_num_seqs=2, max_batch_tokens=8)
+    assert pages == [20, cap] == [20, 14]
+
+
+@given(st.lists(st.sampled_from([None, 4, 8, 32]), min_size=1, max_size=12), st.sampled_from([1, 4, 16]))
+def test_groups_partition_the_layers_by_window(windows: list[int | None], page_size: int) -> None:
+    layouts = group_layers(_specs(windows), page_size)
+    assert sorted(layer for layout in layouts for layer in layout.layers) == list(range(len(windows)))
+    assert len({layout.window for layout in layouts}) == len(layouts)
+    for layout in layouts:
+        assert all(windows[layer] == layout.window for layer in layout.layers)
+        assert layout.page_bytes == len(layout.layers) * page_size * 2 * 2 * 8 * 4
+    primary = layouts[0].window
+    assert primary is None if None in windows else primary == max(w for w in windows if w is not None)
 
 
 def test_sliding_pool_holds_every_running_window() -> None:
@@ -123,4 +172,4 @@ def test_sliding_pool_hits_need_only_the_window() -> None:
 
 def test_groups_need_one_pool_each() -> None:
     with pytest.raises(ValueError):
-        KVCacheManager([GroupLayout(None, (0,))], [])
+        KVCacheManager([GroupLayout(None, (0,), 1)], [])

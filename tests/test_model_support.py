@@ -14,7 +14,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import EngineConfig, EngineCore, SamplingParams, UnsupportedModelError, generate_batch
-from engine.attention import TorchPagedBackend
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.loader import load_model
 from tests.model_factory import ARCHITECTURES, build_model_dir
@@ -31,7 +30,6 @@ def _refusal(path: Path, **config) -> UnsupportedModelError:
     [
         ("falcon", {"alibi": True}, "ALiBi as Falcon computes it"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
-        ("gpt_oss", {}, "attention sinks (s_aux)"),
         ("gpt_neo", {}, "attention classes from a table of the model's own with no paged entry"),
         ("mpt", {}, "code that does not run on paged attention"),
         ("jamba", {}, "layers whose attention is not one call each of the attention interface ([1])"),
@@ -82,7 +80,7 @@ def test_a_feature_the_native_modules_lack_sends_auto_to_the_adapter(tmp_path: P
 
 def _adapter(path: Path, cls: type[TransformersCausalLM] = TransformersCausalLM) -> TransformersCausalLM:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
-    return cls(hf.eval(), TorchPagedBackend())
+    return cls(hf.eval())
 
 
 def test_attention_computed_outside_the_interface_is_refused(model_dir: Callable[[str], Path]) -> None:

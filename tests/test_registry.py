@@ -46,7 +46,7 @@ def test_auto_sends_a_feature_the_native_modules_lack_to_the_fallback() -> None:
 
 
 def test_every_registered_class_has_the_protocol_methods() -> None:
-    methods = ("forward", "compute_logits", "load_weights", "cache_specs")
+    methods = ("forward", "compute_logits", "load_weights", "cache_specs", "attention_needs")
     assert all(hasattr(CausalLM, m) for m in methods)
     for cls in MODELS.values():
         assert all(callable(getattr(cls, m, None)) for m in methods), cls

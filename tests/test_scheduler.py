@@ -59,7 +59,7 @@ def make_scheduler(
     **config: object,
 ) -> Scheduler:
     pool = PagePool(num_pages, page_size, enable_prefix_caching=caching, sliding_window=window, debug_checks=True)
-    kv_cache = LookupCountingKVCache([GroupLayout(window, (0,))], [pool])
+    kv_cache = LookupCountingKVCache([GroupLayout(window, (0,), 1)], [pool])
     return Scheduler(SchedulerConfig(**config), kv_cache, max_model_len)  # type: ignore[arg-type]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.base import AttentionBackend, StepMetadata
+from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class AttentionCall:
     """The model built an attention mask of its own, which the paged backend would not apply."""
     unimplemented: tuple[str, ...]
     """Arguments that change the result and that the paged backends do not implement."""
+    features: frozenset[AttentionFeature] = frozenset()
+    """What the call asks of the backend beyond causal attention: what the model needs of it."""
 
 
 @dataclass

@@ -30,17 +30,18 @@ def _attend(
     value_cache: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     step = current_step()
     meta = step.by_window[sliding_window]
-    return step.backend.forward(query, key, value, (key_cache, value_cache), meta, scale, sliding_window)
+    return step.backend.forward(query, key, value, (key_cache, value_cache), meta, scale, sliding_window, sinks=sinks)
 
 
 _LIBRARY = torch.library.Library("ferry", "FRAGMENT")
 # A plain library definition, not `torch.library.custom_op`: its dispatch costs a third as much per call.
 _LIBRARY.define(
     "layer_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-    "float scale, int? sliding_window) -> Tensor"
+    "float scale, int? sliding_window, Tensor? sinks=None) -> Tensor"
 )
 _LIBRARY.impl("layer_attention", _attend, "CompositeExplicitAutograd")
 
@@ -54,6 +55,7 @@ def _(
     value_cache: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(query)
 
@@ -65,8 +67,12 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,  # [H] float32
 ) -> torch.Tensor:  # [T, H, D]
-    """Write the step's K/V into `kv_cache` and attend over each sequence's pages (the active step's backend)."""
+    """Write the step's K/V into `kv_cache` and attend over each sequence's pages (the active step's backend);
+    `sinks`: the layer's attention sinks, as `AttentionBackend.forward` takes them."""
     if torch.compiler.is_compiling():
-        return torch.ops.ferry.layer_attention(query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window)
-    return _attend(query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window)
+        return torch.ops.ferry.layer_attention(
+            query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window, sinks
+        )
+    return _attend(query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window, sinks)

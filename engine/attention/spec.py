@@ -26,6 +26,11 @@ class FullAttentionSpec:
     dtype: torch.dtype
 
     @property
+    def window(self) -> None:
+        """No window: every token is kept (what grouping reads beside a sliding spec's window)."""
+        return None
+
+    @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_size * _element_bytes(self.dtype)
 
@@ -73,10 +78,13 @@ class NoCacheSpec:
 
 CacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | RecurrentStateSpec | NoCacheSpec
 
+PagedSpec = FullAttentionSpec | SlidingWindowSpec
+"""The specs the engine allocates today: K and V heads per token, in pages."""
+
 
 def attention_specs(
     num_kv_heads: int, head_size: int, dtype: torch.dtype, sliding_windows: list[int | None]
-) -> list[CacheSpec]:
+) -> list[PagedSpec]:
     """One spec per layer of a model whose layers attend fully (window None) or over a sliding window."""
     return [
         FullAttentionSpec(num_kv_heads, head_size, dtype)

@@ -8,6 +8,10 @@ none has one (Llama), there is one group and this is a thin layer over a single 
 per distinct window, each with its own page tables: the full layers keep every page, the sliding layers release
 pages that fell out of their window and so need only a small pool (vLLM's hybrid KV cache groups).
 
+The groups are formed from the layers' cache specs (engine/attention/spec.py, `CausalLM.cache_specs`): layers
+whose caches keep the same tokens (one window, or every token) share a pool, and a group's page holds what each of
+its layers' specs keeps of a page's tokens, whatever its heads or dtype.
+
 Pure Python, like `PagePool`. The first group (full attention when the model has any) is the primary one:
 it bounds admission and its counters are the engine's cache statistics. The other pools are sized so that they
 can hold every running sequence's window (`sliding_pool_pages`); should one still run short, `allocate` fails as
@@ -16,10 +20,24 @@ a full primary pool does, and the scheduler preempts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.core.page_pool import PagePool
 from engine.core.request import Request
+
+
+class PagedLayerSpec(Protocol):
+    """What grouping reads of a layer's cache spec (`FullAttentionSpec`, `SlidingWindowSpec`)."""
+
+    @property
+    def window(self) -> int | None:
+        """The positions a query attends to (None: all): which pages the layer may release."""
+        ...
+
+    @property
+    def bytes_per_token(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -28,15 +46,22 @@ class GroupLayout:
 
     window: int | None
     layers: tuple[int, ...]
+    page_bytes: int
+    """What one page of the pool takes, over all the group's layers (each as its spec keeps a token)."""
 
 
-def group_layers(windows: list[int | None]) -> list[GroupLayout]:
-    """Layers grouped by window, the primary group first: full attention if any layer has it, else the widest."""
+def group_layers(specs: Sequence[PagedLayerSpec], page_size: int) -> list[GroupLayout]:
+    """Layers grouped by their specs' window, the primary group first: full attention if any layer has it, else
+    the widest window. Layers of one window share page ids whatever their heads or dtype: their K/V tensors are
+    each layer's own, and attention finds a layer's step metadata by its window (engine/attention/context.py)."""
     by_window: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(windows):
-        by_window.setdefault(window, []).append(layer)
+    for layer, spec in enumerate(specs):
+        by_window.setdefault(spec.window, []).append(layer)
     order = sorted(by_window, key=lambda w: (w is not None, -(w or 0)))
-    return [GroupLayout(w, tuple(by_window[w])) for w in order]
+    return [
+        GroupLayout(w, tuple(by_window[w]), page_size * sum(specs[layer].bytes_per_token for layer in by_window[w]))
+        for w in order
+    ]
 
 
 def sliding_pool_pages(window: int, page_size: int, max_num_seqs: int, max_batch_tokens: int) -> int:
@@ -55,15 +80,12 @@ def pool_pages(
     *,
     num_pages: int | None,
     budget_bytes: float,
-    layer_page_bytes: int,
     page_size: int,
     max_num_seqs: int,
     max_batch_tokens: int,
 ) -> list[int]:
     """Pages of each group's pool: `num_pages` (or what `budget_bytes` allows) for the primary group, and for a
     secondary (sliding) group no more than all running sequences' windows can fill.
-
-    `layer_page_bytes` is what one layer keeps in one page; a group's page holds that for each of its layers.
     """
     caps = []
     for layout in layouts[1:]:
@@ -72,14 +94,11 @@ def pool_pages(
     if num_pages:
         primary = num_pages
     else:
-        secondary = sum(
-            cap * len(layout.layers) * layer_page_bytes for cap, layout in zip(caps, layouts[1:], strict=True)
-        )
-        primary = int((budget_bytes - secondary) // (len(layouts[0].layers) * layer_page_bytes))
+        secondary = sum(cap * layout.page_bytes for cap, layout in zip(caps, layouts[1:], strict=True))
+        primary = int((budget_bytes - secondary) // layouts[0].page_bytes)
         if caps and primary < max(caps):
             # Too small a budget for the sliding pools' caps: split it evenly, every pool the same pages.
-            num_layers = sum(len(layout.layers) for layout in layouts)
-            primary = int(budget_bytes // (num_layers * layer_page_bytes))
+            primary = int(budget_bytes // sum(layout.page_bytes for layout in layouts))
         primary = max(1, primary)
     return [primary] + [min(primary, cap) for cap in caps]
 

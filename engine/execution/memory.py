@@ -44,18 +44,17 @@ _COSTLIEST_SAMPLING = SamplingParams(
 )
 
 
-def kv_cache_budget_bytes(
-    config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout], kv_bytes_per_page: int
-) -> float:
+def kv_cache_budget_bytes(config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout]) -> float:
     """Bytes the KV cache's pools may take: `cpu_kv_cache_gib` on CPU; on CUDA, `max_memory_percent` of the memory
     free after loading, less the activations of the largest step, the decode graphs' memory and the scratch pages
-    (refused when that leaves less than one page, `kv_bytes_per_page` for all layers)."""
+    (refused when that leaves less than one page of every layer)."""
     if loaded.device.type != "cuda":
         return config.cache.cpu_kv_cache_gib * 2**30
     activations = largest_step_activation_bytes(config, loaded, layouts)
     graphs = decode_graph_bytes(config, loaded, layouts) if eager_reason(config, loaded) is None else 0
     free, _ = torch.cuda.mem_get_info(loaded.device)
     # One scratch page per group, each as many layers as the group: one page of every layer in all.
+    kv_bytes_per_page = sum(layout.page_bytes for layout in layouts)
     budget = gpu_kv_budget_bytes(free, config.cache.max_memory_percent, activations, graphs, kv_bytes_per_page)
     if budget < kv_bytes_per_page:
         raise EngineStartupError(

@@ -42,32 +42,11 @@ from engine.execution.cpu_threads import step_threads
 from engine.execution.cuda_graphs import Capture, decode_graph_size
 from engine.execution.graph_inputs import PaddedDecode
 from engine.execution.input_batch import InputBatch, PackedStep, StepInputs
+from engine.execution.kv_caches import allocate_kv_caches, paged_specs
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
 from engine.models.loader import LoadedModel
 from engine.sampling.sampler import Sampler, SampleResult
 from engine.sampling.token_masks import GrammarState, StepGrammars
-
-
-def kv_bytes_per_layer_page(model: torch.nn.Module, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one layer keeps in one page (a group's page holds this for each of its layers)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * page_size * model.num_kv_heads * model.head_dim * element
-
-
-def allocate_kv_caches(
-    model: torch.nn.Module,
-    group_of_layer: list[int],
-    pool_pages: list[int],
-    page_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's K and V pages: its group's pool, and one scratch page past it (what padded decode rows use)."""
-    caches = []
-    for group in group_of_layer:
-        shape = (pool_pages[group] + 1, page_size, model.num_kv_heads, model.head_dim)
-        caches.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)))
-    return caches
 
 
 class ModelRunner:
@@ -103,8 +82,9 @@ class ModelRunner:
         self.pool_pages = list(pool_pages)
         """Pages of each group's pool: the ids the scheduler hands out are below these."""
         self.kv_caches = allocate_kv_caches(
-            model, self.group_of_layer, pool_pages, config.cache.page_size, loaded.dtype, device
+            paged_specs(model), self.group_of_layer, pool_pages, config.cache.page_size, device
         )
+        """Each layer's K and V pages, as its cache spec keeps them (engine/execution/kv_caches.py)."""
         self.sliding_windows = [layouts[g].window for g in self.group_of_layer]
         max_seqs, max_tokens = config.scheduler.max_num_seqs, config.scheduler.max_batch_tokens
         max_pages = -(-loaded.max_model_len // config.cache.page_size)

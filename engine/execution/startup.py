@@ -17,14 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, EngineStartupError
-from engine.core.kv_cache import GroupLayout, group_layers, pool_pages
+from engine.core.kv_cache import GroupLayout, pool_pages
 from engine.core.request import SamplingParams
 from engine.core.step import NewRequest, SchedulerOutput
 from engine.core.structured import GrammarCompiler
 from engine.distributed.parallel import TensorParallel
 from engine.execution.cuda_graphs import CaptureReport, start_decode_graphs
+from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import kv_cache_budget_bytes
-from engine.execution.runner import ModelRunner, kv_bytes_per_layer_page
+from engine.execution.runner import ModelRunner
 from engine.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -66,19 +67,17 @@ def kv_cache_layout(
     hold (`_fit_max_model_len`). With tensor parallelism every rank sizes its own cache (its KV heads, its
     device's free memory) and all take the smallest count, since one scheduler hands out the same pages on every
     rank; every rank then fits the same max_model_len."""
-    layouts = group_layers(loaded.model.sliding_windows)
-    layer_page_bytes = kv_bytes_per_layer_page(loaded.model, config.cache.page_size, loaded.dtype)
+    layouts = kv_cache_groups(loaded.model, config.cache.page_size)
     budget = 0.0
     if not config.cache.num_pages:
         if tp is not None and loaded.device.type == "cuda":
             # The profiling step's collectives wait only distributed_timeout: start it once every rank has loaded.
             tp.wait_for_peers()
-        budget = kv_cache_budget_bytes(config, loaded, layouts, layer_page_bytes * loaded.model.num_layers)
+        budget = kv_cache_budget_bytes(config, loaded, layouts)
     pages = pool_pages(
         layouts,
         num_pages=config.cache.num_pages,
         budget_bytes=budget,
-        layer_page_bytes=layer_page_bytes,
         page_size=config.cache.page_size,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_batch_tokens=config.scheduler.max_batch_tokens,

@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.attention.base import AttentionNeeds
 from engine.attention.spec import CacheSpec
 
 
@@ -15,14 +15,7 @@ from engine.attention.spec import CacheSpec
 class CausalLM(Protocol):
     """A causal LM on the packed `[T]` row of one step (no batch dimension)."""
 
-    backend: AttentionBackend
-    """The attention kernels its layers call."""
     num_layers: int
-    num_kv_heads: int
-    """This rank's KV heads per layer: what its KV cache holds."""
-    head_dim: int
-    sliding_windows: list[int | None]
-    """Each layer's sliding window (None: full attention)."""
 
     def forward(
         self,
@@ -51,5 +44,11 @@ class CausalLM(Protocol):
         ...
 
     def cache_specs(self) -> list[CacheSpec]:
-        """One spec per layer: what its cache holds, for sizing the pages."""
+        """One spec per layer: what its cache holds (heads, dtype, window), what the KV cache is grouped, sized and
+        allocated from (engine/execution/kv_caches.py)."""
+        ...
+
+    def attention_needs(self) -> AttentionNeeds:
+        """What its layers ask of the attention backend beyond causal attention (sliding windows, soft-capping,
+        ALiBi, sinks): the loader selects a backend that computes them, or refuses the one asked for by name."""
         ...

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from engine.attention import AttentionBackend, StepMetadata, TorchPagedBackend
+from engine.attention import AttentionNeeds, StepMetadata, TorchPagedBackend
 from engine.attention.context import StepContext, step_context
 from engine.attention.spec import CacheSpec, attention_specs
 from engine.models.hf_attention import ATTN_IMPLEMENTATION, KNOWN_ARGUMENT_FEATURES, AttentionCall, num_kv_heads
@@ -39,16 +39,18 @@ probe accepts: what packing or a different matmul shape may change, far below wh
 class TransformersCausalLM(nn.Module):
     """Wraps a transformers model in the runner's interface (packed ids in, hidden states out)."""
 
-    def __init__(self, hf_model: PreTrainedModel, backend: AttentionBackend) -> None:
+    def __init__(self, hf_model: PreTrainedModel) -> None:
         super().__init__()
         self.hf_model = hf_model
-        self.backend = backend
         config = hf_model.config
         self.model_type = config.model_type
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = num_kv_heads(config)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.sliding_windows = [sliding_window_of_layer(config, i) for i in range(self.num_layers)]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        windows = [sliding_window_of_layer(config, i) for i in range(self.num_layers)]
+        self._specs = attention_specs(num_kv_heads(config), head_dim, hf_model.dtype, windows)
+        """Each layer's cache as its config implies it; the probe checks the model's calls against them."""
+        self._needs: AttentionNeeds | None = None
+        """What the probe saw the layers ask of attention (`check_runs_exactly`)."""
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
         self.logit_scale: float | None = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
         self.logits_scaling: float | None = getattr(config, "logits_scaling", None)  # Granite: logits / it
@@ -74,7 +76,14 @@ class TransformersCausalLM(nn.Module):
 
     def cache_specs(self) -> list[CacheSpec]:
         """Each layer's KV cache: full attention, or a sliding window."""
-        return attention_specs(self.num_kv_heads, self.head_dim, self.hf_model.dtype, self.sliding_windows)
+        return list(self._specs)
+
+    def attention_needs(self) -> AttentionNeeds:
+        """What the layers' attention calls asked for when `check_runs_exactly` ran them (windows, soft-capping,
+        sinks, Bloom's ALiBi): what the model's own code passes, not what its config is read to imply."""
+        if self._needs is None:
+            raise RuntimeError("the transformers adapter knows its attention's needs once check_runs_exactly has run")
+        return self._needs
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -126,6 +135,7 @@ class TransformersCausalLM(nn.Module):
             raise UnsupportedModelError(
                 self.model_type, f"layers whose attention is not one call each of the attention interface ({called})"
             )
+        self._needs = AttentionNeeds(frozenset().union(*(call.features for call in calls)))
         tolerance = _PROBE_TOLERANCE.get(alone.dtype, 2e-2)
         packed = self._probe_step([(other, 0), (prompt, 0)], self._probe_caches(2))[len(other) :]
         if not _close(packed, alone, tolerance):
@@ -176,26 +186,28 @@ class TransformersCausalLM(nn.Module):
             return "an attention mask the model builds itself"
         if call.value_dim != call.key_dim:
             return f"value heads of {call.value_dim} dimensions beside key heads of {call.key_dim}"
-        if (call.kv_heads, call.key_dim) != (self.num_kv_heads, self.head_dim):
+        spec = self._specs[call.layer]
+        if (call.kv_heads, call.key_dim) != (spec.num_kv_heads, spec.head_size):
             return (
                 f"K/V heads laid out as {call.kv_heads} x {call.key_dim} where its config implies "
-                f"{self.num_kv_heads} x {self.head_dim}"
+                f"{spec.num_kv_heads} x {spec.head_size}"
             )
-        if call.sliding_window != self.sliding_windows[call.layer]:
+        if call.sliding_window != spec.window:
             return (
                 f"a sliding window of {call.sliding_window} in layer {call.layer} where its config implies "
-                f"{self.sliding_windows[call.layer]}"
+                f"{spec.window}"
             )
         return None
 
     def _probe_caches(self, num_seqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Fresh K/V caches of one probe page per sequence."""
-        shape = (num_seqs, _PROBE_PAGE, self.num_kv_heads, self.head_dim)
-        dtype, device = self.hf_model.dtype, self.hf_model.device
-        return [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(self.num_layers)
-        ]
+        """Fresh K/V caches of one probe page per sequence, each layer's as its spec keeps it."""
+        device = self.hf_model.device
+        caches = []
+        for spec in self._specs:
+            shape = (num_seqs, _PROBE_PAGE, spec.num_kv_heads, spec.head_size)
+            key, value = (torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(2))
+            caches.append((key, value))
+        return caches
 
     def _probe_step(
         self,
@@ -238,7 +250,8 @@ class TransformersCausalLM(nn.Module):
             max_seq_len=max(totals),
             page_size=_PROBE_PAGE,
         )
-        context = StepContext(TorchPagedBackend(), [meta] * self.num_layers, self.sliding_windows, caches, on_call)
+        windows = [spec.window for spec in self._specs]
+        context = StepContext(TorchPagedBackend(), [meta] * self.num_layers, windows, caches, on_call)
         return step_context(context)
 
 

@@ -1,8 +1,8 @@
 """How the attention of transformers models reaches the step's paged backend.
 
 Most models call attention through transformers' attention interface: `paged_attention`, registered under
-`ferry_paged`, hands their Q/K/V (and the soft-cap and sliding window they pass) to the backend. A few compute
-attention in modules of their own, and get paged modules from here:
+`ferry_paged`, hands their Q/K/V (and the soft-cap, sliding window and attention sinks they pass) to the backend. A
+few compute attention in modules of their own, and get paged modules from here:
 - Falcon looks its attention class up in a table of its own keyed by the implementation name
   (`FALCON_ATTENTION_CLASSES`); `PagedFalconAttention` is its `ferry_paged` entry.
 - Bloom builds `BloomAttention` by name, so `replace_own_attention` swaps those modules for `PagedBloomAttention`
@@ -28,11 +28,14 @@ from transformers.models.falcon.modeling_falcon import (
     apply_rotary_pos_emb,
 )
 
+from engine.attention.base import AttentionFeature
 from engine.attention.context import AttentionCall, StepContext, current_step
 
 ATTN_IMPLEMENTATION = "ferry_paged"
 
-_IMPLEMENTED_ARGUMENTS = frozenset({"sliding_window", "softcap"})  # beside the named `scaling` and `dropout`
+_SINK_ARGUMENTS = ("s_aux", "sinks")
+"""The names models pass their per-head attention sinks under (gpt-oss: `s_aux`)."""
+_IMPLEMENTED_ARGUMENTS = frozenset({"sliding_window", "softcap", *_SINK_ARGUMENTS})  # beside `scaling`, `dropout`
 _NO_EFFECT_ARGUMENTS = frozenset(
     {
         "is_causal",  # read as `causal` below
@@ -47,8 +50,6 @@ _NO_EFFECT_ARGUMENTS = frozenset(
     }
 )
 KNOWN_ARGUMENT_FEATURES = {
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "relative position biases",
     "indices": "sparse attention over selected keys",
     "block_indices": "block-sparse attention",
@@ -66,6 +67,7 @@ def _attend(
     sliding_window: int | None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [1, T, H, D], as transformers' attention functions return
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     out = context.backend.forward(
@@ -78,6 +80,7 @@ def _attend(
         sliding_window,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     return out.unsqueeze(0)
 
@@ -96,6 +99,9 @@ def paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")
+    sinks = next((kwargs[name] for name in _SINK_ARGUMENTS if kwargs.get(name) is not None), None)
+    if sinks is not None:
+        sinks = sinks.float()  # the backends read sinks as float32 logits, whatever the model's dtype
     if context.on_call is not None:
         unimplemented = [
             name
@@ -105,6 +111,11 @@ def paged_attention(
         if dropout:
             unimplemented.append("dropout")
         causal = kwargs.get("is_causal") is not False and getattr(module, "is_causal", True) is not False
+        asked = {
+            AttentionFeature.SLIDING_WINDOW: window,
+            AttentionFeature.SOFTCAP: softcap,
+            AttentionFeature.SINKS: sinks,
+        }
         context.on_call(
             AttentionCall(
                 module.layer_idx,
@@ -115,17 +126,26 @@ def paged_attention(
                 causal,
                 attention_mask is not None,
                 tuple(unimplemented),
+                frozenset(feature for feature, value in asked.items() if value is not None),
             )
         )
-    return _attend(context, module.layer_idx, query, key, value, scale, window, softcap), None
+    return _attend(context, module.layer_idx, query, key, value, scale, window, softcap, sinks=sinks), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
 
 
-def _report_own_module_call(context: StepContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+def _report_own_module_call(
+    context: StepContext,
+    layer: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    features: frozenset[AttentionFeature] = frozenset(),
+) -> None:
     if context.on_call is not None:
-        context.on_call(AttentionCall(layer, key.shape[1], key.shape[-1], value.shape[-1], None, True, False, ()))
+        context.on_call(
+            AttentionCall(layer, key.shape[1], key.shape[-1], value.shape[-1], None, True, False, (), features)
+        )
 
 
 class PagedFalconAttention(FalconAttention):
@@ -203,7 +223,7 @@ class PagedBloomAttention(nn.Module):
         # Bloom's fused layout: per head, its query, key and value side by side.
         qkv = self.query_key_value(hidden_states).view(batch, tokens, self.num_heads, 3, self.head_dim)
         query, key, value = (qkv[..., i, :].transpose(1, 2) for i in range(3))  # [1, H, T, D]
-        _report_own_module_call(context, self.layer_idx, key, value)
+        _report_own_module_call(context, self.layer_idx, key, value, frozenset({AttentionFeature.ALIBI}))
         out = _attend(
             context, self.layer_idx, query, key, value, self.inv_norm_factor, None, alibi_slopes=self.alibi_slopes
         )

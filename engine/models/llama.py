@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.attention import AttentionBackend
+from engine.attention.base import AttentionFeature, AttentionNeeds
 from engine.attention.graph_op import paged_attention
-from engine.attention.spec import CacheSpec, attention_specs
+from engine.attention.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
 from engine.config import EngineStartupError
 from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Shard
@@ -184,7 +184,6 @@ class LlamaFamilyForCausalLM(nn.Module):
     def __init__(
         self,
         config: PretrainedConfig,
-        backend: AttentionBackend,
         max_positions: int,
         tp: TensorParallel | None = None,
         method: LinearMethod | None = None,
@@ -198,7 +197,6 @@ class LlamaFamilyForCausalLM(nn.Module):
         method = method or UnquantizedLinearMethod()
         self.config = config
         self.tp = tp
-        self.backend = backend
         self.model = Backbone(config, method, tp)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
@@ -212,16 +210,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        """This rank's KV heads: what its KV cache holds."""
-        self.head_dim = self.model.layers[0].self_attn.head_dim
-        self.sliding_windows = [layer.self_attn.sliding_window for layer in self.model.layers]
 
     @classmethod
     def empty(
         cls,
         config: PretrainedConfig,
-        backend: AttentionBackend,
         max_positions: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -236,7 +229,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         parameters ever exists. The rotary tables, which are computed rather than loaded, are filled in.
         """
         with torch.device("meta"):
-            model = cls(config, backend, max_positions, tp, method, head_method)
+            model = cls(config, max_positions, tp, method, head_method)
         model = model.to(dtype).to_empty(device=device)
         if model.tied:
             model.lm_head.tie_to(model.model.embed_tokens)
@@ -271,7 +264,18 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def cache_specs(self) -> list[CacheSpec]:
         """Each layer's KV cache: full attention, or a sliding window, of this rank's KV heads."""
-        return attention_specs(self.num_kv_heads, self.head_dim, self.cos_cache.dtype, self.sliding_windows)
+        dtype = self.cos_cache.dtype
+        return [
+            FullAttentionSpec(attn.num_kv_heads, attn.head_dim, dtype)
+            if attn.sliding_window is None
+            else SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, dtype, attn.sliding_window)
+            for attn in (layer.self_attn for layer in self.model.layers)
+        ]
+
+    def attention_needs(self) -> AttentionNeeds:
+        """Sliding windows where a layer has one; nothing else (the family has no soft-capping, ALiBi or sinks)."""
+        windowed = any(layer.self_attn.sliding_window is not None for layer in self.model.layers)
+        return AttentionNeeds(frozenset({AttentionFeature.SLIDING_WINDOW}) if windowed else frozenset())
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

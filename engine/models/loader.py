@@ -17,6 +17,7 @@ from engine.distributed.parallel import TensorParallel
 from engine.execution.compile import check_compile_level, compile_model
 from engine.layers.linear import LinearBase, adopt_linears
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod, select_linear_method
+from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
@@ -108,13 +109,16 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
 
 def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
     """The model of `config` on its device, with the attention backend it runs with (sets torch's CPU threads);
-    with `tp`, this rank's shard of it on the rank's device."""
+    with `tp`, this rank's shard of it on the rank's device.
+
+    The backend is chosen for what the model says its attention needs (`CausalLM.attention_needs`): an explicit
+    `--attention-backend` that lacks one is refused by name (`UnsupportedAttention`), before a native model's
+    weights are read; `auto` passes over kernels that lack one."""
     hf_config, native = model_config(config)
     device = resolve_device(config.model.device) if tp is None else tp.device
     if device.type == "cpu" and config.execution.cpu_threads is not None:
         torch.set_num_threads(config.execution.cpu_threads)
     dtype = resolve_dtype(config.model.dtype, device)
-    backend = select_backend(config.model.attention_backend, device.type, config.cache.page_size, dtype)
     limit = getattr(hf_config, "max_position_embeddings", None)
     max_model_len = config.model.max_model_len or limit or 4096
     if limit is not None and max_model_len > limit:
@@ -128,13 +132,15 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         # A tied LM head reads the embedding's matrix, which the embedding looks rows up in: a plain layout, so
         # the matrix is stored once (see `_tied_head_method`).
         head_method = _tied_head_method(device, dtype) if getattr(hf_config, "tie_word_embeddings", False) else None
-        model = model_class.empty(hf_config, backend, max_model_len, device, dtype, tp, method, head_method)
+        model = model_class.empty(hf_config, max_model_len, device, dtype, tp, method, head_method)
+        backend = _backend_for(config, model, device, dtype)
         if config.model.load_format == "dummy":
             _init_dummy(model)
         else:
             model.load_weights(_checkpoint_tensors(config.model.path))
     else:
-        model = _load_transformers_model(config, hf_config, dtype, device, backend, method)
+        model = _load_transformers_model(config, hf_config, dtype, device, method)
+        backend = _backend_for(config, model, device, dtype)
     model.eval()
     compile_model(model, config.execution.compile)
     return LoadedModel(
@@ -155,7 +161,6 @@ def _load_transformers_model(
     hf_config: PretrainedConfig,
     dtype: torch.dtype,
     device: torch.device,
-    backend: AttentionBackend,
     method: LinearMethod,
 ) -> TransformersCausalLM:
     hf_config._attn_implementation = ATTN_IMPLEMENTATION
@@ -177,11 +182,17 @@ def _load_transformers_model(
     # accelerate.
     hf_model = hf_model.eval().to(device)
     replace_own_attention(hf_model)
-    model = TransformersCausalLM(hf_model, backend)
+    model = TransformersCausalLM(hf_model)
     model.check_runs_exactly()
     if not isinstance(method, UnquantizedLinearMethod):
         adopt_linears(hf_model, method)
     return model
+
+
+def _backend_for(config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    return select_backend(
+        config.model.attention_backend, device.type, config.cache.page_size, dtype, needs=model.attention_needs()
+    )
 
 
 def _tied_head_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
