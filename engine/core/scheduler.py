@@ -284,7 +284,7 @@ class Scheduler:
             request.num_pending_samples -= sampling
         for i, (request, num_new, samples) in enumerate(zip(requests, plan.num_new_tokens, plan.samples, strict=True)):
             tokens, logprobs = next(sampled) if samples else (None, None)
-            drafts = plan.drafts(i)
+            drafts = plan.draft_token_ids[i] if plan.draft_token_ids else ()
             if drafts:
                 self._drafting.discard(request.request_id)
             # Aborted while the step ran (its pages already free, its final output queued), or, one plan ahead,
@@ -333,7 +333,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 return list(tokens[:n])
-        return list(tokens)
+        return tokens if isinstance(tokens, list) else list(tokens)
 
     def _free_rejected(self, request: Request) -> None:
         """Give back the pages that hold only slots of rejected drafts (nothing else of it is in flight)."""
@@ -431,11 +431,12 @@ class Scheduler:
         self, requests: list[Request], builder: _StepBuilder, drafts: Mapping[str, Sequence[int]]
     ) -> None:
         """Give each running request (oldest first) its missing tokens, up to the budget left."""
+        drafting = self._drafting  # per request below: the common case (no drafts anywhere) tests two empties
         for request in requests:
             if builder.full:
                 return
             # Preempted earlier in this loop, to make room for an older request; or its drafts are being checked.
-            if request.status is not RequestStatus.RUNNING or request.request_id in self._drafting:
+            if request.status is not RequestStatus.RUNNING or (drafting and request.request_id in drafting):
                 continue
             pending = request.num_pending_samples
             # The token being sampled for it now is its last by length: the result finishes it.
@@ -448,7 +449,11 @@ class Scheduler:
                     "a sampled token or finish it after every step that computes its last token"
                 )
             num_new = min(needed, builder.budget)
-            proposed = self._plannable_drafts(request, needed, drafts.get(request.request_id, ()), builder.budget)
+            proposed = (
+                self._plannable_drafts(request, needed, drafts.get(request.request_id, ()), builder.budget)
+                if drafts
+                else ()
+            )
             grant = self._reserve_pages(request, num_new + len(proposed), builder)
             if grant is not None:
                 builder.add(request, num_new + len(proposed), num_new == needed, grant)

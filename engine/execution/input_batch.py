@@ -52,8 +52,9 @@ class SequenceState:
     def extend_at(self, position: int, tokens: list[int]) -> list[int]:
         """Add the tokens a step produced from `position` on; positions already known keep their tokens (a step
         planned ahead sampled where an earlier step returned several, as the scheduler decides too)."""
-        new = tokens[max(0, self.num_tokens - position) :]
-        self.output_ids.extend(new)
+        known = len(self.prompt_ids) + len(self.output_ids) - position
+        new = tokens if known <= 0 else tokens[known:]  # per sequence and step: no copy in the common case
+        self.output_ids += new
         return new
 
 
