@@ -163,6 +163,8 @@ class InputBatch:
         self.scoring_prompts: set[str] = set()
         """Sequences that want prompt logprobs: the only ones a step looks at for prompt rows."""
         self.num_constrained = 0
+        self.num_with_spans = 0
+        """Sequences with non-causal spans: a step looks for spans only while there are any."""
         shapes = {
             "input_ids": ((max_tokens,), torch.int64),
             "positions": ((max_tokens,), torch.int64),
@@ -190,6 +192,7 @@ class InputBatch:
                 self._free_rows.append(seq.row)
                 self.scoring_prompts.discard(request_id)
                 self.num_constrained -= seq.grammar is not None
+                self.num_with_spans -= bool(seq.noncausal_spans)
         if plan.draft_token_ids:
             raise NotImplementedError("this runner has no verifying sampler: it cannot take a plan with drafts")
         for new in plan.new_requests:
@@ -225,6 +228,7 @@ class InputBatch:
             new.noncausal_spans,
         )
         self.num_constrained += grammar is not None
+        self.num_with_spans += bool(new.noncausal_spans)
         if new.params.prompt_logprobs is not None:
             self.scoring_prompts.add(new.request_id)
 

@@ -192,7 +192,7 @@ class ModelRunner:
             else ([], [])
         )
         noncausal = None
-        if any(seq.noncausal_spans for seq in packed.seqs):
+        if self.batch.num_with_spans and any(seq.noncausal_spans for seq in packed.seqs):
             starts = packed.seq_lens - np.diff(packed.cu_q)
             noncausal = step_spans([seq.noncausal_spans for seq in packed.seqs], starts, packed.seq_lens)
         # A graph's static metadata has no spans: a step with queries in one runs eagerly.
