@@ -3,7 +3,8 @@
 A real EngineCore (scheduler, KV-cache manager, runner, sampler, output deltas) runs on a tiny config-only model
 directory: the model is loaded as usual, then handed to the engine inside a stand-in that returns preallocated
 zeros. N requests are admitted and prefilled, then pure decode steps are timed: scheduling, batch assembly,
-sampling and output processing of N running sequences. On a GPU this cost is what is left of each step when
+sampling and output processing of N running sequences. The heap is frozen while steps are timed, as the engine
+process freezes it after start-up (`bench.ferry.frozen_heap`). On a GPU this cost is what is left of each step when
 the device is infinitely fast, so it bounds utilisation for small models.
 """
 
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig
 
+from bench.ferry import frozen_heap
 from bench.report import fmt, format_table, stamp
 
 if TYPE_CHECKING:
@@ -133,18 +135,19 @@ def _measure(num_seqs: int, model_dir: Path, options: OverheadOptions) -> dict[s
         raise RuntimeError(f"only {engine.stats().num_running} of {num_seqs} sequences are running")
 
     step_seconds = []
-    for _ in range(options.steps):
-        start = time.perf_counter()
-        engine.step()
-        step_seconds.append(time.perf_counter() - start)
+    with frozen_heap():
+        for _ in range(options.steps):
+            start = time.perf_counter()
+            engine.step()
+            step_seconds.append(time.perf_counter() - start)
 
-    # A second pass observed phase by phase: the breakdown, kept apart so the headline has no observer.
-    totals = _PhaseTotals()
-    engine.observers.append(totals)
-    start = time.perf_counter()
-    for _ in range(options.steps):
-        engine.step()
-    observed_total = time.perf_counter() - start
+        # A second pass observed phase by phase: the breakdown, kept apart so the headline has no observer.
+        totals = _PhaseTotals()
+        engine.observers.append(totals)
+        start = time.perf_counter()
+        for _ in range(options.steps):
+            engine.step()
+        observed_total = time.perf_counter() - start
     if engine.stats().num_running != num_seqs:
         raise RuntimeError("sequences finished during the measurement; the running set was not constant")
 

@@ -10,10 +10,14 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine.core.request import Request, RequestRejected, SamplingParams
-from engine.sampling.sampler import Sampler, argmax_rows
+from engine.core.step import NewRequest, SchedulerOutput
+from engine.execution.input_batch import InputBatch
+from engine.sampling.sampler import BatchNeeds, Sampler, argmax_rows
 
 EOS = 2
 
@@ -99,17 +103,20 @@ def test_greedy_is_argmax(device: torch.device, params: SamplingParams) -> None:
     assert result.logprobs == [None] * 6
 
 
-@pytest.mark.parametrize("width", [100, 4096, 4097, 32000, 32001, 151_936])
-def test_blockwise_argmax_is_torch_argmax_first_maximum_included(width: int) -> None:
+@pytest.mark.parametrize("block", [None, 32, 256, 1024])
+@pytest.mark.parametrize(
+    ("rows", "width"), [(17, 100), (17, 4096), (17, 4097), (1100, 1000), (17, 32001), (1, 151_936)]
+)
+def test_blockwise_argmax_is_torch_argmax_first_maximum_included(rows: int, width: int, block: int | None) -> None:
     generator = torch.Generator().manual_seed(width)
     # Few distinct values: every row has many tied maxima, across blocks and in the short last block.
-    tied = torch.randint(-3, 3, (17, width), generator=generator).float()
-    assert torch.equal(argmax_rows(tied), tied.argmax(dim=-1))
+    tied = torch.randint(-3, 3, (rows, width), generator=generator).float()
+    assert torch.equal(argmax_rows(tied, block), tied.argmax(dim=-1))
     last = torch.randn(5, width, generator=generator)
     last[:, -1] = 100.0
-    assert torch.equal(argmax_rows(last), torch.full((5,), width - 1))
+    assert torch.equal(argmax_rows(last, block), torch.full((5,), width - 1))
     strided = torch.randn(4, width + 7, generator=generator)[:, :width]
-    assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
+    assert torch.equal(argmax_rows(strided, block), strided.argmax(dim=-1))
 
 
 class _NoNoiseSampler(Sampler):
@@ -413,3 +420,52 @@ def test_logit_bias_is_added_per_request(device: torch.device) -> None:
 def test_logit_bias_values_are_bounded() -> None:
     with pytest.raises(RequestRejected):
         SamplingParams(logit_bias=((3, 101.0),))
+
+
+_NEEDS_PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.8),
+    SamplingParams(logprobs=True, top_logprobs=2),
+    SamplingParams(repetition_penalty=1.3),
+    SamplingParams(min_new_tokens=2),
+    SamplingParams(logit_bias=((3, 5.0),)),
+]
+
+
+def _needs_of(params: list[SamplingParams]) -> BatchNeeds:
+    return BatchNeeds(
+        penalties=any(p.penalised for p in params),
+        random=any(not p.greedy for p in params),
+        logprobs=any(p.logprobs for p in params),
+    )
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, len(_NEEDS_PARAMS) - 1)), max_size=30))
+def test_the_input_batch_knows_what_its_sequences_ask_of_the_sampler(changes: list[tuple[bool, int]]) -> None:
+    """Adding and dropping sequences in any order: the batch's needs are those of the sequences it holds."""
+    batch = InputBatch(1, max_seqs=32, max_tokens=64, max_pages=2, page_size=16, device=torch.device("cpu"))
+    held: dict[str, SamplingParams] = {}
+    for number, (add, kind) in enumerate(changes):
+        if add or not held:
+            request_id, params = f"r{number}", _NEEDS_PARAMS[kind]
+            new = NewRequest(request_id, (1, 2), (), params, frozenset({EOS}), 0, ((),))
+            batch.apply(SchedulerOutput(new_requests=(new,)), lambda _: None)
+            held[request_id] = params
+        else:
+            request_id = sorted(held)[kind % len(held)]
+            batch.apply(SchedulerOutput(finished_ids=(request_id,)), lambda _: None)
+            del held[request_id]
+        assert batch.sampling_needs == _needs_of(list(held.values()))
+
+
+@pytest.mark.parametrize("kinds", [[0, 0, 0], [0, 1], [0, 2, 0], [3, 0], [4, 0], [5], [0, 1, 2, 3, 4, 5]])
+def test_needs_that_cover_the_batch_sample_as_checking_each_request(kinds: list[int]) -> None:
+    """The sampler skips only what no request uses: tokens and logprobs are those of looking at every request."""
+    device = torch.device("cpu")
+    params = [_NEEDS_PARAMS[kind] for kind in kinds]
+    requests = [make_request(p, output=[4], generator_seed=i) for i, p in enumerate(params)]
+    logits = random_logits(len(requests), 100, seed=3, device=device)
+    checked = Sampler(100, device, 0)(logits, requests)
+    skipped = Sampler(100, device, 0)(logits, requests, needs=_needs_of(params))
+    assert skipped.token_ids == checked.token_ids
+    assert skipped.logprobs == checked.logprobs

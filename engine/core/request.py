@@ -168,6 +168,17 @@ class SamplingParams:
         # top_p == 0 keeps only the most likely token, which is greedy decoding too.
         return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (`Sampler.apply_penalties`)."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.min_new_tokens
+        )
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -228,6 +239,11 @@ class Request:
     """Positions attended in both directions (engine/attention/base.py); a plan computes each one whole."""
     extra_keys: tuple[ExtraKey, ...] = ()
     """What its pages' K/V depend on besides token ids, for the prefix cache's page hashes."""
+    stop_ids: frozenset[int] = frozenset()
+    """The tokens that stop it once `min_new_tokens` are out (EOS unless ignored, `stop_token_ids`); set by the
+    scheduler when it takes the request, with `max_output_tokens`."""
+    max_output_tokens: int = 0
+    """Output tokens it may reach: `max_new_tokens`, or fewer where the model length ends it first."""
 
     @property
     def num_tokens(self) -> int:

@@ -233,6 +233,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.waiting or request.request_id in self.running:
             raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        params = request.params
+        stop_ids = frozenset(params.stop_token_ids)
+        request.stop_ids = stop_ids if params.ignore_eos else stop_ids | request.eos_token_ids
+        request.max_output_tokens = min(params.max_new_tokens, self.max_model_len - len(request.prompt_ids))
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -282,9 +286,15 @@ class Scheduler:
         for request, num_planned, sampling in zip(requests, planned.num_new_tokens, planned.samples, strict=True):
             request.num_in_flight_tokens -= num_planned
             request.num_pending_samples -= sampling
-        for i, (request, num_new, samples) in enumerate(zip(requests, plan.num_new_tokens, plan.samples, strict=True)):
+        for request, start, num_new, samples, drafts in zip(
+            requests,
+            plan.num_computed_tokens,
+            plan.num_new_tokens,
+            plan.samples,
+            plan.draft_token_ids or ((),) * len(requests),
+            strict=True,
+        ):
             tokens, logprobs = next(sampled) if samples else (None, None)
-            drafts = plan.draft_token_ids[i] if plan.draft_token_ids else ()
             if drafts:
                 self._drafting.discard(request.request_id)
             # Aborted while the step ran (its pages already free, its final output queued), or, one plan ahead,
@@ -306,7 +316,7 @@ class Scheduler:
                     outputs.append(_delta(request, [], None, None, prompt_logprobs))
                 continue
             # Positions the request knows already (an earlier result brought several tokens) keep their tokens.
-            known = request.num_tokens - (plan.num_computed_tokens[i] + num_new - len(drafts))
+            known = len(request.prompt_ids) + len(request.output_ids) - (start + num_new - len(drafts))
             appended = self._append(request, tokens[known:] if known > 0 else tokens)
             if not appended:
                 continue
@@ -325,15 +335,22 @@ class Scheduler:
             outputs.append(_delta(request, appended, new_logprobs, timestamps, prompt_logprobs))
         return outputs
 
-    def _append(self, request: Request, tokens: Sequence[int]) -> list[int]:
-        """Append `tokens` in order until one stops the request (that one included); returns those appended."""
+    def _append(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append `tokens` in order until one stops the request (that one included); returns those appended.
+
+        The stop rules, in order: a stop token (EOS unless ignored, `stop_token_ids`) once `min_new_tokens` are
+        out, then `max_new_tokens` or the model length, whichever comes first (`Request.max_output_tokens`)."""
+        output_ids = request.output_ids
         for n, token in enumerate(tokens, 1):
-            request.output_ids.append(token)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
-                return list(tokens[:n])
-        return tokens if isinstance(tokens, list) else list(tokens)
+            output_ids.append(token)
+            if token in request.stop_ids and len(output_ids) >= request.params.min_new_tokens:
+                self._finish(request, FinishReason.STOP)
+            elif len(output_ids) >= request.max_output_tokens:
+                self._finish(request, FinishReason.LENGTH)
+            else:
+                continue
+            return tokens[:n]
+        return tokens
 
     def _free_rejected(self, request: Request) -> None:
         """Give back the pages that hold only slots of rejected drafts (nothing else of it is in flight)."""
@@ -372,7 +389,7 @@ class Scheduler:
         self._planned.append(_Planned(requests, starts, builder.num_new_tokens, list(builder.samples)))
         drafts = builder.drafts
         token_ids = tuple(
-            _planned_tokens(r, start, n, drafts.get(r.request_id, ()))
+            _planned_tokens(r, start, n, drafts.get(r.request_id, ()) if drafts else ())
             for r, start, n in zip(requests, starts, builder.num_new_tokens, strict=True)
         )
         self._drafting.update(drafts)
@@ -407,17 +424,6 @@ class Scheduler:
             noncausal_spans=request.noncausal_spans,
         )
 
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        generated = len(request.output_ids)
-        if generated >= params.min_new_tokens and (
-            (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-        ):
-            return FinishReason.STOP
-        if generated >= params.max_new_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Free the request's pages now, so the next schedule() can admit a waiting request into them."""
         self.running.remove(request.request_id)
@@ -442,7 +448,8 @@ class Scheduler:
             # The token being sampled for it now is its last by length: the result finishes it.
             if pending and self._ends_by_length(request, pending):
                 continue
-            needed = request.num_tokens + pending - request.num_computed_tokens - request.num_in_flight_tokens
+            known = len(request.prompt_ids) + len(request.output_ids)
+            needed = known + pending - request.num_computed_tokens - request.num_in_flight_tokens
             if needed <= 0:
                 raise RuntimeError(
                     f"running request {request.request_id!r} has nothing to compute: update() must append "
@@ -460,24 +467,19 @@ class Scheduler:
                 if proposed:
                     builder.drafts[request.request_id] = proposed
 
-    def _plannable_drafts(self, request: Request, needed: int, proposed: Sequence[int], budget: int) -> tuple[int, ...]:
+    @staticmethod
+    def _plannable_drafts(request: Request, needed: int, proposed: Sequence[int], budget: int) -> tuple[int, ...]:
         """The drafts this decode can carry: none while anything of it is in flight, and no more than the budget,
         the model length and `max_new_tokens` leave room for (the token sampled after them included)."""
         if not proposed or needed != 1 or request.num_in_flight_tokens or request.num_pending_samples:
             return ()
-        room = min(
-            budget - 1,
-            request.params.max_new_tokens - len(request.output_ids) - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
+        room = min(budget - 1, request.max_output_tokens - len(request.output_ids) - 1)
         return tuple(proposed[: max(0, room)])
 
-    def _ends_by_length(self, request: Request, pending: int) -> bool:
-        """Whether `pending` tokens still to be applied bring the request to a length stop (see `_stop_reason`)."""
-        return (
-            len(request.output_ids) + pending >= request.params.max_new_tokens
-            or request.num_tokens + pending >= self.max_model_len
-        )
+    @staticmethod
+    def _ends_by_length(request: Request, pending: int) -> bool:
+        """Whether `pending` tokens still to be applied bring the request to a length stop (see `_append`)."""
+        return len(request.output_ids) + pending >= request.max_output_tokens
 
     def _reserve_pages(self, request: Request, num_new: int, builder: _StepBuilder) -> PageTables | None:
         """Allocate pages for `num_new` more tokens after those in flight, preempting running requests until they
@@ -568,7 +570,7 @@ def _planned_tokens(request: Request, start: int, num_new: int, drafts: Sequence
     PLACEHOLDER."""
     if drafts:
         return request.token_slice(start, start + num_new - len(drafts)) + list(drafts)
-    known = request.num_tokens
+    known = len(request.prompt_ids) + len(request.output_ids)
     if start + num_new <= known:
         return request.token_slice(start, start + num_new)
     return request.token_slice(start, known) + [PLACEHOLDER] * (start + num_new - known)

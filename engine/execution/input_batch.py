@@ -21,6 +21,7 @@ import torch
 from engine.attention import StepMetadata
 from engine.core.request import SamplingParams, Spans
 from engine.core.step import PLACEHOLDER, NewRequest, SchedulerOutput
+from engine.sampling.sampler import BatchNeeds
 from engine.sampling.token_masks import GrammarState
 
 
@@ -104,6 +105,8 @@ class StepInputs:
     sample_positions: list[int]
     """The position of the first token sampled for each of `sampling`."""
     buffers: StepBuffers
+    sampling_needs: BatchNeeds
+    """What `sampling` may ask of the sampler, as the batch stood when prepared."""
     prepare_seconds: float = 0.0
     graph_size: int | None = None
     """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
@@ -165,6 +168,8 @@ class InputBatch:
         self.num_constrained = 0
         self.num_with_spans = 0
         """Sequences with non-causal spans: a step looks for spans only while there are any."""
+        self._num_needing = dict.fromkeys(("penalties", "random", "logprobs"), 0)
+        """Sequences using each of the sampler's per-request features (`BatchNeeds`)."""
         shapes = {
             "input_ids": ((max_tokens,), torch.int64),
             "positions": ((max_tokens,), torch.int64),
@@ -193,6 +198,7 @@ class InputBatch:
                 self.scoring_prompts.discard(request_id)
                 self.num_constrained -= seq.grammar is not None
                 self.num_with_spans -= bool(seq.noncausal_spans)
+                self._count_needs(seq.params, -1)
         if plan.draft_token_ids:
             raise NotImplementedError("this runner has no verifying sampler: it cannot take a plan with drafts")
         for new in plan.new_requests:
@@ -229,8 +235,20 @@ class InputBatch:
         )
         self.num_constrained += grammar is not None
         self.num_with_spans += bool(new.noncausal_spans)
+        self._count_needs(new.params, 1)
         if new.params.prompt_logprobs is not None:
             self.scoring_prompts.add(new.request_id)
+
+    def _count_needs(self, params: SamplingParams, change: int) -> None:
+        counts = self._num_needing
+        counts["penalties"] += change * params.penalised
+        counts["random"] += change * (not params.greedy)
+        counts["logprobs"] += change * params.logprobs
+
+    @property
+    def sampling_needs(self) -> BatchNeeds:
+        """What any running sequence asks of the sampler: a step's sampling rows ask for no more."""
+        return BatchNeeds(**{feature: count > 0 for feature, count in self._num_needing.items()})
 
     def pack(self, plan: SchedulerOutput) -> PackedStep:
         """The plan's token ids, positions, query starts, sequence lengths and sampling rows, into the next buffer

@@ -125,7 +125,7 @@ class ModelRunner:
         grammars = [sampling[row].grammar for row in constrained]
         grammar_bias = (constrained, self.step_grammars.bias(grammars)) if constrained else None
         token_ids, logprobs = self.step_tokens(
-            inputs, self.sampler(logits[: inputs.num_sampling], sampling, grammar_bias)
+            inputs, self.sampler(logits[: inputs.num_sampling], sampling, grammar_bias, inputs.sampling_needs)
         )
         added = [
             seq.extend_at(position, tokens)
@@ -149,9 +149,12 @@ class ModelRunner:
         self, inputs: StepInputs, sampled: SampleResult
     ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """The tokens each sampling sequence gets from this step, with their logprobs: here the one sampled."""
-        return [[token] for token in sampled.token_ids], [
-            None if logprob is None else [logprob] for logprob in sampled.logprobs
-        ]
+        logprobs = sampled.logprobs
+        return [[token] for token in sampled.token_ids], (
+            [None if logprob is None else [logprob] for logprob in logprobs]
+            if inputs.sampling_needs.logprobs
+            else logprobs  # all None
+        )
 
     def load_inputs(self, inputs: StepInputs) -> None:
         """Fill each PLACEHOLDER with its sequence's latest token (sampled by the step before), then copy the token
@@ -218,6 +221,7 @@ class ModelRunner:
             placeholders=packed.placeholders,
             sample_positions=packed.sample_positions,
             buffers=buffers,
+            sampling_needs=self.batch.sampling_needs,
             prepare_seconds=time.perf_counter() - started,
             graph_size=graph_size,
         )
