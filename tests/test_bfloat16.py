@@ -15,7 +15,13 @@ from transformers.pytorch_utils import Conv1D
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.layers.linear import LinearBase, adopt_linears
-from engine.layers.linear_method import PackedLinearMethod, WidenedLinearMethod, bf16_matmul_native
+from engine.layers.linear_method import (
+    BlockedLinearMethod,
+    PackedLinearMethod,
+    WidenedLinearMethod,
+    bf16_matmul_native,
+    blocked_linear_available,
+)
 from tests.test_engine_equivalence import _prompts
 
 BF16_LOGPROB_TOLERANCE = 0.15
@@ -64,8 +70,8 @@ def test_bfloat16_engine_agrees_with_transformers_bfloat16(
     model_dir: Callable[[str], Path], arch: str, level: str, request: pytest.FixtureRequest
 ) -> None:
     """Prompt logprobs (teacher-forced, so one early rounding cannot change every later token) of a packed,
-    chunked batch against transformers' bfloat16 forward of each prompt alone; compiled too, where the widened
-    linears are traced into the graph."""
+    chunked batch against transformers' bfloat16 forward of each prompt alone; compiled too, where the blocked
+    kernel is an opaque op of the graph (the widened linears are traced into it)."""
     if level != "none":
         request.getfixturevalue("compiling")
     path = model_dir(arch)
@@ -74,8 +80,15 @@ def test_bfloat16_engine_agrees_with_transformers_bfloat16(
     )
     engine = EngineCore(config)
     linears = [m for m in engine.runner.model.modules() if isinstance(m, LinearBase)]
-    # A tied LM head keeps the plain layout (torch's matmul where bfloat16 packs): only untied ones are checked.
-    want = PackedLinearMethod if bf16_matmul_native(torch.device("cpu")) else WidenedLinearMethod
+    # A tied LM head takes the blocked layout wherever bfloat16 packs for oneDNN: only untied ones are checked.
+    kernel = blocked_linear_available(torch.device("cpu"), torch.bfloat16)
+    want = (
+        PackedLinearMethod
+        if bf16_matmul_native(torch.device("cpu"))
+        else BlockedLinearMethod
+        if kernel
+        else WidenedLinearMethod
+    )
     assert linears and all(isinstance(m.method, want) for m in linears if not getattr(m, "tied", False))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     prompts, _ = _prompts(hf.config.vocab_size)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import engine.attention as attention
 from engine.attention import CpuPagedBackend, TorchPagedBackend, select_backend
-from engine.attention.cpu_kernel import KernelUnavailable, extension_name, load_kernel
+from engine.attention.cpu_kernel import KernelUnavailable, load_kernel
 from tests.test_attention import attention_runner, fresh_plan
 
 try:
@@ -184,11 +184,3 @@ def test_the_cpu_backend_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="runs on the CPU"):
         select_backend("cpu", "cuda", 256, torch.bfloat16)
     assert isinstance(select_backend("auto", "cpu", 16, torch.float64), TorchPagedBackend)
-
-
-def test_builds_for_other_instruction_sets_have_other_names() -> None:
-    """A cache built with AVX-512 flags must never be the one an AVX2 machine loads."""
-    avx2 = ["-O3", "-mavx2", "-mfma"]
-    avx512 = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]
-    assert extension_name(avx2) != extension_name(avx512)
-    assert extension_name(avx2) == extension_name(list(avx2))

@@ -1,4 +1,5 @@
-"""The oneDNN-packed linear method: same results as `nn.Linear`, and every linear of a CPU engine's model is packed."""
+"""The oneDNN-packed linear method: same results as `nn.Linear`; and every linear of a CPU engine's model computes
+from a packed layout (the blocked kernel's, or oneDNN's where the kernel cannot be had)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from transformers.pytorch_utils import Conv1D
 
 from engine import EngineConfig, EngineCore
 from engine.layers.linear import LinearBase, adopt_linears
-from engine.layers.linear_method import PackedLinearMethod, UnquantizedLinearMethod, onednn_linear_available
+from engine.layers.linear_method import (
+    BlockedLinearMethod,
+    PackedLinearMethod,
+    UnquantizedLinearMethod,
+    onednn_linear_available,
+)
 
 pytestmark = pytest.mark.skipif(
     not onednn_linear_available(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN"
@@ -83,4 +89,5 @@ def test_cpu_engine_packs_every_linear_native_and_breadth_path(arch: str, model_
     engine = EngineCore(EngineConfig.of(model=str(model_dir(arch)), num_pages=64))
     modules = list(engine.runner.model.modules())
     assert not [m for m in modules if type(m) in (nn.Linear, Conv1D)]
-    assert sum(isinstance(m, LinearBase) and isinstance(m.method, PackedLinearMethod) for m in modules) > 0
+    linears = [m for m in modules if isinstance(m, LinearBase)]
+    assert linears and all(isinstance(m.method, BlockedLinearMethod | PackedLinearMethod) for m in linears)

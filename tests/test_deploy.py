@@ -664,9 +664,7 @@ def test_every_queried_metric_is_exported(helm: ModuleType, model_dir: Callable[
 
     # The chart's own rendering of every engine and server flag, minus the port (the harness picks one).
     docs = render(helm, {"engine": CPU_ENGINE_VALUES, "server": CPU_SERVER_VALUES, "gpu": {"count": 0}})
-    assert {k for k in CPU_ENGINE_VALUES} == {
-        _camel(name) for name in ENGINE_FIELDS if name not in NOT_ENGINE_FLAGS
-    }
+    assert {k for k in CPU_ENGINE_VALUES} == {_camel(name) for name in ENGINE_FIELDS if name not in NOT_ENGINE_FLAGS}
     args = [a for a in container_args(docs) if not a.startswith("--port=")]
 
     with running_server(model_dir("llama"), *args) as base_url, httpx.Client(base_url=base_url, timeout=60) as client:

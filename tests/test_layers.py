@@ -19,9 +19,12 @@ from engine.layers.linear import (
     Shard,
 )
 from engine.layers.linear_method import (
+    BlockedLinearMethod,
     PackedLinearMethod,
     UnquantizedLinearMethod,
     WidenedLinearMethod,
+    bf16_matmul_native,
+    blocked_linear_available,
     onednn_linear_available,
     select_linear_method,
 )
@@ -116,7 +119,7 @@ def test_vocab_parallel_embedding_and_head_pad_the_last_rank() -> None:
     assert torch.equal(sum(e(ids) for e in embeddings), table[ids])  # each token's one real row, summed
 
 
-def test_a_tied_head_refuses_a_method_that_repacks() -> None:
+def test_a_tied_head_refuses_a_method_that_cannot_give_rows_back() -> None:
     with pytest.raises(ValueError, match="tied LM head"):
         ParallelLMHead(7, 4, method=PackedLinearMethod(), tied=True)
 
@@ -138,31 +141,39 @@ def test_method_selection_by_device_dtype_and_cpu() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert isinstance(select_linear_method(cuda, torch.bfloat16), UnquantizedLinearMethod)
     assert isinstance(select_linear_method(cpu, torch.float16), UnquantizedLinearMethod)
-    if onednn_linear_available(cpu, torch.float32):
-        assert isinstance(select_linear_method(cpu, torch.float32), PackedLinearMethod)
-    assert isinstance(select_linear_method(cpu, torch.float32, plain_layout=True), UnquantizedLinearMethod)
+    kernel = blocked_linear_available(cpu, torch.float32)
+    fp32_fallback = PackedLinearMethod if onednn_linear_available(cpu, torch.float32) else UnquantizedLinearMethod
+    assert isinstance(select_linear_method(cpu, torch.float32), BlockedLinearMethod if kernel else fp32_fallback)
+    tied = select_linear_method(cpu, torch.float32, embeds_rows=True)
+    assert isinstance(tied, BlockedLinearMethod if kernel else UnquantizedLinearMethod) and tied.embeds_rows
     bf16 = select_linear_method(cpu, torch.bfloat16)
-    bf16_plain = select_linear_method(cpu, torch.bfloat16, plain_layout=True)
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert isinstance(bf16, PackedLinearMethod) and isinstance(bf16_plain, UnquantizedLinearMethod)
+    bf16_tied = select_linear_method(cpu, torch.bfloat16, embeds_rows=True)
+    assert bf16_tied.embeds_rows
+    if bf16_matmul_native(cpu):  # oneDNN multiplies bfloat16 natively; the tied head's rows need the blocked layout
+        assert isinstance(bf16, PackedLinearMethod)
+        assert isinstance(bf16_tied, BlockedLinearMethod if kernel else UnquantizedLinearMethod)
     else:
-        assert isinstance(bf16, WidenedLinearMethod) and isinstance(bf16_plain, WidenedLinearMethod)
+        assert isinstance(bf16, BlockedLinearMethod if kernel else WidenedLinearMethod)
+        assert isinstance(bf16_tied, BlockedLinearMethod if kernel else WidenedLinearMethod)
 
 
 _AVX2_PROBE = """
 import torch
-from engine.attention.cpu_kernel import build_flags
-from engine.layers.linear_method import WidenedLinearMethod, bf16_matmul_native, select_linear_method
+from engine.kernels.build import build_flags
+from engine.layers.linear_method import BlockedLinearMethod, WidenedLinearMethod, bf16_matmul_native
+from engine.layers.linear_method import select_linear_method
 assert not bf16_matmul_native(torch.device("cpu"))
-assert isinstance(select_linear_method(torch.device("cpu"), torch.bfloat16), WidenedLinearMethod)
+bf16 = select_linear_method(torch.device("cpu"), torch.bfloat16)
+assert isinstance(bf16, BlockedLinearMethod | WidenedLinearMethod), bf16
 assert "-mavx2" in build_flags() and not [f for f in build_flags() if f.startswith("-mavx512")], build_flags()
 print("avx2 paths")
 """
 
 
 def test_ferry_cpu_isa_avx2_selects_the_avx2_paths() -> None:
-    """On any machine (an AVX512-BF16 one included), `FERRY_CPU_ISA=avx2` widens bfloat16 instead of packing it
-    and builds the attention kernel with the AVX2 flags, under its own cache name."""
+    """On any machine (an AVX512-BF16 one included), `FERRY_CPU_ISA=avx2` widens bfloat16 in the blocked kernel (or
+    the widened method) instead of packing it for oneDNN, and builds the kernels with the AVX2 flags, under their own
+    cache names."""
     env = {"FERRY_CPU_ISA": "avx2", "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
         [sys.executable, "-c", _AVX2_PROBE], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False

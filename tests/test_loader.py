@@ -68,16 +68,20 @@ def test_weights_load_into_the_target_dtype(tiny_llama: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_tied_model_keeps_one_embedding_matrix(tmp_path: Path, dtype: str) -> None:
-    """Whatever method the linears take here (oneDNN-packed float32, widened or packed bfloat16), the LM head
-    reads the embedding's own storage, and no second copy of the matrix exists anywhere in the model."""
+    """Whatever method the head takes here (the blocked kernel's layout, or the plain one), the matrix exists once
+    in the model, and the embedding's rows are the checkpoint's."""
     tied = build_model_dir(tmp_path / "tied", "llama", tie_word_embeddings=True)
     model = load_model(EngineConfig.of(model=str(tied), dtype=dtype, model_impl="native")).model
-    embedding = model.model.embed_tokens.weight
-    assert model.lm_head.weight is embedding
-    assert model.lm_head.method.plain_layout
-    others = [t for name, t in model.state_dict(keep_vars=True).items() if name != "model.embed_tokens.weight"]
-    others += [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
-    assert not [t for t in others if t.shape == embedding.shape and t.data_ptr() != embedding.data_ptr()]
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert head.method.embeds_rows
+    tensors = [*model.state_dict(keep_vars=True).values()]
+    tensors += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+    size = head.output_size * head.input_size
+    matrices = {t.untyped_storage().data_ptr() for t in tensors if t.numel() >= size and t.dim() >= 2}
+    assert len(matrices) == 1, "the tied matrix is stored once"
+    reference = AutoModelForCausalLM.from_pretrained(tied, dtype=getattr(torch, dtype))
+    ids = torch.arange(reference.config.vocab_size)
+    assert torch.equal(embedding(ids), reference.model.embed_tokens(ids))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")

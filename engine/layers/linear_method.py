@@ -6,7 +6,11 @@ from once the layer's last shard is loaded (`process_weights_after_loading`), an
 the layout and the arithmetic, so a quantized or LoRA method is one more class here.
 
 - `UnquantizedLinearMethod`: the plain `[out, in]` weight and `F.linear`.
-- `PackedLinearMethod`: the weight packed once for oneDNN. On CPU, `F.linear` goes to MKL's sgemm, which on AMD
+- `BlockedLinearMethod`: the weight in Ferry's blocked layout and its C++ kernel (engine/kernels/): the CPU default
+  for float32, and for bfloat16 where the CPU has no bfloat16 arithmetic. It streams the weights at memory
+  bandwidth for a few rows (decode) and keeps pace with oneDNN for many.
+- `PackedLinearMethod`: the weight packed once for oneDNN: bfloat16 on a CPU with bfloat16 arithmetic (AVX512-BF16,
+  AMX), and the fallback where the kernel cannot be built. On CPU, `F.linear` goes to MKL's sgemm, which on AMD
   processors takes a slower code path: 75-100 GFLOP/s on one core of the AMD EPYC we measure on, against 190-245
   GFLOP/s for oneDNN with the weight in its blocked layout (the LM head of the tiny benchmark model: 5.0 ms instead
   of 13.9 ms for 64 rows). The maths is the same; the sums are taken in another order (about 1e-5 relative).
@@ -15,17 +19,19 @@ the layout and the arithmetic, so a quantized or LoRA method is one more class h
   `ferry::packed_linear`: inductor lowers `_linear_pointwise` itself only for weights it froze into constants,
   which a graph shared by every decoder layer cannot have (each layer's weight is an input of the same graph).
 - `WidenedLinearMethod`: bfloat16 on a CPU without bfloat16 arithmetic (AVX2 only: no AVX512-BF16, AMX or
-  AVX-NE-CONVERT), where oneDNN cannot pack it and torch's own bfloat16 matmul is a loop of dot products whose cost
-  grows with every row (64 rows of a 4864x896 layer: 55 ms, against 9 ms in float32). It keeps the bfloat16 weight
-  and multiplies in float32, widening the weight a slice at a time.
+  AVX-NE-CONVERT) where the kernel cannot be built: oneDNN cannot pack it there and torch's own bfloat16 matmul is
+  a loop of dot products whose cost grows with every row (64 rows of a 4864x896 layer: 55 ms, against 9 ms in
+  float32). It keeps the bfloat16 weight and multiplies in float32, widening the weight a slice at a time.
 
-`plain_layout` says whether a method computes from the `[out, in]` weight as loaded: a matrix another module also
-reads (a tied LM head's, which the embedding looks rows up in) takes a method with a plain layout, so that it is
-stored once (`select_linear_method(..., plain_layout=True)`).
+`plain_layout` says whether a method computes from the `[out, in]` weight as loaded: a matrix another module of a
+transformers model reads directly takes a method with a plain layout. `embeds_rows` says whether it can give rows
+of its matrix back (`embed_rows`): a tied LM head takes such a method, the embedding looks its rows up through it,
+and the matrix is stored once, in the head's layout (`select_linear_method(..., embeds_rows=True)`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -51,6 +57,9 @@ class LinearMethod:
 
     plain_layout: bool = True
     """Whether `apply` reads the `[out, in]` `weight` parameter as loaded (so another module may share it)."""
+    embeds_rows: bool = True
+    """Whether `embed_rows` reads rows of the matrix from the layout the method keeps (a tied LM head's method must:
+    the embedding then looks its rows up there, and the matrix is stored once)."""
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, bias: bool, dtype: torch.dtype
@@ -65,6 +74,10 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def embed_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the layer's `[out, in]` matrix, `[*ids.shape, in]`: an embedding lookup."""
+        return F.embedding(ids, layer.weight)
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -97,6 +110,7 @@ class PackedLinearMethod(LinearMethod):
     """
 
     plain_layout = False
+    embeds_rows = False  # oneDNN's blocked layout is opaque: reading rows would mean unpacking the whole matrix
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         try:
@@ -113,6 +127,35 @@ class PackedLinearMethod(LinearMethod):
         if torch.compiler.is_compiling():
             return torch.ops.ferry.packed_linear(x, layer.packed_weight, bias)
         return _packed_linear(x, layer.packed_weight, bias)
+
+
+class BlockedLinearMethod(LinearMethod):
+    """The weight in Ferry's blocked layout (engine/kernels/linear.py) and the C++ kernel that streams it: 16 output
+    rows interleaved per block, so decode reads each weight once at memory bandwidth, float32 or bfloat16 alike.
+
+    Measured on one core of the AMD EPYC (AVX2) against the methods it replaces (`python scripts/bench_linear.py`):
+    float32 as fast as oneDNN's packed layout for 64 rows, faster for few (8 rows of 1024 -> 3072: 1.0 against
+    1.4 ms), 4% slower for 512; bfloat16, which this CPU cannot multiply, 2.1x torch's matmul for one row and 3.1x
+    the widened method for 8. It reads rows back out of its layout (`embed_rows`), so a tied LM head takes it too.
+    """
+
+    plain_layout = False
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from engine.kernels.linear import pack
+
+        with torch.no_grad():
+            blocked = pack(layer.weight.detach())
+        del layer.weight  # freed here, layer by layer: the plain and blocked model never coexist
+        layer.blocked_weight = blocked
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.ferry_linear.linear(x, layer.blocked_weight, layer.output_size, bias)
+
+    def embed_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.linear import embed_rows
+
+        return embed_rows(layer.blocked_weight, ids)
 
 
 class WidenedLinearMethod(LinearMethod):
@@ -159,11 +202,35 @@ def bf16_matmul_native(device: torch.device) -> bool:
     return device.type != "cpu" or bf16_arithmetic()
 
 
-def select_linear_method(device: torch.device, dtype: torch.dtype, *, plain_layout: bool = False) -> LinearMethod:
-    """The method a model's linears of `dtype` on `device` use: oneDNN-packed where it can pack them, widened
-    bfloat16 on a CPU without bfloat16 arithmetic, torch's matmul otherwise. With `plain_layout`, one that keeps
-    the weight as loaded (for a matrix another module shares)."""
-    if not plain_layout and onednn_linear_available(device, dtype):
+def blocked_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the blocked C++ kernel runs `dtype` here (building it on the first ask of the process)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from engine.kernels.build import KernelUnavailable
+    from engine.kernels.linear import load_linear_kernel
+
+    try:
+        load_linear_kernel()
+    except KernelUnavailable as error:
+        _warn_no_kernel(str(error))
+        return False
+    return True
+
+
+@functools.cache
+def _warn_no_kernel(reason: str) -> None:
+    logger.warning("the CPU linear kernel is unavailable (%s): linears use oneDNN or torch's matmul", reason)
+
+
+def select_linear_method(device: torch.device, dtype: torch.dtype, *, embeds_rows: bool = False) -> LinearMethod:
+    """The method a model's linears of `dtype` on `device` use. On a CPU: the blocked kernel, except bfloat16 where
+    the CPU multiplies bfloat16 itself (oneDNN's packed layout uses those instructions; the blocked kernel widens to
+    float32); then oneDNN-packed, widened bfloat16, torch's matmul, in that order, where one cannot be had. With
+    `embeds_rows`, one that can give rows of the matrix back (a tied LM head's)."""
+    native_bf16 = dtype == torch.bfloat16 and bf16_matmul_native(device)
+    if (embeds_rows or not native_bf16) and blocked_linear_available(device, dtype):
+        return BlockedLinearMethod()
+    if not embeds_rows and onednn_linear_available(device, dtype):
         return PackedLinearMethod()
     if dtype == torch.bfloat16 and not bf16_matmul_native(device):
         return WidenedLinearMethod()

@@ -40,25 +40,41 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = shard
         self.weight = nn.Parameter(torch.empty(self.vocab_per_rank, hidden_size, dtype=dtype), requires_grad=False)
         self.all_reduce = all_reduce
+        self.on_loaded: Callable[[], None] | None = None
+        """Set by a tied LM head: called once the matrix is loaded, for the head to take it into its layout."""
+        self._lookup: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Where rows come from once a tied head keeps the matrix in a layout of its own (`read_rows_from`)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.start
         elsewhere = (local < 0) | (local >= self.vocab_per_rank)
-        hidden = F.embedding(local.masked_fill(elsewhere, 0), self.weight).masked_fill_(elsewhere.unsqueeze(-1), 0.0)
+        hidden = self._rows(local.masked_fill(elsewhere, 0)).masked_fill_(elsewhere.unsqueeze(-1), 0.0)
         return hidden if self.all_reduce is None else self.all_reduce(hidden)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self._lookup is None else self._lookup(ids)
+
+    def read_rows_from(self, lookup: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Let go of the plain matrix and look rows up through `lookup`: a tied LM head's, which keeps the one copy
+        of the matrix in its method's layout."""
+        del self.weight
+        self._lookup = lookup
 
     @torch.no_grad()
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         target, source = _vocab_rows(self.weight, loaded, self.shard)
         target.copy_(source)
+        if self.on_loaded is not None:
+            self.on_loaded()
 
 
 class ParallelLMHead(LinearBase):
     """This rank's `[vocab_per_rank, hidden]` rows of the output projection (the logits of its part of the
-    vocabulary). Tied to an embedding, it reads that embedding's matrix, stored once: its method must then keep
-    the plain layout the embedding's lookup reads."""
+    vocabulary). Tied to an embedding, the matrix is stored once: the embedding's loading fills it, the head's
+    method then takes it into its layout, and where that is not the plain one the embedding reads its rows from
+    the head (`embed_rows`); so the method must be one that can give rows back."""
 
     def __init__(
         self,
@@ -70,18 +86,29 @@ class ParallelLMHead(LinearBase):
         shard: Shard = ONE_RANK,
         tied: bool = False,
     ) -> None:
-        if tied and not method.plain_layout:
-            raise ValueError(f"a tied LM head reads the embedding's matrix: {type(method).__name__} would repack it")
+        if tied and not method.embeds_rows:
+            raise ValueError(
+                f"a tied LM head shares the embedding's matrix: {type(method).__name__} cannot give its rows back"
+            )
         super().__init__(hidden_size, -(-vocab_size // shard.size), bias=False, method=method, dtype=dtype, shard=shard)
         self.tied = tied
-        if tied:
-            self._pending.clear()  # the embedding's loading fills the matrix
+        self._hand_rows: Callable[[Callable[[torch.Tensor], torch.Tensor]], None] | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        """Read `embedding`'s matrix: one parameter for both (set again after `to_empty`, which gives each its own
-        storage)."""
+        """Share `embedding`'s matrix: one parameter for both until it is loaded (set again after `to_empty`, which
+        gives each its own storage); then the head's method takes it, and the embedding reads rows from there."""
         assert self.tied
         self.weight = embedding.weight
+        self._hand_rows = embedding.read_rows_from
+        embedding.on_loaded = self.finish_loading
+
+    def finish_loading(self) -> None:
+        super().finish_loading()
+        if self._hand_rows is not None and not self.method.plain_layout:
+            self._hand_rows(self.embed_rows)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.method.embed_rows(self, ids)
 
     def _placement(
         self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId

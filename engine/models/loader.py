@@ -196,14 +196,11 @@ def _backend_for(config: EngineConfig, model: CausalLM, device: torch.device, dt
 
 
 def _tied_head_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
-    """The LM head's method where it shares the embedding's matrix: one that keeps the plain layout the lookup
-    reads. Measured on this AMD EPYC (2 threads, medians; the machine shared, so roughly): the demo model's head
-    (4096 x 256, float32) takes 0.54 ms plain against 0.37 ms packed for 8 rows, 0.13 ms either way for one row,
-    3.7 against 2.7 ms for 64 (one thread; no plain-layout form, NN, NT or transposed, comes closer: MKL's sgemm); an
-    `embed_rows()` reading the packed layout instead would have to unpack the whole matrix each step (0.30 ms
-    here, and a transient copy of a 150k-vocabulary matrix on a big model), and a second, packed copy is what the
-    tied model must not keep."""
-    return select_linear_method(device, dtype, plain_layout=True)
+    """The LM head's method where it shares the embedding's matrix: one that gives rows back (`embed_rows`), so the
+    matrix is stored once, in the head's layout. oneDNN's packed layout cannot: the plain layout it left cost the
+    demo model about 10% of its offline throughput (a 4096 x 256 float32 head through MKL's sgemm, 2.3 ms a step
+    against 0.5 ms packed, averaged over a run's steps; engine/layers/linear_method.py)."""
+    return select_linear_method(device, dtype, embeds_rows=True)
 
 
 @torch.no_grad()

@@ -1,0 +1,196 @@
+// Linear layers on the CPU from Ferry's blocked weight layout: y = x @ W.T + b.
+//
+// Layout (engine/kernels/linear.py packs it): W [out, in] becomes [ceil(out / 16), in, 16], the 16 output rows of a
+// block interleaved along k, zero rows padding the last block. One k of a block is 16 contiguous weights, a
+// vector of the 16 outputs' terms, so the kernel broadcasts an input element and accumulates 16 outputs per
+// multiply-add: no horizontal sums, and each block is one sequential stream of memory.
+//
+// Decode (a few rows) is a matrix-vector product whose cost is reading the weights once: blocks stream in order,
+// each multiplied by every row while it is in cache. More rows go in chunks of kChunkRows that stay in L2 while
+// the weights stream past them, kTileRows rows a tile, whose accumulators fill the vector registers (6 x 16
+// floats take 12 of AVX2's 16 registers; 8 x 16 take 8 of AVX-512's 32).
+//
+// bfloat16 weights are widened to float32 in registers (a 16-bit shift), inputs are widened once, sums are taken in
+// float32 and rounded once at the end, as torch's own bfloat16 matmul does: a bfloat16 layer reads half the bytes
+// of a float32 one on every CPU, whether or not it has bfloat16 arithmetic. The instruction set comes from the
+// build flags (engine/kernels/build.py): AVX-512, AVX2 with FMA, or plain C++ elsewhere.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kBlock = 16;
+constexpr int64_t kChunkRows = 48;
+#if defined(__AVX512F__)
+constexpr int kTileRows = 8;
+#else
+constexpr int kTileRows = 6;
+#endif
+
+// One block's 16 accumulators of one row, and the block's weights at one k, widened to float32.
+#if defined(__AVX512F__)
+struct Acc {
+  __m512 v = _mm512_setzero_ps();
+  inline void fma(float x, const Acc& w) { v = _mm512_fmadd_ps(_mm512_set1_ps(x), w.v, v); }
+  inline void store(float* lanes) const { _mm512_storeu_ps(lanes, v); }
+};
+inline Acc load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Acc load(const at::BFloat16* p) {
+  // bfloat16 is the top half of a float32.
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Acc {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  inline void fma(float x, const Acc& w) {
+    const __m256 b = _mm256_set1_ps(x);
+    lo = _mm256_fmadd_ps(b, w.lo, lo);
+    hi = _mm256_fmadd_ps(b, w.hi, hi);
+  }
+  inline void store(float* lanes) const {
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+  }
+};
+inline Acc load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Acc load(const at::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+#else
+struct Acc {
+  float v[kBlock] = {};
+  inline void fma(float x, const Acc& w) {
+    for (int64_t j = 0; j < kBlock; ++j) v[j] += x * w.v[j];
+  }
+  inline void store(float* lanes) const { std::memcpy(lanes, v, sizeof v); }
+};
+inline Acc load(const float* p) {
+  Acc a;
+  std::memcpy(a.v, p, sizeof a.v);
+  return a;
+}
+inline Acc load(const at::BFloat16* p) {
+  Acc a;
+  for (int64_t j = 0; j < kBlock; ++j) a.v[j] = static_cast<float>(p[j]);
+  return a;
+}
+#endif
+
+// Rows [0, Rows) of one tile times one block: x rows are `ldx` apart, `valid` of the block's 16 outputs are real.
+template <int Rows, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t k_size, const float* bias, int64_t valid,
+                 float* out, int64_t ldo) {
+  Acc acc[Rows];
+  for (int64_t k = 0; k < k_size; ++k) {
+    const Acc wk = load(w + k * kBlock);
+    for (int r = 0; r < Rows; ++r) acc[r].fma(x[r * ldx + k], wk);
+  }
+  for (int r = 0; r < Rows; ++r) {
+    float lanes[kBlock];
+    acc[r].store(lanes);
+    float* row = out + r * ldo;
+    for (int64_t j = 0; j < valid; ++j) row[j] = bias == nullptr ? lanes[j] : lanes[j] + bias[j];
+  }
+}
+
+template <typename W>
+inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t k_size, const float* bias,
+                      int64_t valid, float* out, int64_t ldo) {
+  switch (rows) {
+#define FERRY_TILE(n) \
+  case n:             \
+    return tile<n>(x, ldx, w, k_size, bias, valid, out, ldo);
+    FERRY_TILE(1)
+    FERRY_TILE(2)
+    FERRY_TILE(3)
+    FERRY_TILE(4)
+    FERRY_TILE(5)
+    FERRY_TILE(6)
+#if defined(__AVX512F__)
+    FERRY_TILE(7)
+    FERRY_TILE(8)
+#endif
+#undef FERRY_TILE
+  }
+  TORCH_CHECK(false, "a tile of ", rows, " rows");
+}
+
+template <typename W>
+void blocked_linear(const float* x, int64_t m_size, int64_t k_size, const W* packed, int64_t num_blocks,
+                    int64_t out_features, const float* bias, float* out) {
+  for (int64_t m0 = 0; m0 < m_size; m0 += kChunkRows) {
+    const int64_t m1 = std::min(m_size, m0 + kChunkRows);
+    // A block's work is 16 outputs of the chunk's rows: enough to be worth a thread when the chunk has few rows.
+    const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, k_size * (m1 - m0) / kBlock));
+    at::parallel_for(0, num_blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const W* w = packed + b * k_size * kBlock;
+        const int64_t n0 = b * kBlock;
+        const int64_t valid = std::min(kBlock, out_features - n0);
+        const float* block_bias = bias == nullptr ? nullptr : bias + n0;
+        for (int64_t m = m0; m < m1; m += kTileRows) {
+          const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
+          tile_rows(rows, x + m * k_size, k_size, w, k_size, block_bias, valid, out + m * out_features + n0,
+                    out_features);
+        }
+      }
+    });
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
+              "ferry_linear.linear takes a packed [blocks, in, 16] weight");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16,
+              "ferry_linear.linear takes float32 or bfloat16 weights, not ", packed.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "ferry_linear.linear runs on the CPU");
+  const int64_t k_size = packed.size(1);
+  const int64_t num_blocks = packed.size(0);
+  TORCH_CHECK(x.size(-1) == k_size, "input has ", x.size(-1), " features, the weight ", k_size);
+  TORCH_CHECK(0 < out_features && out_features <= num_blocks * kBlock && out_features > (num_blocks - 1) * kBlock,
+              "out_features ", out_features, " does not fit ", num_blocks, " blocks");
+  const at::Tensor rows = x.reshape({-1, k_size}).to(at::kFloat).contiguous();
+  const int64_t m_size = rows.size(0);
+  at::Tensor out = at::empty({m_size, out_features}, rows.options());
+  std::optional<at::Tensor> wide_bias;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == out_features, "bias has ", bias->numel(), " elements for ", out_features, " outputs");
+    wide_bias = bias->to(at::kFloat).contiguous();
+  }
+  const float* bias_data = wide_bias.has_value() ? wide_bias->data_ptr<float>() : nullptr;
+  if (m_size > 0) {
+    if (packed.scalar_type() == at::kFloat) {
+      blocked_linear(rows.data_ptr<float>(), m_size, k_size, packed.data_ptr<float>(), num_blocks, out_features,
+                     bias_data, out.data_ptr<float>());
+    } else {
+      blocked_linear(rows.data_ptr<float>(), m_size, k_size, packed.data_ptr<at::BFloat16>(), num_blocks,
+                     out_features, bias_data, out.data_ptr<float>());
+    }
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return out.to(x.scalar_type()).view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ferry_linear, m) {
+  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ferry_linear, CPU, m) {
+  m.impl("linear", &linear);
+}
