@@ -1,7 +1,8 @@
 """The CPU instruction set Ferry builds and chooses its CPU paths for, read once from the environment.
 
-`FERRY_CPU_ISA=avx2` makes an AVX512 machine take the AVX2 paths: bfloat16 linears widened to float32
-(`WidenedLinearMethod`) instead of oneDNN-packed bfloat16, and the C++ attention kernel built with the AVX2 flags.
+`FERRY_CPU_ISA=avx2` makes an AVX512 machine take the AVX2 paths: bfloat16 linears widened to float32 (the blocked
+kernel, or `WidenedLinearMethod` without it) instead of oneDNN-packed bfloat16, and the C++ kernels built with the
+AVX2 flags.
 So one machine's test run covers both kinds of CPU the project runs on. Unset (or empty), the machine's own
 capability decides. The switch only ever lowers what is used: an AVX2 machine is unchanged by it.
 """

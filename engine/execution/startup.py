@@ -91,7 +91,8 @@ def kv_cache_layout(
 _WARM_UP_TOKENS = (1, 2, 16)
 """Step sizes the warm-up runs, in this order: the one-token graph (dynamo specializes sizes 0 and 1), then a second
 size, which makes the token dimension dynamic (for 2 tokens and more), then a larger step, which must reuse it. A
-bfloat16 `WidenedLinearMethod` branches on 3 rows, so there 16 gets a third graph."""
+bfloat16 `WidenedLinearMethod` (the fallback without the blocked kernel) branches on 3 rows, so there 16 gets a
+third graph."""
 
 
 def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
