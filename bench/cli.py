@@ -129,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model,
         server=args.server,
         vllm_python=args.vllm_python,
+        llama_cpp=args.llama_cpp,
         server_args=tuple(args.server_arg),
         workload=_workload(args),
         vocab_size=args.vocab_size,
@@ -319,9 +320,16 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--model", help="start a server for MODEL on a free local port for the run (see --server)")
     serve.add_argument(
         "--server",
-        choices=("ferry", "vllm"),
+        choices=("ferry", "vllm", "llama.cpp"),
         default="ferry",
-        help="the server --model starts: `ferry serve`, or `vllm serve` from --vllm-python's environment",
+        help="the server --model starts: `ferry serve`, `vllm serve` from --vllm-python's environment, or "
+        "llama.cpp's `llama-server` from --llama-cpp on a GGUF conversion of the model at its own precision",
+    )
+    serve.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=None,
+        help="the folder ../shared/peers/install-llama-cpp.sh made, for --server llama.cpp",
     )
     serve.add_argument(
         "--vllm-python",

@@ -33,6 +33,7 @@ from typing import Literal
 
 import httpx
 
+from bench.llama_cpp import gguf_of, llama_server_command
 from bench.report import fmt, format_table, stamp
 from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
 
@@ -57,10 +58,13 @@ class ServeOptions:
     url: str | None = None
     model: str | None = None
     """Model to serve when no URL is given: the server is started on a free local port and stopped afterwards."""
-    server: Literal["ferry", "vllm"] = "ferry"
-    """Which server to start for `model`: `ferry serve`, or `vllm serve` from `vllm_python`'s environment."""
+    server: Literal["ferry", "vllm", "llama.cpp"] = "ferry"
+    """Which server to start for `model`: `ferry serve`, `vllm serve` from `vllm_python`'s environment, or
+    llama.cpp's `llama-server` from `llama_cpp` on a GGUF conversion of the model (bench/llama_cpp.py)."""
     vllm_python: Path | None = None
     """The python of an environment with vLLM installed (its `vllm` command sits beside it)."""
+    llama_cpp: Path | None = None
+    """The folder `../shared/peers/install-llama-cpp.sh` made (`bin/llama-server`, `convert`)."""
     server_args: tuple[str, ...] = ()
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     vocab_size: int = 256
@@ -266,6 +270,19 @@ def _free_port() -> int:
 def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[str, str], str]:
     """The command line, environment and readiness path of the server to start."""
     assert options.model is not None
+    if options.server == "llama.cpp":
+        if options.llama_cpp is None:
+            raise ValueError("--server llama.cpp needs --llama-cpp (the folder install-llama-cpp.sh made)")
+        workload = make_workload(options.workload, options.vocab_size)
+        command = llama_server_command(
+            options.llama_cpp,
+            gguf_of(options.llama_cpp, Path(options.model)),
+            port,
+            slots=max([*options.concurrencies, 1]),
+            context_per_slot=workload.max_seq_len + 16,  # the warm-up request is short; a little room to spare
+            extra=options.server_args,
+        )
+        return command, dict(os.environ), "/health"
     if options.server == "vllm":
         if options.vllm_python is None:
             raise ValueError("--server vllm needs --vllm-python")

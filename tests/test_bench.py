@@ -17,6 +17,7 @@ import torch
 
 from bench.cli import main
 from bench.decode import DecodeOptions, format_decode, run_decode
+from bench.llama_cpp import gguf_type, llama_server_command
 from bench.models import NAMED_CONFIGS
 from bench.offline import SYSTEMS, OfflineOptions, TokenMismatch, compare_tokens, format_offline, run_offline
 from bench.overhead import OverheadOptions, format_overhead, run_overhead
@@ -345,6 +346,47 @@ def test_serve_command_against_a_started_vllm_server(tmp_path: Path) -> None:
 def test_serve_needs_vllms_python_to_start_vllm(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="--vllm-python"):
         run_serve(ServeOptions(model=str(tiny_llama), server="vllm"))
+
+
+def test_serve_needs_the_llama_cpp_folder_to_start_llama_cpp(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="--llama-cpp"):
+        run_serve(ServeOptions(model=str(tiny_llama), server="llama.cpp"))
+
+
+def test_llama_server_gets_a_conversion_at_the_models_own_precision(tmp_path: Path) -> None:
+    """The GGUF type follows config.json's dtype; the server one slot per client and the longest request's context
+    for each; the extra arguments last, so `-t 2` overrides."""
+    demo = Path(__file__).resolve().parents[1] / "server" / "default_model"
+    assert gguf_type(demo) == "f32"
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    (bf16 / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    assert gguf_type(bf16) == "bf16"
+    (bf16 / "config.json").write_text(json.dumps({"dtype": "int8"}))
+    with pytest.raises(ValueError, match="no GGUF type"):
+        gguf_type(bf16)
+    command = llama_server_command(
+        tmp_path, tmp_path / "m.gguf", 8123, slots=4, context_per_slot=300, extra=["-t", "2"]
+    )
+    assert command[0] == str(tmp_path / "bin" / "llama-server")
+    assert command[command.index("--parallel") + 1] == "4" and command[command.index("-c") + 1] == "1200"
+    assert command[-2:] == ["-t", "2"]
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FERRY_LLAMA_CPP"), reason="set FERRY_LLAMA_CPP to install-llama-cpp.sh's folder"
+)
+def test_serve_command_against_a_started_llama_cpp_server(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    demo = Path(__file__).resolve().parents[1] / "server" / "default_model"
+    status = main([
+        "serve", "--model", str(demo), "--server", "llama.cpp", "--llama-cpp", os.environ["FERRY_LLAMA_CPP"],
+        "--num-requests", "3", "--prompt-len", "uniform:3:8", "--output-len", "fixed:4", "--concurrency", "3",
+        "--json", str(out),
+    ])  # fmt: skip
+    assert status == 0
+    (point,) = json.loads(out.read_text())["points"]
+    assert (point["completed"], point["errors"], point["output_tokens"]) == (3, 0, 12)
 
 
 def test_serve_sends_a_constraint_in_place_of_ignore_eos(tmp_path: Path) -> None:
