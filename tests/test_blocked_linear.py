@@ -18,17 +18,18 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.build import KernelUnavailable, build_flags, library_name, load_library
-from engine.kernels.linear import embed_rows, load_linear_kernel, pack
+from engine.kernels.library import load_cpu_kernels
+from engine.kernels.linear import embed_rows, pack
 from engine.layers.linear import MergedColumnParallelLinear, Shard
 from engine.layers.linear_method import BlockedLinearMethod
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 try:
-    load_linear_kernel()
+    load_cpu_kernels()
     UNAVAILABLE = ""
 except KernelUnavailable as error:
     UNAVAILABLE = str(error)
-needs_kernel = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"the CPU linear kernel does not build here: {UNAVAILABLE}")
+needs_kernel = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"the CPU kernels do not build here: {UNAVAILABLE}")
 
 
 @needs_kernel
@@ -44,7 +45,7 @@ def test_the_kernel_computes_what_linear_does(dtype: torch.dtype, out_features: 
     for rows in [*range(1, 14), 47, 48, 49, 100]:
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
         for b in (None, bias):
-            got = torch.ops.ferry_linear.linear(x, packed, out_features, b)
+            got = torch.ops.ferry_kernels.linear(x, packed, out_features, b)
             want = F.linear(x.float(), weight.float(), None if b is None else b.float())
             assert got.shape == (rows, out_features) and got.dtype == dtype
             if dtype == torch.float32:
@@ -52,16 +53,16 @@ def test_the_kernel_computes_what_linear_does(dtype: torch.dtype, out_features: 
             else:  # one rounding of a float32 sum: at most one bfloat16 step away from torch's rounding of its own
                 torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=1e-2, rtol=2**-7)
     x = torch.randn(2, 3, in_features, generator=generator).to(dtype)
-    assert torch.ops.ferry_linear.linear(x, packed, out_features, None).shape == (2, 3, out_features)
+    assert torch.ops.ferry_kernels.linear(x, packed, out_features, None).shape == (2, 3, out_features)
 
 
 @needs_kernel
 def test_the_kernel_refuses_what_does_not_fit() -> None:
     packed = pack(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match="features"):
-        torch.ops.ferry_linear.linear(torch.randn(3, 9), packed, 20, None)
+        torch.ops.ferry_kernels.linear(torch.randn(3, 9), packed, 20, None)
     with pytest.raises(RuntimeError, match="does not fit"):
-        torch.ops.ferry_linear.linear(torch.randn(3, 8), packed, 40, None)
+        torch.ops.ferry_kernels.linear(torch.randn(3, 8), packed, 40, None)
 
 
 @pytest.mark.parametrize("out_features", [1, 16, 37])
@@ -180,3 +181,24 @@ def test_a_build_survives_a_killed_builder_and_is_found_from_another_checkout(
     with caplog.at_level(logging.INFO, logger="engine.kernels.build"):
         assert load_library("ferry_build_test", [moved], "test kernel") == built
     assert "building" not in caplog.text
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_kernel_computes_what_the_llama_norm_does(dtype: torch.dtype) -> None:
+    """float32 sums and scale, the normalised row rounded to the dtype before the weight multiplies it: bfloat16
+    bit for bit, float32 to rounding; rows of any leading shape, a strided view (Qwen3's q/k norm) included."""
+    from engine.layers.norm import RMSNorm
+
+    generator = torch.Generator().manual_seed(7)
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(48, generator=generator).to(dtype)
+    fused = torch.randn(5, 3 * 48, generator=generator).to(dtype)
+    for x in (torch.randn(1, 48, generator=generator).to(dtype), fused[:, :96].view(5, 2, 48)):
+        want = norm.weight * F.rms_norm(x.float(), (48,), eps=1e-6).to(dtype)
+        got = norm(x)
+        assert got.shape == x.shape and got.dtype == dtype
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

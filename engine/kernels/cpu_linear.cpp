@@ -89,17 +89,36 @@ inline Acc load(const at::BFloat16* p) {
 #endif
 
 // Rows [0, Rows) of one tile times one block: x rows are `ldx` apart, `valid` of the block's 16 outputs are real.
+// A multiply-add waits for the one before it on the same accumulator (4-5 cycles), so a tile of few rows has too
+// few chains to keep the FMA units busy: it splits k over `Split` accumulators per row, summed at the end.
 template <int Rows, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t k_size, const float* bias, int64_t valid,
                  float* out, int64_t ldo) {
-  Acc acc[Rows];
-  for (int64_t k = 0; k < k_size; ++k) {
+#if defined(__AVX512F__)
+  constexpr int Split = Rows <= 2 ? 4 : Rows <= 4 ? 2 : 1;
+#else
+  constexpr int Split = Rows == 1 ? 4 : Rows == 2 ? 2 : 1;
+#endif
+  Acc acc[Rows][Split];
+  int64_t k = 0;
+  for (; k + Split <= k_size; k += Split) {
+    for (int s = 0; s < Split; ++s) {
+      const Acc wk = load(w + (k + s) * kBlock);
+      for (int r = 0; r < Rows; ++r) acc[r][s].fma(x[r * ldx + k + s], wk);
+    }
+  }
+  for (; k < k_size; ++k) {
     const Acc wk = load(w + k * kBlock);
-    for (int r = 0; r < Rows; ++r) acc[r].fma(x[r * ldx + k], wk);
+    for (int r = 0; r < Rows; ++r) acc[r][0].fma(x[r * ldx + k], wk);
   }
   for (int r = 0; r < Rows; ++r) {
     float lanes[kBlock];
-    acc[r].store(lanes);
+    acc[r][0].store(lanes);
+    for (int s = 1; s < Split; ++s) {
+      float more[kBlock];
+      acc[r][s].store(more);
+      for (int64_t j = 0; j < kBlock; ++j) lanes[j] += more[j];
+    }
     float* row = out + r * ldo;
     for (int64_t j = 0; j < valid; ++j) row[j] = bias == nullptr ? lanes[j] : lanes[j] + bias[j];
   }
@@ -153,10 +172,10 @@ void blocked_linear(const float* x, int64_t m_size, int64_t k_size, const W* pac
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
-              "ferry_linear.linear takes a packed [blocks, in, 16] weight");
+              "ferry_kernels.linear takes a packed [blocks, in, 16] weight");
   TORCH_CHECK(packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16,
-              "ferry_linear.linear takes float32 or bfloat16 weights, not ", packed.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "ferry_linear.linear runs on the CPU");
+              "ferry_kernels.linear takes float32 or bfloat16 weights, not ", packed.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "ferry_kernels.linear runs on the CPU");
   const int64_t k_size = packed.size(1);
   const int64_t num_blocks = packed.size(0);
   TORCH_CHECK(x.size(-1) == k_size, "input has ", x.size(-1), " features, the weight ", k_size);
@@ -187,10 +206,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 
 }  // namespace
 
-TORCH_LIBRARY(ferry_linear, m) {
+TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(ferry_linear, CPU, m) {
+TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) {
   m.impl("linear", &linear);
 }

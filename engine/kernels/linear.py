@@ -1,44 +1,16 @@
-"""The blocked linear kernel (`cpu_linear.cpp`): its weight layout, and the op built from it.
+"""The blocked linear kernel's weight layout (`cpu_linear.cpp`, built into engine/kernels/library.py's extension).
 
-`pack` turns a `[out, in]` weight into `[ceil(out / 16), in, 16]`, the layout `torch.ops.ferry_linear.linear`
+`pack` turns a `[out, in]` weight into `[ceil(out / 16), in, 16]`, the layout `torch.ops.ferry_kernels.linear`
 streams (see the source's header); `embed_rows` reads rows of the original matrix back out of it, so a tied
-embedding and LM head keep one copy in this layout. The op's shapes are registered for `torch.compile`.
+embedding and LM head keep one copy in this layout.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
-from engine.kernels.build import KernelUnavailable, load_library
-
-SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 BLOCK = 16
 """Output rows per block of the packed layout: one AVX-512 vector of float32 (two of AVX2)."""
-
-
-def load_linear_kernel() -> None:
-    """Make `torch.ops.ferry_linear.linear` available (built on the first call of the process, once per machine);
-    raises `KernelUnavailable` on every call of a process where it cannot be had."""
-    outcome = _load()
-    if outcome is not None:
-        raise outcome
-
-
-@functools.cache
-def _load() -> KernelUnavailable | None:
-    try:
-        load_library("ferry_cpu_linear", [SOURCE], "CPU linear kernel")
-    except KernelUnavailable as error:
-        return error
-    torch.library.register_fake("ferry_linear::linear")(_linear_shape)
-    return None
-
-
-def _linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

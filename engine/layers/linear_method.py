@@ -150,7 +150,7 @@ class BlockedLinearMethod(LinearMethod):
         layer.blocked_weight = blocked
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.ferry_linear.linear(x, layer.blocked_weight, layer.output_size, bias)
+        return torch.ops.ferry_kernels.linear(x, layer.blocked_weight, layer.output_size, bias)
 
     def embed_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         from engine.kernels.linear import embed_rows
@@ -207,10 +207,10 @@ def blocked_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     from engine.kernels.build import KernelUnavailable
-    from engine.kernels.linear import load_linear_kernel
+    from engine.kernels.library import load_cpu_kernels
 
     try:
-        load_linear_kernel()
+        load_cpu_kernels()
     except KernelUnavailable as error:
         _warn_no_kernel(str(error))
         return False
@@ -219,7 +219,7 @@ def blocked_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _warn_no_kernel(reason: str) -> None:
-    logger.warning("the CPU linear kernel is unavailable (%s): linears use oneDNN or torch's matmul", reason)
+    logger.warning("the CPU kernels are unavailable (%s): linears use oneDNN or torch's matmul", reason)
 
 
 def select_linear_method(device: torch.device, dtype: torch.dtype, *, embeds_rows: bool = False) -> LinearMethod:

@@ -1,0 +1,50 @@
+"""Ferry's CPU kernel library: one extension, `torch.ops.ferry_kernels`, built from every source here by
+engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`) and
+RMSNorm (`cpu_norm.cpp`). Their shapes are registered for `torch.compile`."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from engine.kernels.build import KernelUnavailable, load_library
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_norm.cpp")]
+
+
+def load_cpu_kernels() -> None:
+    """Make `torch.ops.ferry_kernels` available (built on the first call of the process, once per machine); raises
+    `KernelUnavailable` on every call of a process where it cannot be had."""
+    outcome = _load()
+    if outcome is not None:
+        raise outcome
+
+
+@torch.compiler.assume_constant_result  # a compiled graph takes the answer as it is when traced
+def cpu_kernels_available() -> bool:
+    try:
+        load_cpu_kernels()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+@functools.cache
+def _load() -> KernelUnavailable | None:
+    try:
+        load_library("ferry_cpu_kernels", SOURCES, "CPU kernels")
+    except KernelUnavailable as error:
+        return error
+    torch.library.register_fake("ferry_kernels::linear")(_linear_shape)
+    torch.library.register_fake("ferry_kernels::rms_norm")(_norm_shape)
+    return None
+
+
+def _linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _norm_shape(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
