@@ -142,8 +142,10 @@ class BlockedLinearMethod(LinearMethod):
     plain_layout = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from engine.kernels.library import load_cpu_kernels
         from engine.kernels.linear import pack
 
+        load_cpu_kernels()  # built once per process; raises KernelUnavailable where it cannot be
         with torch.no_grad():
             blocked = pack(layer.weight.detach())
         del layer.weight  # freed here, layer by layer: the plain and blocked model never coexist
