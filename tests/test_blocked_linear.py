@@ -202,3 +202,28 @@ def test_the_norm_kernel_computes_what_the_llama_norm_does(dtype: torch.dtype) -
             assert torch.equal(got, want)
         else:
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pointwise_kernels_compute_the_layer_expressions(dtype: torch.dtype) -> None:
+    """Rotary embedding (of a strided q view, as the fused QKV output gives it) and SiLU-and-multiply, against the
+    torch expressions engine/layers/rotary.py and the MLP run elsewhere: bfloat16 bit for bit, float32 to rounding."""
+    from engine.layers.rotary import _rotate_half
+
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 8 * 32 + 64, generator=generator).to(dtype)
+    q = qkv[:, : 8 * 32].view(5, 8, 32)
+    cos, sin = (torch.randn(5, 1, 32, generator=generator).to(dtype) for _ in range(2))
+    gate_up = torch.randn(3, 2 * 40, generator=generator).to(dtype)
+    gate, up = gate_up.split(40, dim=-1)
+    pairs = [
+        (torch.ops.ferry_kernels.rotary(q, cos, sin), q * cos + _rotate_half(q) * sin),
+        (torch.ops.ferry_kernels.silu_mul(gate_up), F.silu(gate) * up),
+    ]
+    for got, want in pairs:
+        assert got.shape == want.shape and got.dtype == dtype
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -1,6 +1,7 @@
 """Ferry's CPU kernel library: one extension, `torch.ops.ferry_kernels`, built from every source here by
-engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`) and
-RMSNorm (`cpu_norm.cpp`). Their shapes are registered for `torch.compile`."""
+engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`),
+RMSNorm (`cpu_norm.cpp`), rotary embedding and SiLU-and-multiply (`cpu_pointwise.cpp`). Their shapes are registered
+for `torch.compile`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 
 from engine.kernels.build import KernelUnavailable, load_library
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_norm.cpp")]
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes the kernels take (others run torch's ops)."""
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_norm.cpp", "cpu_pointwise.cpp")]
 
 
 def load_cpu_kernels() -> None:
@@ -39,6 +42,8 @@ def _load() -> KernelUnavailable | None:
         return error
     torch.library.register_fake("ferry_kernels::linear")(_linear_shape)
     torch.library.register_fake("ferry_kernels::rms_norm")(_norm_shape)
+    torch.library.register_fake("ferry_kernels::rotary")(_rotary_shape)
+    torch.library.register_fake("ferry_kernels::silu_mul")(_silu_mul_shape)
     return None
 
 
@@ -48,3 +53,11 @@ def _linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias
 
 def _norm_shape(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _rotary_shape(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _silu_mul_shape(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))

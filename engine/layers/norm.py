@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.library import cpu_kernels_available
+from engine.kernels.library import CPU_KERNEL_DTYPES, cpu_kernels_available
 
 
 class RMSNorm(nn.Module):
@@ -16,11 +16,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and cpu_kernels_available():
+        if x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and cpu_kernels_available():
             # One call where torch runs eight ops (32 us for one 256-wide row on the EPYC; the kernel about 1 us).
             return torch.ops.ferry_kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and scale in the input dtype, as the transformers modules do.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -6,6 +6,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from engine.kernels.library import CPU_KERNEL_DTYPES, cpu_kernels_available
+
 
 def rotary_tables(
     config: PretrainedConfig, max_positions: int, dtype: torch.dtype
@@ -24,5 +26,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x` `[T, heads, head_dim]` rotated by its tokens' `cos`/`sin` `[T, 1, head_dim]`."""
+    """`x` `[T, heads, head_dim]` rotated by its tokens' `cos`/`sin` `[T, 1, head_dim]`: on CPU one kernel call
+    (engine/kernels/cpu_pointwise.cpp) with this expression's roundings, where torch runs seven ops."""
+    if x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and cos.dtype == x.dtype and cpu_kernels_available():
+        return torch.ops.ferry_kernels.rotary(x, cos, sin)
     return x * cos + _rotate_half(x) * sin

@@ -28,6 +28,7 @@ from engine.attention.graph_op import paged_attention
 from engine.attention.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
 from engine.config import EngineStartupError
 from engine.distributed.parallel import TensorParallel
+from engine.kernels.library import CPU_KERNEL_DTYPES, cpu_kernels_available
 from engine.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Shard
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from engine.layers.norm import RMSNorm
@@ -120,6 +121,15 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
+FUSED_SILU_MAX_TOKENS = 16
+"""Up to this many tokens (decode) SiLU-and-multiply is one kernel call; a larger step keeps torch's vectorised SiLU,
+which the kernel's scalar exp does not match on thousands of rows."""
+
+
+def _cpu_kernel_takes(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and cpu_kernels_available()
+
+
 class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()
@@ -134,7 +144,10 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS and _cpu_kernel_takes(gate_up):
+            return self.down_proj(torch.ops.ferry_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,0 +1,108 @@
+// The small per-layer ops of a decoder layer on the CPU, each in one call where torch runs several (each a few us
+// of dispatch, which at one token is most of their cost): rotary embedding and SiLU-and-multiply. Each rounds where
+// the Llama family's modules round (engine/layers/rotary.py, engine/models/llama.py), so bfloat16 results are theirs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+// out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x[half:], x[:half]); each product and the sum
+// rounded to T, as torch computes the expression.
+template <typename T>
+void rotate(const T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride,
+            const T* cos, const T* sin, T* out) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, heads * dim)), [&](int64_t t0,
+                                                                                                    int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* row = x + t * token_stride + h * head_stride;
+        T* dst = out + (t * heads + h) * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const T a = static_cast<T>(static_cast<float>(row[d]) * static_cast<float>(c[d]));
+          const T b = static_cast<T>(-static_cast<float>(row[d + half]) * static_cast<float>(s[d]));
+          dst[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+        }
+#pragma omp simd
+        for (int64_t d = half; d < dim; ++d) {
+          const T a = static_cast<T>(static_cast<float>(row[d]) * static_cast<float>(c[d]));
+          const T b = static_cast<T>(static_cast<float>(row[d - half]) * static_cast<float>(s[d]));
+          dst[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3, "ferry_kernels.rotary takes [tokens, heads, head_dim] on the CPU");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtypes differ");
+  const at::Tensor rows = x.stride(2) == 1 ? x : x.contiguous();
+  const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2);
+  TORCH_CHECK(dim % 2 == 0, "head_dim ", dim, " is odd");
+  const at::Tensor c = cos.reshape({tokens, dim}).contiguous();
+  const at::Tensor s = sin.reshape({tokens, dim}).contiguous();
+  at::Tensor out = at::empty({tokens, heads, dim}, rows.options());
+  if (x.scalar_type() == at::kFloat) {
+    rotate(rows.data_ptr<float>(), tokens, heads, dim, rows.stride(0), rows.stride(1), c.data_ptr<float>(),
+           s.data_ptr<float>(), out.data_ptr<float>());
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rotate(rows.data_ptr<at::BFloat16>(), tokens, heads, dim, rows.stride(0), rows.stride(1),
+           c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "ferry_kernels.rotary takes float32 or bfloat16, not ", x.scalar_type());
+  }
+  return out;
+}
+
+// out = silu(gate) * up over [tokens, 2 * width] (gate, then up): silu rounded to T, then the product.
+template <typename T>
+void silu_mul_rows(const T* gate_up, int64_t tokens, int64_t width, T* out) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, width)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* gate = gate_up + t * 2 * width;
+      const T* up = gate + width;
+      T* dst = out + t * width;
+      for (int64_t j = 0; j < width; ++j) {
+        const float g = static_cast<float>(gate[j]);
+        const T silu = static_cast<T>(g / (1.0f + std::exp(-g)));
+        dst[j] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[j]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "ferry_kernels.silu_mul takes [tokens, 2 * width] on the CPU");
+  const at::Tensor rows = gate_up.contiguous();
+  const int64_t tokens = rows.size(0), width = rows.size(1) / 2;
+  at::Tensor out = at::empty({tokens, width}, rows.options());
+  if (rows.scalar_type() == at::kFloat) {
+    silu_mul_rows(rows.data_ptr<float>(), tokens, width, out.data_ptr<float>());
+  } else if (rows.scalar_type() == at::kBFloat16) {
+    silu_mul_rows(rows.data_ptr<at::BFloat16>(), tokens, width, out.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "ferry_kernels.silu_mul takes float32 or bfloat16, not ", rows.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) {
+  m.impl("rotary", &rotary);
+  m.impl("silu_mul", &silu_mul);
+}
