@@ -145,7 +145,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS and _cpu_kernel_takes(gate_up):
+        # Not inside a compiled graph: a branch on the token count would be one more graph to compile per side.
+        fused = not torch.compiler.is_compiling() and gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS
+        if fused and _cpu_kernel_takes(gate_up):
             return self.down_proj(torch.ops.ferry_kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
