@@ -151,8 +151,9 @@ void blocked_linear(const float* x, int64_t m_size, int64_t k_size, const W* pac
                     int64_t out_features, const float* bias, float* out) {
   for (int64_t m0 = 0; m0 < m_size; m0 += kChunkRows) {
     const int64_t m1 = std::min(m_size, m0 + kChunkRows);
-    // A block's work is 16 outputs of the chunk's rows: enough to be worth a thread when the chunk has few rows.
-    const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, k_size * (m1 - m0) / kBlock));
+    // A block's work is 16 outputs of the chunk's rows (k * rows * 16 multiply-adds): a thread takes at least 32k,
+    // about 2 us, so that even one row of a small layer spreads over the threads.
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k_size * (m1 - m0) * kBlock));
     at::parallel_for(0, num_blocks, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const W* w = packed + b * k_size * kBlock;
