@@ -34,6 +34,11 @@ def cpu_kernels_available() -> bool:
     return True
 
 
+def cpu_kernels_take(x: torch.Tensor) -> bool:
+    """Whether the kernels compute ops on `x`: a float32 or bfloat16 tensor on the CPU, where they could be built."""
+    return x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and cpu_kernels_available()
+
+
 @functools.cache
 def _load() -> KernelUnavailable | None:
     try:

@@ -206,10 +206,11 @@ def bf16_matmul_native(device: torch.device) -> bool:
 
 def blocked_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the blocked C++ kernel runs `dtype` here (building it on the first ask of the process)."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return False
     from engine.kernels.build import KernelUnavailable
-    from engine.kernels.library import load_cpu_kernels
+    from engine.kernels.library import CPU_KERNEL_DTYPES, load_cpu_kernels
+
+    if device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES:
+        return False
 
     try:
         load_cpu_kernels()

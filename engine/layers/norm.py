@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.library import CPU_KERNEL_DTYPES, cpu_kernels_available
+from engine.kernels.library import cpu_kernels_take
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and cpu_kernels_available():
+        if cpu_kernels_take(x):
             # One call where torch runs eight ops (32 us for one 256-wide row on the EPYC; the kernel about 1 us).
             return torch.ops.ferry_kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and scale in the input dtype, as the transformers modules do.

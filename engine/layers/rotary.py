@@ -6,7 +6,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.kernels.library import CPU_KERNEL_DTYPES, cpu_kernels_available
+from engine.kernels.library import cpu_kernels_take
 
 
 def rotary_tables(
@@ -28,6 +28,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`x` `[T, heads, head_dim]` rotated by its tokens' `cos`/`sin` `[T, 1, head_dim]`: on CPU one kernel call
     (engine/kernels/cpu_pointwise.cpp) with this expression's roundings, where torch runs seven ops."""
-    if x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and cos.dtype == x.dtype and cpu_kernels_available():
+    if cos.dtype == x.dtype and cpu_kernels_take(x):
         return torch.ops.ferry_kernels.rotary(x, cos, sin)
     return x * cos + _rotate_half(x) * sin

@@ -28,7 +28,7 @@ from engine.attention.graph_op import paged_attention
 from engine.attention.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
 from engine.config import EngineStartupError
 from engine.distributed.parallel import TensorParallel
-from engine.kernels.library import CPU_KERNEL_DTYPES, cpu_kernels_available
+from engine.kernels.library import cpu_kernels_take
 from engine.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Shard
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from engine.layers.norm import RMSNorm
@@ -126,10 +126,6 @@ FUSED_SILU_MAX_TOKENS = 16
 which the kernel's scalar exp does not match on thousands of rows."""
 
 
-def _cpu_kernel_takes(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and cpu_kernels_available()
-
-
 class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()
@@ -147,7 +143,7 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         # Not inside a compiled graph: a branch on the token count would be one more graph to compile per side.
         fused = not torch.compiler.is_compiling() and gate_up.shape[0] <= FUSED_SILU_MAX_TOKENS
-        if fused and _cpu_kernel_takes(gate_up):
+        if fused and cpu_kernels_take(gate_up):
             return self.down_proj(torch.ops.ferry_kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
