@@ -144,9 +144,10 @@ class ExecutionConfig:
     start), with a dynamic token dimension so ragged steps do not recompile. CPU and the native Llama-family
     modules only: other setups refuse a level other than none at start-up."""
     enforce_eager: bool = field(default=False, metadata=_MODEL)
-    """CUDA: run every step eagerly (vLLM's option). By default decode steps replay CUDA graphs captured at
-    start-up (engine/execution/cuda_graphs.py) where the attention backend allows it; steps with a prefill chunk, CPUs,
-    tensor parallelism and the transformers adapter always run eagerly."""
+    """Run every step eagerly, op by op (vLLM's option). By default, on CUDA, decode steps replay CUDA graphs
+    captured at start-up (engine/execution/cuda_graphs.py) where the attention backend allows it (steps with a
+    prefill chunk, tensor parallelism and the transformers adapter always run eagerly); on CPU the native Llama
+    family's decoder runs as one C++ call where it can (engine/models/llama_fused.py)."""
     cuda_graph_max_seqs: int = field(default=256, metadata=_MODEL)
     """CUDA: the largest decode step (in sequences) replayed from a graph, capped by max_num_seqs and
     max_batch_tokens; graphs are captured for 1, 2, 4, 8, then every 8 up to 64, then every 16 up to it, and a

@@ -65,17 +65,20 @@ def cache_root() -> Path:
 
 
 def library_name(prefix: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
-    """A name unique to everything the binary depends on: the sources' text, flags, compiler, torch."""
+    """A name unique to everything the binary depends on: the sources' (and headers') text, flags, compiler, torch."""
     parts = [*(source.read_text() for source in sources), *flags, os.environ.get("CXX", "c++"), torch.__version__]
     return f"{prefix}_{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}"
 
 
-def load_library(prefix: str, sources: Sequence[Path], what: str, *, wait_s: float = BUILD_WAIT_S) -> Path:
+def load_library(
+    prefix: str, sources: Sequence[Path], what: str, *, headers: Sequence[Path] = (), wait_s: float = BUILD_WAIT_S
+) -> Path:
     """Load the library built from `sources` into this process (its `TORCH_LIBRARY` ops join `torch.ops`), building
-    it first unless a build of the very same inputs is cached; returns its path. `what` names it in log lines.
-    Raises `KernelUnavailable`."""
+    it first unless a build of the very same inputs is cached; returns its path. `headers`: files the sources
+    include (beside them), part of the name and of the build folder, not compiled themselves. `what` names it in
+    log lines. Raises `KernelUnavailable`."""
     flags = build_flags()
-    name = library_name(prefix, sources, flags)
+    name = library_name(prefix, [*sources, *headers], flags)
     root = cache_root()
     library = root / name / f"{name}.so"
     if not library.exists():
@@ -83,7 +86,7 @@ def load_library(prefix: str, sources: Sequence[Path], what: str, *, wait_s: flo
             root.mkdir(parents=True, exist_ok=True)
             with _turn(root / f"{name}.lock", wait_s, what):
                 if not library.exists():  # another process may have built it while this one waited
-                    _build(name, sources, flags, root, library, what)
+                    _build(name, sources, headers, flags, root, library, what)
                     return library  # the build loaded it
         except KernelUnavailable:
             raise
@@ -122,7 +125,9 @@ def _turn(lock_path: Path, wait_s: float, what: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _build(name: str, sources: Sequence[Path], flags: list[str], root: Path, library: Path, what: str) -> None:
+def _build(
+    name: str, sources: Sequence[Path], headers: Sequence[Path], flags: list[str], root: Path, library: Path, what: str
+) -> None:
     """Build the library in a folder of its own, load it (torch's tooling does both) and move it into place."""
     from torch.utils import cpp_extension
 
@@ -133,6 +138,8 @@ def _build(name: str, sources: Sequence[Path], flags: list[str], root: Path, lib
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
+        for header in headers:
+            shutil.copy(header, work / header.name)
         copies = [str(shutil.copy(source, work / source.name)) for source in sources]
         cpp_extension.load(
             name=name,

@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -170,6 +172,10 @@ void blocked_linear(const float* x, int64_t m_size, int64_t k_size, const W* pac
   }
 }
 
+}  // namespace
+
+namespace ferry {
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
@@ -205,7 +211,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   return out.to(x.scalar_type()).view(shape);
 }
 
-}  // namespace
+}  // namespace ferry
+
+using namespace ferry;
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");

@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cmath>
 
 namespace {
@@ -33,6 +35,10 @@ void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t dim, f
   });
 }
 
+}  // namespace
+
+namespace ferry {
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu(), "ferry_kernels.rms_norm runs on the CPU");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "input and weight differ in dtype");
@@ -53,7 +59,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace ferry
+
+using namespace ferry;
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

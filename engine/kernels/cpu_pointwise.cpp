@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cmath>
 
 namespace {
@@ -41,6 +43,27 @@ void rotate(const T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t toke
   });
 }
 
+// out = silu(gate) * up over [tokens, 2 * width] (gate, then up): silu rounded to T, then the product.
+template <typename T>
+void silu_mul_rows(const T* gate_up, int64_t tokens, int64_t width, T* out) {
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, width)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* gate = gate_up + t * 2 * width;
+      const T* up = gate + width;
+      T* dst = out + t * width;
+      for (int64_t j = 0; j < width; ++j) {
+        const float g = static_cast<float>(gate[j]);
+        const T silu = static_cast<T>(g / (1.0f + std::exp(-g)));
+        dst[j] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[j]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace ferry {
+
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3, "ferry_kernels.rotary takes [tokens, heads, head_dim] on the CPU");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtypes differ");
@@ -62,23 +85,6 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-// out = silu(gate) * up over [tokens, 2 * width] (gate, then up): silu rounded to T, then the product.
-template <typename T>
-void silu_mul_rows(const T* gate_up, int64_t tokens, int64_t width, T* out) {
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 2048 / std::max<int64_t>(1, width)), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* gate = gate_up + t * 2 * width;
-      const T* up = gate + width;
-      T* dst = out + t * width;
-      for (int64_t j = 0; j < width; ++j) {
-        const float g = static_cast<float>(gate[j]);
-        const T silu = static_cast<T>(g / (1.0f + std::exp(-g)));
-        dst[j] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[j]));
-      }
-    }
-  });
-}
-
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "ferry_kernels.silu_mul takes [tokens, 2 * width] on the CPU");
@@ -95,7 +101,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace ferry
+
+using namespace ferry;
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");

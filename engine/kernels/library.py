@@ -14,7 +14,12 @@ from engine.kernels.build import KernelUnavailable, load_library
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels take (others run torch's ops)."""
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_linear.cpp", "cpu_norm.cpp", "cpu_pointwise.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_linear.cpp", "cpu_norm.cpp", "cpu_pointwise.cpp", "cpu_decoder.cpp")
+]
+HEADERS = [Path(__file__).with_name("kernels.h")]
+"""The kernels' entry points, for the decoder (`cpu_decoder.cpp`), which calls the others."""
 
 
 def load_cpu_kernels() -> None:
@@ -42,7 +47,7 @@ def cpu_kernels_take(x: torch.Tensor) -> bool:
 @functools.cache
 def _load() -> KernelUnavailable | None:
     try:
-        load_library("ferry_cpu_kernels", SOURCES, "CPU kernels")
+        load_library("ferry_cpu_kernels", SOURCES, "CPU kernels", headers=HEADERS)
     except KernelUnavailable as error:
         return error
     torch.library.register_fake("ferry_kernels::linear")(_linear_shape)

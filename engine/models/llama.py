@@ -34,6 +34,7 @@ from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, rotary_tables
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from engine.models.llama_fused import FusedDecoder
 
 # transformers checkpoint name -> (Ferry module name, shard id)
 _FUSED = {
@@ -172,6 +173,8 @@ class Backbone(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(config, i, method, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused: FusedDecoder | None = None
+        """Set by `LlamaFamilyForCausalLM.fuse_decoder`: the layers and final norm as one C++ call on CPU."""
 
     def forward(
         self,
@@ -183,6 +186,8 @@ class Backbone(nn.Module):
     ) -> torch.Tensor:
         """Tensors in, tensors out (the step's metadata is read by the attention op): what compiles whole."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.fused is not None and (out := self.fused.forward(hidden, cos, sin, kv_caches)) is not None:
+            return out
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache)
         return self.norm(hidden)
@@ -264,6 +269,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return self.model(input_ids, cos, sin, kv_caches, inputs_embeds)
+
+    def fuse_decoder(self) -> None:
+        """Once the weights are loaded: run the decoder stack as one C++ call wherever it can
+        (engine/models/llama_fused.py), the modules everywhere else."""
+        self.model.fused = FusedDecoder.of(self.model, FUSED_SILU_MAX_TOKENS)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others), the

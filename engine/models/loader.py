@@ -142,6 +142,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         model = _load_transformers_model(config, hf_config, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
     model.eval()
+    if native and config.execution.compile == "none" and not config.execution.enforce_eager:
+        model.fuse_decoder()
     compile_model(model, config.execution.compile)
     return LoadedModel(
         model,

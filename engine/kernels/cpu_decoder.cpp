@@ -1,0 +1,148 @@
+// The Llama family's decoder stack on the CPU in one call: every layer's norms, projections, rotary embedding,
+// K/V write, paged attention, residual adds and MLP, then the final norm.
+//
+// Why: at one token a step's arithmetic is a few hundred microseconds, and running the same ops one by one from
+// Python (module calls, views, the dispatcher) cost as much again. This is engine/models/llama.py's eager forward
+// pass op for op, calling the very kernels its modules call (kernels.h) with the same arguments, in the same order,
+// in the same dtypes: the result is bit for bit the eager path's. Only the Python between the ops is gone.
+//
+// A linear's weight is in either CPU layout (`project`: the blocked kernel's or oneDNN's). Each layer's tensors
+// come in one flat list, kPerLayer per layer (absent ones None), in the order of `Slot`; attention is the
+// `ferry_attention::paged_attention` op (engine/attention/cpu_paged.cpp, loaded beside this library by the CPU
+// backend), called through the dispatcher with the layer's step metadata (its KV-cache group's).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+enum Slot : int64_t {
+  kInputNorm,
+  kQkv,
+  kQkvBias,
+  kQNorm,  // Qwen3's per-head norms of q and k, before rotary
+  kKNorm,
+  kOut,
+  kOutBias,
+  kPostNorm,
+  kGateUp,
+  kGateUpBias,
+  kDown,
+  kDownBias,
+  kPerLayer,
+};
+
+using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, double, int64_t, double,
+                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                               const std::optional<at::Tensor>&, double, double);
+
+const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("ferry_attention::paged_attention", "").typed<AttentionFn>();
+  return op;
+}
+
+using PackedLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                  c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                  std::optional<c10::string_view>);
+
+// x @ W.T + b for a weight in either layout the CPU linear methods keep (engine/layers/linear_method.py): Ferry's
+// blocked one (BlockedLinearMethod), or oneDNN's packed one (PackedLinearMethod: bfloat16 where the CPU multiplies
+// it), through the op that method calls, with its arguments.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
+                   const std::optional<at::Tensor>& bias) {
+  if (!weight.is_mkldnn()) {
+    return ferry::linear(x, weight, out_features, bias);
+  }
+  static const auto packed_linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<PackedLinearFn>();
+  return packed_linear.call(x, weight, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
+}
+
+}  // namespace
+
+namespace ferry {
+
+// hidden [T, hidden]: the embedded tokens; cos, sin [T, 1, head_dim]; sizes: heads, kv_heads, head_dim,
+// fused_silu_max_tokens (up to this many tokens SiLU-and-multiply is the kernel, as MLP.forward decides); per
+// layer its KV caches, sliding window (0: none), slot mapping and page table.
+at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                         const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& final_norm,
+                         at::IntArrayRef sizes, double eps, double scale, at::TensorList key_caches,
+                         at::TensorList value_caches, at::IntArrayRef windows, at::TensorList slot_mappings, at::TensorList page_tables, const at::Tensor& query_start_loc,
+                         const at::Tensor& seq_lens) {
+  TORCH_CHECK(sizes.size() == 4, "sizes: heads, kv_heads, head_dim, fused_silu_max_tokens");
+  const int64_t heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], silu_max_tokens = sizes[3];
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer, "weights: ", kPerLayer, " per layer");
+  for (const size_t size : {value_caches.size(), windows.size(), slot_mappings.size(), page_tables.size()}) {
+    TORCH_CHECK(static_cast<int64_t>(size) == layers, "one KV cache pair, window, slot mapping, page table a layer");
+  }
+  const int64_t tokens = hidden_in.size(0);
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const auto& attention = attention_op();
+
+  at::Tensor hidden = hidden_in;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const auto w = [&](Slot slot) -> std::optional<at::Tensor> { return weights.get(layer * kPerLayer + slot); };
+
+    // Attention: Attention.forward in engine/models/llama.py.
+    const at::Tensor qkv = project(rms_norm(hidden, *w(kInputNorm), eps), *w(kQkv), q_size + 2 * kv_size, w(kQkvBias));
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+    if (w(kQNorm).has_value()) {
+      q = rms_norm(q, *w(kQNorm), eps);
+      k = rms_norm(k, *w(kKNorm), eps);
+    }
+    q = rotary(q, cos, sin);
+    k = rotary(k, cos, sin);
+    // write_kv in engine/attention/base.py: the cache has the model's dtype here, so the K/V go in as they are.
+    const at::Tensor& key_cache = key_caches[layer];
+    const at::Tensor& value_cache = value_caches[layer];
+    const at::Tensor& slots = slot_mappings[layer];
+    key_cache.view({-1, key_cache.size(2), key_cache.size(3)}).index_copy_(0, slots, k);
+    value_cache.view({-1, value_cache.size(2), value_cache.size(3)}).index_copy_(0, slots, v);
+    const at::Tensor attended = attention.call(q, key_cache, value_cache, query_start_loc, seq_lens, page_tables[layer],
+                                               scale, windows[layer], 0.0, std::nullopt, std::nullopt, std::nullopt,
+                                               1.0, 1.0);
+    hidden = at::add(hidden, project(attended.reshape({tokens, q_size}), *w(kOut), hidden.size(1), w(kOutBias)));
+
+    // MLP: MLP.forward. The down projection's input width (its blocked weight's middle size) is the MLP's width.
+    const int64_t width = w(kDown)->size(1);
+    const at::Tensor gate_up = project(rms_norm(hidden, *w(kPostNorm), eps), *w(kGateUp), 2 * width, w(kGateUpBias));
+    const at::Tensor activated = tokens <= silu_max_tokens
+                                     ? silu_mul(gate_up)
+                                     : at::mul(at::silu(gate_up.narrow(1, 0, width)), gate_up.narrow(1, width, width));
+    hidden = at::add(hidden, project(activated, *w(kDown), hidden.size(1), w(kDownBias)));
+  }
+  return rms_norm(hidden, final_norm, eps);
+}
+
+}  // namespace ferry
+
+using namespace ferry;
+
+TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
+  m.def(
+      "llama_decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor?[] weights, Tensor final_norm, int[] sizes, "
+      "float eps, float scale, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, int[] windows, "
+      "Tensor[] slot_mappings, Tensor[] page_tables, Tensor query_start_loc, "
+      "Tensor seq_lens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) {
+  m.impl("llama_decoder", &llama_decoder);
+}
+
+// oneDNN-packed weights among the arguments make the call's dispatch key MkldnnCPU.
+TORCH_LIBRARY_IMPL(ferry_kernels, MkldnnCPU, m) {
+  m.impl("llama_decoder", &llama_decoder);
+}

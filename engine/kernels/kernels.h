@@ -1,0 +1,23 @@
+// The CPU kernels' entry points, for kernels that call others in the same library (cpu_decoder.cpp): each is also
+// a `torch.ops.ferry_kernels` op, and calling it here computes exactly what that op computes.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace ferry {
+
+// cpu_linear.cpp: x @ W.T + b from the blocked weight `packed` [ceil(out / 16), in, 16].
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                  const std::optional<at::Tensor>& bias);
+
+// cpu_norm.cpp: the Llama family's RMSNorm over the last dimension.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// cpu_pointwise.cpp: x [tokens, heads, head_dim] rotated by cos/sin [tokens, 1, head_dim]; silu(gate) * up.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+}  // namespace ferry

@@ -1,0 +1,114 @@
+"""The native Llama family's decoder stack as one C++ call on the CPU (`ferry_kernels::llama_decoder`,
+engine/kernels/cpu_decoder.cpp).
+
+At one token a step's arithmetic on a small model is a few hundred microseconds, and running the decoder's ops one
+by one from Python (module calls, views, a dispatch per op) cost as much again: on the demo model (4 layers), the
+eager forward pass took 675 us of which the kernels were under 300. The C++ decoder runs the same kernels with the
+same arguments in the same order, so its output is the eager path's bit for bit (tests/test_fused_decoder.py).
+
+It serves a model whose every decoder linear is on one of the CPU defaults (`BlockedLinearMethod`, or
+`PackedLinearMethod` where oneDNN multiplies bfloat16), on one rank (the row-parallel all-reduces are Python), and a
+step that the CPU attention kernel computes over caches of the model's dtype with no non-causal spans; anything
+else runs the eager modules (`FusedDecoder.forward` returns None), as does a `torch.compile` trace, which must see
+the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.context import current_step
+from engine.attention.cpu_paged import CpuPagedBackend
+from engine.kernels.library import cpu_kernels_take
+from engine.layers.linear import LinearBase
+from engine.layers.linear_method import BlockedLinearMethod, PackedLinearMethod
+
+
+class FusedDecoder:
+    """A native Llama-family backbone's (engine/models/llama.py) tensors in the C++ decoder's order, gathered once
+    (the modules' own tensors: no copies)."""
+
+    def __init__(self, backbone: nn.Module, silu_max_tokens: int) -> None:
+        first = backbone.layers[0].self_attn
+        self.weights = [tensor for layer in backbone.layers for tensor in _layer_tensors(layer)]
+        self.final_norm = backbone.norm.weight
+        self.sizes = [first.num_heads, first.num_kv_heads, first.head_dim, silu_max_tokens]
+        self.eps = backbone.norm.eps
+        self.scale = first.scale
+        self.windows = [layer.self_attn.sliding_window or 0 for layer in backbone.layers]
+        self.dtype = self.final_norm.dtype
+
+    @staticmethod
+    def of(backbone: nn.Module, silu_max_tokens: int) -> FusedDecoder | None:
+        """The fused decoder of `backbone`, or None where it cannot serve it (see the module's docstring);
+        `silu_max_tokens`: up to this many tokens SiLU-and-multiply is one kernel call (the MLP's rule)."""
+        layers = list(backbone.layers)
+        linears = [module for layer in layers for module in layer.modules() if isinstance(module, LinearBase)]
+        if (
+            not cpu_kernels_take(backbone.norm.weight)
+            or any(not isinstance(linear.method, BlockedLinearMethod | PackedLinearMethod) for linear in linears)
+            or any(getattr(linear, "all_reduce", None) is not None for linear in linears)
+            or len({(layer.self_attn.scale, layer.input_layernorm.eps) for layer in layers}) != 1
+        ):
+            return None
+        return FusedDecoder(backbone, silu_max_tokens)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor | None:  # [T, hidden], after the final norm
+        """The decoder over this step, or None where the step needs the eager modules."""
+        step = current_step()
+        metas = step.layer_metas
+        if (
+            torch.compiler.is_compiling()
+            or not isinstance(step.backend, CpuPagedBackend)
+            or kv_caches[0][0].dtype != self.dtype
+            or metas[0].token_spans is not None
+        ):
+            return None
+        return torch.ops.ferry_kernels.llama_decoder(
+            hidden,
+            cos,
+            sin,
+            self.weights,
+            self.final_norm,
+            self.sizes,
+            self.eps,
+            self.scale,
+            [cache[0] for cache in kv_caches],
+            [cache[1] for cache in kv_caches],
+            self.windows,
+            [meta.slot_mapping for meta in metas],
+            [meta.page_tables for meta in metas],
+            metas[0].query_start_loc,
+            metas[0].seq_lens,
+        )
+
+
+def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None]:
+    """One layer's tensors in the order of `Slot` in cpu_decoder.cpp."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [
+        layer.input_layernorm.weight,
+        _weight(attn.qkv_proj),
+        attn.qkv_proj.bias,
+        attn.q_norm.weight if attn.qk_norm else None,
+        attn.k_norm.weight if attn.qk_norm else None,
+        _weight(attn.o_proj),
+        attn.o_proj.bias,
+        layer.post_attention_layernorm.weight,
+        _weight(mlp.gate_up_proj),
+        mlp.gate_up_proj.bias,
+        _weight(mlp.down_proj),
+        mlp.down_proj.bias,
+    ]
+
+
+def _weight(linear: LinearBase) -> torch.Tensor:
+    """The weight as the linear's method keeps it: blocked (3-D) or oneDNN-packed (an mkldnn tensor)."""
+    return linear.blocked_weight if isinstance(linear.method, BlockedLinearMethod) else linear.packed_weight
