@@ -37,7 +37,8 @@ class ModelConfig:
     """A local Hugging Face model directory (config.json, safetensors, tokenizer files). No flag of its own:
     `ferry serve` resolves it from --model, or serves the model embedded in the package."""
     dtype: DType = field(default="auto", metadata=_MODEL)
-    """Weights and activations dtype; `auto` is bfloat16 on GPU, float32 on CPU."""
+    """Weights and activations dtype; `auto` is bfloat16 on GPU, and on CPU the checkpoint's bfloat16, else
+    float32."""
     device: str = field(default="auto", metadata=_MODEL)
     """Device the engine runs on: `auto` (cuda when available), `cpu` or `cuda[:N]`."""
     load_format: Literal["auto", "dummy"] = field(default="auto", metadata=_MODEL)

@@ -66,6 +66,20 @@ def test_weights_load_into_the_target_dtype(tiny_llama: Path) -> None:
     assert torch.equal(loaded.model.cos_cache, float32.model.cos_cache.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize(
+    ("stored", "expected"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)],
+)
+def test_auto_dtype_on_cpu_keeps_a_bfloat16_checkpoint_and_widens_the_others(
+    tiny_llama: Path, tmp_path: Path, stored: torch.dtype, expected: torch.dtype
+) -> None:
+    """A bfloat16 checkpoint runs in bfloat16 (half the bytes a token reads); float16 widens to float32 exactly."""
+    AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=stored).save_pretrained(tmp_path)
+    loaded = load_model(EngineConfig.of(model=str(tmp_path), device="cpu"))
+    assert loaded.dtype == expected
+    assert {p.dtype for p in loaded.model.parameters()} == {expected}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_tied_model_keeps_one_embedding_matrix(tmp_path: Path, dtype: str) -> None:
     """Whatever method the head takes here (the blocked kernel's layout, or the plain one), the matrix exists once

@@ -53,12 +53,26 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype | None = None) -> torch.dtype:
+    """The dtype `name` means for a model on `device` whose checkpoint is stored in `checkpoint` (None: unknown).
+    `auto` is bfloat16 on GPU; on CPU the checkpoint's own bfloat16 (decode reads every weight each token, and the
+    CPU kernels take bfloat16 at half float32's bytes on every CPU), float32 otherwise (a float16 checkpoint widens
+    exactly; the CPU kernels have no float16)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or checkpoint == torch.bfloat16:
+            return torch.bfloat16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]
+
+
+def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
+    """The dtype config.json says the weights are stored in (`dtype`, formerly `torch_dtype`), if it says."""
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else None
 
 
 def _eos_ids(model_dir: str, hf_config: PretrainedConfig) -> frozenset[int]:
@@ -118,7 +132,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     device = resolve_device(config.model.device) if tp is None else tp.device
     if device.type == "cpu" and config.execution.cpu_threads is not None:
         torch.set_num_threads(config.execution.cpu_threads)
-    dtype = resolve_dtype(config.model.dtype, device)
+    dtype = resolve_dtype(config.model.dtype, device, checkpoint_dtype(hf_config))
     limit = getattr(hf_config, "max_position_embeddings", None)
     max_model_len = config.model.max_model_len or limit or 4096
     if limit is not None and max_model_len > limit:
