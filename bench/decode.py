@@ -30,6 +30,7 @@ from transformers import AutoConfig
 from bench.models import NAMED_CONFIGS
 from bench.report import fmt, format_table, stamp
 from engine.layers.vocab import VocabParallelEmbedding
+from engine.models.loader import weight_bytes
 
 if TYPE_CHECKING:
     from engine import EngineCore
@@ -114,15 +115,8 @@ def _decode_seconds(engine: EngineCore, num_seqs: int, options: DecodeOptions) -
 def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[int, float]:
     """(weight bytes, K/V bytes) one decode step of `num_seqs` sequences reads (see the module docstring)."""
     model = engine.runner.model
-    # Parameters, and the weights a module keeps as a plain tensor (the CPU's oneDNN-packed linears), each once: a
-    # tied table is then the LM head's read. Buffers (rotary tables) are looked up a row per token, not read whole.
-    weights_by_tensor = {
-        id(t): t.numel() * t.element_size()
-        for module in model.modules()
-        for t in (*module.parameters(recurse=False), *vars(module).values())
-        if isinstance(t, torch.Tensor)
-    }
-    weights = sum(weights_by_tensor.values())
+    # A tied table is the LM head's read; buffers (rotary tables) are looked up a row per token, not read whole.
+    weights = weight_bytes(model)
     if not getattr(engine.hf_config, "tie_word_embeddings", False):
         embedding = next(
             m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))

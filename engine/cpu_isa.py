@@ -40,3 +40,22 @@ def cpu_capability() -> str:
 def bf16_arithmetic() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, AMX, AVX-NE-CONVERT), as Ferry may use it."""
     return forced_isa() is None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bf16_dot_products() -> bool:
+    """Whether the CPU kernels take AVX512-BF16's bfloat16 dot products (`vdpbf16ps`): an AVX-512 build on a CPU
+    that has them. The blocked linear then keeps bfloat16 weights in pairs along k (engine/kernels/linear.py)."""
+    return cpu_capability() == "AVX512" and "avx512_bf16" in _cpu_flags()

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_isa import bf16_dot_products
 from engine.kernels.build import KernelUnavailable, build_flags, library_name, load_library
 from engine.kernels.library import load_cpu_kernels
 from engine.kernels.linear import embed_rows, pack
@@ -37,7 +38,9 @@ needs_kernel = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"the CPU kernels do
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (37, 19), (100, 256)])
 def test_the_kernel_computes_what_linear_does(dtype: torch.dtype, out_features: int, in_features: int) -> None:
     """Every tile height (1 to 8 rows and their remainders), the chunk boundary (48 rows), a short last block, an
-    odd input width, a bias, inputs of three dimensions; float32 sums, rounded once to bfloat16."""
+    odd input width, a bias, inputs of three dimensions; float32 sums, rounded once to bfloat16. bfloat16 of even
+    width takes the paired layout and its dot products where the CPU has them (.ci/run runs this file on both
+    paths)."""
     generator = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype)
@@ -73,6 +76,26 @@ def test_rows_come_back_out_of_the_blocked_layout_exactly(out_features: int) -> 
     ids = torch.randint(0, out_features, (3, 5))
     assert torch.equal(embed_rows(packed, ids), weight[ids])
     assert not packed.transpose(1, 2).reshape(-1, 11)[out_features:].any(), "the last block is padded with zeros"
+
+
+@pytest.mark.parametrize("out_features", [1, 16, 37])
+def test_bfloat16_goes_in_pairs_along_k_where_the_cpu_has_its_dot_products(out_features: int) -> None:
+    """[blocks, in / 2, 16, 2] where `vdpbf16ps` multiplies it (an even width), the plain blocks elsewhere; rows
+    come back exactly either way."""
+    weight = torch.randn(out_features, 12).to(torch.bfloat16)
+    packed = pack(weight)
+    blocks = -(-out_features // 16)
+    if bf16_dot_products():
+        assert packed.shape == (blocks, 6, 16, 2)
+        j, t = (out_features - 1) % 16, 1
+        assert torch.equal(packed[blocks - 1, 4, j, t], weight[out_features - 1, 2 * 4 + t])
+        assert not packed.transpose(1, 2).reshape(-1, 12)[out_features:].any(), "the last block is zero-padded"
+    else:
+        assert packed.shape == (blocks, 12, 16)
+    assert pack(torch.randn(out_features, 11).to(torch.bfloat16)).dim() == 3, "an odd width has no pairs"
+    assert pack(torch.randn(out_features, 12)).dim() == 3, "float32 has no pairs"
+    ids = torch.randint(0, out_features, (3, 5))
+    assert torch.equal(embed_rows(packed, ids), weight[ids])
 
 
 @needs_kernel

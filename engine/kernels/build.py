@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_isa import cpu_capability
+from engine.cpu_isa import bf16_dot_products, cpu_capability
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
 }
 """By `cpu_capability()` (torch's own, or AVX2 where `FERRY_CPU_ISA=avx2` forces it); any other capability builds
-for the architecture's baseline."""
+for the architecture's baseline. An AVX-512 CPU with bfloat16 dot products adds `-mavx512bf16`
+(`bf16_dot_products`)."""
 
 
 class KernelUnavailable(RuntimeError):
@@ -56,7 +57,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_flags() -> list[str]:
-    return [*_FLAGS, *_ISA_FLAGS.get(cpu_capability(), [])]
+    return [*_FLAGS, *_ISA_FLAGS.get(cpu_capability(), []), *(["-mavx512bf16"] if bf16_dot_products() else [])]
 
 
 def cache_root() -> Path:

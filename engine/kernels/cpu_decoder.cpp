@@ -70,16 +70,17 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_fe
 
 namespace ferry {
 
-// hidden [T, hidden]: the embedded tokens; cos, sin [T, 1, head_dim]; sizes: heads, kv_heads, head_dim,
-// fused_silu_max_tokens (up to this many tokens SiLU-and-multiply is the kernel, as MLP.forward decides); per
+// hidden [T, hidden]: the embedded tokens; cos, sin [T, 1, head_dim]; sizes: heads, kv_heads, head_dim, the MLP's
+// width, fused_silu_max_tokens (up to this many tokens SiLU-and-multiply is the kernel, as MLP.forward decides); per
 // layer its KV caches, sliding window (0: none), slot mapping and page table.
 at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& final_norm,
                          at::IntArrayRef sizes, double eps, double scale, at::TensorList key_caches,
                          at::TensorList value_caches, at::IntArrayRef windows, at::TensorList slot_mappings, at::TensorList page_tables, const at::Tensor& query_start_loc,
                          const at::Tensor& seq_lens) {
-  TORCH_CHECK(sizes.size() == 4, "sizes: heads, kv_heads, head_dim, fused_silu_max_tokens");
-  const int64_t heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], silu_max_tokens = sizes[3];
+  TORCH_CHECK(sizes.size() == 5, "sizes: heads, kv_heads, head_dim, width, fused_silu_max_tokens");
+  const int64_t heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], width = sizes[3];
+  const int64_t silu_max_tokens = sizes[4];
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer, "weights: ", kPerLayer, " per layer");
   for (const size_t size : {value_caches.size(), windows.size(), slot_mappings.size(), page_tables.size()}) {
@@ -115,8 +116,7 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
                                                1.0, 1.0);
     hidden = at::add(hidden, project(attended.reshape({tokens, q_size}), *w(kOut), hidden.size(1), w(kOutBias)));
 
-    // MLP: MLP.forward. The down projection's input width (its blocked weight's middle size) is the MLP's width.
-    const int64_t width = w(kDown)->size(1);
+    // MLP: MLP.forward.
     const at::Tensor gate_up = project(rms_norm(hidden, *w(kPostNorm), eps), *w(kGateUp), 2 * width, w(kGateUpBias));
     const at::Tensor activated = tokens <= silu_max_tokens
                                      ? silu_mul(gate_up)

@@ -1,13 +1,16 @@
-"""The blocked linear kernel's weight layout (`cpu_linear.cpp`, built into engine/kernels/library.py's extension).
+"""The blocked linear kernel's weight layouts (`cpu_linear.cpp`, built into engine/kernels/library.py's extension).
 
 `pack` turns a `[out, in]` weight into `[ceil(out / 16), in, 16]`, the layout `torch.ops.ferry_kernels.linear`
-streams (see the source's header); `embed_rows` reads rows of the original matrix back out of it, so a tied
-embedding and LM head keep one copy in this layout.
+streams (see the source's header); a bfloat16 weight of even width on a CPU with AVX512-BF16 goes into pairs along
+k instead, `[ceil(out / 16), in / 2, 16, 2]`, which the kernel multiplies with bfloat16 dot products. `embed_rows` reads
+rows of the original matrix back out of either, so a tied embedding and LM head keep one copy in it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.cpu_isa import bf16_dot_products
 
 BLOCK = 16
 """Output rows per block of the packed layout: one AVX-512 vector of float32 (two of AVX2)."""
@@ -15,9 +18,19 @@ BLOCK = 16
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """`[out, in]` -> `[ceil(out / 16), in, 16]`: block b's k-th 16 values are W[16b : 16b + 16, k], zeros past
-    `out`. Written in one copy: beside the weight, only its packed form exists, one layer at a time."""
+    `out`; for bfloat16 of even `in` where the kernels take its dot products, `[ceil(out / 16), in / 2, 16, 2]`:
+    block b's p-th 32 values are W[16b + j, 2p + t] at (j, t), zeros past `out`. Written in one copy: beside the
+    weight, only its packed form exists, one layer at a time."""
     out_features, in_features = weight.shape
     full, rest = divmod(out_features, BLOCK)
+    if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and bf16_dot_products():
+        pairs = in_features // 2
+        packed = torch.empty(full + (rest > 0), pairs, BLOCK, 2, dtype=weight.dtype, device=weight.device)
+        packed[:full] = weight[: full * BLOCK].view(full, BLOCK, pairs, 2).transpose(1, 2)
+        if rest:
+            packed[full] = 0
+            packed[full, :, :rest] = weight[full * BLOCK :].view(rest, pairs, 2).transpose(0, 1)
+        return packed
     packed = torch.empty(full + (rest > 0), in_features, BLOCK, dtype=weight.dtype, device=weight.device)
     packed[:full] = weight[: full * BLOCK].view(full, BLOCK, in_features).transpose(1, 2)
     if rest:
@@ -29,4 +42,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def embed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the matrix `packed` was made from: `[*ids.shape, in]`."""
     flat = ids.reshape(-1)
+    if packed.dim() == 4:
+        return packed[flat // BLOCK, :, flat % BLOCK, :].reshape(*ids.shape, 2 * packed.shape[1])  # [n, pairs, 2]
     return packed[flat // BLOCK, :, flat % BLOCK].view(*ids.shape, packed.shape[1])

@@ -30,10 +30,10 @@ class FusedDecoder:
     (the modules' own tensors: no copies)."""
 
     def __init__(self, backbone: nn.Module, silu_max_tokens: int) -> None:
-        first = backbone.layers[0].self_attn
+        first, mlp = backbone.layers[0].self_attn, backbone.layers[0].mlp
         self.weights = [tensor for layer in backbone.layers for tensor in _layer_tensors(layer)]
         self.final_norm = backbone.norm.weight
-        self.sizes = [first.num_heads, first.num_kv_heads, first.head_dim, silu_max_tokens]
+        self.sizes = [first.num_heads, first.num_kv_heads, first.head_dim, mlp.intermediate, silu_max_tokens]
         self.eps = backbone.norm.eps
         self.scale = first.scale
         self.windows = [layer.self_attn.sliding_window or 0 for layer in backbone.layers]

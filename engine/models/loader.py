@@ -43,6 +43,23 @@ class LoadedModel:
     rank: int = 0
     """The tensor-parallel rank this shard belongs to (0 without tensor parallelism): only rank 0 gets logits."""
 
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of `model`'s weights: parameters, and the weights a module keeps as a plain tensor in its linear
+    method's layout (blocked, oneDNN-packed), each tensor once (a tied matrix counts once). Buffers (rotary
+    tables) are left out."""
+    sizes = {
+        id(t): t.numel() * t.element_size()
+        for module in model.modules()
+        for t in (*module.parameters(recurse=False), *vars(module).values())
+        if isinstance(t, torch.Tensor)
+    }
+    return sum(sizes.values())
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
