@@ -81,17 +81,42 @@ def test_the_profiling_step_runs_through_a_runner(tiny_llama: Path) -> None:
 def test_prefill_threads_are_every_core_unless_asked_or_off(tiny_llama: Path) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cores = len(os.sched_getaffinity(0))
+    small = 2**20
     config = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=3)
-    assert step_threads(config, cpu) == (1, 3)
-    assert step_threads(config, cuda) is None, "a GPU step's threads only launch kernels"
+    assert step_threads(config, cpu, small) == (1, 3)
+    assert step_threads(config, cuda, small) is None, "a GPU step's threads only launch kernels"
     auto = EngineConfig.of(model=str(tiny_llama), cpu_threads=1)
-    assert step_threads(auto, cpu) == ((1, cores) if cores > 1 else None)
+    assert step_threads(auto, cpu, small) == ((1, cores) if cores > 1 else None)
     two_ranks = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, tensor_parallel_size=2)
-    assert step_threads(two_ranks, cpu) == ((1, cores // 2) if cores >= 4 else None), "a node's cores shared"
-    assert step_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=2, cpu_prefill_threads=2), cpu) is None
-    assert step_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=None, cpu_prefill_threads=4), cpu) is None
+    assert step_threads(two_ranks, cpu, small) == ((1, cores // 2) if cores >= 4 else None), "a node's cores shared"
+    same = EngineConfig.of(model=str(tiny_llama), cpu_threads=2, cpu_prefill_threads=2)
+    assert step_threads(same, cpu, small) is None
+    unset = EngineConfig.of(model=str(tiny_llama), cpu_threads=None, cpu_prefill_threads=4)
+    assert step_threads(unset, cpu, small) is None
     with pytest.raises(ValueError, match="cpu_prefill_threads"):
         EngineConfig.of(model=str(tiny_llama), cpu_prefill_threads=0)
+
+
+def test_a_large_model_runs_every_step_on_the_prefill_threads(tiny_llama: Path) -> None:
+    cpu = torch.device("cpu")
+    config = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=1000)
+    assert step_threads(config, cpu, 999) == (1, 2)
+    assert step_threads(config, cpu, 1000) == (2, 2)
+    off = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=0)
+    assert step_threads(off, cpu, 10**12) == (1, 2)
+    with pytest.raises(ValueError, match="cpu_wide_model_bytes"):
+        EngineConfig.of(model=str(tiny_llama), cpu_wide_model_bytes=-1)
+    # Through the engine: the tiny model's weights against a bound at them and one just above.
+    weights = load_model(EngineConfig.of(model=str(tiny_llama))).weight_bytes
+    for bound, decode_threads in ((weights, 2), (weights + 1, 1)):
+        wide = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=bound)
+        threads: list[int] = []
+        with EngineCore(wide) as engine:
+            engine.runner.model.register_forward_pre_hook(lambda *_, seen=threads: seen.append(torch.get_num_threads()))
+            engine.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=3))
+            while engine.has_unfinished():
+                engine.step()
+        assert threads == [decode_threads] * 3, bound
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

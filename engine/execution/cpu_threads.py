@@ -1,6 +1,7 @@
 """CPU threads by step size: a small step runs on `cpu_threads`, a step of PREFILL_STEP_TOKENS or more on
 `cpu_prefill_threads` (by default every core this rank has), so that decode steps leave a core to the front end
-and prefill steps take them all."""
+and prefill steps take them all; a model of `cpu_wide_model_bytes` or more runs every step on the prefill threads
+(its steps are long: they stream the weights)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,17 @@ class StepThreads(NamedTuple):
         torch.set_num_threads(self.large if num_tokens >= PREFILL_STEP_TOKENS else self.small)
 
 
-def step_threads(config: EngineConfig, device: torch.device) -> StepThreads | None:
-    """The thread counts of small and large steps on CPU; None where every step keeps one count (a GPU, cpu_threads
-    None, or no more prefill threads than cpu_threads)."""
-    if device.type != "cpu" or config.execution.cpu_threads is None:
+def step_threads(config: EngineConfig, device: torch.device, weight_bytes: int) -> StepThreads | None:
+    """The thread counts of small and large steps on CPU for a model (this rank's shard) of `weight_bytes`; None
+    where every step keeps one count (a GPU, cpu_threads None, or no more prefill threads than cpu_threads)."""
+    execution = config.execution
+    if device.type != "cpu" or execution.cpu_threads is None:
         return None
-    prefill = config.execution.cpu_prefill_threads
+    prefill = execution.cpu_prefill_threads
     if prefill is None:
         ranks_here = config.parallel.tensor_parallel_size // config.parallel.nnodes
         prefill = max(1, len(os.sched_getaffinity(0)) // ranks_here)
-    return StepThreads(config.execution.cpu_threads, prefill) if prefill > config.execution.cpu_threads else None
+    if prefill <= execution.cpu_threads:
+        return None
+    wide = 0 < execution.cpu_wide_model_bytes <= weight_bytes
+    return StepThreads(prefill if wide else execution.cpu_threads, prefill)

@@ -74,7 +74,7 @@ class ModelRunner:
         self.samples = loaded.rank == 0
         """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
         since the driver samples."""
-        self._step_threads = step_threads(config, device)
+        self._step_threads = step_threads(config, device, loaded.weight_bytes)
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
             for layer in layout.layers:
