@@ -15,7 +15,7 @@ from engine.attention import TorchPagedBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
 from engine.core.engine_core import EngineCore
 from engine.core.request import RequestRejected, SamplingParams
-from engine.execution.cpu_threads import PREFILL_STEP_TOKENS, step_threads
+from engine.execution.cpu_threads import FEW_SEQS, PREFILL_STEP_TOKENS, SHORT_PREFILL_TOKENS, step_threads
 from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import largest_step_lengths, run_largest_step
 from engine.models.loader import load_model
@@ -135,3 +135,24 @@ def test_a_step_of_prefill_size_runs_on_the_prefill_threads(tiny_llama: Path, as
             engine.step()
     assert threads[0] == (PREFILL_STEP_TOKENS + 3, 2), "both prompts in one step: the prefill threads"
     assert threads[1:] and all(n == 1 for _, n in threads[1:]), "decode steps: cpu_threads"
+
+
+def test_a_short_prompt_among_few_sequences_runs_on_the_prefill_threads(tiny_llama: Path) -> None:
+    config = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, max_num_seqs=8)
+    threads: list[tuple[int, int]] = []  # (tokens, torch threads) of each forward pass
+    with EngineCore(config) as engine:
+        engine.runner.model.register_forward_pre_hook(
+            lambda _, args: threads.append((args[0].shape[0], torch.get_num_threads()))
+        )
+        # As many tokens, over one sequence too many: cpu_threads. Then one prompt of that size alone: the prefill
+        # threads; then its decode steps: cpu_threads.
+        many = FEW_SEQS + 1
+        per_seq = -(-SHORT_PREFILL_TOKENS // many)
+        for i in range(many):
+            engine.add_request(f"many{i}", list(range(3, 3 + per_seq)), SamplingParams(max_new_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+        engine.add_request("alone", list(range(3, 3 + SHORT_PREFILL_TOKENS)), SamplingParams(max_new_tokens=2))
+        while engine.has_unfinished():
+            engine.step()
+    assert threads == [(many * per_seq, 1), (SHORT_PREFILL_TOKENS, 2), (1, 1)]

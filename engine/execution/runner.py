@@ -114,7 +114,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         started = time.perf_counter()
         if self._step_threads is not None:
-            self._step_threads.use_for(len(inputs.input_ids))
+            self._step_threads.use_for(len(inputs.input_ids), len(inputs.meta.seq_lens))
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
         forward_seconds = forwarded - started
