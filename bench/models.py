@@ -58,6 +58,18 @@ NAMED_CONFIGS: dict[str, dict[str, object]] = {
         max_position_embeddings=4096,
         **_LLAMA_IDS,
     ),
+    # Issue 32's one-stream row: a 280M Llama (558 MB in bfloat16), 24 x 1024, untied, vocabulary 4096.
+    "llama-280m": dict(
+        model_type="llama",
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+        **_LLAMA_IDS,
+    ),
     # Issue 12's matmul-bound row: Qwen2.5-0.5B's shape (GQA 14:2, biased QKV, tied 152k-token embedding).
     "qwen2.5-0.5b": dict(
         model_type="qwen2",
