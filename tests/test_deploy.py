@@ -631,6 +631,7 @@ CPU_ENGINE_VALUES = {
     "cudaGraphMaxSeqs": 64,
     "cpuThreads": 1,
     "cpuPrefillThreads": 2,
+    "cpuWideModelBytes": 67108864,
     "asyncScheduling": True,
     "distributedTimeout": 60,
 }

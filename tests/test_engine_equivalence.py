@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.kv_cache import sliding_pool_pages
 from engine.core.observer import StepRecord
+from engine.execution.cpu_threads import SHORT_PREFILL_TOKENS, step_threads
+from engine.models.loader import weight_bytes
 
 ARCHS = [
     "llama",
@@ -176,8 +178,11 @@ def test_compiled_greedy_equals_generate(
     )
     engine = EngineCore(config)
     warmed_up = counters["stats"]["unique_graphs"]
-    # A one-token graph and a dynamic one: of the whole decoder, or of a layer per sliding window.
-    graphs = 2 if level == "full" else 2 * len(set(engine.runner.sliding_windows))
+    # A one-token graph and a dynamic one, and the dynamic one again on the prefill threads where a step can take
+    # them (a graph is compiled for a thread count): of the whole decoder, or of a layer per sliding window.
+    threads = step_threads(config, torch.device("cpu"), weight_bytes(engine.runner.model))
+    per_kind = 3 if threads is not None and config.scheduler.max_batch_tokens >= SHORT_PREFILL_TOKENS else 2
+    graphs = per_kind if level == "full" else per_kind * len(set(engine.runner.sliding_windows))
     assert warmed_up - before == graphs
     params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
     results = generate_batch(prompts, params=params, engine=engine)

@@ -22,6 +22,7 @@ from engine.core.request import SamplingParams
 from engine.core.step import NewRequest, SchedulerOutput
 from engine.core.structured import GrammarCompiler
 from engine.distributed.parallel import TensorParallel
+from engine.execution.cpu_threads import SHORT_PREFILL_TOKENS
 from engine.execution.cuda_graphs import CaptureReport, start_decode_graphs
 from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import kv_cache_budget_bytes
@@ -88,11 +89,12 @@ def kv_cache_layout(
     return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages
 
 
-_WARM_UP_TOKENS = (1, 2, 16)
+_WARM_UP_TOKENS = (1, 2, 16, SHORT_PREFILL_TOKENS)
 """Step sizes the warm-up runs, in this order: the one-token graph (dynamo specializes sizes 0 and 1), then a second
 size, which makes the token dimension dynamic (for 2 tokens and more), then a larger step, which must reuse it. A
 bfloat16 `WidenedLinearMethod` (the fallback without the blocked kernel) branches on 3 rows, so there 16 gets a
-third graph."""
+third graph. The last, a lone prompt's size, runs on the prefill threads (engine/execution/cpu_threads.py), and a
+graph is compiled for a thread count: the dynamic graph again, for them."""
 
 
 def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
