@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 namespace {
 
@@ -130,13 +131,14 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t k_size, const 
   }
 }
 
-template <typename W>
-inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t k_size, const float* bias,
-                      int64_t valid, float* out, int64_t ldo) {
+// Runs `tile(std::integral_constant<int, rows>{})`, 1 <= rows <= kTileRows: a tile's height is a template argument,
+// so that its accumulators live in registers.
+template <typename Tile>
+inline void with_rows(int64_t rows, Tile&& tile) {
   switch (rows) {
 #define FERRY_TILE(n) \
   case n:             \
-    return tile<n>(x, ldx, w, k_size, bias, valid, out, ldo);
+    return tile(std::integral_constant<int, n>{});
     FERRY_TILE(1)
     FERRY_TILE(2)
     FERRY_TILE(3)
@@ -150,6 +152,12 @@ inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int
 #undef FERRY_TILE
   }
   TORCH_CHECK(false, "a tile of ", rows, " rows");
+}
+
+template <typename W>
+inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t k_size, const float* bias,
+                      int64_t valid, float* out, int64_t ldo) {
+  with_rows(rows, [&](auto n) { tile<decltype(n)::value>(x, ldx, w, k_size, bias, valid, out, ldo); });
 }
 
 #if defined(__AVX512BF16__)
@@ -196,21 +204,7 @@ inline void pair_tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
 
 inline void pair_tile_rows(int64_t rows, const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k_size,
                            const float* bias, int64_t valid, float* out, int64_t ldo) {
-  switch (rows) {
-#define FERRY_TILE(n) \
-  case n:             \
-    return pair_tile<n>(x, ldx, w, k_size, bias, valid, out, ldo);
-    FERRY_TILE(1)
-    FERRY_TILE(2)
-    FERRY_TILE(3)
-    FERRY_TILE(4)
-    FERRY_TILE(5)
-    FERRY_TILE(6)
-    FERRY_TILE(7)
-    FERRY_TILE(8)
-#undef FERRY_TILE
-  }
-  TORCH_CHECK(false, "a tile of ", rows, " rows");
+  with_rows(rows, [&](auto n) { pair_tile<decltype(n)::value>(x, ldx, w, k_size, bias, valid, out, ldo); });
 }
 #endif
 
