@@ -76,8 +76,8 @@ namespace ferry {
 at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& final_norm,
                          at::IntArrayRef sizes, double eps, double scale, at::TensorList key_caches,
-                         at::TensorList value_caches, at::IntArrayRef windows, at::TensorList slot_mappings, at::TensorList page_tables, const at::Tensor& query_start_loc,
-                         const at::Tensor& seq_lens) {
+                         at::TensorList value_caches, at::IntArrayRef windows, at::TensorList slot_mappings,
+                         at::TensorList page_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
   TORCH_CHECK(sizes.size() == 5, "sizes: heads, kv_heads, head_dim, width, fused_silu_max_tokens");
   const int64_t heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], width = sizes[3];
   const int64_t silu_max_tokens = sizes[4];
@@ -95,7 +95,8 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
     const auto w = [&](Slot slot) -> std::optional<at::Tensor> { return weights.get(layer * kPerLayer + slot); };
 
     // Attention: Attention.forward in engine/models/llama.py.
-    const at::Tensor qkv = project(rms_norm(hidden, *w(kInputNorm), eps), *w(kQkv), q_size + 2 * kv_size, w(kQkvBias));
+    const at::Tensor normed = rms_norm(hidden, *w(kInputNorm), eps);
+    const at::Tensor qkv = project(normed, *w(kQkv), q_size + 2 * kv_size, w(kQkvBias));
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
@@ -111,13 +112,14 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
     const at::Tensor& slots = slot_mappings[layer];
     key_cache.view({-1, key_cache.size(2), key_cache.size(3)}).index_copy_(0, slots, k);
     value_cache.view({-1, value_cache.size(2), value_cache.size(3)}).index_copy_(0, slots, v);
-    const at::Tensor attended = attention.call(q, key_cache, value_cache, query_start_loc, seq_lens, page_tables[layer],
-                                               scale, windows[layer], 0.0, std::nullopt, std::nullopt, std::nullopt,
-                                               1.0, 1.0);
+    const at::Tensor attended =
+        attention.call(q, key_cache, value_cache, query_start_loc, seq_lens, page_tables[layer], scale, windows[layer],
+                       0.0, std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0);
     hidden = at::add(hidden, project(attended.reshape({tokens, q_size}), *w(kOut), hidden.size(1), w(kOutBias)));
 
     // MLP: MLP.forward.
-    const at::Tensor gate_up = project(rms_norm(hidden, *w(kPostNorm), eps), *w(kGateUp), 2 * width, w(kGateUpBias));
+    const at::Tensor post_normed = rms_norm(hidden, *w(kPostNorm), eps);
+    const at::Tensor gate_up = project(post_normed, *w(kGateUp), 2 * width, w(kGateUpBias));
     const at::Tensor activated = tokens <= silu_max_tokens
                                      ? silu_mul(gate_up)
                                      : at::mul(at::silu(gate_up.narrow(1, 0, width)), gate_up.narrow(1, width, width));
