@@ -18,7 +18,7 @@ from engine.core.request import RequestRejected, SamplingParams
 from engine.execution.cpu_threads import FEW_SEQS, PREFILL_STEP_TOKENS, SHORT_PREFILL_TOKENS, step_threads
 from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import largest_step_lengths, run_largest_step
-from engine.models.loader import load_model
+from engine.models.loader import load_model, weight_bytes
 
 
 def test_a_cache_too_small_for_an_asked_max_model_len_refuses_to_start(tiny_llama: Path) -> None:
@@ -107,7 +107,7 @@ def test_a_large_model_runs_every_step_on_the_prefill_threads(tiny_llama: Path) 
     with pytest.raises(ValueError, match="cpu_wide_model_bytes"):
         EngineConfig.of(model=str(tiny_llama), cpu_wide_model_bytes=-1)
     # Through the engine: the tiny model's weights against a bound at them and one just above.
-    weights = load_model(EngineConfig.of(model=str(tiny_llama))).weight_bytes
+    weights = weight_bytes(load_model(EngineConfig.of(model=str(tiny_llama))).model)
     for bound, decode_threads in ((weights, 2), (weights + 1, 1)):
         wide = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=bound)
         threads: list[int] = []

@@ -44,7 +44,7 @@ from engine.execution.graph_inputs import PaddedDecode
 from engine.execution.input_batch import InputBatch, PackedStep, StepInputs
 from engine.execution.kv_caches import allocate_kv_caches, paged_specs
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
-from engine.models.loader import LoadedModel
+from engine.models.loader import LoadedModel, weight_bytes
 from engine.sampling.sampler import Sampler, SampleResult
 from engine.sampling.token_masks import GrammarState, StepGrammars
 
@@ -74,7 +74,7 @@ class ModelRunner:
         self.samples = loaded.rank == 0
         """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
         since the driver samples."""
-        self._step_threads = step_threads(config, device, loaded.weight_bytes)
+        self._step_threads = step_threads(config, device, weight_bytes(model))
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
             for layer in layout.layers:

@@ -23,25 +23,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     weight, only its packed form exists, one layer at a time."""
     out_features, in_features = weight.shape
     full, rest = divmod(out_features, BLOCK)
-    if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and bf16_dot_products():
-        pairs = in_features // 2
-        packed = torch.empty(full + (rest > 0), pairs, BLOCK, 2, dtype=weight.dtype, device=weight.device)
-        packed[:full] = weight[: full * BLOCK].view(full, BLOCK, pairs, 2).transpose(1, 2)
-        if rest:
-            packed[full] = 0
-            packed[full, :, :rest] = weight[full * BLOCK :].view(rest, pairs, 2).transpose(0, 1)
-        return packed
-    packed = torch.empty(full + (rest > 0), in_features, BLOCK, dtype=weight.dtype, device=weight.device)
-    packed[:full] = weight[: full * BLOCK].view(full, BLOCK, in_features).transpose(1, 2)
+    # Both layouts are [blocks, in / group, 16, group]: k in groups of `group` consecutive weights of a row.
+    group = 2 if weight.dtype == torch.bfloat16 and in_features % 2 == 0 and bf16_dot_products() else 1
+    columns = in_features // group
+    packed = torch.empty(full + (rest > 0), columns, BLOCK, group, dtype=weight.dtype, device=weight.device)
+    packed[:full] = weight[: full * BLOCK].view(full, BLOCK, columns, group).transpose(1, 2)
     if rest:
         packed[full] = 0
-        packed[full, :, :rest] = weight[full * BLOCK :].t()
-    return packed
+        packed[full, :, :rest] = weight[full * BLOCK :].view(rest, columns, group).transpose(0, 1)
+    return packed if group == 2 else packed.squeeze(-1)
 
 
 def embed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the matrix `packed` was made from: `[*ids.shape, in]`."""
     flat = ids.reshape(-1)
-    if packed.dim() == 4:
-        return packed[flat // BLOCK, :, flat % BLOCK, :].reshape(*ids.shape, 2 * packed.shape[1])  # [n, pairs, 2]
-    return packed[flat // BLOCK, :, flat % BLOCK].view(*ids.shape, packed.shape[1])
+    in_features = packed.shape[1] * (packed.shape[3] if packed.dim() == 4 else 1)
+    return packed[flat // BLOCK, :, flat % BLOCK].reshape(*ids.shape, in_features)

@@ -43,10 +43,6 @@ class LoadedModel:
     rank: int = 0
     """The tensor-parallel rank this shard belongs to (0 without tensor parallelism): only rank 0 gets logits."""
 
-    @property
-    def weight_bytes(self) -> int:
-        return weight_bytes(self.model)
-
 
 def weight_bytes(model: nn.Module) -> int:
     """The bytes of `model`'s weights: parameters, and the weights a module keeps as a plain tensor in its linear
