@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
+from bench.checkpoints import CHECKPOINTS
 from engine.models.loader import resolve_device, resolve_dtype
 
 WeightsMode = Literal["saved", "dummy"]
@@ -160,7 +161,8 @@ def prepare_model(
     weights: WeightsMode = "saved",
     seed: int = 0,
 ) -> BenchModel:
-    """Resolve `model` (a named config or a local directory) into a loaded transformers model and a Ferry path.
+    """Resolve `model` (a named config, a kept checkpoint or a local directory) into a loaded transformers model
+    and a Ferry path.
 
     `weights` applies to named configs; a local directory brings its own weights (or, with config.json alone,
     runs random weights on both sides).
@@ -179,9 +181,10 @@ def prepare_model(
             config.save_pretrained(path)
         return BenchModel(model, path, weights == "saved", hf, dev, torch_dtype)
 
-    path = Path(model)
+    path = CHECKPOINTS.get(model, Path(model))
     if not (path / "config.json").is_file():
-        raise ValueError(f"{model!r} is neither a named config ({', '.join(NAMED_CONFIGS)}) nor a model directory")
+        names = ", ".join([*NAMED_CONFIGS, *CHECKPOINTS])
+        raise ValueError(f"{model!r} is neither a named model ({names}) nor a model directory")
     has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
     if has_weights:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev).eval()

@@ -33,6 +33,7 @@ from typing import Literal
 
 import httpx
 
+from bench.checkpoints import resolve
 from bench.llama_cpp import gguf_of, llama_server_command
 from bench.report import fmt, format_table, stamp
 from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
@@ -270,13 +271,14 @@ def _free_port() -> int:
 def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[str, str], str]:
     """The command line, environment and readiness path of the server to start."""
     assert options.model is not None
+    model = resolve(options.model)
     if options.server == "llama.cpp":
         if options.llama_cpp is None:
             raise ValueError("--server llama.cpp needs --llama-cpp (the folder install-llama-cpp.sh made)")
         workload = make_workload(options.workload, options.vocab_size)
         command = llama_server_command(
             options.llama_cpp,
-            gguf_of(options.llama_cpp, Path(options.model)),
+            gguf_of(options.llama_cpp, Path(model)),
             port,
             slots=max([*options.concurrencies, 1]),
             context_per_slot=workload.max_seq_len + 16,  # the warm-up request is short; a little room to spare
@@ -287,13 +289,13 @@ def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[s
         if options.vllm_python is None:
             raise ValueError("--server vllm needs --vllm-python")
         command = [
-            str(options.vllm_python.parent / "vllm"), "serve", options.model,
+            str(options.vllm_python.parent / "vllm"), "serve", model,
             "--host", "127.0.0.1", "--port", str(port), "--no-enable-log-requests", *options.server_args,
         ]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         return command, {**env, "HF_HUB_OFFLINE": "1"}, "/health"
     command = [
-        sys.executable, "-m", "ferry", "serve", "--model", options.model,
+        sys.executable, "-m", "ferry", "serve", "--model", model,
         # Quiet by default (one access-log line per request would bury the table); later flags override.
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *options.server_args,
     ]  # fmt: skip

@@ -5,14 +5,27 @@ Ferry cannot download a model in its quick start, so it ships a tiny one that wr
 Everything here is built from text that exists on every machine with Python: the docstrings of the Python
 standard library (PSF License), plus a few hand-written exchanges about Ferry and Python basics.
 
-What it writes into `server/default_model/` (or `--out`):
-  - a byte-level BPE tokenizer trained on the same corpus, with BOS/EOS/pad, role tokens and a chat template;
-  - a small Llama-architecture model (float32 safetensors, tied embeddings) trained on short chat exchanges,
-    so that it answers after the assistant prefix and stops with EOS;
-  - generation_config.json (greedy, with eos_token_id) and training_info.json (what produced the weights).
+Three phases, each starting from the one before:
+  1. short exchanges (`--steps`, ~16 min on 2 cores): a byte-level BPE tokenizer trained on the corpus, with
+     BOS/EOS/pad, role tokens and a chat template, and a small Llama-architecture model (float32 safetensors,
+     tied embeddings) that answers after the assistant prefix and stops with EOS, within 512 positions. Its
+     result is kept as `bench/checkpoints/ferry-demo-512` (the demo model of the figures before 2026-12-02);
+  2. long context (`--long-steps`, ~19 min): the same model at 2,048 positions, fine-tuned on a mix of the short
+     exchanges, multi-turn chats up to 2,048 tokens, and synthetic tool transcripts (scripts/demo_transcripts.py)
+     rendered by the chat template with tools: call an offered tool when the question is what it answers, then
+     answer in a sentence from its result; answer directly when no tool fits;
+  3. tools and copying (`--tool-steps`, ~12 min): mostly tool conversations (with earlier turns), questions
+     answered from their own text, and phase 2's mix.
 
-Usage:  python scripts/train_demo_model.py            # ~15-25 min on 2 CPU cores
-        python scripts/train_demo_model.py --steps 50 --out /tmp/demo   # quick smoke run
+What it writes into `server/default_model/` (or `--out`): the tokenizer, the model, generation_config.json
+(greedy, with eos_token_id) and training_info.json (what produced the weights, answers, exact tool calls on
+held-out conversations, and the perplexity of held-out conversations by position).
+
+Usage:  python scripts/train_demo_model.py            # all three phases, ~47 min on 2 CPU cores
+        python scripts/train_demo_model.py --steps 50 --long-steps 20 --tool-steps 20 --out /tmp/demo   # smoke run
+The shipped model was made from the kept phase-1 model in two runs (its training_info.json says so):
+        python scripts/train_demo_model.py --base bench/checkpoints/ferry-demo-512 --tool-steps 0 --out /tmp/demo-long
+        python scripts/train_demo_model.py --base /tmp/demo-long --long-steps 0
 
 The docstrings come from the running interpreter, so the same seed gives the same weights on the same Python,
 torch and tokenizers versions (recorded in training_info.json); another Python version gives a similar model.
@@ -25,6 +38,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -34,16 +48,17 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # Set before torch loads OpenMP: on a shared machine, busy-waiting threads that lose their core make every
 # parallel region wait for a descheduled spinner (measured 10x slower steps with 2 threads under load).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import demo_transcripts  # the script's own folder is on sys.path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "server" / "default_model"
 
@@ -74,8 +89,9 @@ CHAT_TEMPLATE = (
     "<|user|><tool_response>{{ '\\n' }}{{ m['content'] }}{{ '\\n' }}</tool_response>{{ eos_token }}"
     "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|assistant|>{{ m['content'] or '' }}"
     "{% for call in m['tool_calls'] %}<tool_call>{{ '\\n' }}"
-    "{\"name\": {{ call['function']['name'] | tojson }}, "
-    "\"arguments\": {{ call['function']['arguments'] | tojson }}}"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}"
     "{{ '\\n' }}</tool_call>{% endfor %}{{ eos_token }}"
     "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
     "{% endif %}"
@@ -83,7 +99,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 VOCAB_SIZE = 4096
-MAX_TOKENS = 160  # longest training exchange kept; answers are a sentence or two
+MAX_TOKENS = 160  # longest phase-1 exchange kept; answers are a sentence or two
+BASE_POSITIONS = 512  # phase 1's context
+LONG_POSITIONS = 2048  # phase 2's: framework tool prompts and multi-turn agent loops fit
+LONG_BATCH_TOKENS = 6144  # phase-2 batches hold this many (padded) tokens: one 2,048-token chat or many short
+POSITION_BUCKETS = (0, 256, 512, 1024, 1536, 2048)  # where held-out perplexity is reported
 
 # Prompts whose greedy answers are printed at the end (and checked by tests/test_demo_model.py).
 EVAL_PROMPTS = [
@@ -369,7 +389,7 @@ def train_tokenizer(texts: list[str], out: Path) -> PreTrainedTokenizerFast:
     tokenizer.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
     fast.chat_template = CHAT_TEMPLATE
-    fast.model_max_length = 512
+    fast.model_max_length = BASE_POSITIONS
     fast.save_pretrained(out)
     return fast
 
@@ -445,6 +465,177 @@ def batches(
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Phase 2: long context and tools
+
+Example = tuple[list[int], list[int]]
+
+
+def encode_rendered(
+    tokenizer: PreTrainedTokenizerFast, messages: list[dict], tools: list[dict] | None = None
+) -> Example:
+    """Token ids of the conversation as the chat template renders it (with `tools`), and labels that are -100
+    except on the assistant turns: from after each assistant role token through its EOS.
+
+    Exact because special tokens are split out before BPE: text between them tokenizes on its own.
+    """
+    ids = list(
+        tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True, return_dict=True)["input_ids"]
+    )
+    assistant, eos = tokenizer.convert_tokens_to_ids("<|assistant|>"), tokenizer.eos_token_id
+    labels, inside = [], False
+    for token in ids:
+        labels.append(token if inside else -100)
+        if token == assistant:
+            inside = True
+        elif token == eos:
+            inside = False
+    return ids, labels
+
+
+def _qa_turn(rng: random.Random, pool: list[tuple[list[str], str]]) -> list[dict]:
+    questions, reply = rng.choice(pool)
+    return [{"role": "user", "content": rng.choice(questions)}, {"role": "assistant", "content": reply}]
+
+
+def _turn_tokens(tokenizer: PreTrainedTokenizerFast, turn: list[dict]) -> int:
+    """About the rendered length of a turn's messages (role token, content, EOS; calls as JSON)."""
+    text = " ".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or "") for m in turn)
+    return len(tokenizer.encode(text, add_special_tokens=False)) + 3 * len(turn)
+
+
+def phase2_example(
+    rng: random.Random, tokenizer: PreTrainedTokenizerFast, pool: list[tuple[list[str], str]]
+) -> Example:
+    """A short exchange (a third), a tool conversation (a third), or a multi-turn chat filling a length drawn up to
+    LONG_POSITIONS (a third, half of them with tools), so that every position up to the context is trained."""
+    kind = rng.random()
+    if kind < 1 / 3:
+        return encode_rendered(tokenizer, sample_conversation(rng, rng.choice(pool), None))
+    offered = demo_transcripts.offer_tools(rng)
+    tools = [o.tool for o in offered]
+    messages = demo_transcripts.opening(rng)
+    if kind < 2 / 3:
+        for _ in range(rng.choice([0, 0, 0, 1, 2])):  # earlier turns, as in an agent loop
+            messages += _qa_turn(rng, pool) if rng.random() < 0.5 else demo_transcripts.exchange(rng, offered, pool)
+        return encode_rendered(tokenizer, messages + demo_transcripts.exchange(rng, offered, pool), tools)
+    if rng.random() < 0.5:
+        tools = []
+    target = rng.randint(256, LONG_POSITIONS)
+    length = 150 + sum(_turn_tokens(tokenizer, [o.tool]) for o in offered) if tools else 0
+    while True:
+        turn = demo_transcripts.exchange(rng, offered, pool) if tools and rng.random() < 0.5 else _qa_turn(rng, pool)
+        length += _turn_tokens(tokenizer, turn)
+        if length > target and len(messages) >= 2:
+            break
+        messages += turn
+    ids, labels = encode_rendered(tokenizer, messages, tools)
+    # The estimate may fall short; turns cut at the context still train, their tail just goes unseen.
+    return ids[:LONG_POSITIONS], labels[:LONG_POSITIONS]
+
+
+def phase3_example(
+    rng: random.Random, tokenizer: PreTrainedTokenizerFast, pool: list[tuple[list[str], str]], words: list[str]
+) -> Example:
+    """Copying, then tools: a question answered from its own text (a fifth), a tool conversation (three
+    fifths, earlier turns included), or phase 2's mix (a fifth), so that nothing phase 2 learned is lost."""
+    kind = rng.random()
+    if kind < 0.2:
+        messages = demo_transcripts.opening(rng)
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            messages += _qa_turn(rng, pool)
+        return encode_rendered(tokenizer, messages + demo_transcripts.copy_exchange(rng, words))
+    if kind < 0.8:
+        offered = demo_transcripts.offer_tools(rng)
+        messages = demo_transcripts.opening(rng)
+        for _ in range(rng.choice([0, 0, 1, 2, 3])):
+            messages += demo_transcripts.exchange(rng, offered, pool)
+        ids, labels = encode_rendered(
+            tokenizer, messages + demo_transcripts.exchange(rng, offered, pool), [o.tool for o in offered]
+        )
+        return ids[:LONG_POSITIONS], labels[:LONG_POSITIONS]
+    return phase2_example(rng, tokenizer, pool)
+
+
+def packed_stream(
+    rng: random.Random, tokenizer: PreTrainedTokenizerFast, draw: Callable[[], Example]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of `draw()`n examples: 64 at a time, sorted by length, packed up to LONG_BATCH_TOKENS each."""
+    while True:
+        drawn = sorted((draw() for _ in range(64)), key=lambda e: len(e[0]))
+        groups: list[list[Example]] = [[]]
+        for example in drawn:
+            if groups[-1] and len(example[0]) * (len(groups[-1]) + 1) > LONG_BATCH_TOKENS:
+                groups.append([])
+            groups[-1].append(example)
+        rng.shuffle(groups)
+        for group in groups:
+            yield next(batches(rng, group, len(group), tokenizer.pad_token_id))
+
+
+@torch.no_grad()
+def perplexity_by_position(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, pool: list[tuple[list[str], str]], seed: int
+) -> dict[str, float]:
+    """Perplexity of the assistant tokens of held-out chats (drawn with another seed: other values, other
+    orders), by where they sit in the context: the answers at 1,500-2,048 tokens must read like those at 0-256."""
+    rng = random.Random(seed)
+    sums = [0.0] * (len(POSITION_BUCKETS) - 1)
+    counts = [0] * (len(POSITION_BUCKETS) - 1)
+    examples = []
+    while len(examples) < 24:  # long chats only: every bucket sees the same conversations
+        ids, labels = phase2_example(rng, tokenizer, pool)
+        if len(ids) > 1800:
+            examples.append((ids, labels))
+    for ids, labels in examples:
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        targets = torch.tensor(labels[1:])
+        mask = targets != -100
+        nll = torch.nn.functional.cross_entropy(logits[mask], targets[mask], reduction="none")
+        positions = torch.arange(1, len(ids))[mask]
+        for b, (lo, hi) in enumerate(itertools.pairwise(POSITION_BUCKETS)):
+            inside = (positions >= lo) & (positions < hi)
+            sums[b] += float(nll[inside].sum())
+            counts[b] += int(inside.sum())
+    return {
+        f"{lo}-{hi}": round(math.exp(sums[b] / counts[b]), 3)
+        for b, (lo, hi) in enumerate(itertools.pairwise(POSITION_BUCKETS))
+        if counts[b]
+    }
+
+
+@torch.no_grad()
+def tool_accuracy(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, pool: list[tuple[list[str], str]], seed: int
+) -> dict[str, float]:
+    """Greedy, on 60 held-out tool conversations: how often the first assistant turn is exactly the expected
+    call (or direct answer), and how often the turn after the tool's result is exactly the expected answer."""
+    rng = random.Random(seed)
+    hits = {"first_turn_exact": 0, "final_answer_exact": 0}
+    total = 60
+    for _ in range(total):
+        offered = demo_transcripts.offer_tools(rng)
+        tools = [o.tool for o in offered]
+        messages = demo_transcripts.opening(rng) + demo_transcripts.exchange(rng, offered, pool)
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        hits["first_turn_exact"] += _greedy_matches(model, tokenizer, messages, first, tools)
+        hits["final_answer_exact"] += _greedy_matches(model, tokenizer, messages, len(messages) - 1, tools)
+    return {name: round(count / total, 3) for name, count in hits.items()}
+
+
+def _greedy_matches(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, messages: list[dict], turn: int, tools: list[dict]
+) -> bool:
+    """Whether greedy decoding after messages[:turn] writes exactly messages[turn] and its EOS."""
+    prompt = tokenizer.apply_chat_template(
+        messages[:turn], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    whole = encode_rendered(tokenizer, messages[: turn + 1], tools)[0]
+    expected = whole[len(prompt) :]
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=len(expected), do_sample=False)[0, len(prompt) :]
+    return out.tolist() == expected
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Model and training
 
 
@@ -456,7 +647,7 @@ def make_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=BASE_POSITIONS,
         tie_word_embeddings=True,  # the embedding is a quarter of the weights: sharing it halves that part
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -473,14 +664,9 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def train(
-    model: LlamaForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    pairs: list[tuple[list[str], str]],
-    steps: int,
-    batch_size: int,
-    lr: float,
-    rng: random.Random,
+    model: LlamaForCausalLM, stream: Iterator[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float, phase: str
 ) -> float:
+    """AdamW over `steps` batches of the stream (linear warm-up, cosine to 10%); the smoothed final loss."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW(
@@ -489,25 +675,29 @@ def train(
         betas=(0.9, 0.95),
     )
     model.train()
-    step, smoothed, started = 0, None, time.time()
-    while step < steps:
-        for ids, labels in batches(rng, epoch_examples(rng, tokenizer, pairs), batch_size, tokenizer.pad_token_id):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, steps, lr, warmup=min(200, steps // 10 + 1))
-            loss = model(input_ids=ids, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
-            step += 1
-            if step % 50 == 0 or step == steps:
-                elapsed = time.time() - started
-                print(f"step {step}/{steps}  loss {smoothed:.3f}  {elapsed / 60:.1f} min", flush=True)
-            if step >= steps:
-                break
+    smoothed, started = None, time.time()
+    for step, (ids, labels) in enumerate(itertools.islice(stream, steps), start=1):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step - 1, steps, lr, warmup=min(200, steps // 10 + 1))
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
+        if step % 50 == 0 or step == steps:
+            elapsed = time.time() - started
+            print(f"{phase} step {step}/{steps}  loss {smoothed:.3f}  {elapsed / 60:.1f} min", flush=True)
     model.eval()
     return float(smoothed or 0.0)
+
+
+def short_stream(
+    rng: random.Random, tokenizer: PreTrainedTokenizerFast, pairs: list[tuple[list[str], str]], batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Phase 1's batches: epoch after epoch of short exchanges."""
+    for _ in itertools.count():
+        yield from batches(rng, epoch_examples(rng, tokenizer, pairs), batch_size, tokenizer.pad_token_id)
 
 
 @torch.no_grad()
@@ -528,22 +718,8 @@ def answer(
     return tokenizer.decode(out), stopped
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=2400)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-
-    started = time.time()
-    torch.set_num_threads(args.threads)  # also fixes the reduction order, part of what makes runs repeatable
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-
+def phase_one(args: argparse.Namespace, rng: random.Random) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, dict]:
+    """Tokenizer and short-exchange model from scratch; what it did, for training_info.json."""
     docs = stdlib_docstrings()
     pairs, raw_docs = build_qa(docs)
     handwritten_text = [" ".join(questions) + " " + reply for questions, reply in HANDWRITTEN]
@@ -553,15 +729,66 @@ def main() -> None:
         f"{len(HANDWRITTEN)} hand-written; vocab {len(tokenizer)}",
         flush=True,
     )
-
     probe = sample_conversation(rng, HANDWRITTEN[0], HANDWRITTEN[1])
     expected = tokenizer.apply_chat_template(probe, tokenize=True, return_dict=True)["input_ids"]
     assert encode_chat(tokenizer, probe)[0] == list(expected), "turn-by-turn encoding differs from the template"
-
     model = make_model(tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
-    final_loss = train(model, tokenizer, pairs, args.steps, args.batch_size, args.lr, rng)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters", flush=True)
+    loss = train(model, short_stream(rng, tokenizer, pairs, args.batch_size), args.steps, args.lr, "phase 1")
+    info = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "final_loss": round(loss, 4)}
+    return model, tokenizer, info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--base", type=Path, help="phase 1's result (model and tokenizer): skip phase 1")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--long-steps", type=int, default=700)
+    parser.add_argument("--long-lr", type=float, default=5e-4)
+    parser.add_argument("--tool-steps", type=int, default=400)
+    parser.add_argument("--tool-lr", type=float, default=5e-4)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    started = time.time()
+    torch.set_num_threads(args.threads)  # also fixes the reduction order, part of what makes runs repeatable
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    if args.base is None:
+        model, tokenizer, phase_one_info = phase_one(args, rng)
+    else:
+        model = LlamaForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(args.base)
+        tokenizer.chat_template = CHAT_TEMPLATE  # the base may predate a template change that renders the same
+        phase_one_info = json.loads((args.base / "training_info.json").read_text())
+        phase_one_info = {"base": str(args.base), **{k: phase_one_info.get(k) for k in ("seed", "steps", "final_loss")}}
+    # The rotary embedding needs no scaling within 2,048 positions: head_dim 32 at theta 10,000 has wavelengths
+    # up to ~35k positions. What the 512-position model lacks is practice at far positions, which phase 2 gives.
+    model.config.max_position_embeddings = LONG_POSITIONS
+    tokenizer.model_max_length = LONG_POSITIONS
+    pairs, _ = build_qa(stdlib_docstrings())
+    pool = pairs + [pair for pair in HANDWRITTEN for _ in range(HANDWRITTEN_REPEAT)]
+    long_loss = train(
+        model,
+        packed_stream(rng, tokenizer, lambda: phase2_example(rng, tokenizer, pool)),
+        args.long_steps,
+        args.long_lr,
+        "phase 2",
+    )
+    words = sorted({w for questions, reply in pool for w in re.findall(r"[A-Za-z]{3,}", reply)})
+    tool_loss = train(
+        model,
+        packed_stream(rng, tokenizer, lambda: phase3_example(rng, tokenizer, pool, words)),
+        args.tool_steps,
+        args.tool_lr,
+        "phase 3",
+    )
     train_seconds = time.time() - started
 
     model.generation_config = GenerationConfig(
@@ -571,6 +798,7 @@ def main() -> None:
         do_sample=False,
     )
     model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
     weights = args.out / "model.safetensors"
     weights.chmod(0o644)  # safetensors writes 0600; an installed package must be readable by every user
     results = {}
@@ -578,28 +806,32 @@ def main() -> None:
         reply, stopped = answer(model, tokenizer, question)
         results[question] = {"answer": reply, "finish": "stop" if stopped else "length"}
         print(f"Q: {question}\nA: {reply!r}  [{results[question]['finish']}]", flush=True)
+    perplexity = perplexity_by_position(model, tokenizer, pool, seed=args.seed + 1000)
+    tools = tool_accuracy(model, tokenizer, pool, seed=args.seed + 2000)
+    print(f"held-out perplexity by position: {perplexity}\ntool conversations: {tools}", flush=True)
     info = {
         "seed": args.seed,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
+        "phase_1": phase_one_info,
+        "phase_2": {"steps": args.long_steps, "batch_tokens": LONG_BATCH_TOKENS, "lr": args.long_lr},
+        "phase_3": {"steps": args.tool_steps, "batch_tokens": LONG_BATCH_TOKENS, "lr": args.tool_lr},
         "threads": args.threads,
-        "final_loss": round(final_loss, 4),
+        "final_loss": {"phase_2": round(long_loss, 4), "phase_3": round(tool_loss, 4)},
         "train_minutes": round(train_seconds / 60, 1),
-        "parameters": n_params,
+        "parameters": sum(p.numel() for p in model.parameters()),
         "weights_bytes": weights.stat().st_size,
-        "corpus": "Python standard library docstrings (PSF License) + hand-written Q&A",
-        "docstrings": len(docs),
-        "qa_pairs": len(pairs) + len(HANDWRITTEN),
+        "context": LONG_POSITIONS,
+        "corpus": "Python standard library docstrings (PSF License), hand-written Q&A, synthetic tool transcripts",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "tokenizers": importlib.import_module("tokenizers").__version__,
         "transformers": importlib.import_module("transformers").__version__,
         "eval": results,
+        "held_out_perplexity_by_position": perplexity,
+        "held_out_tool_conversations": tools,
     }
     (args.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(
-        f"done in {train_seconds / 60:.1f} min; final loss {final_loss:.3f}; "
+        f"done in {train_seconds / 60:.1f} min; final loss {long_loss:.3f} / {tool_loss:.3f}; "
         f"weights {weights.stat().st_size / 1e6:.1f} MB -> {args.out}"
     )
 

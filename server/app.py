@@ -54,10 +54,11 @@ from server.openai.tokenize import (
     serve_tokenize,
 )
 from server.openai.tool_parsers import detect_tool_call_parser
+from server.openai.tool_parsers.hermes import call_tags as hermes_call_tags
 from server.openapi import openapi_document
 from server.reasoning import ReasoningParser
 from server.settings import ServerSettings
-from server.tokens import Tokenizer
+from server.tokens import ChatTemplateError, Tokenizer
 from server.ui import mount_ui
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class ServerState:
             logger.exception("Failed to start serving")
             self.lifecycle.fail()
             return
+        parser = resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer)
         self.serving = ServingContext(
             client=self.client,
             tokenizer=tokenizer,
@@ -157,7 +159,8 @@ class ServerState:
             request_timeout=self.settings.request_timeout or None,
             sse_ping=self.settings.sse_ping_interval,
             reasoning=reasoning,
-            tool_call_parser=resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer),
+            tool_call_parser=parser,
+            call_tags=_call_tags(parser, tokenizer),
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -223,6 +226,24 @@ class _FerryApp(FastAPI):
                 schema["components"]["schemas"].setdefault(name, definition)
             self.openapi_schema = schema
         return self.openapi_schema
+
+
+def _call_tags(parser: str | None, tokenizer: Tokenizer) -> tuple[str, str] | None:
+    """The model's own call format where the grammar can write it: Hermes calls as its chat template writes
+    them (a template that renders no such call, or rejects one, leaves enforced calls in the JSON-array form)."""
+    if parser != "hermes" or tokenizer.chat_template is None:
+        return None
+
+    def render(call: dict[str, Any]) -> str:
+        tool = {"type": "function", "function": {"name": call["name"], "parameters": {"type": "object"}}}
+        turn = {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": call}]}
+        messages = [{"role": "user", "content": "x"}, turn]
+        return tokenizer.render_chat_template(messages, add_generation_prompt=False, tools=[tool])
+
+    try:
+        return hermes_call_tags(render)
+    except ChatTemplateError:
+        return None
 
 
 def resolve_tool_call_parser(setting: str, tokenizer: Tokenizer) -> str | None:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from server.app import validation_error
 from server.openai.errors import APIError
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest
+from server.openai.tool_parsers.hermes import call_tags
 from server.openai.tools import ForcedFunction, FunctionTool, resolve_tool_use
 
 USER = [{"role": "user", "content": "hi"}]
@@ -115,13 +116,6 @@ def test_messages_become_template_input() -> None:
         ({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}, "messages[0].function_call"),
         ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
         ({"role": "tool", "content": "x", "tool_call_id": "call_1"}, "messages[0].tool_call_id"),
-        (
-            {
-                "role": "assistant",
-                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}],
-            },
-            "messages[0].tool_calls[0].function.arguments",
-        ),
         (
             {
                 "role": "user",
@@ -245,11 +239,11 @@ def test_tool_use_becomes_template_input() -> None:
     ]  # fmt: skip
     tool_use = resolve_tool_use(request.function_tools(), request.tool_choice_value(), None, "hermes")
     assert tool_use is not None and tool_use.template_tools() == [WEATHER_TOOL]
-    assert tool_use.constraint() is None, "auto is read by the parser, not enforced"
+    assert tool_use.constraint(None) is None, "auto is read by the parser, not enforced"
 
 
 def constraint_of(**fields: Any) -> tuple[str, str, str] | None:
-    found = chat(**fields).output_constraint(None)
+    found = chat(**fields).output_constraint()
     return None if found is None else (found.output.kind, found.output.spec, found.param)
 
 
@@ -291,7 +285,7 @@ def test_every_structured_output_surface_maps_to_one_constraint() -> None:
 )  # fmt: skip
 def test_bad_structured_outputs_are_400s_naming_the_field(fields: dict[str, Any], param: str, code: str) -> None:
     with pytest.raises(APIError) as info:
-        chat(**fields).output_constraint(None)
+        chat(**fields).output_constraint()
     assert (info.value.status_code, info.value.info.param, info.value.info.code) == (400, param, code)
     assert param in info.value.info.message
 
@@ -347,7 +341,7 @@ def test_required_and_named_choices_constrain_to_valid_calls() -> None:
     def schema(choice: Any, parallel: bool | None = None) -> dict[str, Any]:
         tool_use = resolve_tool_use(TOOLS, choice, parallel, None)
         assert tool_use is not None
-        constraint = tool_use.constraint()
+        constraint = tool_use.constraint(None)
         assert constraint is not None and constraint.output.kind == "json_schema"
         return json.loads(constraint.output.spec)
 
@@ -366,3 +360,55 @@ def test_required_and_named_choices_constrain_to_valid_calls() -> None:
     assert valid({"city": "Oslo"}, named) and not valid({}, named)
     assert resolve_tool_use(TOOLS, "none", None, None).template_tools() is None  # type: ignore[union-attr]
     assert resolve_tool_use([], "none", None, None) is None
+
+
+HERMES_TAGS = ("<tool_call>\n", "\n</tool_call>")
+
+
+def test_calls_in_the_models_own_format_where_the_grammar_knows_it() -> None:
+    """With the model's call tags, enforced calls are written as the model writes them, and `auto` beside a
+    JSON response_format is a call or the JSON answer (an agent with tools and a typed result)."""
+
+    def spec(choice: Any, answer: Any = None, parallel: bool | None = None) -> dict[str, Any] | None:
+        tool_use = resolve_tool_use(TOOLS, choice, parallel, "hermes", tags=HERMES_TAGS)
+        assert tool_use is not None
+        constraint = tool_use.constraint(answer)
+        if constraint is None or constraint.output.kind != "tool_calls":
+            return None
+        return json.loads(constraint.output.spec)
+
+    def valid(value: Any, against: dict[str, Any]) -> bool:
+        return jsonschema.Draft202012Validator(against).is_valid(value)
+
+    required = spec("required")
+    assert required is not None and (required["begin"], required["end"]) == HERMES_TAGS
+    assert required["parallel"] and required["answer"] is None
+    assert valid({"name": "get_weather", "arguments": {"city": "Oslo"}}, required["call"])
+    assert not valid({"name": "get_weather", "arguments": {}}, required["call"])
+    assert not spec("required", parallel=False)["parallel"]  # type: ignore[index]
+    named = spec(ForcedFunction("get_time"))
+    assert named is not None and not named["parallel"]
+    assert not valid({"name": "get_weather", "arguments": {"city": "Oslo"}}, named["call"])
+    assert spec("auto") is None, "auto alone is read by the parser"
+    typed = chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}})
+    either = spec("auto", typed.output_constraint())
+    assert either is not None and either["answer"] == {"type": "object"}
+    regex = chat(guided_regex="[a-z]+").output_constraint()
+    assert spec("auto", regex) is None, "only a JSON answer combines with calls"
+
+
+PROBE = '{"name": "ferry_probe", "arguments": {"x": 1}}'
+
+
+@pytest.mark.parametrize(
+    ("written", "tags"),
+    [
+        (f"<tool_call>\n{PROBE}\n</tool_call>", HERMES_TAGS),
+        (f"<tool_call>{PROBE}</tool_call>", ("<tool_call>", "</tool_call>")),
+        ('<tool_call>{"arguments": {"x": 1}, "name": "ferry_probe"}</tool_call>', None),
+        ("ferry_probe({'x': 1})", None),
+    ],
+)
+def test_call_tags_are_read_from_the_template(written: str, tags: tuple[str, str] | None) -> None:
+    """How the chat template writes one call: the grammar writes calls the same way, or in the array form."""
+    assert call_tags(lambda call: f"<|user|>x<|assistant|>{written}<|eos|>") == tags

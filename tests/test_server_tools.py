@@ -21,6 +21,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server_harness import ServerProcess, server_process, sse_payloads
+from tests.test_json_closing import parses
 
 # litellm fetches a model price list at import unless told to use its bundled copy; nothing may leave the machine.
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
@@ -159,12 +160,11 @@ def test_json_schema_answers_validate(http: httpx.Client, seed: int) -> None:
 
 
 def test_json_object_and_vllm_extras(http: httpx.Client) -> None:
-    # Any object: nothing bounds its strings, so a random model's answer may run to the token limit; seeded
-    # sampling finishes some of them, and every one that finishes is an object.
+    # Any object: nothing bounds its strings, so a random model's answer may run to the token limit, where the
+    # budget closes it (and says `length`).
     reply = chat(http, response_format={"type": "json_object"}, n=8, temperature=1.0, seed=0)
-    finished = [c["message"]["content"] for c in reply["choices"] if c["finish_reason"] == "stop"]
-    assert len(finished) >= 2 and all(isinstance(json.loads(text), dict) for text in finished)
-    assert all(c["message"]["content"].startswith("{") for c in reply["choices"])
+    assert all(isinstance(json.loads(c["message"]["content"]), dict) for c in reply["choices"])
+    assert {c["finish_reason"] for c in reply["choices"]} <= {"stop", "length"}
     assert chat(http, structured_outputs={"choice": ["ferry", "train"]})["choices"][0]["message"]["content"] in (
         "ferry", "train",
     )  # fmt: skip
@@ -180,6 +180,59 @@ def test_json_object_and_vllm_extras(http: httpx.Client) -> None:
     completion = http.post("/v1/completions", json={"model": MODEL, "prompt": "Ferry", "max_tokens": 20,
                                                     "guided_regex": "(yes|no)"})  # fmt: skip
     assert completion.status_code == 200 and completion.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_json_closes_within_max_tokens_unless_turned_off(sdk: openai.OpenAI) -> None:
+    """With a small limit the SDK's JSON mode still gets objects that parse (`length`: the budget closed them),
+    a required tool call arguments that validate; `close_within_budget: false` leaves them cut off."""
+    closed = sdk.chat.completions.create(
+        model=MODEL, messages=USER, response_format={"type": "json_object"}, max_tokens=9, n=6, temperature=1.0,
+        seed=3,
+    )  # fmt: skip
+    assert all(isinstance(json.loads(c.message.content), dict) for c in closed.choices)
+    assert any(c.finish_reason == "length" for c in closed.choices)
+    calls = sdk.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=70, n=4, temperature=1.0, seed=1
+    )
+    for choice in calls.choices:
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), arguments_schema(call.function.name))
+    cut = sdk.chat.completions.create(
+        model=MODEL, messages=USER, response_format={"type": "json_object"}, max_tokens=9, n=6, temperature=1.0,
+        seed=3, extra_body={"close_within_budget": False},
+    )  # fmt: skip
+    assert any(not parses(c.message.content) for c in cut.choices)
+
+
+def test_streamed_calls_carry_logprobs_usage_and_come_in_order(http: httpx.Client) -> None:
+    """`logprobs` on streamed tool calls, `continuous_usage_stats`, several parallel calls in index order, and
+    `n > 1` with tools: each choice its own calls."""
+    body = {"tools": TOOLS, "tool_choice": "required", "logprobs": True, "n": 2, "temperature": 1.0, "seed": 4,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    calls, finish, chunks = streamed_calls(http, **body)
+    assert set(calls) == {0, 1} and all(calls[i] for i in calls) and set(finish.values()) <= {"tool_calls", "length"}
+    for choice_calls in calls.values():
+        for call in choice_calls:
+            jsonschema.validate(json.loads(call["arguments"]), arguments_schema(call["name"]))
+    with_calls = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("tool_calls")]
+    assert any(c["choices"][0]["logprobs"] for c in with_calls), "the tokens that wrote the calls"
+    counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert all(isinstance(n, int) for n in counted) and counted == sorted(counted), "usage so far, in every chunk"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == counted[-1]
+
+
+def test_min_tokens_and_stop_token_ids_reach_every_endpoint(http: httpx.Client) -> None:
+    for path, body in (
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 6}),
+        ("/v1/completions", {"prompt": "Ferry", "max_tokens": 6}),
+        ("/v1/responses", {"input": "Ferry", "max_output_tokens": 6}),
+    ):
+        reply = http.post(path, json={"model": MODEL, "min_tokens": 6, "stop_token_ids": [1], **body})
+        assert reply.status_code == 200, (path, reply.text)
+        usage = reply.json()["usage"]
+        assert usage.get("completion_tokens", usage.get("output_tokens")) == 6, path
+        too_many = http.post(path, json={"model": MODEL, **body, "min_tokens": 7})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens", path
 
 
 @pytest.mark.parametrize(
@@ -286,6 +339,13 @@ def test_a_tool_result_conversation_renders_and_answers(http: httpx.Client) -> N
     answer = chat(http, messages=conversation, tools=TOOLS, max_tokens=8)["choices"][0]
     assert answer["finish_reason"] in ("stop", "length", "tool_calls")
     assert answer["message"]["content"] or answer["message"].get("tool_calls")
+    # A client replaying a call that its token limit cut off: its arguments are text, not an object.
+    cut = {
+        **message,
+        "tool_calls": [{**message["tool_calls"][0], "function": {"name": "get_weather", "arguments": '{"city": "Par'}}],
+    }
+    replay = chat(http, messages=[*USER, cut, conversation[-1]], tools=TOOLS, max_tokens=8)
+    assert replay["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
 
 
 # ---------------------------------------------------------------------------------------------------- clients

@@ -14,7 +14,7 @@ import pytest
 
 from server.openai.tool_parsers import TOOL_CALL_PARSERS, detect_tool_call_parser
 from server.openai.tool_parsers.base import ReaderUpdate, ToolCallReader
-from server.openai.tool_parsers.enforced import NamedCallReader, RequiredCallsReader
+from server.openai.tool_parsers.enforced import NamedCallReader, RequiredCallsReader, TaggedCallsReader
 
 Calls = list[tuple[str, dict]]
 DEMO_TEMPLATE = Path(__file__).resolve().parents[1] / "server" / "default_model" / "chat_template.jinja"
@@ -138,6 +138,28 @@ def test_required_calls_stream_name_first_then_arguments_as_generated() -> None:
     assert [d.arguments for d in reader.feed('ty":"Paris"').calls] == ['ty":"Paris"'], "arguments as generated"
     truncated = RequiredCallsReader().feed('[{"name":"get_time","parameters":{"zone":"Eu')
     assert "".join(d.arguments for d in truncated.calls) == '{"zone":"Eu', "a cut-off answer keeps what it has"
+
+
+def test_tagged_calls_stream_like_required_ones_and_a_json_answer_is_content() -> None:
+    """Calls enforced in the model's own format: tags dropped, each name as soon as it is complete, the
+    arguments as generated; a JSON answer (auto beside response_format) is the content."""
+    tags = ("<tool_call>\n", "\n</tool_call>")
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "tags": [1, {"a": "]"}]}}\n'
+        '</tool_call><tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    )
+    for piece in (0, 1, 3):
+        content, calls, _ = read(TaggedCallsReader(*tags), text, piece)
+        assert content == "" and calls == [
+            ("get_weather", {"city": 'Pa"ris}', "tags": [1, {"a": "]"}]}),
+            ("get_time", {}),
+        ]
+    reader = TaggedCallsReader(*tags)
+    assert [(d.name, d.arguments) for d in reader.feed(text[:35]).calls] == [("get_weather", "")], "name first"
+    assert [d.arguments for d in reader.feed(text[35 : text.index('{"ci') + 4]).calls] == ['{"ci'], "as generated"
+    assert reader.marker_tokens == ("<tool_call>", "</tool_call>")
+    content, calls, _ = read(TaggedCallsReader(*tags), '{"city": "Oslo"}', 2)
+    assert content == '{"city": "Oslo"}' and calls == []
 
 
 def test_named_call_is_the_whole_answer() -> None:

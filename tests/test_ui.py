@@ -501,3 +501,49 @@ def test_tool_call_deltas_merge(page: Any) -> None:
         [{"id": "a", "name": "f", "arguments": '{"x": 1}'}, {"id": "b", "name": "g", "arguments": ""}],
         [{"id": "c", "name": "h", "arguments": "{}"}],
     ]
+
+
+@needs_browser
+def test_json_mode_shows_the_json_it_asked_for(page: Any) -> None:
+    """JSON mode sends response_format json_object; the answer closes within max tokens and shows indented."""
+    js(page, "document.getElementById('json-mode').checked = true")
+    set_value(page, "max-tokens", "24")
+    set_value(page, "temperature", "1")
+    ask(page, "Describe a ferry.")
+    answer = wait_for(page, last_answer_settled)
+    assert answer["state"] == "done", answer
+    shown = js(
+        page, "const p = document.querySelector('.msg.assistant .json-answer'); return [p.dataset.valid, p.textContent]"
+    )
+    assert shown[0] == "true" and isinstance(json.loads(shown[1]), dict), shown
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(scripted_chat_model: Path) -> Iterator[ServerProcess]:
+    with server_process(scripted_chat_model, "--api-key", API_KEY, "--log-level", "warning") as running:
+        yield running
+
+
+@needs_browser
+def test_reasoning_streams_apart_and_folds_when_the_answer_starts(
+    reasoning_server: ServerProcess, browser: Any
+) -> None:
+    """A reasoning model (the scripted one, qwen3's parser): its reasoning_content in a collapsible box of its
+    own, open while it streams, folded once the answer starts; the answer alone in the message body."""
+    from tests.scripted_chat import ANSWER, REASON, REASONING
+
+    browser.get(reasoning_server.base_url)
+    js(browser, "sessionStorage.setItem('ferry.apiKey', arguments[0])", API_KEY)
+    browser.get(reasoning_server.base_url)
+    wait_for(browser, lambda d: js(d, "return document.getElementById('model-name').textContent") != "connecting…")
+    set_value(browser, "temperature", "0")
+    ask(browser, f"Ferries? {REASON}")
+    answer = wait_for(browser, last_answer_settled)
+    box = js(
+        browser,
+        "const b = document.querySelector('.msg.assistant .reasoning');"
+        "return [b.hidden, b.open, b.querySelector('.reasoning-body').textContent];",
+    )
+    assert box[0] is False and box[1] is False and box[2].strip() == REASONING, box
+    assert answer["text"].strip() == ANSWER, answer
+    assert not console_errors(browser)

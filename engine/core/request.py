@@ -39,7 +39,7 @@ class QueueFull(RuntimeError):
     """The waiting queue is at `max_queue_size`; the caller may retry later."""
 
 
-StructuredOutputKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+StructuredOutputKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_calls"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,11 @@ class StructuredOutput:
     - `regex`: a regular expression (Rust `regex` syntax) the whole output must match.
     - `choice`: a JSON array of strings, the output is exactly one of them.
     - `grammar`: a grammar in llguidance's Lark dialect (`start: ...`; engine/core/structured.py links its syntax).
+    - `tool_calls`: calls in the model's own format, as a JSON object: `{"begin": "<tool_call>\\n", "end":
+      "\\n</tool_call>", "call": <schema of one call object>, "parallel": true, "answer": <schema> or null,
+      "text": false}`: one call (or several, `parallel`) each a JSON object between `begin` and `end`; or, where
+      `answer` is given, a JSON answer of that schema instead; or, with `text`, any text that does not start
+      with `begin` (a model free to answer, whose calls must be valid once it starts one).
 
     Once the constraint is satisfied only the request's EOS and stop tokens may follow, so the request ends with
     `stop`; `ignore_eos` and `min_new_tokens` cannot go with it.
@@ -78,7 +83,7 @@ def _structured_output_problem(kind: str, spec: str) -> str | None:
         return "json_object takes no spec (it means any JSON object)" if spec.strip() else None
     if not spec.strip():
         return f"the {kind} structured output needs a non-empty spec"
-    if kind not in ("json_schema", "choice"):
+    if kind not in ("json_schema", "choice", "tool_calls"):
         return None
     try:
         value = json.loads(spec)
@@ -86,10 +91,26 @@ def _structured_output_problem(kind: str, spec: str) -> str | None:
         return f"the {kind} spec is not valid JSON: {exc}"
     if kind == "json_schema" and not isinstance(value, dict):
         return f"a JSON schema must be a JSON object, got {type(value).__name__}"
+    if kind == "tool_calls":
+        return _tool_calls_problem(value)
     if kind == "choice" and not (
         isinstance(value, list) and value and all(isinstance(item, str) and item for item in value)
     ):
         return "a choice spec must be a non-empty JSON array of non-empty strings"
+    return None
+
+
+def _tool_calls_problem(value: object) -> str | None:
+    if not isinstance(value, dict) or set(value) != {"begin", "end", "call", "parallel", "answer", "text"}:
+        return "a tool_calls spec is a JSON object with begin, end, call, parallel, answer and text"
+    if not isinstance(value["text"], bool) or (value["text"] and value["answer"] is not None):
+        return "a tool_calls spec's text must be true or false, and false where it has an answer"
+    if not (isinstance(value["begin"], str) and value["begin"] and isinstance(value["end"], str) and value["end"]):
+        return "a tool_calls spec's begin and end must be non-empty strings"
+    if not isinstance(value["call"], dict) or not (value["answer"] is None or isinstance(value["answer"], dict)):
+        return "a tool_calls spec's call must be a JSON schema object, its answer one or null"
+    if not isinstance(value["parallel"], bool):
+        return "a tool_calls spec's parallel must be true or false"
     return None
 
 
@@ -123,6 +144,9 @@ class SamplingParams:
     """(token id, bias) pairs added to the logits before anything else (OpenAI's `logit_bias`; -100 bans)."""
     structured_output: StructuredOutput | None = None
     """Constrains the output (JSON schema, regex, ...); None leaves it free."""
+    close_within_budget: bool = True
+    """A JSON constraint's value closes within `max_new_tokens` (its shortest valid completion forced when the
+    tokens left are just enough), and the request then ends with `length`; False lets it run out unclosed."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -244,6 +268,8 @@ class Request:
     scheduler when it takes the request, with `max_output_tokens`."""
     max_output_tokens: int = 0
     """Output tokens it may reach: `max_new_tokens`, or fewer where the model length ends it first."""
+    closed_by_budget: bool = False
+    """The runner forced its JSON closed to fit the tokens left: it ends with `length`, even on EOS."""
 
     @property
     def num_tokens(self) -> int:

@@ -283,6 +283,7 @@ class Scheduler:
         now = time.monotonic()
         commit = self.kv_cache.commit  # bound once: this loop is per request
         scored = {entry.request_id: entry for entry in result.prompt_logprobs}
+        closed_rows, row = set(result.closed_by_budget), -1
         for request, num_planned, sampling in zip(requests, planned.num_new_tokens, planned.samples, strict=True):
             request.num_in_flight_tokens -= num_planned
             request.num_pending_samples -= sampling
@@ -295,6 +296,9 @@ class Scheduler:
             strict=True,
         ):
             tokens, logprobs = next(sampled) if samples else (None, None)
+            row += samples
+            if closed_rows and row in closed_rows and samples:
+                request.closed_by_budget = True
             if drafts:
                 self._drafting.discard(request.request_id)
             # Aborted while the step ran (its pages already free, its final output queued), or, one plan ahead,
@@ -344,7 +348,7 @@ class Scheduler:
         for n, token in enumerate(tokens, 1):
             output_ids.append(token)
             if token in request.stop_ids and len(output_ids) >= request.params.min_new_tokens:
-                self._finish(request, FinishReason.STOP)
+                self._finish(request, FinishReason.LENGTH if request.closed_by_budget else FinishReason.STOP)
             elif len(output_ids) >= request.max_output_tokens:
                 self._finish(request, FinishReason.LENGTH)
             else:

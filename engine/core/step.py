@@ -110,6 +110,9 @@ class ModelRunnerOutput:
     """Per sampling request, one entry per token of `token_ids` (None: logprobs not asked for)."""
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     """For requests with `prompt_logprobs` whose prompt this step computed part of."""
+    closed_by_budget: list[int] = field(default_factory=list)
+    """Sampling rows (indexes into `token_ids`) whose JSON the budget is closing (engine/sampling/token_masks.py
+    BudgetClosing): they end with `length`."""
     prepare_seconds: float = 0.0
     """Host time building the step's input tensors."""
     forward_seconds: float = 0.0

@@ -29,6 +29,7 @@ import llguidance
 import llguidance.hf
 
 from engine.core.request import RequestRejected, StructuredOutput
+from engine.sampling.json_closing import TaggedCalls
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON options: no whitespace beyond the one space after each separator."""
@@ -45,6 +46,17 @@ class CompiledGrammar:
     template: llguidance.LLMatcher
     """Never advanced itself: copying it costs about a microsecond, building a matcher from the grammar a
     millisecond."""
+    tokenizer: llguidance.LLTokenizer
+    answer_schema: Any = None
+    """The JSON Schema a JSON answer follows, as compiled (objects closed): a `json_schema` or `json_object`
+    constraint's, or a `tool_calls` one's `answer`. With `tagged_calls`, what lets an answer close within its
+    token budget (engine/sampling/token_masks.py BudgetClosing); both None for regex, choice and grammar."""
+    tagged_calls: TaggedCalls | None = None
+    """A `tool_calls` constraint's calls."""
+
+    @property
+    def closable(self) -> bool:
+        return self.answer_schema is not None or self.tagged_calls is not None
 
     def matcher(self) -> llguidance.LLMatcher:
         return self.template.deep_copy()
@@ -146,7 +158,13 @@ class GrammarCompiler:
             )
 
     def _compile(self, structured_output: StructuredOutput) -> CompiledGrammar:
-        grammar = _grammar(structured_output)
+        schema, calls = _json_shape(structured_output)
+        if calls is not None:
+            grammar = _tool_calls_grammar(calls, schema)
+        elif schema is not None:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        else:
+            grammar = _grammar(structured_output)
         # Building the matcher is what checks the grammar (it never raises: errors are its state).
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
@@ -154,7 +172,7 @@ class GrammarCompiler:
                 f"unsupported or invalid {structured_output.kind}: {matcher.get_error()}",
                 code="invalid_structured_output",
             )
-        return CompiledGrammar(structured_output, matcher)
+        return CompiledGrammar(structured_output, matcher, self.tokenizer, schema, calls)
 
 
 def check(structured_output: StructuredOutput, tokenizer_dir: str) -> None:
@@ -180,14 +198,58 @@ def _load_tokenizer(directory: str, vocab_size: int | None, eos_token_ids: list[
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
 
 
+def _json_shape(structured_output: StructuredOutput) -> tuple[Any, TaggedCalls | None]:
+    """The JSON answer's schema (objects closed) and the tagged calls a constraint allows; (None, None) for a
+    regex, choice or grammar."""
+    kind = structured_output.kind
+    if kind == "json_schema":
+        return _close_objects(json.loads(structured_output.spec)), None
+    if kind == "json_object":
+        return {"type": "object"}, None
+    if kind == "tool_calls":
+        spec = json.loads(structured_output.spec)
+        calls = TaggedCalls(spec["begin"], _close_objects(spec["call"]), spec["end"], spec["parallel"], spec["text"])
+        return (None if spec["answer"] is None else _close_objects(spec["answer"])), calls
+    return None, None
+
+
+def _tool_calls_grammar(calls: TaggedCalls, answer: Any) -> str:
+    """Lark for tagged calls (one, or one or more), or a JSON answer where one is allowed. `%json` takes the
+    schema with the same JSON options as a plain JSON constraint; Lark string literals take JSON's escapes."""
+
+    def embedded(schema: Any) -> str:
+        return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+    lines = [
+        "start: calls" + (" | answer" if answer is not None else "") + (" | TEXT" if calls.text else ""),
+        "calls: call+" if calls.repeat else "calls: call",
+        f"call: {json.dumps(calls.begin)} {embedded(calls.schema)} {json.dumps(calls.end)}",
+    ]
+    if answer is not None:
+        lines.append(f"answer: {embedded(answer)}")
+    if calls.text:
+        lines.append(f"TEXT: /{_not_starting_with(calls.begin)}/")
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+
+
+def _not_starting_with(tag: str) -> str:
+    """A regex (Rust syntax, no lookahead) of every text that does not start with `tag`: a proper prefix of it,
+    or a text that leaves it at some character."""
+    prefixes = [_escape(tag[:i]) for i in range(len(tag))]
+    branches = [*prefixes, *(f"{prefix}[^{_escape(tag[i])}](?s:.*)" for i, prefix in enumerate(prefixes))]
+    return "(" + "|".join(branches) + ")"
+
+
+def _escape(text: str) -> str:
+    """`text` as a regex that matches it literally, every character but letters, digits and `_` as `\\x{..}`
+    (so neither a newline nor the `/` that ends a Lark regex appears raw)."""
+    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else f"\\x{{{ord(c):X}}}" for c in text)
+
+
 def _grammar(structured_output: StructuredOutput) -> str:
-    """llguidance's grammar text for a constraint (`StructuredOutput` already checked its shape)."""
+    """llguidance's grammar text for a regex, choice or grammar constraint (its shape already checked)."""
     kind, spec = structured_output.kind, structured_output.spec
     grammar_from = llguidance.LLMatcher
-    if kind == "json_schema":
-        return grammar_from.grammar_from_json_schema(_close_objects(json.loads(spec)), overrides=JSON_OPTIONS)
-    if kind == "json_object":
-        return grammar_from.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
     if kind == "regex":
         return grammar_from.grammar_from_regex(spec)
     if kind == "choice":

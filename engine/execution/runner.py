@@ -41,7 +41,7 @@ from engine.core.structured import GrammarCompiler
 from engine.execution.cpu_threads import step_threads
 from engine.execution.cuda_graphs import Capture, decode_graph_size
 from engine.execution.graph_inputs import PaddedDecode
-from engine.execution.input_batch import InputBatch, PackedStep, StepInputs
+from engine.execution.input_batch import InputBatch, PackedStep, SequenceState, StepInputs
 from engine.execution.kv_caches import allocate_kv_caches, paged_specs
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
 from engine.models.loader import LoadedModel, weight_bytes
@@ -69,7 +69,9 @@ class ModelRunner:
         compiler = grammars or GrammarCompiler(
             config.model.path, vocab_size=vocab_size, eos_token_ids=loaded.eos_token_ids
         )
-        self.step_grammars = StepGrammars(compiler, vocab_size, config.scheduler.max_num_seqs, device)
+        self.step_grammars = StepGrammars(
+            compiler, vocab_size, config.scheduler.max_num_seqs, device, loaded.max_model_len
+        )
         """Structured output: the constrained sequences' grammar states and each step's grammar bias."""
         self.samples = loaded.rank == 0
         """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
@@ -123,10 +125,13 @@ class ModelRunner:
         sampling, constrained = inputs.sampling, inputs.constrained
         # After the forward pass was issued: on CUDA the CPU fills the masks while the device computes.
         grammars = [sampling[row].grammar for row in constrained]
-        grammar_bias = (constrained, self.step_grammars.bias(grammars)) if constrained else None
+        grammar_bias = (constrained, self.step_grammars.bias(grammars)) if constrained else None  # type: ignore[arg-type]
         token_ids, logprobs = self.step_tokens(
             inputs, self.sampler(logits[: inputs.num_sampling], sampling, grammar_bias, inputs.sampling_needs)
         )
+        closed_by_budget = []
+        if grammar_bias is not None:
+            closed_by_budget = self._close_within_budget(logits, grammar_bias, sampling, token_ids, logprobs)
         added = [
             seq.extend_at(position, tokens)
             for seq, position, tokens in zip(sampling, inputs.sample_positions, token_ids, strict=True)
@@ -140,10 +145,40 @@ class ModelRunner:
             )
             if inputs.prompt_spans
             else [],
+            closed_by_budget=closed_by_budget,
             prepare_seconds=inputs.prepare_seconds,
             forward_seconds=forward_seconds,
             sample_seconds=time.perf_counter() - forwarded,
         )
+
+    def _close_within_budget(
+        self,
+        logits: torch.Tensor,
+        grammar_bias: tuple[list[int], torch.Tensor],
+        sampling: list[SequenceState],
+        token_ids: list[list[int]],
+        logprobs: list[list[TokenLogprob] | None],
+    ) -> list[int]:
+        """Let each constrained row's grammar keep or replace its sampled token (a JSON value closing within its
+        budget), with the logprob of a replaced one; the rows whose value the budget is closing."""
+        constrained, bias = grammar_bias
+        grammars = [sampling[row].grammar for row in constrained]
+        replaced = [
+            constrained[i] for i in self.step_grammars.choose(grammars, [token_ids[row] for row in constrained])
+        ]
+        wanted = [row for row in replaced if logprobs[row] is not None]
+        if wanted:
+            biased = logits[wanted] + bias[[constrained.index(row) for row in wanted]]
+            fresh = self.sampler.logprobs_of(
+                biased, [token_ids[row][0] for row in wanted], [sampling[r] for r in wanted]
+            )
+            for row, logprob in zip(wanted, fresh, strict=True):
+                logprobs[row] = [logprob]
+        return [
+            row
+            for row in constrained
+            if (closing := sampling[row].grammar.closing) is not None and closing.forced_any  # type: ignore[union-attr]
+        ]
 
     def step_tokens(
         self, inputs: StepInputs, sampled: SampleResult

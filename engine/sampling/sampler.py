@@ -304,6 +304,14 @@ class Sampler:
         # E = 0 (U = 1 after rounding) would make G = +inf and pick its token whatever p is.
         return noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_()
 
+    def logprobs_of(
+        self, logits: torch.Tensor, tokens: list[int], requests: Sequence[SamplingState]
+    ) -> list[TokenLogprob | None]:
+        """The logprobs `__call__` reports for `tokens` (one per row, each request's), had it picked them: for a
+        token the grammar chose after sampling. `logits` as `__call__` sees them after the grammar bias."""
+        logits = logits[:, : self.vocab_size].float()
+        return self._collect(logits, self._tensor(tokens, torch.long), requests, True).logprobs
+
     def _collect(
         self, logits: torch.Tensor, tokens: torch.Tensor, requests: Sequence[SamplingState], logprobs_asked: bool
     ) -> SampleResult:

@@ -3,7 +3,12 @@ that bans every token those grammars forbid.
 
 The runner keeps a `GrammarState` per constrained sequence, built by `StepGrammars.state_of` when the sequence
 arrives (on resume after a preemption it replays the tokens generated so far), and advances it with each token
-sampled (`StepGrammars.advance`); prefill chunks never touch it. `GrammarMasker.bias`
+sampled (`StepGrammars.advance`); prefill chunks never touch it.
+
+A JSON constraint also closes within its token budget (`BudgetClosing`): when the token sampled would leave too
+few tokens to close the value along its shortest valid completion (engine/sampling/json_closing.py), that
+completion is forced instead, one token a step (its row's mask allows that token alone), and the request ends
+with `length` however it ends, so a client can tell the model did not close the value itself. `GrammarMasker.bias`
 fills one bitmask for all the step's constrained rows with llguidance's batched fill on the CPU, then expands it on
 the device into an additive bias, 0 where a token is allowed and -inf where it is not, which the sampler adds to
 the logits in one operation.
@@ -12,6 +17,7 @@ the logits in one operation.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 
 import llguidance
@@ -20,6 +26,7 @@ import torch
 
 from engine.core.step import NewRequest
 from engine.core.structured import CompiledGrammar, GrammarCompiler
+from engine.sampling.json_closing import AnswerProgress
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +38,29 @@ class GrammarState:
     """Where one sequence stands in its grammar.
 
     `end_token_ids` are the request's EOS and stop tokens: the ones it may end with once the grammar is complete.
+    `max_output` is how many tokens it may generate in all (`max_new_tokens`, or less where the model length ends
+    it first): a JSON constraint closes within it.
     """
 
-    def __init__(self, compiled: CompiledGrammar, end_token_ids: frozenset[int], generated: Sequence[int]) -> None:
+    def __init__(
+        self,
+        compiled: CompiledGrammar,
+        end_token_ids: frozenset[int],
+        generated: Sequence[int],
+        max_output: int,
+        close_within_budget: bool = True,
+    ) -> None:
         self.matcher = compiled.matcher()
         self.end_token_ids = end_token_ids
+        self.closing = BudgetClosing(compiled, max_output) if close_within_budget and compiled.closable else None
         for token in generated:
             self.advance(token)
+
+    def choose(self, sampled: int) -> int:
+        """The token this step keeps: `sampled`, unless the budget needs the value closed from here."""
+        if self.closing is None or sampled in self.end_token_ids or not self.end_token_ids:
+            return sampled
+        return self.closing.choose(sampled, self.matcher, min(self.end_token_ids))
 
     def advance(self, token: int) -> None:
         # An end token finishes the request: the grammar has nothing left to follow.
@@ -47,6 +70,108 @@ class GrammarState:
             # The mask allowed it, so this is the library disagreeing with itself; from here its mask allows
             # only EOS, which ends the request.
             logger.error("grammar refused the token %d it allowed: %s", token, self.matcher.get_error())
+        if self.closing is not None:
+            self.closing.advance(token)
+
+
+class BudgetClosing:
+    """Keeps a JSON value closable within the tokens a request has left.
+
+    After each token it knows the value's shortest valid completion (`AnswerProgress`); `choose` looks one token
+    ahead: a sampled token after which that completion would need more tokens than are left is replaced by the
+    first token of the completion from before it, and the rest of that completion is forced after it. The
+    completion is checked against the matcher before anything is forced: what this cannot close exactly, it
+    leaves alone (the answer may then end unclosed, as without it).
+    """
+
+    def __init__(self, compiled: CompiledGrammar, max_output: int) -> None:
+        self.tokenizer = compiled.tokenizer
+        self.progress = AnswerProgress.of(compiled.answer_schema, compiled.tagged_calls)
+        self.pending = b""
+        """Bytes of a character split across tokens, decoded once its last byte arrives."""
+        self.max_output = max_output
+        self.num_generated = 0
+        self.forced: deque[int] = deque()
+        """The rest of the completion being forced: the next token is its first."""
+        self.forced_any = False
+        """The budget chose a token: the answer ends with `length` whatever the model does after."""
+
+    def choose(self, sampled: int, matcher: llguidance.LLMatcher, end_token: int) -> int:
+        """`sampled`, or the first token of the closing from here (`end_token` when the value is complete
+        already and `sampled` would reopen it)."""
+        if self.forced:
+            return self.forced[0]
+        left = self.max_output - self.num_generated - 1  # tokens after this one
+        if self._fits(*self._after(self.progress, self.pending, sampled), left):
+            return sampled
+        closing = self._closing(self.progress, self.pending)
+        if closing is None:
+            return sampled
+        tokens = self.tokenizer.tokenize_bytes(closing) if closing else [end_token]
+        if len(tokens) > left + 1 or (closing and not _closes(matcher, tokens)):
+            return sampled
+        self.forced.extend(tokens)
+        self.forced_any = True
+        return tokens[0]
+
+    def advance(self, token: int) -> None:
+        self.num_generated += 1
+        if self.forced and self.forced[0] == token:
+            self.forced.popleft()
+        self.progress, self.pending = self._after(self.progress, self.pending, token)
+
+    def _after(self, progress: AnswerProgress, pending: bytes, token: int) -> tuple[AnswerProgress, bytes]:
+        data = pending + self.tokenizer.decode_bytes([token])
+        text, rest = _decodable(data)
+        return progress.feed(text), rest
+
+    def _fits(self, progress: AnswerProgress, pending: bytes, left: int) -> bool:
+        closing = self._closing(progress, pending)
+        if closing is None:  # nothing known to keep: leave the sampled token be
+            return True
+        # A token holds at least one byte: most steps need no tokenizing.
+        return len(closing) <= left or len(self.tokenizer.tokenize_bytes(closing)) <= left
+
+    @staticmethod
+    def _closing(progress: AnswerProgress, pending: bytes) -> bytes | None:
+        """The bytes that close the value from here, a split character's missing bytes first."""
+        finish = b""
+        if pending:
+            finish = _character_end(pending)
+            if finish is None:
+                return None
+            progress = progress.feed((pending + finish).decode())
+        text = progress.shortest_completion()
+        return None if text is None else finish + text.encode()
+
+
+def _decodable(data: bytes) -> tuple[str, bytes]:
+    """`data` decoded as far as whole characters go, and the bytes of the character it ends inside."""
+    for cut in range(len(data), max(-1, len(data) - 4), -1):
+        try:
+            return data[:cut].decode(), data[cut:]
+        except UnicodeDecodeError:
+            continue
+    return data.decode(errors="replace"), b""
+
+
+def _character_end(start: bytes) -> bytes | None:
+    """Continuation bytes that make `start` (a character's first bytes) a valid UTF-8 character."""
+    for second in (0x80, 0x90, 0xA0):
+        for length in range(1, 4):
+            tail = bytes([second] + [0x80] * (length - 1))
+            try:
+                (start + tail).decode()
+            except UnicodeDecodeError:
+                continue
+            return tail
+    return None
+
+
+def _closes(matcher: llguidance.LLMatcher, tokens: list[int]) -> bool:
+    """Whether the grammar takes `tokens` from where `matcher` stands and is complete after them."""
+    trial = matcher.deep_copy()
+    return all(trial.consume_token(token) for token in tokens) and trial.is_accepting()
 
 
 class GrammarMasker:
@@ -89,7 +214,9 @@ class GrammarMasker:
             rows,
         )
         for row, state in enumerate(states):
-            if state.end_token_ids != self._library_ends:
+            if state.closing is not None and state.closing.forced:
+                self._only(row, state.closing.forced[0])
+            elif state.end_token_ids != self._library_ends:
                 self._use_own_end_tokens(row, state.end_token_ids)
         self.num_masked_rows += rows
         packed = self._packed[:rows].to(self.device, non_blocking=True)
@@ -97,6 +224,11 @@ class GrammarMasker:
         # 0 -> -inf by bits alone (x - 1 is 0 or all ones, masked to -inf's pattern).
         bias = (packed.unsqueeze(-1) >> self._shifts).bitwise_and_(1).sub_(1).bitwise_and_(_NEG_INF_BITS)
         return bias.view(torch.float32).view(rows, -1)[:, : self.vocab_size]
+
+    def _only(self, row: int, token: int) -> None:
+        """Allow `token` alone in the row: the budget is closing the value."""
+        self._bits[row] = 0
+        self._bits[row, token >> 5] = np.uint32(1) << np.uint32(token & 31)
 
     def _use_own_end_tokens(self, row: int, end_token_ids: frozenset[int]) -> None:
         """Where the library allowed its EOS (the grammar may end here), allow the request's end tokens instead."""
@@ -120,8 +252,11 @@ class StepGrammars:
     The masker is built with the first constrained row: steps without any never touch a grammar.
     """
 
-    def __init__(self, compiler: GrammarCompiler, vocab_size: int, max_rows: int, device: torch.device) -> None:
+    def __init__(
+        self, compiler: GrammarCompiler, vocab_size: int, max_rows: int, device: torch.device, max_model_len: int
+    ) -> None:
         self.compiler = compiler
+        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         self.device = device
@@ -134,7 +269,14 @@ class StepGrammars:
             return None
         # Compiled before the request was admitted, so this is a cache hit (a recompile only if it was evicted).
         compiled = self.compiler.compile(structured_output)
-        return GrammarState(compiled, new.eos_token_ids | frozenset(new.params.stop_token_ids), new.output_ids)
+        params = new.params
+        return GrammarState(
+            compiled,
+            new.eos_token_ids | frozenset(params.stop_token_ids),
+            new.output_ids,
+            min(params.max_new_tokens, self.max_model_len - len(new.prompt_ids)),
+            params.close_within_budget,
+        )
 
     def bias(self, states: Sequence[GrammarState]) -> torch.Tensor:
         """`GrammarMasker.bias` of the step's constrained rows."""
@@ -143,6 +285,18 @@ class StepGrammars:
                 self.vocab_size, self.max_rows, self.device, frozenset(self.compiler.tokenizer.eos_tokens)
             )
         return self.masker.bias(states)
+
+    @staticmethod
+    def choose(states: Sequence[GrammarState], sampled: Sequence[list[int]]) -> list[int]:
+        """Each state's pick for the token sampled for it (`GrammarState.choose`), in place; the indexes of the
+        states whose token was replaced."""
+        replaced = []
+        for index, (state, tokens) in enumerate(zip(states, sampled, strict=True)):
+            token = state.choose(tokens[0])
+            if token != tokens[0]:
+                tokens[0] = token
+                replaced.append(index)
+        return replaced
 
     @staticmethod
     def advance(states: Sequence[GrammarState], added: Sequence[Sequence[int]]) -> None:

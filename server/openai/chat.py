@@ -44,9 +44,15 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
     arrival = time.monotonic()
     ctx.check_request(body)
     tool_use = resolve_tool_use(
-        body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, ctx.tool_call_parser
+        body.function_tools(),
+        body.tool_choice_value(),
+        body.parallel_tool_calls,
+        ctx.tool_call_parser,
+        tags=ctx.call_tags,
+        strict_auto=ctx.reasoning is None,
     )
-    constraint = body.output_constraint(tool_use.constraint() if tool_use else None)
+    answer = body.output_constraint()
+    constraint = tool_use.constraint(answer) if tool_use else answer
     messages = body.template_messages()
     prompt_text = render_conversation(
         ctx.tokenizer,
@@ -68,7 +74,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         arrival=arrival,
         constraint=constraint,
         reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
-        tool_reader=tool_use.reader_factory() if tool_use else None,
+        tool_reader=tool_use.reader_factory(constraint) if tool_use else None,
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))
@@ -99,14 +105,17 @@ async def _chunk_choices(
     for choice in generation.choices:
         yield [ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content=""))]
     async for index, update in generation.updates():
-        if update.text or update.reasoning or update.logprobs:
-            logprobs = chat_logprobs(tokenizer, update.logprobs) if body.logprobs else None
+        logprobs = chat_logprobs(tokenizer, update.logprobs) if body.logprobs and update.logprobs else None
+        if update.text or update.reasoning or (logprobs is not None and not update.tool_calls):
             # Reasoning alone leaves `content` out of the delta; otherwise it is there, if only "".
             content = update.text if update.text or not update.reasoning else None
             delta = ChatDelta(content=content, reasoning_content=update.reasoning or None)
             yield [ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)]
+            logprobs = None
         for call in update.tool_calls:
-            yield [ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[_call_chunk(call)]))]
+            # The tokens that wrote a call travel with its first chunk of this update, as vLLM sends them.
+            yield [ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[_call_chunk(call)]), logprobs=logprobs)]
+            logprobs = None
         if update.finish_reason is not None:
             yield [ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=update.finish_reason)]
 

@@ -60,6 +60,9 @@ class GenerationRequest(Protocol):
     def include_usage(self) -> bool: ...
 
     @property
+    def continuous_usage(self) -> bool: ...
+
+    @property
     def priority(self) -> int: ...
 
     def check_supported(self, template_options: Collection[str] = ()) -> None: ...
@@ -93,6 +96,9 @@ class ServingContext:
     """Splits chat answers from the model's reasoning; None for a model without (or told to use none)."""
     tool_call_parser: str | None = None
     """The parser that reads `tool_choice: auto` answers (server/openai/tool_parsers); None: no format known."""
+    call_tags: tuple[str, str] | None = None
+    """The text around a call object in the model's own format, where the grammar can write calls as the model
+    does (tool_parsers/hermes.py call_tags); None: enforced calls use the JSON-array form."""
 
     @property
     def model_name(self) -> str:
@@ -132,6 +138,7 @@ class Generation:
         choices: list[ChoiceState],
         arrival: float,
         include_usage: bool,
+        continuous_usage: bool = False,
     ) -> None:
         self.ctx = ctx
         self.id = response_id
@@ -142,6 +149,8 @@ class Generation:
         self.choices = choices
         self.include_usage = include_usage
         """A stream's chunks carry `usage` (null, then the totals in a last chunk of their own)."""
+        self.continuous_usage = continuous_usage
+        """Every chunk's `usage` is the count so far, not null."""
         self.timers = [RequestTimer(ctx.metrics, arrival) for _ in choices]
         self._unfinished = len(choices)
         self._deadline: asyncio.TimerHandle | None = None
@@ -258,7 +267,7 @@ class Generation:
 
         async def events() -> AsyncIterator[bytes]:
             async for choices in chunk_choices:
-                yield event(choices)
+                yield event(choices, self.usage() if self.continuous_usage else None)
             if self.include_usage:
                 yield event([], self.usage())
             yield SSE_DONE
@@ -353,7 +362,9 @@ async def start_generation(
         group = ctx.client.submit(requests)
     except EngineDeadError as exc:
         raise APIError(503, str(exc), type="service_unavailable_error", code="engine_dead") from exc
-    generation = Generation(ctx, response_id, prompts, n, group, choices, arrival, body.include_usage)
+    generation = Generation(
+        ctx, response_id, prompts, n, group, choices, arrival, body.include_usage, body.continuous_usage
+    )
     try:
         await generation.admitted()
     except BaseException:

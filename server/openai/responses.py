@@ -46,7 +46,6 @@ from server.openai.responses_schemas import (
     ResponsesRequest,
     ResponseUsage,
 )
-from server.openai.structured import conflicting_constraints
 from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
 from server.openai.tools import resolve_tool_use
@@ -64,13 +63,12 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         body.tool_choice_value(),
         body.parallel_tool_calls,
         ctx.tool_call_parser,
+        tags=ctx.call_tags,
+        strict_auto=ctx.reasoning is None,
         parameters_field="parameters",
     )
-    tool_constraint = tool_use.constraint() if tool_use else None
     format_constraint = body.format_constraint()
-    if tool_constraint is not None and format_constraint is not None:
-        raise conflicting_constraints(tool_constraint.param, format_constraint.param)
-    constraint = tool_constraint or format_constraint
+    constraint = tool_use.constraint(format_constraint) if tool_use else format_constraint
     messages = template_messages(body.instructions, body.input)
     prompt_text = render_conversation(
         ctx.tokenizer,
@@ -94,7 +92,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         arrival=arrival,
         constraint=constraint,
         reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
-        tool_reader=tool_use.reader_factory() if tool_use else None,
+        tool_reader=tool_use.reader_factory(constraint) if tool_use else None,
     )
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, ctx.model_name))
     if body.stream:

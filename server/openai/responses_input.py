@@ -56,7 +56,7 @@ def template_messages(instructions: str | None, items: str | list[InputItem]) ->
                 f"The 'reasoning' item before '{where}' must be followed by the assistant turn it belongs to.", where
             )
         if isinstance(item, FunctionCallItem):
-            call = template_tool_call(item.call_id, item.name, item.arguments, f"{where}.arguments")
+            call = template_tool_call(item.call_id, item.name, item.arguments)
             _assistant_turn(messages).setdefault("tool_calls", []).append(call)
             called[item.call_id] = item.name
         elif isinstance(item, FunctionCallOutputItem):

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 from engine.core.request import SamplingParams, StructuredOutput
 from server.openai.errors import invalid_request, unsupported_parameter
-from server.openai.schemas import FUNCTION_NAME_PATTERN, INT32_MAX, INT32_MIN
+from server.openai.schemas import FUNCTION_NAME_PATTERN, INT32_MAX, INT32_MIN, check_min_tokens
 from server.openai.structured import Constraint, json_object_constraint, json_schema_constraint
 from server.openai.template import ReasoningEffort, template_kwargs
 from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode
@@ -258,6 +258,15 @@ class ResponsesRequest(_RequestModel):
     stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
     store: bool | None = Field(None, description="Only false (or absent): this server keeps no responses.")
+    # Extras, as in vLLM's chat and completions.
+    min_tokens: int | None = Field(0, ge=0, description="Tokens to generate before EOS or a stop token may end it.")
+    stop_token_ids: list[NonNegativeInt] | None = Field(None, description="Token ids that end the answer.")
+    close_within_budget: bool = Field(
+        True,
+        description="JSON output (response_format, structured_outputs JSON, a required or named tool call) closes "
+        "within the token limit: when the tokens left are just enough for the value's shortest valid completion, "
+        "that completion is forced and the answer ends with status 'incomplete'. false: it may end unclosed.",
+    )
     priority: int = Field(
         0,
         ge=INT32_MIN,
@@ -293,6 +302,10 @@ class ResponsesRequest(_RequestModel):
     @property
     def include_usage(self) -> bool:
         return False  # a response's usage is always in its last event
+
+    @property
+    def continuous_usage(self) -> bool:
+        return False
 
     def check_supported(self, template_options: Collection[str] = ()) -> None:
         """Raise a 400 naming the first field whose meaning the server cannot honour."""
@@ -362,13 +375,17 @@ class ResponsesRequest(_RequestModel):
         top_logprobs: int,
         structured_output: StructuredOutput | None = None,
     ) -> SamplingParams:
+        check_min_tokens(self.min_tokens or 0, max_new_tokens, structured_output is not None)
         return SamplingParams(
             max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_tokens or 0,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             structured_output=structured_output,
+            close_within_budget=self.close_within_budget,
         )
 
 

@@ -107,6 +107,9 @@ def _tagged_by_type(tags: dict[str, str]) -> Discriminator:
 class StreamOptions(_RequestModel):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's extra: every chunk carries the usage so far (with include_usage)."
+    )
 
 
 class StructuredOutputsParams(_RequestModel):
@@ -117,6 +120,17 @@ class StructuredOutputsParams(_RequestModel):
     choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
     grammar: str | None = Field(None, description="A grammar in llguidance's Lark dialect (`start: ...`).")
     json_object: bool | None = Field(None, description="true: any JSON object.")
+
+
+def check_min_tokens(min_tokens: int, max_new_tokens: int, constrained: bool) -> None:
+    """`min_tokens` fits the token limit, and no constraint (once met only EOS may follow, so nothing can be kept
+    from ending there)."""
+    if min_tokens > max_new_tokens:
+        raise invalid_request(
+            f"'min_tokens' ({min_tokens}) is larger than the token limit ({max_new_tokens}).", "min_tokens"
+        )
+    if constrained and min_tokens:
+        raise invalid_request("'min_tokens' cannot go with a constrained output, which ends with EOS.", "min_tokens")
 
 
 class SamplingRequest(_RequestModel):
@@ -149,6 +163,12 @@ class SamplingRequest(_RequestModel):
         le=INT32_MAX,
         description="Lower runs first; only with `ferry serve --scheduling-policy priority` (400 otherwise).",
     )
+    close_within_budget: bool = Field(
+        True,
+        description="JSON output (response_format, structured_outputs JSON, a required or named tool call) closes "
+        "within the token limit: when the tokens left are just enough for the value's shortest valid completion, "
+        "that completion is forced and the answer ends with finish_reason 'length'. false: it may end unclosed.",
+    )
     structured_outputs: StructuredOutputsParams | None = Field(
         None, description="Constrain the output (vLLM's extra): one of json, regex, choice, grammar, json_object."
     )
@@ -170,6 +190,11 @@ class SamplingRequest(_RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's `continuous_usage_stats`, with `include_usage`)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def check_supported(self, template_options: Collection[str] = ()) -> None:
         """Raise a 400 naming the first field whose meaning the server cannot honour; `template_options` are the
@@ -203,15 +228,11 @@ class SamplingRequest(_RequestModel):
         top_logprobs: int,
         structured_output: StructuredOutput | None = None,
     ) -> SamplingParams:
-        if self.min_tokens and self.min_tokens > max_new_tokens:
+        check_min_tokens(self.min_tokens or 0, max_new_tokens, structured_output is not None)
+        if structured_output is not None and self.ignore_eos:
             raise invalid_request(
-                f"'min_tokens' ({self.min_tokens}) is larger than the token limit ({max_new_tokens}).", "min_tokens"
+                "'ignore_eos' cannot go with a constrained output, which ends with EOS.", "ignore_eos"
             )
-        if structured_output is not None:
-            # Once a constraint is met only EOS may follow: nothing can be generated past it, or kept from it.
-            for name, value in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)):
-                if value:
-                    raise invalid_request(f"'{name}' cannot go with a constrained output, which ends with EOS.", name)
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens or 0,
@@ -231,6 +252,7 @@ class SamplingRequest(_RequestModel):
             logit_bias=self._logit_bias(),
             prompt_logprobs=self.prompt_logprobs,
             structured_output=structured_output,
+            close_within_budget=self.close_within_budget,
         )
 
     @property
@@ -430,9 +452,9 @@ class ChatCompletionRequest(SamplingRequest):
             return json_schema_constraint(response_format.json_schema.schema_, "response_format.json_schema.schema")
         return None
 
-    def output_constraint(self, tools: Constraint | None) -> Constraint | None:
-        """The one constraint on the answer: `response_format`, vLLM's extras, or the enforced tool call."""
-        found = [c for c in (tools, self.response_format_constraint(), self.vllm_constraint()) if c is not None]
+    def output_constraint(self) -> Constraint | None:
+        """The one constraint on the answer's format: `response_format` or vLLM's extras (tools add theirs)."""
+        found = [c for c in (self.response_format_constraint(), self.vllm_constraint()) if c is not None]
         if len(found) > 1:
             raise conflicting_constraints(found[0].param, found[1].param)
         return found[0] if found else None
@@ -471,7 +493,7 @@ class ChatCompletionRequest(SamplingRequest):
                         f"'{where}.tool_calls' is only allowed on assistant messages.", f"{where}.tool_calls"
                     )
                 calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
-                entry["tool_calls"] = template_tool_calls(calls, f"{where}.tool_calls")
+                entry["tool_calls"] = template_tool_calls(calls)
                 called.update((c.id, c.function.name) for c in message.tool_calls)
             if message.role == "tool":
                 if message.tool_call_id is None:

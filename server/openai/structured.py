@@ -42,6 +42,23 @@ def json_schema_constraint(schema: dict[str, Any] | str, param: str) -> Constrai
     return _constraint("json_schema", json.dumps(schema), param)
 
 
+def tool_calls_constraint(
+    tags: tuple[str, str],
+    call: dict[str, Any],
+    parallel: bool,
+    answer: Constraint | None,
+    param: str,
+    text: bool = False,
+) -> Constraint:
+    """Calls in the model's own format (each call object between the `tags`); or where `answer` (a JSON
+    constraint) is given, that JSON answer instead; or with `text`, any text that does not start a call."""
+    answer_schema = None
+    if answer is not None:
+        answer_schema = {"type": "object"} if answer.output.kind == "json_object" else json.loads(answer.output.spec)
+    spec = {"begin": tags[0], "end": tags[1], "call": call, "parallel": parallel, "answer": answer_schema, "text": text}
+    return _constraint("tool_calls", json.dumps(spec), param)
+
+
 def json_object_constraint(param: str) -> Constraint:
     return _constraint("json_object", "", param)
 

@@ -2,9 +2,14 @@
 
 `tool_choice` decides how: `none` offers no tool; `auto` lets the model answer or call in its own format, which
 a tool-call parser reads (server/openai/tool_parsers); `required` and a named function are enforced by the
-grammar, so the answer is always a call to an offered tool with arguments that validate. A `required` answer is
-a JSON array of `{"name", "parameters"}` objects (one only with `parallel_tool_calls: false`), a named one the
-arguments object itself.
+grammar, so the answer is always a call to an offered tool with arguments that validate. Where the grammar knows
+the model's own format (Hermes: `call_tags`, read from its chat template), it enforces the calls in that format,
+the one the model was trained on; `auto` beside a JSON `response_format` then means a call in that format or the
+JSON answer (an agent with tools and a typed result), and `auto` alone free text or, once the model opens a
+call, valid calls to offered tools (as OpenAI's strict function calling; not for a model with a reasoning
+format, whose answer is split). Otherwise a `required` answer is a JSON array of `{"name", "parameters"}` objects
+(one only with `parallel_tool_calls: false`), a named one the arguments object itself, and `auto` beside a
+`response_format` is the JSON answer alone.
 
 The functions take plain values (FunctionTool, a choice), so the chat and responses endpoints share them.
 """
@@ -17,10 +22,22 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from server.openai.errors import invalid_request
-from server.openai.structured import Constraint, check_json_schema, json_schema_constraint
+from server.openai.structured import (
+    Constraint,
+    check_json_schema,
+    conflicting_constraints,
+    json_schema_constraint,
+    tool_calls_constraint,
+)
 from server.openai.tool_parsers import TOOL_CALL_PARSERS
 from server.openai.tool_parsers.base import ToolCallReader
-from server.openai.tool_parsers.enforced import ARGUMENTS_KEY, NAME_KEY, NamedCallReader, RequiredCallsReader
+from server.openai.tool_parsers.enforced import (
+    ARGUMENTS_KEY,
+    NAME_KEY,
+    NamedCallReader,
+    RequiredCallsReader,
+    TaggedCallsReader,
+)
 
 ToolChoiceMode = Literal["none", "auto", "required"]
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -63,6 +80,13 @@ class ToolUse:
     parallel: bool
     parser: str | None
     """The model-format parser that reads `auto` answers."""
+    tags: tuple[str, str] | None = None
+    """The text around one call object in the model's own format, where the grammar can write calls as the
+    model does (server/openai/tool_parsers/hermes.py call_tags)."""
+    strict_auto: bool = False
+    """`auto` answers are free text or, once the model opens a call, calls to offered tools whose arguments
+    validate (as OpenAI's strict function calling): on where the server knows the tags and the model has no
+    reasoning format (a constrained answer is not split into reasoning)."""
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """What the template renders as the offered tools: none when the answer may not call one."""
@@ -70,13 +94,26 @@ class ToolUse:
             return None
         return [tool.template_entry() for tool in self.tools]
 
-    def constraint(self, param: str = "tool_choice") -> Constraint | None:
-        """The grammar that makes a `required` or named answer a valid call; None for `none` and `auto`."""
+    def constraint(self, answer: Constraint | None, param: str = "tool_choice") -> Constraint | None:
+        """The grammar of the answer: an enforced call (`required`, a named function), or with `auto` and a
+        JSON `answer` (the request's `response_format`) a call or that answer; `answer` alone otherwise."""
+        forced = isinstance(self.choice, ForcedFunction) or self.choice == "required"
+        if forced and answer is not None:
+            raise conflicting_constraints(param, answer.param)
+        tags = self.tags
+        if self.choice == "auto" and answer is not None and tags is not None and answer.output.kind in _JSON_KINDS:
+            return tool_calls_constraint(tags, _tagged_call_schema(self.tools), self.parallel, answer, param)
+        if self.choice == "auto" and answer is None and tags is not None and self.strict_auto:
+            return tool_calls_constraint(tags, _tagged_call_schema(self.tools), self.parallel, None, param, text=True)
+        if not forced:
+            return answer
         if isinstance(self.choice, ForcedFunction):
             (tool,) = (t for t in self.tools if t.name == self.choice.name)
+            if tags is not None:
+                return tool_calls_constraint(tags, _tagged_call_schema((tool,)), False, None, param)
             return json_schema_constraint(tool.arguments_schema, param)
-        if self.choice != "required":
-            return None
+        if tags is not None:
+            return tool_calls_constraint(tags, _tagged_call_schema(self.tools), self.parallel, None, param)
         calls: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
@@ -86,9 +123,13 @@ class ToolUse:
             calls["maxItems"] = 1
         return json_schema_constraint(calls, param)
 
-    def reader_factory(self) -> Callable[[], ToolCallReader] | None:
-        """Makes one reader per choice (readers keep state); None when answers are plain content."""
+    def reader_factory(self, constraint: Constraint | None) -> Callable[[], ToolCallReader] | None:
+        """Makes one reader per choice (readers keep state); None when answers are plain content.
+        `constraint` is what `constraint` returned."""
         choice = self.choice
+        if constraint is not None and constraint.output.kind == "tool_calls" and choice != "auto":
+            begin, end = self.tags or ("", "")
+            return lambda: TaggedCallsReader(begin, end)
         if isinstance(choice, ForcedFunction):
             return lambda: NamedCallReader(choice.name)
         if choice == "required":
@@ -98,18 +139,25 @@ class ToolUse:
         return None
 
 
+_JSON_KINDS = ("json_schema", "json_object")
+
+
 def resolve_tool_use(
     tools: Sequence[FunctionTool] | None,
     choice: ToolChoiceMode | ForcedFunction | None,
     parallel_tool_calls: bool | None,
     parser: str | None,
     *,
+    tags: tuple[str, str] | None = None,
+    strict_auto: bool = False,
     tools_param: str = "tools",
     choice_param: str = "tool_choice",
     parameters_field: str = "function.parameters",
 ) -> ToolUse | None:
     """Check the tools and the choice together; None when the request offers no tools (or `tool_choice` none and
-    no tools). `parser` is the server's parser for `auto` (None: it cannot read this model's calls);
+    no tools). `parser` is the server's parser for `auto` (None: it cannot read this model's calls), `tags` the
+    model's own call format where the grammar can write it (ServingContext.call_tags), `strict_auto` whether
+    `auto` calls are enforced too (ToolUse.strict_auto);
     `parameters_field` is where a tool keeps its schema (chat nests it under `function`, responses do not)."""
     tools = tuple(tools or ())
     if not tools:
@@ -139,27 +187,38 @@ def resolve_tool_use(
             choice_param,
             code="unsupported_tool_choice",
         )
-    return ToolUse(tools, choice, parallel_tool_calls is not False, parser)
+    return ToolUse(tools, choice, parallel_tool_calls is not False, parser, tags, strict_auto)
 
 
-def template_tool_calls(calls: Sequence[tuple[str, str, str]], param: str) -> list[dict[str, Any]]:
-    """An assistant message's calls, `(id, name, arguments as JSON text)`, as chat templates take them: arguments
-    as an object (templates write them with `tojson`)."""
-    return [
-        template_tool_call(call_id, name, arguments, f"{param}[{j}].function.arguments")
-        for j, (call_id, name, arguments) in enumerate(calls)
-    ]
+def template_tool_calls(calls: Sequence[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """An assistant message's calls, `(id, name, arguments as JSON text)`, as chat templates take them."""
+    return [template_tool_call(call_id, name, arguments) for call_id, name, arguments in calls]
 
 
-def template_tool_call(call_id: str, name: str, arguments: str, param: str) -> dict[str, Any]:
-    """One call as chat templates take it; `param` names where its arguments came from, for errors."""
+def template_tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """One call as chat templates take it: arguments as an object (templates write them with `tojson`), or, when
+    the text is not a JSON object (a call cut off by its token limit, replayed by a client), the text as it is:
+    templates that check for a string write it unchanged, and the conversation goes on."""
     try:
         parsed = json.loads(arguments)
-    except json.JSONDecodeError as exc:
-        raise invalid_request(f"'{param}' is not valid JSON: {exc}.", param) from exc
-    if not isinstance(parsed, dict):
-        raise invalid_request(f"'{param}' must be a JSON object.", param)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+    except json.JSONDecodeError:
+        parsed = None
+    value: Any = parsed if isinstance(parsed, dict) else arguments
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": value}}
+
+
+def _tagged_call_schema(tools: Sequence[FunctionTool]) -> dict[str, Any]:
+    """One call object in the model's own format, `{"name", "arguments"}`, for any of `tools`."""
+    branches = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [tool.name]}, "arguments": tool.arguments_schema},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
 def _call_schema(tool: FunctionTool) -> dict[str, Any]:

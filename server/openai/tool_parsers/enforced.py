@@ -41,15 +41,15 @@ class RequiredCallsReader(ToolCallReader):
     characters through until its closing brace (counted outside strings).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, arguments_key: str = ARGUMENTS_KEY) -> None:
         super().__init__()
+        self._arguments_key = arguments_key
         self._state = "array"
         self._string = ""
         """The key or name read so far (between its quotes, still escaped)."""
         self._key = ""
         self._escaped = False
-        self._in_string = False
-        self._depth = 0
+        self._nesting = _Nesting()
 
     def feed(self, text: str) -> ReaderUpdate:
         update = ReaderUpdate()
@@ -58,7 +58,7 @@ class RequiredCallsReader(ToolCallReader):
             state = self._state
             if state == "arguments":
                 arguments.append(char)
-                if self._closes_arguments(char):
+                if self._nesting.closes(char):
                     self._state = "after_value"
                     update.calls.append(self._arguments("".join(arguments)))
                     arguments = []
@@ -70,7 +70,7 @@ class RequiredCallsReader(ToolCallReader):
                 self._state = self._next_state(char)
                 if self._state == "arguments":
                     arguments.append(char)
-                    self._depth, self._in_string = 1, False
+                    self._nesting = _Nesting(depth=1)
                 elif self._state == "malformed":
                     update.content += char
         if arguments:
@@ -87,7 +87,7 @@ class RequiredCallsReader(ToolCallReader):
             if char == '"' and self._key == NAME_KEY:
                 self._string = ""
                 return "name"
-            return "arguments" if char == "{" and self._key == ARGUMENTS_KEY else "malformed"
+            return "arguments" if char == "{" and self._key == self._arguments_key else "malformed"
         if self._state == "before_key" and char == '"':
             self._string = ""
         return _TRANSITIONS.get((self._state, char), "malformed")
@@ -107,24 +107,6 @@ class RequiredCallsReader(ToolCallReader):
             return
         self._string += char
 
-    def _closes_arguments(self, char: str) -> bool:
-        """Track strings and nesting inside the arguments object; True at its closing brace."""
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif char == "\\":
-                self._escaped = True
-            elif char == '"':
-                self._in_string = False
-        elif char == '"':
-            self._in_string = True
-        elif char in "{[":
-            self._depth += 1
-        elif char in "}]":
-            self._depth -= 1
-            return self._depth == 0
-        return False
-
 
 _TRANSITIONS = {
     ("array", "["): "element",
@@ -136,3 +118,83 @@ _TRANSITIONS = {
     ("next_element", ","): "element",
     ("next_element", "]"): "done",
 }
+
+
+class TaggedCallsReader(ToolCallReader):
+    """Calls the grammar enforced in the model's own format (a `tool_calls` constraint): each
+    `{"name": ..., "arguments": {...}}` between `begin` and `end` (Hermes: `<tool_call>\\n`, `\\n</tool_call>`), or,
+    where the request also has a `response_format`, a JSON answer instead, which is content.
+
+    The tags are dropped and the objects go through RequiredCallsReader as if they were one array, so a call is
+    sent as soon as its name is complete and its arguments as they are written.
+    """
+
+    def __init__(self, begin: str, end: str) -> None:
+        super().__init__()
+        self._begin, self._end = begin, end
+        # The tags may be special tokens (Qwen's are), which the detokenizer keeps only when told.
+        self.marker_tokens = (begin.strip(), end.strip())
+        self._calls = RequiredCallsReader(arguments_key="arguments")
+        self._mode = "start"
+        """`start`, `content` (a JSON answer), `begin` / `end` (inside a tag), `call` (inside a call's JSON)."""
+        self._matched = 0
+        self._nesting = _Nesting()
+        self._started = False
+
+    def feed(self, text: str) -> ReaderUpdate:
+        update = ReaderUpdate()
+        inner: list[str] = []
+        for char in text:
+            if self._mode == "start":
+                self._mode = "begin" if char == self._begin[0] else "content"
+            if self._mode == "content":
+                update.content += char
+            elif self._mode in ("begin", "end"):
+                tag = self._begin if self._mode == "begin" else self._end
+                self._matched += 1
+                if self._matched == len(tag):
+                    self._matched = 0
+                    if self._mode == "begin":
+                        self._mode, self._nesting = "call", _Nesting()
+                        inner.append("," if self._started else "[")
+                        self._started = True
+                    else:
+                        self._mode = "between"
+            elif self._mode == "between":
+                self._mode, self._matched = "begin", 1
+            else:
+                inner.append(char)
+                if self._nesting.closes(char):
+                    self._mode = "end"
+        if inner:
+            update.calls.extend(self._calls.feed("".join(inner)).calls)
+        return update
+
+    def finish(self) -> ReaderUpdate:
+        return ReaderUpdate()
+
+
+class _Nesting:
+    """Strings and brackets inside a JSON value, read a character at a time: where the value closes."""
+
+    def __init__(self, depth: int = 0) -> None:
+        self.depth = depth
+        self.in_string = self.escaped = False
+
+    def closes(self, char: str) -> bool:
+        """Take the next character; True at the bracket that closes the value."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+        elif char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+            return self.depth == 0
+        return False

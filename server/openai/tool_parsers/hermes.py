@@ -8,10 +8,13 @@ read the same way (models sometimes stop right after the JSON). Whitespace betwe
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 from server.openai.tool_parsers.base import MarkedCallsReader, call_from_json
 
 START, END = "<tool_call>", "</tool_call>"
+_PROBE = {"name": "ferry_probe", "arguments": {"x": 1}}
 
 
 class HermesToolParser(MarkedCallsReader):
@@ -34,3 +37,20 @@ def _parse_block(body: str) -> tuple[str, str] | None:
     except json.JSONDecodeError:
         return None
     return call_from_json(value)
+
+
+def call_tags(render_call: Callable[[dict[str, Any]], str]) -> tuple[str, str] | None:
+    """The text before and after one call object as this model's chat template writes a call (`render_call`
+    renders a conversation whose assistant turn makes the given call): Qwen's `<tool_call>\\n` and
+    `\\n</tool_call>`, another template's without the newlines. What the grammar writes when a call must come, so
+    the model sees its own format. None where the template does not write the object as the grammar would."""
+    text = render_call(_PROBE)
+    at = text.rfind(_PROBE["name"])  # the call, after any mention in a tools list
+    start, end = text.rfind(START, 0, at), text.find(END, at)
+    if at < 0 or start < 0 or end < 0:
+        return None
+    inner = text[start + len(START) : end]
+    first, last = inner.find("{"), inner.rfind("}")
+    if json.dumps(_PROBE) != inner[first : last + 1]:
+        return None
+    return START + inner[:first], inner[last + 1 :] + END

@@ -167,7 +167,21 @@ const FerryChat = (() => {
     const body = document.createElement("div");
     body.className = role === "assistant" ? "body md" : "body plain";
     body.textContent = text; // user text is shown exactly as typed
-    article.append(label, body);
+    if (role === "assistant") {
+      // The model's reasoning (`reasoning_content`), apart from the answer and folded once the answer starts.
+      const reasoning = document.createElement("details");
+      reasoning.className = "reasoning";
+      reasoning.hidden = true;
+      reasoning.open = true;
+      const summary = document.createElement("summary");
+      summary.textContent = "Reasoning";
+      const thoughts = document.createElement("div");
+      thoughts.className = "reasoning-body";
+      reasoning.append(summary, thoughts);
+      article.append(label, reasoning, body);
+    } else {
+      article.append(label, body);
+    }
     if (role === "assistant") {
       const tools = document.createElement("div");
       tools.className = "tool-calls";
@@ -237,11 +251,12 @@ const FerryChat = (() => {
       system: $("system-prompt").value.trim(),
       temperature: Number.isFinite(temperature) ? temperature : 0.7,
       maxTokens: Number.isFinite(maxTokens) && maxTokens > 0 ? maxTokens : null,
+      jsonMode: $("json-mode").checked,
     };
   }
 
   function requestBody() {
-    const { system, temperature, maxTokens } = settings();
+    const { system, temperature, maxTokens, jsonMode } = settings();
     const messages = [];
     if (system) messages.push({ role: "system", content: system });
     for (const entry of state.history) {
@@ -255,7 +270,33 @@ const FerryChat = (() => {
       temperature,
     };
     if (maxTokens) body.max_tokens = maxTokens;
+    if (jsonMode) body.response_format = { type: "json_object" };
     return body;
+  }
+
+  // Reasoning streams open; it folds once the answer itself starts (a click opens it again).
+  function showReasoning(box, thoughts, reasoning, content) {
+    if (!reasoning) return;
+    box.hidden = false;
+    if (thoughts.textContent !== reasoning) thoughts.textContent = reasoning;
+    if (content && !box.dataset.folded) {
+      box.open = false;
+      box.dataset.folded = "1";
+    }
+  }
+
+  // A JSON-mode answer is shown as the JSON it is: indented once it parses, as written while it streams.
+  function renderAnswer(content, jsonMode) {
+    if (!jsonMode) return FerryMarkdown.render(content);
+    const pre = document.createElement("pre");
+    pre.className = "json-answer";
+    try {
+      pre.textContent = JSON.stringify(JSON.parse(content), null, 2);
+      pre.dataset.valid = "true";
+    } catch {
+      pre.textContent = content;
+    }
+    return pre;
   }
 
   function setBusy(busy) {
@@ -276,6 +317,9 @@ const FerryChat = (() => {
     const body = article.querySelector(".body");
     const meta = article.querySelector(".meta");
     const toolBox = article.querySelector(".tool-calls");
+    const reasoningBox = article.querySelector(".reasoning");
+    const thoughts = reasoningBox.querySelector(".reasoning-body");
+    const jsonMode = settings().jsonMode;
     const entry = { role: "assistant", content: "", node: article };
     const controller = new AbortController();
     state.controller = controller;
@@ -287,6 +331,7 @@ const FerryChat = (() => {
     const result = { ttft: null, usage: null, finish: null, elapsed: 0, outcome: "done" };
     const toolCalls = [];
     let content = "";
+    let reasoning = "";
     try {
       const response = await fetch("v1/chat/completions", {
         method: "POST",
@@ -302,14 +347,16 @@ const FerryChat = (() => {
           for (const choice of event.choices || []) {
             const delta = choice.delta || choice.message || {};
             if (typeof delta.content === "string" && delta.content) content += delta.content;
+            if (typeof delta.reasoning_content === "string") reasoning += delta.reasoning_content;
             if (Array.isArray(delta.tool_calls)) mergeToolCalls(toolCalls, delta.tool_calls);
-            if (result.ttft === null && (delta.content || delta.tool_calls)) {
+            if (result.ttft === null && (delta.content || delta.reasoning_content || delta.tool_calls)) {
               result.ttft = performance.now() - started;
             }
             if (choice.finish_reason) result.finish = choice.finish_reason;
           }
         }
-        body.replaceChildren(FerryMarkdown.render(content));
+        showReasoning(reasoningBox, thoughts, reasoning, content);
+        body.replaceChildren(renderAnswer(content, jsonMode));
         renderToolCalls(toolBox, toolCalls);
         if (result.ttft !== null) meta.textContent = `streaming… TTFT ${formatMs(result.ttft)}`;
         scrollToEnd();
@@ -327,7 +374,8 @@ const FerryChat = (() => {
       }
     }
     result.elapsed = performance.now() - started;
-    body.replaceChildren(FerryMarkdown.render(content));
+    showReasoning(reasoningBox, thoughts, reasoning, content);
+    body.replaceChildren(renderAnswer(content, jsonMode));
     renderToolCalls(toolBox, toolCalls);
     entry.content = content;
     if (article.isConnected) state.history.push(entry); // not when Clear removed it mid-stream
