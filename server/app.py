@@ -230,7 +230,8 @@ class _FerryApp(FastAPI):
 
 def _call_tags(parser: str | None, tokenizer: Tokenizer) -> tuple[str, str] | None:
     """The model's own call format where the grammar can write it: Hermes calls as its chat template writes
-    them (a template that renders no such call, or rejects one, leaves enforced calls in the JSON-array form)."""
+    them (a template that renders no such call, or rejects one, or tags that are single tokens, leave enforced
+    calls in the JSON-array form)."""
     if parser != "hermes" or tokenizer.chat_template is None:
         return None
 
@@ -241,9 +242,14 @@ def _call_tags(parser: str | None, tokenizer: Tokenizer) -> tuple[str, str] | No
         return tokenizer.render_chat_template(messages, add_generation_prompt=False, tools=[tool])
 
     try:
-        return hermes_call_tags(render)
+        tags = hermes_call_tags(render)
     except ChatTemplateError:
         return None
+    # A tag that is one added token of the vocabulary (Qwen's are) is read back through the detokenizer's kept
+    # markers, not as text: those models keep the JSON-array form.
+    if tags is None or any(len(tokenizer.encode(tag.strip(), add_special_tokens=False)) == 1 for tag in tags):
+        return None
+    return tags
 
 
 def resolve_tool_call_parser(setting: str, tokenizer: Tokenizer) -> str | None:

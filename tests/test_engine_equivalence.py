@@ -129,7 +129,11 @@ def _run(
 def test_greedy_equals_generate(model_dir: Callable[[str], Path], arch: str, setup: str) -> None:
     path = _model_path(model_dir, arch)
     prompts, max_new, expected, expected_logprobs = _reference(path, arch, 0)
-    engine, outputs, logprobs, query_lens = _run(path, prompts, max_new, **CONFIGS[setup])
+    config = CONFIGS[setup]
+    if (arch, setup) == ("demo", "preempt"):
+        # The demo model ends these prompts early enough that 24 pages never run out: fewer make it preempt.
+        config = {**config, "num_pages": 20}
+    engine, outputs, logprobs, query_lens = _run(path, prompts, max_new, **config)
     for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         assert got == want, f"{arch}/{setup}: request {i} (prompt {len(prompts[i])} tokens) diverged"
         worst = max(abs(a - b) for a, b in zip(logprobs[i], expected_logprobs[i], strict=True))

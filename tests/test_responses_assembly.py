@@ -90,7 +90,6 @@ def test_a_call_without_a_message_opens_its_own_assistant_turn() -> None:
         ([{"role": "user", "content": "a"}, {"type": "reasoning", "summary": []}], "input"),
         ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
         ([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}], "input[0].content[0].type"),
-        ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}], "input[0].arguments"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_rendered_is_refused_by_name(items: list[dict[str, Any]], param: str) -> None:

@@ -36,21 +36,13 @@ from server.openai.schemas import (
 )
 from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
-from server.openai.tools import resolve_tool_use
 from server.tokens import Tokenizer
 
 
 async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     ctx.check_request(body)
-    tool_use = resolve_tool_use(
-        body.function_tools(),
-        body.tool_choice_value(),
-        body.parallel_tool_calls,
-        ctx.tool_call_parser,
-        tags=ctx.call_tags,
-        strict_auto=ctx.reasoning is None,
-    )
+    tool_use = ctx.tool_use(body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls)
     answer = body.output_constraint()
     constraint = tool_use.constraint(answer) if tool_use else answer
     messages = body.template_messages()

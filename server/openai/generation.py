@@ -31,6 +31,7 @@ from server.openai.errors import APIError, engine_failure, internal_error, inval
 from server.openai.schemas import PromptTokensDetails, Usage
 from server.openai.structured import Constraint, check_constraint
 from server.openai.tool_parsers.base import ToolCallReader
+from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode, ToolUse, resolve_tool_use
 from server.reasoning import ReasoningParser, ReasoningSplitter
 from server.sse import SSE_DONE, SSEResponse, sse_data
 from server.tokens import Tokenizer
@@ -99,6 +100,25 @@ class ServingContext:
     call_tags: tuple[str, str] | None = None
     """The text around a call object in the model's own format, where the grammar can write calls as the model
     does (tool_parsers/hermes.py call_tags); None: enforced calls use the JSON-array form."""
+
+    def tool_use(
+        self,
+        tools: Sequence[FunctionTool] | None,
+        choice: ToolChoiceMode | ForcedFunction | None,
+        parallel_tool_calls: bool | None,
+        **params: str,
+    ) -> ToolUse | None:
+        """`resolve_tool_use` with what this server knows of the model's call format: its parser, its call tags,
+        and whether `auto` may be strict (not for a model whose answers are split into reasoning)."""
+        return resolve_tool_use(
+            tools,
+            choice,
+            parallel_tool_calls,
+            self.tool_call_parser,
+            tags=self.call_tags,
+            strict_auto=self.reasoning is None,
+            **params,
+        )
 
     @property
     def model_name(self) -> str:

@@ -48,7 +48,6 @@ from server.openai.responses_schemas import (
 )
 from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
-from server.openai.tools import resolve_tool_use
 from server.sse import sse_event
 
 Event = dict[str, Any]
@@ -58,14 +57,8 @@ Event = dict[str, Any]
 async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: Request) -> Response:
     arrival = time.monotonic()
     ctx.check_request(body)
-    tool_use = resolve_tool_use(
-        body.function_tools(),
-        body.tool_choice_value(),
-        body.parallel_tool_calls,
-        ctx.tool_call_parser,
-        tags=ctx.call_tags,
-        strict_auto=ctx.reasoning is None,
-        parameters_field="parameters",
+    tool_use = ctx.tool_use(
+        body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, parameters_field="parameters"
     )
     format_constraint = body.format_constraint()
     constraint = tool_use.constraint(format_constraint) if tool_use else format_constraint
