@@ -41,7 +41,7 @@ def _parse_block(body: str) -> tuple[str, str] | None:
 
 def call_tags(render_call: Callable[[dict[str, Any]], str]) -> tuple[str, str] | None:
     """The text before and after one call object as this model's chat template writes a call (`render_call`
-    renders a conversation whose assistant turn makes the given call): Qwen's `<tool_call>\\n` and
+    renders a conversation whose assistant turn makes the given call): the demo model's `<tool_call>\\n` and
     `\\n</tool_call>`, another template's without the newlines. What the grammar writes when a call must come, so
     the model sees its own format. None where the template does not write the object as the grammar would."""
     text = render_call(_PROBE)
