@@ -426,6 +426,7 @@ class Scheduler:
             generator_seed=request.generator_seed,
             page_tables=self.kv_cache.page_tables(request.request_id),
             noncausal_spans=request.noncausal_spans,
+            max_output_tokens=request.max_output_tokens,
         )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:

@@ -36,6 +36,9 @@ class NewRequest:
     """The whole table in every group, prefix-cache hits included."""
     noncausal_spans: Spans = ()
     """Positions whose tokens attend to each other in both directions (an image's, an encoder's input)."""
+    max_output_tokens: int | None = None
+    """Output tokens it may reach (`Request.max_output_tokens`: `max_new_tokens`, or fewer where the model length
+    ends it first), as the scheduler's stop rule counts them; None: `params.max_new_tokens`."""
 
 
 @dataclass(frozen=True, slots=True)

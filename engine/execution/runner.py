@@ -69,9 +69,7 @@ class ModelRunner:
         compiler = grammars or GrammarCompiler(
             config.model.path, vocab_size=vocab_size, eos_token_ids=loaded.eos_token_ids
         )
-        self.step_grammars = StepGrammars(
-            compiler, vocab_size, config.scheduler.max_num_seqs, device, loaded.max_model_len
-        )
+        self.step_grammars = StepGrammars(compiler, vocab_size, config.scheduler.max_num_seqs, device)
         """Structured output: the constrained sequences' grammar states and each step's grammar bias."""
         self.samples = loaded.rank == 0
         """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
@@ -131,7 +129,7 @@ class ModelRunner:
         )
         closed_by_budget = []
         if grammar_bias is not None:
-            closed_by_budget = self._close_within_budget(logits, grammar_bias, sampling, token_ids, logprobs)
+            closed_by_budget = self._close_within_budget(logits, grammar_bias, grammars, sampling, token_ids, logprobs)
         added = [
             seq.extend_at(position, tokens)
             for seq, position, tokens in zip(sampling, inputs.sample_positions, token_ids, strict=True)
@@ -155,29 +153,28 @@ class ModelRunner:
         self,
         logits: torch.Tensor,
         grammar_bias: tuple[list[int], torch.Tensor],
+        grammars: list[GrammarState],
         sampling: list[SequenceState],
         token_ids: list[list[int]],
         logprobs: list[list[TokenLogprob] | None],
     ) -> list[int]:
         """Let each constrained row's grammar keep or replace its sampled token (a JSON value closing within its
-        budget), with the logprob of a replaced one; the rows whose value the budget is closing."""
+        budget), with the logprob of a replaced one; the rows whose value the budget is closing. `grammars` are
+        the constrained rows' states, in `grammar_bias`'s row order."""
         constrained, bias = grammar_bias
-        grammars = [sampling[row].grammar for row in constrained]
-        replaced = [
-            constrained[i] for i in self.step_grammars.choose(grammars, [token_ids[row] for row in constrained])
-        ]
-        wanted = [row for row in replaced if logprobs[row] is not None]
+        replaced = self.step_grammars.choose(grammars, [token_ids[row] for row in constrained])
+        wanted = [i for i in replaced if logprobs[constrained[i]] is not None]
         if wanted:
-            biased = logits[wanted] + bias[[constrained.index(row) for row in wanted]]
+            rows = [constrained[i] for i in wanted]
             fresh = self.sampler.logprobs_of(
-                biased, [token_ids[row][0] for row in wanted], [sampling[r] for r in wanted]
+                logits[rows] + bias[wanted], [token_ids[row][0] for row in rows], [sampling[row] for row in rows]
             )
-            for row, logprob in zip(wanted, fresh, strict=True):
+            for row, logprob in zip(rows, fresh, strict=True):
                 logprobs[row] = [logprob]
         return [
             row
-            for row in constrained
-            if (closing := sampling[row].grammar.closing) is not None and closing.forced_any  # type: ignore[union-attr]
+            for row, grammar in zip(constrained, grammars, strict=True)
+            if grammar.closing is not None and grammar.closing.forced_any
         ]
 
     def step_tokens(

@@ -130,7 +130,7 @@ class Schemas:
         if kind == "boolean":
             return "true"
         if kind in ("integer", "number"):
-            return _shortest_number(schema, kind == "integer")
+            return _shortest_number(schema)
         if kind == "string":
             closing = close_string('"', schema)
             return None if closing is None else '"' + closing
@@ -289,7 +289,7 @@ def close_number(typed: str, schema: dict[str, Any]) -> str | None:
     return None
 
 
-def _shortest_number(schema: dict[str, Any], integer: bool) -> str | None:
+def _shortest_number(schema: dict[str, Any]) -> str | None:
     candidates = [0]
     for key in ("minimum", "exclusiveMinimum"):
         if isinstance(schema.get(key), (int, float)):
@@ -566,13 +566,8 @@ def _close_scalar(scalar: Scalar, schema: Schema) -> str | None:
         return close_string(scalar.text, body)
     if scalar.kind == "number":
         return close_number(scalar.text, body)
-    words = [w for w, v in _LITERALS.items() if allows(body, _kind_of(v)) and _literal_type_fits(body, v)]
+    words = [w for w, v in _LITERALS.items() if accepts(body, v)]
     return _shortest_of([w[len(scalar.text) :] for w in words if w.startswith(scalar.text)])
-
-
-def _literal_type_fits(schema: dict[str, Any], value: Any) -> bool:
-    declared = schema.get("type")
-    return declared is None or declared == ("null" if value is None else "boolean")
 
 
 _OBJECT_MOVES = {

@@ -95,6 +95,8 @@ class BudgetClosing:
         """The rest of the completion being forced: the next token is its first."""
         self.forced_any = False
         """The budget chose a token: the answer ends with `length` whatever the model does after."""
+        self._looked: tuple[int, AnswerProgress, bytes] | None = None
+        """`choose`'s look past the sampled token, which `advance` takes when that token is kept."""
 
     def choose(self, sampled: int, matcher: llguidance.LLMatcher, end_token: int) -> int:
         """`sampled`, or the first token of the closing from here (`end_token` when the value is complete
@@ -102,7 +104,9 @@ class BudgetClosing:
         if self.forced:
             return self.forced[0]
         left = self.max_output - self.num_generated - 1  # tokens after this one
-        if self._fits(*self._after(self.progress, self.pending, sampled), left):
+        progress, pending = self._after(self.progress, self.pending, sampled)
+        self._looked = (sampled, progress, pending)
+        if self._fits(progress, pending, left):
             return sampled
         closing = self._closing(self.progress, self.pending)
         if closing is None:
@@ -118,7 +122,11 @@ class BudgetClosing:
         self.num_generated += 1
         if self.forced and self.forced[0] == token:
             self.forced.popleft()
-        self.progress, self.pending = self._after(self.progress, self.pending, token)
+        looked, self._looked = self._looked, None
+        if looked is not None and looked[0] == token:
+            self.progress, self.pending = looked[1], looked[2]
+        else:
+            self.progress, self.pending = self._after(self.progress, self.pending, token)
 
     def _after(self, progress: AnswerProgress, pending: bytes, token: int) -> tuple[AnswerProgress, bytes]:
         data = pending + self.tokenizer.decode_bytes([token])
@@ -252,11 +260,8 @@ class StepGrammars:
     The masker is built with the first constrained row: steps without any never touch a grammar.
     """
 
-    def __init__(
-        self, compiler: GrammarCompiler, vocab_size: int, max_rows: int, device: torch.device, max_model_len: int
-    ) -> None:
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, max_rows: int, device: torch.device) -> None:
         self.compiler = compiler
-        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         self.device = device
@@ -274,7 +279,7 @@ class StepGrammars:
             compiled,
             new.eos_token_ids | frozenset(params.stop_token_ids),
             new.output_ids,
-            min(params.max_new_tokens, self.max_model_len - len(new.prompt_ids)),
+            params.max_new_tokens if new.max_output_tokens is None else new.max_output_tokens,
             params.close_within_budget,
         )
 

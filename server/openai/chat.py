@@ -66,7 +66,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         arrival=arrival,
         constraint=constraint,
         reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
-        tool_reader=tool_use.reader_factory(constraint) if tool_use else None,
+        tool_reader=tool_use.reader_factory() if tool_use else None,
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))

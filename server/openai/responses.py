@@ -85,7 +85,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         arrival=arrival,
         constraint=constraint,
         reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
-        tool_reader=tool_use.reader_factory(constraint) if tool_use else None,
+        tool_reader=tool_use.reader_factory() if tool_use else None,
     )
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, ctx.model_name))
     if body.stream:

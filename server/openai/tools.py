@@ -88,6 +88,11 @@ class ToolUse:
     validate (as OpenAI's strict function calling): on where the server knows the tags and the model has no
     reasoning format (a constrained answer is not split into reasoning)."""
 
+    @property
+    def forced(self) -> bool:
+        """The answer must be a call: `required` or a named function."""
+        return isinstance(self.choice, ForcedFunction) or self.choice == "required"
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         """What the template renders as the offered tools: none when the answer may not call one."""
         if self.choice == "none":
@@ -97,7 +102,7 @@ class ToolUse:
     def constraint(self, answer: Constraint | None, param: str = "tool_choice") -> Constraint | None:
         """The grammar of the answer: an enforced call (`required`, a named function), or with `auto` and a
         JSON `answer` (the request's `response_format`) a call or that answer; `answer` alone otherwise."""
-        forced = isinstance(self.choice, ForcedFunction) or self.choice == "required"
+        forced = self.forced
         if forced and answer is not None:
             raise conflicting_constraints(param, answer.param)
         tags = self.tags
@@ -123,13 +128,11 @@ class ToolUse:
             calls["maxItems"] = 1
         return json_schema_constraint(calls, param)
 
-    def reader_factory(self, constraint: Constraint | None) -> Callable[[], ToolCallReader] | None:
-        """Makes one reader per choice (readers keep state); None when answers are plain content.
-        `constraint` is what `constraint` returned."""
-        choice = self.choice
-        if constraint is not None and constraint.output.kind == "tool_calls" and choice != "auto":
-            begin, end = self.tags or ("", "")
-            return lambda: TaggedCallsReader(begin, end)
+    def reader_factory(self) -> Callable[[], ToolCallReader] | None:
+        """Makes one reader per choice (readers keep state); None when answers are plain content."""
+        choice, tags = self.choice, self.tags
+        if tags is not None and self.forced:  # enforced in the model's own format (`constraint`)
+            return lambda: TaggedCallsReader(*tags)
         if isinstance(choice, ForcedFunction):
             return lambda: NamedCallReader(choice.name)
         if choice == "required":
