@@ -105,6 +105,7 @@ def _offline(args: argparse.Namespace) -> int:
         threads=args.threads,
         compile=args.compile,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
     )
     try:
         report = run_offline(options)
@@ -131,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
         vllm_python=args.vllm_python,
         llama_cpp=args.llama_cpp,
         server_args=tuple(args.server_arg),
+        quantization=args.quantization,
         workload=_workload(args),
         vocab_size=args.vocab_size,
         concurrencies=args.concurrency,
@@ -202,6 +204,8 @@ def _decode(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         graphs=args.graphs,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         bandwidth_gbs=args.bandwidth_gbs,
         seed=args.seed,
     )
@@ -217,8 +221,29 @@ def _graph_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _quantizations(text: str) -> tuple[str, ...]:
+    from typing import get_args
+
+    from engine.config import Quantization
+
+    schemes = tuple(v for v in text.split(",") if v)
+    known = get_args(Quantization)
+    if not schemes or any(scheme not in known for scheme in schemes):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(known)}; got {text!r}")
+    return schemes
+
+
+def _kv_cache_dtypes(text: str) -> tuple[str, ...]:
+    values = tuple(v for v in text.split(",") if v)
+    if not values or any(value not in ("auto", "fp8", "fp8_e4m3") for value in values):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of auto, fp8; got {text!r}")
+    return values
+
+
 def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve,overhead,tp,decode}")
+    commands = parser.add_subparsers(
+        dest="bench_command", required=True, metavar="{offline,serve,overhead,tp,decode,perplexity}"
+    )
 
     offline = commands.add_parser(
         "offline",
@@ -285,6 +310,12 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     offline.add_argument("--enforce-eager", action="store_true", help="Ferry without CUDA graphs (its --enforce-eager)")
     offline.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "int8", "int8-dynamic", "int4", "fp8"),
+        help="Ferry's --quantization (the other systems run the model's dtype)",
+    )
+    offline.add_argument(
         "--matmul-floor",
         action="store_true",
         help="also time the GEMMs of Ferry's steps alone at the best speed torch reaches, and report the fraction",
@@ -341,6 +372,12 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         "--server-arg", action="append", default=[], help="extra argument for the started server (repeatable)"
     )
     _add_workload_args(serve, num_requests=64)
+    serve.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "int8", "int8-dynamic", "int4", "fp8"),
+        help="the started server's weights: Ferry's --quantization; llama.cpp's Q8_0 for int8, Q4_0 for int4",
+    )
     serve.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn below this")
     serve.add_argument("--concurrency", type=_ints, default=(1, 8, 32, 64), help="closed-loop sweep, e.g. 1,8,32,64")
     serve.add_argument(
@@ -415,17 +452,66 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="memory bandwidth for the roofline (default: H200 on CUDA, a measured copy on CPU)",
     )
+    decode.add_argument(
+        "--quantization",
+        type=_quantizations,
+        default=("none",),
+        help="--quantization schemes side by side, e.g. none,int8,int4 (none: the model's dtype)",
+    )
+    decode.add_argument(
+        "--kv-cache-dtype",
+        type=_kv_cache_dtypes,
+        default=("auto",),
+        help="--kv-cache-dtype values side by side, e.g. auto,fp8",
+    )
     decode.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     decode.add_argument("--seed", type=int, default=0)
     decode.add_argument("--json", type=Path, default=None)
     decode.set_defaults(func=_decode)
+
+    from bench.perplexity import DEMO_HELDOUT, DEMO_MODEL
+
+    perplexity = commands.add_parser(
+        "perplexity",
+        help="perplexity of held-out text under each --quantization scheme",
+        description="Runs a held-out file's conversations through Ferry with prompt logprobs, once per "
+        "--quantization scheme, and reports the perplexity of their scored tokens and its ratio to the first scheme.",
+    )
+    perplexity.add_argument("--model", default=str(DEMO_MODEL), help="a model directory (default: the demo model)")
+    perplexity.add_argument(
+        "--text", type=Path, default=DEMO_HELDOUT, help="JSONL of {ids, scored} (default: the demo's held-out chats)"
+    )
+    perplexity.add_argument("--quantization", type=_quantizations, default=("none", "int8", "int4"))
+    perplexity.add_argument("--dtype", default="auto")
+    perplexity.add_argument("--group-size", type=int, default=128, help="int4 group size")
+    perplexity.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    perplexity.add_argument("--json", type=Path, default=None)
+    perplexity.set_defaults(func=_perplexity)
+
+
+def _perplexity(args: argparse.Namespace) -> int:
+    from bench.checkpoints import resolve
+    from bench.perplexity import PerplexityOptions, format_perplexity, run_perplexity
+
+    _set_threads(args.threads)
+    _quiet_transformers()
+    options = PerplexityOptions(
+        model=resolve(args.model),
+        text=args.text,
+        quantization=args.quantization,
+        dtype=args.dtype,
+        group_size=args.group_size,
+    )
+    report = run_perplexity(options)
+    _emit(report, format_perplexity(report), args.json)
+    return 0
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` under `ferry`'s subcommands; dispatch with `args.func(args)`."""
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: offline, serve, overhead, tp, decode",
+        help="benchmarks: offline, serve, overhead, tp, decode, perplexity",
         description="Reproducible benchmarks of Ferry against its baselines.",
     )
     add_bench_subcommands(bench)

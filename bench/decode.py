@@ -52,11 +52,17 @@ class DecodeOptions:
     attention_backend: str = "auto"
     graphs: tuple[str, ...] = ("on",)
     """"on": CUDA graphs where the engine uses them (its default); "off": --enforce-eager."""
+    quantization: tuple[str, ...] = ("none",)
+    """--quantization schemes to measure side by side, each at every batch size (`none`: the model's dtype)."""
+    kv_cache_dtype: tuple[str, ...] = ("auto",)
+    """--kv-cache-dtype values to measure side by side (`auto`: the model's dtype, `fp8`)."""
     bandwidth_gbs: float | None = None
     seed: int = 0
 
 
-def _engine(model_dir: Path, num_seqs: int, eager: bool, options: DecodeOptions) -> EngineCore:
+def _engine(
+    model_dir: Path, num_seqs: int, eager: bool, quantization: str, kv_cache_dtype: str, options: DecodeOptions
+) -> EngineCore:
     from engine import EngineConfig, EngineCore
 
     tokens_per_seq = options.context_len + options.steps + 4
@@ -76,6 +82,8 @@ def _engine(model_dir: Path, num_seqs: int, eager: bool, options: DecodeOptions)
             max_queue_size=0,
             cpu_threads=None,
             enforce_eager=eager,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
 
@@ -122,7 +130,8 @@ def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[
             m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))
         )
         weights -= embedding.numel() * embedding.element_size()
-    per_token = sum(spec.bytes_per_token for spec in model.cache_specs())
+    # What the cache really holds a token in (its dtype: float8 under --kv-cache-dtype fp8), over every layer.
+    per_token = sum(layout.page_bytes for layout in engine.kv_cache.layouts) / engine.config.cache.page_size
     return weights, num_seqs * mean_context * per_token
 
 
@@ -145,8 +154,11 @@ def run_decode(options: DecodeOptions) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="ferry-decode-bench-") as workdir:
         AutoConfig.for_model(spec.pop("model_type"), **spec).save_pretrained(workdir)
         for num_seqs in options.sizes:
-            for graphs in options.graphs:
-                with _engine(Path(workdir), num_seqs, graphs == "off", options) as engine:
+            variants = [
+                (q, kv, g) for q in options.quantization for kv in options.kv_cache_dtype for g in options.graphs
+            ]
+            for quantization, kv_cache_dtype, graphs in variants:
+                with _engine(Path(workdir), num_seqs, graphs == "off", quantization, kv_cache_dtype, options) as engine:
                     seconds = _decode_seconds(engine, num_seqs, options)
                     device = engine.device
                     # The first timed step reads the prompt and the 3 tokens sampled before it (prefill, 2 untimed).
@@ -160,6 +172,8 @@ def run_decode(options: DecodeOptions) -> dict[str, object]:
                 results.append(
                     {
                         "batch": num_seqs,
+                        "quantization": quantization,
+                        "kv_cache_dtype": kv_cache_dtype,
                         "graphs": graphs,
                         "cuda_graphs_used": uses_graphs,
                         "ms_per_step_p50": 1e3 * median,
@@ -193,10 +207,13 @@ def run_decode(options: DecodeOptions) -> dict[str, object]:
 
 def format_decode(report: dict[str, object]) -> str:
     settings = report["settings"]
-    headers = ["batch", "graphs", "ms/step p50", "min", "tok/s", "weights MB", "K/V MB", "roofline ms", "fraction"]
+    headers = ["batch", "quantization", "KV", "graphs", "ms/step p50", "min", "tok/s", "weights MB", "K/V MB"]
+    headers += ["roofline ms", "fraction"]
     rows = [
         [
             str(r["batch"]),
+            r.get("quantization", "none"),
+            r.get("kv_cache_dtype", "auto"),
             r["graphs"] + ("" if r["cuda_graphs_used"] or r["graphs"] == "off" else " (not used)"),
             fmt(r["ms_per_step_p50"], 3),
             fmt(r["ms_per_step_min"], 3),

@@ -60,6 +60,7 @@ def build_engine(
     async_scheduling: bool = False,
     compile: CompileLevel = "none",
     enforce_eager: bool = False,
+    quantization: str = "none",
 ) -> EngineCore:
     from engine import EngineConfig, EngineCore
 
@@ -78,6 +79,7 @@ def build_engine(
         async_scheduling=async_scheduling,
         compile=compile,
         enforce_eager=enforce_eager,
+        quantization=quantization,
     )
     return EngineCore(config)
 

@@ -18,6 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+QUANTIZED_TYPES = {"int8": "q8_0", "int4": "q4_0"}
+"""llama.cpp's type for a Ferry --quantization: Q8_0 (int8 in blocks of 32 with a float16 scale) beside int8,
+Q4_0 (4-bit in blocks of 32 with a float16 scale) beside int4. llama.cpp keeps its token embedding and, in Q4_0, its
+output matrix quantized too; Ferry keeps both in the model's dtype."""
 
 
 def gguf_type(model_dir: Path) -> str:
@@ -29,9 +33,25 @@ def gguf_type(model_dir: Path) -> str:
     return _OUTTYPES[dtype]
 
 
-def gguf_of(install: Path, model_dir: Path) -> Path:
-    """The GGUF conversion of `model_dir` at its own precision, converted now unless it was before."""
-    outtype = gguf_type(model_dir)
+def gguf_of(install: Path, model_dir: Path, quantization: str = "none") -> Path:
+    """The GGUF conversion of `model_dir` at its own precision, or in llama.cpp's counterpart of `quantization`
+    (`QUANTIZED_TYPES`: Q8_0 by the converter, Q4_0 by `llama-quantize` from the full-precision conversion),
+    converted now unless it was before."""
+    if quantization != "none":
+        if quantization not in QUANTIZED_TYPES:
+            raise ValueError(f"llama.cpp has no counterpart here for --quantization {quantization}")
+        outtype = QUANTIZED_TYPES[quantization]
+        if outtype == "q4_0":
+            full = gguf_of(install, model_dir)
+            target = full.with_name(full.name.replace(f"-{gguf_type(model_dir)}.gguf", "-q4_0.gguf"))
+            if not target.exists():
+                partial = target.with_suffix(".partial")
+                quantize = [str(install / "bin" / "llama-quantize"), str(full), str(partial), "q4_0"]
+                subprocess.run(quantize, check=True, capture_output=True)
+                partial.rename(target)
+            return target
+    else:
+        outtype = gguf_type(model_dir)
     digest = hashlib.sha256()
     for file in sorted(p for p in model_dir.iterdir() if p.is_file()):
         digest.update(file.name.encode())

@@ -73,6 +73,8 @@ class OfflineOptions:
     """Ferry's `--compile` level; its start-up (compilation included) is timed and reported."""
     enforce_eager: bool = False
     """Ferry without CUDA graphs (EngineConfig.enforce_eager): what the graphs gain is the difference."""
+    quantization: str = "none"
+    """Ferry's --quantization (its weights quantized as they load; the other systems run the model's dtype)."""
 
 
 def _warmup_workload(spec: WorkloadSpec, batch_size: int, vocab_size: int) -> Workload:
@@ -204,6 +206,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 async_scheduling=options.async_scheduling,
                 compile=options.compile,
                 enforce_eager=options.enforce_eager,
+                quantization=options.quantization,
             )
             startup_seconds = time.perf_counter() - started
             if options.warmup:
@@ -304,6 +307,7 @@ def _report(
             "repeat": options.repeat,
             "compile": options.compile,
             "enforce_eager": options.enforce_eager,
+            "quantization": options.quantization,
         },
         "check": check,
         "profile": str(options.profile) if options.profile else None,

@@ -67,6 +67,9 @@ class ServeOptions:
     llama_cpp: Path | None = None
     """The folder `../shared/peers/install-llama-cpp.sh` made (`bin/llama-server`, `convert`)."""
     server_args: tuple[str, ...] = ()
+    quantization: str = "none"
+    """The started server's weights: Ferry's --quantization, llama.cpp's counterpart (Q8_0 for int8, Q4_0 for
+    int4: bench/llama_cpp.py)."""
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     vocab_size: int = 256
     """Prompt token ids are drawn below this; 256 fits every byte-level vocabulary."""
@@ -278,7 +281,7 @@ def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[s
         workload = make_workload(options.workload, options.vocab_size)
         command = llama_server_command(
             options.llama_cpp,
-            gguf_of(options.llama_cpp, Path(model)),
+            gguf_of(options.llama_cpp, Path(model), options.quantization),
             port,
             slots=max([*options.concurrencies, 1]),
             context_per_slot=workload.max_seq_len + 16,  # the warm-up request is short; a little room to spare
@@ -288,6 +291,8 @@ def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[s
     if options.server == "vllm":
         if options.vllm_python is None:
             raise ValueError("--server vllm needs --vllm-python")
+        if options.quantization != "none":
+            raise ValueError("--quantization is for --server ferry and llama.cpp (vLLM quantizes checkpoints only)")
         command = [
             str(options.vllm_python.parent / "vllm"), "serve", model,
             "--host", "127.0.0.1", "--port", str(port), "--no-enable-log-requests", *options.server_args,
@@ -297,7 +302,8 @@ def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[s
     command = [
         sys.executable, "-m", "ferry", "serve", "--model", model,
         # Quiet by default (one access-log line per request would bury the table); later flags override.
-        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *options.server_args,
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--quantization", options.quantization,
+        *options.server_args,
     ]  # fmt: skip
     return command, dict(os.environ), "/ready"
 

@@ -17,6 +17,9 @@ SchedulerPolicy = Literal["fifo", "prefill_first"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 CompileLevel = Literal["none", "piecewise", "full"]
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
+Quantization = Literal["none", "int8", "int8-dynamic", "int4", "fp8"]
+GroupSize = Literal[32, 64, 128]
 
 _MODEL = {"group": "model"}
 _KV_CACHE = {"group": "KV cache"}
@@ -56,10 +59,22 @@ class ModelConfig:
     model_impl: Literal["auto", "native", "transformers"] = field(default="auto", metadata=_MODEL)
     """`auto` uses the native Llama-family modules where they run the model exactly and the transformers adapter
     otherwise; a model neither runs exactly is refused at load (see "Models" in the README)."""
+    quantization: Quantization = field(default="none", metadata={**_MODEL, "aliases": ("-q",)})
+    """Quantize the decoder's linear weights as they load and compute from them quantized (engine/quantization/):
+    `int8` (weight-only, a scale per output channel), `int8-dynamic` (int8 weights and int8 activations with a
+    scale per token, integer dot products), `int4` (weight-only, groups of --quantization-group-size inputs with a
+    scale and a zero point each), `fp8` (e4m3 weights with a scale per output channel, scaled matmuls on GPU; on
+    CPU the same arithmetic, slowly, for tests). Embeddings and the LM head keep the model's dtype. int8 and int4
+    run on CPU only, on the native Llama-family modules."""
+    quantization_group_size: GroupSize = field(default=128, metadata=_MODEL)
+    """Inputs per int4 group (32, 64 or 128): smaller groups follow the weights more closely and cost more bytes
+    of scales."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization_group_size not in get_args(GroupSize):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
 
 
 @dataclass(frozen=True)
@@ -80,6 +95,15 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_KV_CACHE)
     """Share KV-cache pages between requests with a common prompt prefix (full pages, matched by a hash chain
     over their tokens); freed pages stay cached until evicted, least recently used first."""
+    kv_cache_dtype: KVCacheDType = field(default="auto", metadata=_KV_CACHE)
+    """What the KV cache stores K and V in (vLLM's names): `auto` the model's dtype; `fp8` (or `fp8_e4m3`) float8
+    e4m3, one byte an element, so the same memory holds twice a bfloat16 model's pages (four times float32's) and
+    max_model_len and admission count those pages. K and V are divided by their layer's scale and saturated to
+    +-448 as they are written, multiplied back as they are read. The scales are 1.0, as vLLM's without calibrated
+    ones (checkpoint scales are not read): a scale only shifts e4m3's span, since its 3 mantissa bits give every
+    value from 2^-6 to 448 the same relative precision (1/16), and K and V of the usual magnitudes lie in it.
+    Attention computes in the model's dtype. The torch, cpu and triton backends read it (triton on GPUs of compute
+    capability 8.9 and up); flash cannot, and `auto` passes over it."""
     debug_checks: bool = field(default=False, metadata=_SCHEDULING)
     """Assert KV-cache page-accounting invariants inside the page pools after every change (slow; tests turn
     this on)."""
@@ -91,6 +115,10 @@ class CacheConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if not 0.0 < self.max_memory_percent <= 1.0:
             raise ValueError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
+        if self.kv_cache_dtype not in get_args(KVCacheDType):
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(get_args(KVCacheDType))}, got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

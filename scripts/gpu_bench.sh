@@ -10,6 +10,9 @@
 #   6. on a machine with more than one GPU: tensor parallelism, the TP=2 engine step against TP=1 (NCCL).
 # Models are named configs with random weights built locally; nothing is downloaded. Pages are 16 tokens throughout.
 # Usage: scripts/gpu_bench.sh OUTDIR    (JSON results, logs and the timeline PNG land in OUTDIR)
+#        STEPS="gpu-tests decode-qwen3-0.6b" scripts/gpu_bench.sh OUTDIR    runs only the steps named.
+# The machine's own python3 runs it (PYTHON to choose another); Python packages it lacks travel as wheels in .whl/,
+# installed into a scratch folder first (the device machine has no package index).
 # Exit status: 0 when every step passed, 1 when one failed or hit its time limit (the others still run).
 set -uo pipefail
 
@@ -19,14 +22,24 @@ OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-}
 status=0
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ferry-site .whl/*.whl \
+        && export PYTHONPATH=/tmp/ferry-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 # Each step has its own time limit (600 s in all, the TP step aside) so that one slow step cannot push the whole run
 # past 10 minutes.
 step() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "$STEPS" ] && [[ " $STEPS " != *" $name "* ]]; then
+        echo "=== $name: not among STEPS"
+        return
+    fi
     echo "=== $name (limit ${limit}s): $*"
     local start=$SECONDS
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
@@ -38,7 +51,9 @@ step() {
 { nvidia-smi || true; "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"; } > "$OUT/machine.txt" 2>&1
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { echo "no CUDA device"; exit 2; }
 
-step gpu-tests 80 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml"
+# Only the files that hold GPU tests: collecting the others would import the server's packages.
+step gpu-tests 80 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_sampler.py -p no:cacheprovider \
+    --junitxml "$OUT/gpu-tests.xml"
 
 # float32 on the GPU: the same saved weights in both systems, so greedy tokens must match exactly.
 step offline-qwen3-0.6b-fp32-check 50 "$PY" -m bench offline --model qwen3-0.6b --weights saved --dtype float32 \

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Peak host memory of loading a model with Ferry's loader, against the size of the loaded weights.
 
-Prints one JSON object: `weights_bytes` (the checkpoint's tensors in the target dtype), `peak_anon_bytes` (the largest
+Prints one JSON object: `weights_bytes` (the checkpoint's tensors in the target dtype), `loaded_bytes` (the weights as
+the loaded model stores them: quantized codes and scales under --quantization), `peak_anon_bytes` (the largest
 growth of the process's anonymous memory while loading, sampled from /proc/self/status every millisecond),
 `peak_rss_bytes` (the growth of the peak resident set, ru_maxrss, which also counts the checkpoint's pages read
 through mmap: page cache, given back as soon as the files are closed) and `loader` (the file of the loader it ran).
@@ -10,7 +11,8 @@ tracemalloc would see none of it: torch allocates its storage outside Python's a
 Run from a checkout, put that checkout on PYTHONPATH: the script's own folder heads sys.path, so an installed copy of
 Ferry elsewhere would otherwise be the one measured.
 
-Usage:  python scripts/load_peak_memory.py MODEL_DIR [--dtype bfloat16]     (Linux only: /proc and ru_maxrss)
+Usage:  python scripts/load_peak_memory.py MODEL_DIR [--dtype bfloat16] [--quantization int8]
+        (Linux only: /proc and ru_maxrss)
 """
 
 from __future__ import annotations
@@ -72,23 +74,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int8-dynamic", "int4", "fp8"])
     args = parser.parse_args()
 
     from engine.config import EngineConfig
     from engine.models import loader
 
-    config = EngineConfig.of(model=args.model_dir, dtype=args.dtype, device="cpu", model_impl="native")
+    config = EngineConfig.of(
+        model=args.model_dir, dtype=args.dtype, device="cpu", model_impl="native", quantization=args.quantization
+    )
     anon_before, rss_before = _anon_bytes(), _max_rss_bytes()
     sampler = _PeakSampler()
     sampler.start()
-    loader.load_model(config)
+    loaded = loader.load_model(config)
     peak_anon = sampler.stop()
     weights = _checkpoint_bytes(args.model_dir, _DTYPE_BYTES[args.dtype])
     print(
         json.dumps(
             {
                 "dtype": args.dtype,
+                "quantization": args.quantization,
                 "weights_bytes": weights,
+                "loaded_bytes": loader.weight_bytes(loaded.model),
                 "peak_anon_bytes": peak_anon - anon_before,
                 "peak_rss_bytes": _max_rss_bytes() - rss_before,
                 "loader": loader.__file__,

@@ -121,7 +121,9 @@ class ServerState:
         self.model_names = settings.served_model_name or (Path(engine_config.model.path).name,)
         """Every name clients may send as `model`; the first is the one responses report."""
         self.model_name = self.model_names[0]
-        self.metrics = ServerMetrics(self.model_name, engine_config.parallel.tensor_parallel_size)
+        self.metrics = ServerMetrics(
+            self.model_name, engine_config.parallel.tensor_parallel_size, engine_config.model.quantization
+        )
         self.created = int(time.time())
         self.client = EngineClient(
             engine_config,
@@ -168,6 +170,7 @@ class ServerState:
         # What exists now lives as long as the server: spare the collector from rescanning it.
         gc.collect()
         gc.freeze()
+        self.metrics.set_model_info(info.weight_bytes, info.kv_cache_dtype)
         self.lifecycle.set_ready()
         logger.info(
             "Serving %s (max_model_len=%d, reasoning parser: %s, tool-call parser: %s)",
@@ -296,12 +299,17 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
 
     def model_card(name: str) -> ModelCard:
         serving = state.get_serving()
+        info = state.client.info
+        assert info is not None  # serving exists only once the engine reported ready
         tensor_parallel_size = engine_config.parallel.tensor_parallel_size
         return ModelCard(
             id=name,
             created=state.created,
             max_model_len=serving.max_model_len,
             tensor_parallel_size=tensor_parallel_size if tensor_parallel_size > 1 else None,
+            quantization=engine_config.model.quantization,
+            weight_bytes=info.weight_bytes,
+            kv_cache_dtype=info.kv_cache_dtype,
         )
 
     # A field left None (tensor_parallel_size on one device) is left out, as OpenAI's cards carry no nulls.

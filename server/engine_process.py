@@ -54,7 +54,15 @@ def run_engine_process(
     gc.collect()
     gc.freeze()
     try:
-        outputs.send(EngineReady(engine.max_model_len, engine.eos_token_ids, engine.model_name))
+        outputs.send(
+            EngineReady(
+                engine.max_model_len,
+                engine.eos_token_ids,
+                engine.model_name,
+                engine.weight_bytes,
+                engine.kv_cache_dtype,
+            )
+        )
         EngineLoop(engine, _PipeInbox(requests, parent_pid), outputs.send).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("Front end went away; engine exiting")

@@ -16,6 +16,11 @@ class EngineReady:
     max_model_len: int
     eos_token_ids: frozenset[int]
     model_name: str
+    weight_bytes: int
+    """The model's weights on one rank (the whole model without tensor parallelism), as stored: quantized codes
+    and scales under --quantization."""
+    kv_cache_dtype: str
+    """What the KV cache stores K and V in (`float8_e4m3fn`, `bfloat16`, ...)."""
 
 
 @dataclass(frozen=True, slots=True)

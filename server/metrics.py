@@ -39,13 +39,14 @@ SNAPSHOT_SAMPLES = (
     "num_preemptions_total",
     "request_rejected_total",
     "tensor_parallel_size",
+    "model_weight_bytes",
 )
 
 
 class ServerMetrics:
     """The server's own registry (not the process-global one), so apps never collide on metric names."""
 
-    def __init__(self, model_name: str, tensor_parallel_size: int = 1) -> None:
+    def __init__(self, model_name: str, tensor_parallel_size: int = 1, quantization: str = "none") -> None:
         self.registry = CollectorRegistry()
         model = ["model_name"]
 
@@ -67,6 +68,16 @@ class ServerMetrics:
         )
         tensor_parallel = gauge("ferry:tensor_parallel_size", "Ranks the model is sharded over (1: one device).")
         tensor_parallel.labels(model_name).set(tensor_parallel_size)
+        self._quantization = quantization
+        self._model_weight_bytes = gauge(
+            "ferry:model_weight_bytes", "Bytes of the model's weights as stored (quantized included), on each rank."
+        ).labels(model_name)
+        self._model_info = Gauge(
+            "ferry:model_info",
+            "1, labelled with how the model is stored: --quantization of its linear weights, the KV cache's dtype.",
+            [*model, "quantization", "kv_cache_dtype"],
+            registry=self.registry,
+        )
         self.kv_cache_usage_perc = gauge(
             "ferry:kv_cache_usage_perc", "Fraction of KV-cache pages in use by requests (1 means 100 percent)."
         ).labels(model_name)
@@ -107,6 +118,11 @@ class ServerMetrics:
             ("reason",),
         )
         self._last_stats: EngineStats | None = None
+
+    def set_model_info(self, weight_bytes: int, kv_cache_dtype: str) -> None:
+        """What the engine reports once the model is loaded."""
+        self._model_weight_bytes.set(weight_bytes)
+        self._model_info.labels(self._model_name, self._quantization, kv_cache_dtype).set(1)
 
     def observe_engine_stats(self, stats: EngineStats) -> None:
         """Gauges follow the engine's latest stats; its cumulative counters become increments."""

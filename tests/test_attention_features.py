@@ -278,10 +278,10 @@ def test_flash_declares_no_sinks_spans_or_other_cache_and_auto_on_cuda_takes_tri
     monkeypatch.setattr("engine.attention.flash.flash_available", lambda: True)
     for need in (SINK, SPANS, AttentionNeeds(kv_cache_dtype=torch.float16)):
         assert select_backend("auto", "cuda", 256, torch.bfloat16, need).name == "triton"
-    # float8 caches: only the torch backend computes them on a GPU (the Triton kernel's are not tested there).
+    # float8 caches too (below compute capability 8.9 the torch backend: tests/test_kv_cache_fp8.py).
     assert (
         select_backend("auto", "cuda", 256, torch.bfloat16, AttentionNeeds(kv_cache_dtype=torch.float8_e4m3fn)).name
-        == "torch"
+        == "triton"
     )
 
 

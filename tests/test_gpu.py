@@ -233,3 +233,92 @@ def test_cuda_graphs_with_the_chosen_backend(model_dir: Callable[[str], Path]) -
     assert engine.cuda_graphs is not None
     expected = _greedy(EngineCore(config.replace(enforce_eager=True)))
     assert _greedy(engine) == expected
+
+
+def test_fp8_weights_through_scaled_matmuls_match_their_dequantized_reference(model_dir: Callable[[str], Path]) -> None:
+    """--quantization fp8 on the GPU (e4m3 weights and activations, `torch._scaled_mm` with a scale per row of
+    each), CUDA graphs on, against transformers in float32 on the CPU over the weights Ferry dequantizes, with
+    its activations quantized the same way: bfloat16 activations make the tolerance bfloat16's."""
+    from tests.quantized_reference import check_against, prompts_for, reference_model
+
+    path = model_dir("llama")
+    config = EngineConfig.of(
+        model=str(path), device="cuda", dtype="bfloat16", quantization="fp8", attention_backend="triton",
+        page_size=16, num_pages=256, max_batch_tokens=64,
+    )  # fmt: skip
+    with EngineCore(config) as engine:
+        assert engine.cuda_graphs is not None
+        model = engine.runner.model
+        prompts, max_new = prompts_for(model.config.vocab_size, shared_prefix=0)
+        params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
+        results = generate_batch(prompts, params=params, engine=engine)
+        reference = reference_model(path, model, "fp8")
+    check_against(reference, prompts, results, "fp8/cuda", tolerance=0.1)
+
+
+# -- a float8 KV cache (--kv-cache-dtype fp8) ---------------------------------------------------------------------
+
+_FP8_PROMPTS = [[10 + (i * 7 + j) % 300 for j in range(5 + 9 * i)] for i in range(8)]
+
+
+def _float8_triton_or_skip() -> None:
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton converts float8 e4m3 on compute capability 8.9 and up")
+
+
+def test_triton_over_float8_pages_matches_the_torch_backend() -> None:
+    """bfloat16 queries over e4m3 pages written with scales (the history by `write_kv`, the step's K/V by each
+    backend): every kind of sequence in one step, the Triton kernel against the torch backend's dequantizing
+    gather, within bfloat16's rounding."""
+    _float8_triton_or_skip()
+    from engine.attention.base import write_kv
+    from engine.attention.triton_paged import TritonPagedBackend
+
+    page, heads, num_pages = 16, 8, 80
+    device = torch.device("cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    runner = attention_runner(_Shapes(), num_pages, page, device=device, dtype=torch.bfloat16, max_model_len=2048)
+    shapes = [(0, 100), (600, 1), (300, 80), (33, 1), (0, 1)]
+    pages = iter(range(num_pages))
+    tables = [[next(pages) for _ in range(-(-(computed + new) // page))] for computed, new in shapes]
+    meta = runner.prepare(fresh_plan(shapes, tables)).meta
+    history = [torch.randn(num_pages * page, 2, 64, device=device, generator=generator) for _ in range(2)]
+    total = sum(n for _, n in shapes)
+    q, k, v = (
+        torch.randn(total, h, 64, device=device, generator=generator, dtype=torch.bfloat16) for h in (heads, 2, 2)
+    )
+    outputs = []
+    for backend in (TorchPagedBackend(), TritonPagedBackend()):
+        cache = tuple(torch.zeros(num_pages, page, 2, 64, dtype=torch.float8_e4m3fn, device=device) for _ in range(2))
+        write_kv(*history, cache, torch.arange(num_pages * page, device=device), 0.5, 0.25)
+        meta.backend_state.clear()
+        outputs.append(backend.forward(q, k, v, cache, meta, 64**-0.5, None, k_scale=0.5, v_scale=0.25))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
+
+
+def test_float8_cache_through_triton_and_graphs_generates_the_torch_backends_tokens(
+    model_dir: Callable[[str], Path],
+) -> None:
+    """The engine with --kv-cache-dtype fp8 in float32: the Triton kernel with decode steps replayed from CUDA
+    graphs against the torch backend run eagerly over the same e4m3 rounding (`write_kv`). Greedy tokens equal;
+    logprobs within 5e-3, since K/V computed a few ulps apart may round to neighbouring e4m3 values
+    (tests/test_kv_cache_fp8.py)."""
+    _float8_triton_or_skip()
+    options = dict(
+        model=str(model_dir("llama")), device="cuda", dtype="float32", kv_cache_dtype="fp8", page_size=16,
+        num_pages=256, max_batch_tokens=32, max_num_seqs=8, cuda_graph_max_seqs=8,
+    )  # fmt: skip
+    params = SamplingParams(max_new_tokens=12, logprobs=True, ignore_eos=True)
+    runs = {}
+    for backend in ("triton", "torch"):
+        with EngineCore(EngineConfig.of(**options, attention_backend=backend)) as engine:
+            assert engine.kv_cache_dtype == "float8_e4m3fn"
+            assert (engine.cuda_graphs is not None) == (backend == "triton"), "graphs where the backend is capturable"
+            results = generate_batch(_FP8_PROMPTS, params=params, engine=engine)
+            assert engine.is_idle_and_clean()
+        runs[backend] = [results[f"req_{i}"] for i in range(len(_FP8_PROMPTS))]
+    for i, (got, want) in enumerate(zip(runs["triton"], runs["torch"], strict=True)):
+        assert got.generated_ids == want.generated_ids, f"request {i}"
+        worst = max(abs(a.logprob - b.logprob) for a, b in zip(got.logprobs, want.logprobs, strict=True))
+        assert worst <= 5e-3, f"request {i}: a logprob is {worst:.2e} off"

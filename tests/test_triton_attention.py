@@ -245,7 +245,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from engine.attention.triton_paged import _paged_attention_kernel as kernel
 
-for dtype in ("bf16", "fp32"):
+# (queries, cache): the model's own dtype, and bfloat16 over float8 e4m3 (--kv-cache-dtype fp8).
+for dtype, cache in (("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")):
     for decode in (True, False):
         constants = {
             "GROUP": 4, "BLOCK_M": 16 if decode else 64, "BLOCK_Q": 1 if decode else 16, "BLOCK_N": 32,
@@ -259,21 +260,23 @@ for dtype in ("bf16", "fp32"):
         for name in inspect.signature(kernel.fn).parameters:
             if name in constants:
                 signature[name] = "constexpr"
+            elif name in ("key_cache_ptr", "value_cache_ptr"):
+                signature[name] = "*" + cache
             elif name.endswith("_ptr"):
                 signature[name] = pointers.get(name, "*" + dtype)
             else:
                 signature[name] = "fp32" if name in ("scale", "v_scale", "softcap") else "i32"
         compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm["cubin"], (dtype, decode)
-        print("compiled", dtype, "decode" if decode else "prefill")
+        assert compiled.asm["cubin"], (dtype, cache, decode)
+        print("compiled", dtype, "over", cache, "decode" if decode else "prefill")
 """
 
 
 def test_the_kernel_compiles_for_hopper_without_a_gpu() -> None:
     """What the interpreter does not check (types carried through loops and branches, layouts, shared memory):
-    Triton's whole compiler, down to ptxas, for sm_90 (H100 / H200), every feature on, bfloat16 and float32,
-    decode and prefill grids, at the shapes a GQA model with head size 128 gets. In a process of its own: this one
-    may interpret, which Triton settles when it is imported."""
+    Triton's whole compiler, down to ptxas, for sm_90 (H100 / H200), every feature on, bfloat16 and float32 (and
+    bfloat16 over a float8 e4m3 cache), decode and prefill grids, at the shapes a GQA model with head size 128
+    gets. In a process of its own: this one may interpret, which Triton settles when it is imported."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while its default is unset
     result = subprocess.run(
@@ -285,7 +288,7 @@ def test_the_kernel_compiles_for_hopper_without_a_gpu() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 4
+    assert result.stdout.count("compiled") == 6
 
 
 # ------------------------------------------------------------------------------------------------ selection

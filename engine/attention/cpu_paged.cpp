@@ -143,6 +143,22 @@ inline VecF<W> exp_nonpositive(VecF<W> x) {
   return e_r * std::bit_cast<VecF<W>>(exponent);
 }
 
+// float8 e4m3 (`fn`: no infinities; 0x7F and 0xFF are NaN) as float32, exactly, in integer arithmetic without
+// branches, which a row's loop vectorises. c10's conversion counts leading zeros one element at a time: a decode
+// step of 16 sequences of 1024 tokens (32 heads over 8 KV heads of 128, one thread) took 170 ms over e4m3 against
+// 12-15 ms over bfloat16; this takes 12 ms. Exponent and mantissa (7 bits) go under float32's with the exponent
+// rebiased (127 - 7); a subnormal (exponent 0) is its mantissa times 2^-9; NaN, which the shift would read as 480,
+// is set apart. Masks rather than `?:`, which GCC turns into branches that stop the vectoriser.
+inline float widen_e4m3(uint8_t byte) {
+  const uint32_t bits = byte, magnitude = bits & 0x7F;
+  const uint32_t normal = (magnitude << 20) + (120u << 23);
+  const uint32_t subnormal = std::bit_cast<uint32_t>(static_cast<float>(static_cast<int32_t>(magnitude)) * 0x1p-9f);
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>(magnitude < 8);
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(magnitude == 0x7F);
+  const uint32_t value = (subnormal & is_subnormal) | (normal & ~is_subnormal) | (is_nan & 0x7FC00000u);
+  return std::bit_cast<float>(value | (bits & 0x80) << 24);
+}
+
 template <typename T>
 inline float widen(T x) {
   if constexpr (std::is_same_v<T, float>) {
@@ -150,7 +166,7 @@ inline float widen(T x) {
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16);
   } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
-    return static_cast<float>(x);
+    return widen_e4m3(x.x);
   } else {
     return static_cast<float>(std::bit_cast<_Float16>(x.x));
   }

@@ -33,7 +33,10 @@ loaded. Soft-capping and ALiBi are applied in the torch backend's order: scale, 
 spans (`USE_SPANS`, the metadata's `token_spans`) each row's keys are its own interval `[lo, hi)`
 (engine/attention/base.py), and the program visits the union of its rows' intervals. Sinks add one logit per
 query head to the denominator at the end. A cache of another dtype than the queries' is converted to theirs as
-each tile is loaded; its scales fold into the score's scale and the output's normalisation.
+each tile is loaded; its scales fold into the score's scale and the output's normalisation. A float8 e4m3 cache
+(`--kv-cache-dtype fp8`) widens exactly to any of the three query dtypes (3 mantissa bits, exponents -9 to 8), so the
+products keep running on tensor cores in the query's dtype; Triton converts e4m3 (`fp8e4nv`) on compute capability
+8.9 and up only (Ada, Hopper), so below it the backend declares no float8 cache and `auto` takes the torch backend.
 
 Triton settles whether a kernel is compiled or interpreted (`TRITON_INTERPRET=1`, numpy on CPU tensors) when this
 module is imported, for its own library functions when triton is first imported: tests/conftest.py turns the
@@ -51,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata, write_kv
+from engine.attention.base import AttentionBackend, AttentionFeature, AttentionNeeds, StepMetadata, is_float8, write_kv
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PREFILL_ROWS = 64
@@ -211,10 +214,19 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
     features = frozenset(AttentionFeature)
     kv_cache_dtypes: ClassVar[dict[torch.dtype, frozenset[torch.dtype]]] = {
-        model: frozenset(TRITON_DTYPES) - {model} for model in TRITON_DTYPES
+        model: frozenset({*TRITON_DTYPES, torch.float8_e4m3fn}) - {model} for model in TRITON_DTYPES
     }
     capturable = True
     """One launch per layer whose grid depends on tensor shapes only, over device metadata only."""
+
+    @classmethod
+    def missing(cls, needs: AttentionNeeds, dtype: torch.dtype) -> list[str]:
+        lacking = super().missing(needs, dtype)
+        float8 = needs.kv_cache_dtype is not None and is_float8(needs.kv_cache_dtype)
+        # Without a CUDA device the kernel is interpreted, which converts e4m3 on the CPU.
+        if float8 and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+            lacking.append("a float8 KV cache below compute capability 8.9 (Triton converts e4m3 on Ada and Hopper)")
+        return lacking
 
     def forward(
         self,

@@ -41,7 +41,7 @@ from engine.distributed.worker import Workers
 from engine.execution.cuda_graphs import CaptureReport
 from engine.execution.runner import ModelRunner
 from engine.execution.startup import start_runner
-from engine.models.loader import LoadedModel, load_model, model_config
+from engine.models.loader import LoadedModel, load_model, model_config, weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,11 @@ class EngineCore:
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
         self.device = loaded.device
+        self.weight_bytes = weight_bytes(loaded.model)
+        """This rank's weights as stored (quantized codes and scales under --quantization)."""
+        self.kv_cache_dtype = str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.")
+        """What the KV cache stores K and V in: `float8_e4m3fn` under --kv-cache-dtype fp8, else the model's dtype
+        (`bfloat16`, `float32`, ...), for the front end to report."""
         pools = [
             PagePool(
                 n,

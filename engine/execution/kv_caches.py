@@ -3,25 +3,40 @@ specs the engine can page, the groups they form (engine/core/kv_cache.py), and e
 
 A spec the engine cannot allocate yet (a latent, a recurrent state, no cache) is refused here, by name, at start-up:
 sizing its pages as K/V heads would be wrong, not merely wasteful.
+
+`--kv-cache-dtype` other than `auto` replaces the dtype of every layer's spec, so a page's bytes, the pool sizes
+drawn from the memory budget and `max_model_len`'s fit all count the cache's own elements (a float8 page is half a
+bfloat16 one), and the tensors are allocated in it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.attention.spec import CacheSpec, FullAttentionSpec, PagedSpec, SlidingWindowSpec
-from engine.config import EngineStartupError
+from engine.config import CacheConfig, EngineStartupError
 from engine.core.kv_cache import GroupLayout, group_layers
 from engine.models.base import CausalLM
 
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+"""The dtype each `--kv-cache-dtype` other than `auto` stores K and V in."""
 
-def paged_specs(model: CausalLM) -> list[PagedSpec]:
-    """The model's cache specs, each one the engine pages (full or sliding-window attention); EngineStartupError
-    naming the others and their layers."""
+
+def kv_cache_dtype(cache: CacheConfig) -> torch.dtype | None:
+    """What `--kv-cache-dtype` stores every layer's K and V in; None for `auto` (each spec's own: the model's)."""
+    return KV_CACHE_DTYPES.get(cache.kv_cache_dtype)
+
+
+def paged_specs(model: CausalLM, cache_dtype: torch.dtype | None = None) -> list[PagedSpec]:
+    """The model's cache specs, each one the engine pages (full or sliding-window attention), in `cache_dtype` when
+    given (`kv_cache_dtype`); EngineStartupError naming the others and their layers."""
     specs = model.cache_specs()
     if len(specs) != model.num_layers:
         raise EngineStartupError(f"the model declares {len(specs)} cache specs for {model.num_layers} layers")
-    return [_paged(layer, spec) for layer, spec in enumerate(specs)]
+    paged = [_paged(layer, spec) for layer, spec in enumerate(specs)]
+    return paged if cache_dtype is None else [dataclasses.replace(spec, dtype=cache_dtype) for spec in paged]
 
 
 def _paged(layer: int, spec: CacheSpec) -> PagedSpec:
@@ -33,9 +48,10 @@ def _paged(layer: int, spec: CacheSpec) -> PagedSpec:
     )
 
 
-def kv_cache_groups(model: CausalLM, page_size: int) -> list[GroupLayout]:
-    """The model's layers grouped by what their caches keep, the primary group first (engine/core/kv_cache.py)."""
-    return group_layers(paged_specs(model), page_size)
+def kv_cache_groups(model: CausalLM, page_size: int, cache_dtype: torch.dtype | None = None) -> list[GroupLayout]:
+    """The model's layers grouped by what their caches keep, the primary group first (engine/core/kv_cache.py), each
+    group's page bytes counted in `cache_dtype` when given."""
+    return group_layers(paged_specs(model, cache_dtype), page_size)
 
 
 def allocate_kv_caches(

@@ -42,7 +42,7 @@ from engine.execution.cpu_threads import step_threads
 from engine.execution.cuda_graphs import Capture, decode_graph_size
 from engine.execution.graph_inputs import PaddedDecode
 from engine.execution.input_batch import InputBatch, PackedStep, SequenceState, StepInputs
-from engine.execution.kv_caches import allocate_kv_caches, paged_specs
+from engine.execution.kv_caches import allocate_kv_caches, kv_cache_dtype, paged_specs
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
 from engine.models.loader import LoadedModel, weight_bytes
 from engine.sampling.sampler import Sampler, SampleResult
@@ -82,9 +82,14 @@ class ModelRunner:
         self.pool_pages = list(pool_pages)
         """Pages of each group's pool: the ids the scheduler hands out are below these."""
         self.kv_caches = allocate_kv_caches(
-            paged_specs(model), self.group_of_layer, pool_pages, config.cache.page_size, device
+            paged_specs(model, kv_cache_dtype(config.cache)),
+            self.group_of_layer,
+            pool_pages,
+            config.cache.page_size,
+            device,
         )
-        """Each layer's K and V pages, as its cache spec keeps them (engine/execution/kv_caches.py)."""
+        """Each layer's K and V pages, as its cache spec keeps them, in --kv-cache-dtype's dtype where it names one
+        (engine/execution/kv_caches.py)."""
         self.sliding_windows = [layouts[g].window for g in self.group_of_layer]
         max_seqs, max_tokens = config.scheduler.max_num_seqs, config.scheduler.max_batch_tokens
         max_pages = -(-loaded.max_model_len // config.cache.page_size)

@@ -1,10 +1,11 @@
 """Start-up in one place: what turns a loaded model into a runner that serves, the same on every rank.
 
-`start_runner` sizes the KV cache (on CUDA after profiling the largest step and the decode graphs' memory,
-engine/execution/memory.py; with tensor parallelism the smallest count over the ranks), fits `max_model_len` to
-what the cache holds, allocates the runner and its cache, compiles every graph a step can need (`--compile`,
-engine/execution/compile.py) and captures the decode graphs (engine/execution/cuda_graphs.py). The engine
-(engine/core/engine_core.py) and each tensor-parallel worker (engine/distributed/worker.py) call it alike.
+`start_runner` makes sure the attention backend reads the KV cache's dtype (`--kv-cache-dtype`), sizes the KV cache
+(on CUDA after profiling the largest step and the decode graphs' memory, engine/execution/memory.py; with tensor
+parallelism the smallest count over the ranks), fits `max_model_len` to what the cache holds, allocates the runner
+and its cache, compiles every graph a step can need (`--compile`, engine/execution/compile.py) and captures the
+decode graphs (engine/execution/cuda_graphs.py). The engine (engine/core/engine_core.py) and each tensor-parallel
+worker (engine/distributed/worker.py) call it alike.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import UnsupportedAttention, select_backend
 from engine.config import EngineConfig, EngineStartupError
 from engine.core.kv_cache import GroupLayout, pool_pages
 from engine.core.request import SamplingParams
@@ -24,7 +26,7 @@ from engine.core.structured import GrammarCompiler
 from engine.distributed.parallel import TensorParallel
 from engine.execution.cpu_threads import SHORT_PREFILL_TOKENS
 from engine.execution.cuda_graphs import CaptureReport, start_decode_graphs
-from engine.execution.kv_caches import kv_cache_groups
+from engine.execution.kv_caches import kv_cache_dtype, kv_cache_groups
 from engine.execution.memory import kv_cache_budget_bytes
 from engine.execution.runner import ModelRunner
 from engine.models.loader import LoadedModel
@@ -67,8 +69,11 @@ def kv_cache_layout(
     """The KV-cache groups, the pages of each group's pool, and `loaded` with the longest request those pages
     hold (`_fit_max_model_len`). With tensor parallelism every rank sizes its own cache (its KV heads, its
     device's free memory) and all take the smallest count, since one scheduler hands out the same pages on every
-    rank; every rank then fits the same max_model_len."""
-    layouts = kv_cache_groups(loaded.model, config.cache.page_size)
+    rank; every rank then fits the same max_model_len. `loaded` comes back with a backend that reads the cache's
+    dtype (`_cache_backend`), which the profiling step on CUDA runs too."""
+    cache_dtype = kv_cache_dtype(config.cache)
+    loaded = _cache_backend(config, loaded, cache_dtype)
+    layouts = kv_cache_groups(loaded.model, config.cache.page_size, cache_dtype)
     budget = 0.0
     if not config.cache.num_pages:
         if tp is not None and loaded.device.type == "cuda":
@@ -87,6 +92,31 @@ def kv_cache_layout(
         pages = tp.min_over_ranks(pages)
     max_model_len = _fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.cache.page_size)
     return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages
+
+
+def _cache_backend(config: EngineConfig, loaded: LoadedModel, cache_dtype: torch.dtype | None) -> LoadedModel:
+    """`loaded` with an attention backend that writes and reads a KV cache of `cache_dtype` (None: the model's).
+
+    The loader chose the backend for what the model's layers need; a cache of another dtype is the cache's choice,
+    not the model's, so it is added here: an explicit `--attention-backend` that cannot read it is refused naming
+    both flags (`UnsupportedAttention`), and `auto` is chosen again with it (on CUDA flash-attn gives way to the
+    Triton kernel, or to the torch backend where that cannot read float8 either).
+    """
+    if cache_dtype is None:
+        return loaded
+    needs = dataclasses.replace(loaded.model.attention_needs(), kv_cache_dtype=cache_dtype)
+    missing = loaded.backend.missing(needs, loaded.dtype)
+    if not missing:
+        return loaded
+    name = config.model.attention_backend
+    if name != "auto":
+        raise UnsupportedAttention(
+            f"--attention-backend {name} cannot compute {'; '.join(missing)}, which --kv-cache-dtype "
+            f"{config.cache.kv_cache_dtype} asks for: choose another --attention-backend (auto takes one that can), "
+            "or --kv-cache-dtype auto"
+        )
+    backend = select_backend(name, loaded.device.type, config.cache.page_size, loaded.dtype, needs)
+    return dataclasses.replace(loaded, backend=backend)
 
 
 _WARM_UP_TOKENS = (1, 2, 16, SHORT_PREFILL_TOKENS)

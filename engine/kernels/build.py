@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_isa import bf16_dot_products, cpu_capability
+from engine.cpu_isa import _cpu_flags, bf16_dot_products, cpu_capability, forced_isa
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ _ISA_FLAGS = {
 }
 """By `cpu_capability()` (torch's own, or AVX2 where `FERRY_CPU_ISA=avx2` forces it); any other capability builds
 for the architecture's baseline. An AVX-512 CPU with bfloat16 dot products adds `-mavx512bf16`
-(`bf16_dot_products`)."""
+(`bf16_dot_products`), and the int8 dot products the CPU has are added by `_vnni_flags`."""
 
 
 class KernelUnavailable(RuntimeError):
@@ -57,7 +57,25 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_flags() -> list[str]:
-    return [*_FLAGS, *_ISA_FLAGS.get(cpu_capability(), []), *(["-mavx512bf16"] if bf16_dot_products() else [])]
+    return [
+        *_FLAGS,
+        *_ISA_FLAGS.get(cpu_capability(), []),
+        *(["-mavx512bf16"] if bf16_dot_products() else []),
+        *_vnni_flags(),
+    ]
+
+
+def _vnni_flags() -> list[str]:
+    """The int8 dot products (`vpdpbusd`) of the W8A8 kernel (cpu_quant_linear.cpp), where the CPU has them: the
+    512-bit ones of AVX512-VNNI in an AVX-512 build, the 256-bit ones of AVX-VNNI in an AVX2 build. An AVX2 build
+    that `FERRY_CPU_ISA=avx2` forces takes neither, as the AVX2-only CPUs it stands for (AVX-VNNI came after AVX2
+    by years); their kernel multiplies with AVX2's `vpmaddubsw`."""
+    flags = _cpu_flags()
+    if cpu_capability() == "AVX512" and "avx512_vnni" in flags:
+        return ["-mavx512vnni"]
+    if cpu_capability() == "AVX2" and forced_isa() is None and "avx_vnni" in flags:
+        return ["-mavxvnni"]
+    return []
 
 
 def cache_root() -> Path:

@@ -1,7 +1,7 @@
 """Ferry's CPU kernel library: one extension, `torch.ops.ferry_kernels`, built from every source here by
-engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`),
-RMSNorm (`cpu_norm.cpp`), rotary embedding and SiLU-and-multiply (`cpu_pointwise.cpp`). Their shapes are registered
-for `torch.compile`."""
+engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`), the
+quantized linears (`cpu_quant_linear.cpp`, engine/kernels/quant_linear.py), RMSNorm (`cpu_norm.cpp`), rotary
+embedding and SiLU-and-multiply (`cpu_pointwise.cpp`). Their shapes are registered for `torch.compile`."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels take (others run torch's ops)."""
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_linear.cpp", "cpu_norm.cpp", "cpu_pointwise.cpp", "cpu_decoder.cpp")
+    for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_norm.cpp", "cpu_pointwise.cpp", "cpu_decoder.cpp")
 ]
-HEADERS = [Path(__file__).with_name("kernels.h")]
-"""The kernels' entry points, for the decoder (`cpu_decoder.cpp`), which calls the others."""
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h")]
+"""The kernels' entry points, for the decoder (`cpu_decoder.cpp`), which calls the others; the blocked layouts' tiles,
+shared by the linear kernels."""
 
 
 def load_cpu_kernels() -> None:
@@ -51,6 +52,9 @@ def _load() -> KernelUnavailable | None:
     except KernelUnavailable as error:
         return error
     torch.library.register_fake("ferry_kernels::linear")(_linear_shape)
+    torch.library.register_fake("ferry_kernels::int8_linear")(_int8_linear_shape)
+    torch.library.register_fake("ferry_kernels::int4_linear")(_int4_linear_shape)
+    torch.library.register_fake("ferry_kernels::w8a8_linear")(_w8a8_linear_shape)
     torch.library.register_fake("ferry_kernels::rms_norm")(_norm_shape)
     torch.library.register_fake("ferry_kernels::rotary")(_rotary_shape)
     torch.library.register_fake("ferry_kernels::silu_mul")(_silu_mul_shape)
@@ -58,6 +62,34 @@ def _load() -> KernelUnavailable | None:
 
 
 def _linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _int8_linear_shape(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _int4_linear_shape(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _w8a8_linear_shape(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    code_sums: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 

@@ -78,9 +78,12 @@ class LinearBase(nn.Module):
         for a part of a fused layer) into place; the last piece hands the weights to the method."""
         if (name, shard_id) not in self._pending:
             raise ValueError(f"{type(self).__name__} has no pending {name!r} of shard {shard_id!r}")
-        target, source = self._placement(getattr(self, name), loaded, shard_id)
-        target.copy_(source)
-        del target, source  # a slice may be a copy (a row-parallel bias): not kept while the method repacks
+        # A quantizing method turns the whole checkpoint tensor into its parameters (codes, scales) before any
+        # slicing, so each rank keeps its slice of what one rank would hold: the same scales at every TP size.
+        for param_name, tensor in self.method.checkpoint_tensors(name, loaded):
+            target, source = self._placement(param_name, getattr(self, param_name), tensor, shard_id)
+            target.copy_(source)
+            del target, source  # a slice may be a copy (a row-parallel bias): not kept while the method repacks
         self._pending.discard((name, shard_id))
         if not self._pending:
             self.method.process_weights_after_loading(self)
@@ -95,9 +98,10 @@ class LinearBase(nn.Module):
         return not self._pending
 
     def _placement(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+        self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(where in `param`, what of `loaded`) this rank keeps; a replicated layer keeps all of it."""
+        """(where in parameter `name`, `param`, what of `loaded`) this rank keeps; a replicated layer keeps all of it.
+        Every parameter's first dimension is the output (weights, biases, a quantized weight's scales)."""
         return param, loaded
 
     def extra_repr(self) -> str:
@@ -147,7 +151,7 @@ class ColumnParallelLinear(LinearBase):
         )  # fmt: skip
 
     def _placement(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+        self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = param.shape[0]
         return param, loaded.narrow(0, self.shard.rank * rows, rows)
@@ -174,7 +178,7 @@ class MergedColumnParallelLinear(LinearBase):
         )  # fmt: skip
 
     def _placement(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+        self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(shard_id, int)
         size = self.part_sizes[shard_id]
@@ -210,7 +214,7 @@ class QKVParallelLinear(LinearBase):
         )  # fmt: skip
 
     def _placement(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+        self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if shard_id == "q":
             return param.narrow(0, 0, self.q_size), loaded.narrow(0, self.shard.rank * self.q_size, self.q_size)
@@ -245,10 +249,13 @@ class RowParallelLinear(LinearBase):
         return out if self.all_reduce is None else self.all_reduce(out)
 
     def _placement(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+        self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if loaded.dim() == 1:  # the bias
+        if name == "bias":
             return param, loaded if self.shard.rank == 0 else torch.zeros_like(loaded)
+        if loaded.dim() == 1:  # a scale per output channel: every rank's columns share it
+            return param, loaded
+        # The weight, or a quantized weight's groups of columns (scales, zero points): this rank's columns.
         columns = param.shape[1]
         return param, loaded.narrow(1, self.shard.rank * columns, columns)
 

@@ -3,7 +3,7 @@
 A method creates the parameters a layer loads into (`create_weights`), turns them into the layout it computes
 from once the layer's last shard is loaded (`process_weights_after_loading`), and computes `x @ weight.T + bias`
 (`apply`). The layers (engine/layers/linear.py) own the loading and the tensor-parallel slicing; a method owns only
-the layout and the arithmetic, so a quantized or LoRA method is one more class here.
+the layout and the arithmetic: the quantized methods (engine/quantization/) are such classes.
 
 - `UnquantizedLinearMethod`: the plain `[out, in]` weight and `F.linear`.
 - `BlockedLinearMethod`: the weight in Ferry's blocked layout and its C++ kernel (engine/kernels/): the CPU default
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,12 @@ class LinearMethod:
         input_size]` and `bias` `[output_size]` (None without a bias), this rank's sizes."""
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
+
+    def checkpoint_tensors(self, name: str, loaded: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters (name, tensor) checkpoint tensor `name` ("weight" or "bias") loads into, whole, before the
+        layer takes its rank's slice of each: the tensor itself, under its own name, unless the method quantizes
+        it (engine/quantization/)."""
+        yield name, loaded
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Called once, when every shard of `layer`'s weights is loaded: the place to repack them."""

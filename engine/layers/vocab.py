@@ -111,6 +111,6 @@ class ParallelLMHead(LinearBase):
         return self.method.embed_rows(self, ids)
 
     def _placement(
-        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
+        self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return _vocab_rows(param, loaded, self.shard)

@@ -242,11 +242,18 @@ class LlamaFamilyForCausalLM(nn.Module):
         weights to be loaded into.
 
         Built on the meta device first: nothing is initialised only to be overwritten, and no float32 copy of the
-        parameters ever exists. The rotary tables, which are computed rather than loaded, are filled in.
+        parameters ever exists. `dtype` is the default while the modules are made, rather than a cast after: a
+        quantized linear's codes and scales are made in their own dtypes (int8, e4m3, float32) and must stay so. The
+        rotary tables, which are computed rather than loaded, are filled in.
         """
-        with torch.device("meta"):
-            model = cls(config, max_positions, tp, method, head_method)
-        model = model.to(dtype).to_empty(device=device)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                model = cls(config, max_positions, tp, method, head_method)
+        finally:
+            torch.set_default_dtype(default)
+        model = model.to_empty(device=device)
         if model.tied:
             model.lm_head.tie_to(model.model.embed_tokens)
         with torch.device(device):

@@ -24,6 +24,13 @@ from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
 from engine.models.registry import NATIVE_MODELS, architecture, choose_model_class
 from engine.models.support import UnsupportedModelError, unsupported_feature
+from engine.quantization import (
+    UnsupportedQuantization,
+    check_layers,
+    quantized_head_method,
+    quantized_linear_method,
+)
+from engine.quantization.base import CheckpointQuantizedMethod
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,18 +49,21 @@ class LoadedModel:
     """The attention kernels the model's layers call."""
     rank: int = 0
     """The tensor-parallel rank this shard belongs to (0 without tensor parallelism): only rank 0 gets logits."""
+    quantization: str = "none"
+    """The `--quantization` scheme of the decoder's linears."""
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """The bytes of `model`'s weights: parameters, and the weights a module keeps as a plain tensor in its linear
-    method's layout (blocked, oneDNN-packed), each tensor once (a tied matrix counts once). Buffers (rotary
-    tables) are left out."""
-    sizes = {
-        id(t): t.numel() * t.element_size()
+    """The bytes of `model`'s weights: parameters, and the weights a module keeps as plain tensors in its linear
+    method's layout (blocked, oneDNN-packed, quantized codes and scales, alone or in a tuple), each tensor once (a
+    tied matrix counts once). Buffers (rotary tables) are left out."""
+    held = (
+        value
         for module in model.modules()
-        for t in (*module.parameters(recurse=False), *vars(module).values())
-        if isinstance(t, torch.Tensor)
-    }
+        for attribute in (*module.parameters(recurse=False), *vars(module).values())
+        for value in (attribute if isinstance(attribute, tuple) else (attribute,))
+    )
+    sizes = {id(t): t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor)}
     return sum(sizes.values())
 
 
@@ -154,12 +164,25 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     # Weights go straight into `dtype` on `device`: each checkpoint tensor is converted as it is copied into its
     # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
     method = select_linear_method(device, dtype)
+    quantized = quantized_linear_method(config.model, device)
+    if quantized is not None and not native:
+        raise UnsupportedQuantization(
+            quantized.scheme,
+            f"this {hf_config.model_type!r} model runs on the transformers adapter, which loads it whole in full "
+            f"precision before a layer could be quantized; quantized weights run on the native modules "
+            f"({', '.join(sorted(NATIVE_MODELS))})",
+        )
     if native:
         model_class = NATIVE_MODELS[architecture(hf_config)]
         # A tied LM head reads the embedding's matrix, which the embedding looks rows up in: a plain layout, so
-        # the matrix is stored once (see `_tied_head_method`).
-        head_method = _tied_head_method(device, dtype) if getattr(hf_config, "tie_word_embeddings", False) else None
-        model = model_class.empty(hf_config, max_model_len, device, dtype, tp, method, head_method)
+        # the matrix is stored once (see `_tied_head_method`). A quantized model's head keeps the model's dtype.
+        head_method = quantized_head_method(config.model)
+        if head_method is None and getattr(hf_config, "tie_word_embeddings", False):
+            head_method = _tied_head_method(device, dtype)
+        elif head_method is None and quantized is not None:
+            head_method = method
+        model = model_class.empty(hf_config, max_model_len, device, dtype, tp, quantized or method, head_method)
+        check_layers(model)
         backend = _backend_for(config, model, device, dtype)
         if config.model.load_format == "dummy":
             _init_dummy(model)
@@ -182,6 +205,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         native,
         backend,
         rank=0 if tp is None else tp.rank,
+        quantization=config.model.quantization,
     )
 
 
@@ -236,7 +260,17 @@ def _tied_head_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
 def _init_dummy(model: nn.Module) -> None:
     """Random weights of a realistic scale, so activations and timings look like a trained model's; then each
     linear's method processes them, as loading would."""
+    quantized = [
+        module
+        for module in model.modules()
+        if isinstance(module, LinearBase) and isinstance(module.method, CheckpointQuantizedMethod)
+    ]
+    for layer in quantized:
+        layer.method.init_dummy(layer)
+    codes = {id(param) for layer in quantized for name, param in layer.named_parameters() if name != "bias"}
     for name, param in model.named_parameters():
+        if id(param) in codes:
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif param.dim() >= 2:

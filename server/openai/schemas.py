@@ -687,6 +687,13 @@ class ModelCard(BaseModel):
     max_model_len: int
     tensor_parallel_size: int | None = None
     """Ranks the model is sharded over, when it is (the field is absent for a model on one device)."""
+    quantization: str
+    """The `--quantization` scheme of the decoder's linear weights (`none`, `int8`, `int8-dynamic`, `int4`,
+    `fp8`)."""
+    weight_bytes: int
+    """Bytes of the weights as stored (quantized codes and scales included), on each rank."""
+    kv_cache_dtype: str
+    """What the KV cache stores K and V in (`float8_e4m3fn` under --kv-cache-dtype fp8, else the model's dtype)."""
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,263 @@
+// The blocked weight layouts' shared machinery, for the linear kernels that stream them (cpu_linear.cpp,
+// cpu_quant_linear.cpp): 16 output rows a block, their weights interleaved along k so that one k of a block is one
+// vector of the 16 outputs' terms (see cpu_linear.cpp's header).
+//
+// - `Acc`: one block's 16 float32 accumulators of one row (with lane-wise arithmetic), and `load`, a block's 16
+//   weights at one k widened to float32 (from float32, bfloat16 or int8).
+// - `tile` / `pair_tile`: a tile of up to kTileRows rows times one block, float32 multiply-adds or, where the CPU
+//   has AVX512-BF16, bfloat16 dot products of weights in pairs along k.
+// - `for_blocks`: the rows in chunks of kChunkRows that stay in L2 while every block streams past them once, the
+//   blocks spread over the threads.
+//
+// The instruction set comes from the build flags (engine/kernels/build.py): AVX-512, AVX2 with FMA, or plain C++.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace ferry::blocked {
+
+constexpr int64_t kBlock = 16;
+constexpr int64_t kChunkRows = 48;
+#if defined(__AVX512F__)
+constexpr int kTileRows = 8;
+#else
+constexpr int kTileRows = 6;
+#endif
+
+#if defined(__AVX512F__)
+struct Acc {
+  __m512 v = _mm512_setzero_ps();
+  inline void fma(float x, const Acc& w) { v = _mm512_fmadd_ps(_mm512_set1_ps(x), w.v, v); }
+  inline void store(float* lanes) const { _mm512_storeu_ps(lanes, v); }
+};
+inline Acc load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Acc load(const at::BFloat16* p) {
+  // bfloat16 is the top half of a float32.
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+inline Acc load(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline Acc splat(float x) { return {_mm512_set1_ps(x)}; }
+inline Acc operator+(const Acc& a, const Acc& b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Acc operator-(const Acc& a, const Acc& b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Acc operator*(const Acc& a, const Acc& b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Acc fmadd(const Acc& a, const Acc& b, const Acc& c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Acc {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  inline void fma(float x, const Acc& w) {
+    const __m256 b = _mm256_set1_ps(x);
+    lo = _mm256_fmadd_ps(b, w.lo, lo);
+    hi = _mm256_fmadd_ps(b, w.hi, hi);
+  }
+  inline void store(float* lanes) const {
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+  }
+};
+inline Acc load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Acc load(const at::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Acc load(const int8_t* p) { return {widen8(p), widen8(p + 8)}; }
+inline Acc splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Acc operator+(const Acc& a, const Acc& b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Acc operator-(const Acc& a, const Acc& b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Acc operator*(const Acc& a, const Acc& b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Acc fmadd(const Acc& a, const Acc& b, const Acc& c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+#else
+struct Acc {
+  float v[kBlock] = {};
+  inline void fma(float x, const Acc& w) {
+    for (int64_t j = 0; j < kBlock; ++j) v[j] += x * w.v[j];
+  }
+  inline void store(float* lanes) const { std::memcpy(lanes, v, sizeof v); }
+};
+inline Acc load(const float* p) {
+  Acc a;
+  std::memcpy(a.v, p, sizeof a.v);
+  return a;
+}
+inline Acc load(const at::BFloat16* p) {
+  Acc a;
+  for (int64_t j = 0; j < kBlock; ++j) a.v[j] = static_cast<float>(p[j]);
+  return a;
+}
+inline Acc load(const int8_t* p) {
+  Acc a;
+  for (int64_t j = 0; j < kBlock; ++j) a.v[j] = static_cast<float>(p[j]);
+  return a;
+}
+template <typename Op>
+inline Acc lanewise(Op op) {
+  Acc a;
+  for (int64_t j = 0; j < kBlock; ++j) a.v[j] = op(j);
+  return a;
+}
+inline Acc splat(float x) {
+  return lanewise([&](int64_t) { return x; });
+}
+inline Acc operator+(const Acc& a, const Acc& b) {
+  return lanewise([&](int64_t j) { return a.v[j] + b.v[j]; });
+}
+inline Acc operator-(const Acc& a, const Acc& b) {
+  return lanewise([&](int64_t j) { return a.v[j] - b.v[j]; });
+}
+inline Acc operator*(const Acc& a, const Acc& b) {
+  return lanewise([&](int64_t j) { return a.v[j] * b.v[j]; });
+}
+inline Acc fmadd(const Acc& a, const Acc& b, const Acc& c) {
+  return lanewise([&](int64_t j) { return a.v[j] * b.v[j] + c.v[j]; });
+}
+#endif
+
+// The end of a tile: `valid` of a row's 16 sums, times the outputs' `scale` (a quantized weight's, else nullptr),
+// plus `bias` (or nullptr), into `row`.
+inline void finish(const float* lanes, const float* scale, const float* bias, int64_t valid, float* row) {
+  for (int64_t j = 0; j < valid; ++j) {
+    const float sum = scale == nullptr ? lanes[j] : lanes[j] * scale[j];
+    row[j] = bias == nullptr ? sum : sum + bias[j];
+  }
+}
+
+// How many accumulators a row of a tile of `Rows` rows splits k over. A multiply-add waits for the one before it
+// on the same accumulator (4-5 cycles), so a tile of few rows has too few chains to keep the FMA units busy.
+// `OneRow`: a single row's (4 by default; 8 makes the int8 kernel's single row 7% faster on a Xeon with AVX-512).
+template <int Rows, int OneRow = 4>
+constexpr int split() {
+#if defined(__AVX512F__)
+  return Rows == 1 ? OneRow : Rows == 2 ? 4 : Rows <= 4 ? 2 : 1;
+#else
+  return Rows == 1 ? 4 : Rows == 2 ? 2 : 1;
+#endif
+}
+
+// Rows [0, Rows) of one tile times one block: x rows are `ldx` apart, `valid` of the block's 16 outputs are real;
+// k split over `split<Rows, OneRow>()` accumulators a row, summed at the end.
+template <int Rows, typename W, int OneRow = 4>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t k_size, const float* scale, const float* bias,
+                 int64_t valid, float* out, int64_t ldo) {
+  constexpr int Split = split<Rows, OneRow>();
+  Acc acc[Rows][Split];
+  int64_t k = 0;
+  for (; k + Split <= k_size; k += Split) {
+    for (int s = 0; s < Split; ++s) {
+      const Acc wk = load(w + (k + s) * kBlock);
+      for (int r = 0; r < Rows; ++r) acc[r][s].fma(x[r * ldx + k + s], wk);
+    }
+  }
+  for (; k < k_size; ++k) {
+    const Acc wk = load(w + k * kBlock);
+    for (int r = 0; r < Rows; ++r) acc[r][0].fma(x[r * ldx + k], wk);
+  }
+  for (int r = 0; r < Rows; ++r) {
+    float lanes[kBlock];
+    acc[r][0].store(lanes);
+    for (int s = 1; s < Split; ++s) {
+      float more[kBlock];
+      acc[r][s].store(more);
+      for (int64_t j = 0; j < kBlock; ++j) lanes[j] += more[j];
+    }
+    finish(lanes, scale, bias, valid, out + r * ldo);
+  }
+}
+
+// Runs `tile(std::integral_constant<int, rows>{})`, 1 <= rows <= kTileRows: a tile's height is a template argument,
+// so that its accumulators live in registers.
+template <typename Tile>
+inline void with_rows(int64_t rows, Tile&& tile) {
+  switch (rows) {
+#define FERRY_TILE(n) \
+  case n:             \
+    return tile(std::integral_constant<int, n>{});
+    FERRY_TILE(1)
+    FERRY_TILE(2)
+    FERRY_TILE(3)
+    FERRY_TILE(4)
+    FERRY_TILE(5)
+    FERRY_TILE(6)
+#if defined(__AVX512F__)
+    FERRY_TILE(7)
+    FERRY_TILE(8)
+#endif
+#undef FERRY_TILE
+  }
+  TORCH_CHECK(false, "a tile of ", rows, " rows");
+}
+
+#if defined(__AVX512BF16__)
+// The paired layout's tile (bfloat16 weights on a CPU with AVX512-BF16): each k pair of a block is one vector of 16
+// outputs x 2 weights, and one `vdpbf16ps` adds both products of every output (exact products of bfloat16 values,
+// summed in float32, denormals flushed), where the widening path takes a load, a widen, a shift and an FMA per k.
+// Rows are bfloat16, k is even.
+template <int Rows>
+inline void pair_tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k_size, const float* scale,
+                      const float* bias, int64_t valid, float* out, int64_t ldo) {
+  constexpr int Split = Rows <= 2 ? 4 : Rows <= 4 ? 2 : 1;
+  const auto x_pair = [&](int r, int64_t p) {
+    int32_t bits;
+    std::memcpy(&bits, x + r * ldx + 2 * p, sizeof bits);
+    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+  };
+  const auto weights = [&](int64_t p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + p * 2 * kBlock)); };
+  __m512 acc[Rows][Split];
+  for (auto& row : acc) {
+    for (auto& a : row) a = _mm512_setzero_ps();
+  }
+  const int64_t pairs = k_size / 2;
+  int64_t p = 0;
+  for (; p + Split <= pairs; p += Split) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (p + 16) * 2 * kBlock), _MM_HINT_T0);
+    for (int s = 0; s < Split; ++s) {
+      const __m512bh wp = weights(p + s);
+      for (int r = 0; r < Rows; ++r) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], wp, x_pair(r, p + s));
+    }
+  }
+  for (; p < pairs; ++p) {
+    const __m512bh wp = weights(p);
+    for (int r = 0; r < Rows; ++r) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wp, x_pair(r, p));
+  }
+  for (int r = 0; r < Rows; ++r) {
+    __m512 sum = acc[r][0];
+    for (int s = 1; s < Split; ++s) sum = _mm512_add_ps(sum, acc[r][s]);
+    float lanes[kBlock];
+    _mm512_storeu_ps(lanes, sum);
+    finish(lanes, scale, bias, valid, out + r * ldo);
+  }
+}
+#endif
+
+// Calls `block(b, m0, m1)` for every block b < `num_blocks` and every chunk [m0, m1) of at most kChunkRows of the
+// `m_size` rows: chunk by chunk, the blocks spread over the threads.
+template <typename Block>
+void for_blocks(int64_t m_size, int64_t k_size, int64_t num_blocks, Block&& block) {
+  for (int64_t m0 = 0; m0 < m_size; m0 += kChunkRows) {
+    const int64_t m1 = std::min(m_size, m0 + kChunkRows);
+    // A block's work is 16 outputs of the chunk's rows (k * rows * 16 multiply-adds): a thread takes at least 32k,
+    // about 2 us, so that even one row of a small layer spreads over the threads.
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k_size * (m1 - m0) * kBlock));
+    at::parallel_for(0, num_blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) block(b, m0, m1);
+    });
+  }
+}
+
+}  // namespace ferry::blocked

@@ -1,0 +1,466 @@
+// Quantized linear layers on the CPU: y = x @ W.T + b with W kept as 8- or 4-bit codes in blocked layouts of 16
+// output rows (cpu_linear.cpp's, engine/kernels/quant_linear.py packs them), the codes widened in registers.
+//
+// Decode (a few rows) costs what reading the weights costs, so a weight read as one byte (int8) or half a byte
+// (int4) a term instead of bfloat16's two is what makes these layers faster; more rows go in the same chunks and
+// tiles as the blocked kernel (blocked.h).
+//
+// - int8, weight only (`int8_linear`): codes [ceil(out / 16), in, 16] int8, the blocked layout of the codes, and a
+//   float32 scale per output row: y = scale * sum_k x_k q_k. A tile widens a block's 16 codes at one k to float32
+//   (a sign extension and a conversion) and multiplies them as blocked.h's tiles multiply float32 weights; the
+//   scale multiplies the sums.
+// - int4, weight only, asymmetric in groups of `group` (32, 64, 128) along k (`int4_linear`): w = min + scale * q,
+//   q in 0..15. codes [ceil(out / 16), in / 8, 16, 4] uint8: for 8 k a block's row j has 4 bytes, one
+//   little-endian 32-bit word whose bits 16t + 4i .. 16t + 4i + 3 are the code of k = 8o + 2i + t (o: which 8).
+//   scales, mins: [ceil(out / 16), in / group, 16] bfloat16. A code is widened with no conversion: OR-ed into the
+//   mantissa of 1.0 it is f = 1 + q / 16 (a shift and one `vpternlogd`), and since w = 16 scale f + (min - 16
+//   scale), a group's sum is 16 scale * sum_k x_k f_k + (min - 16 scale) * sum_k x_k, the last sum taken once a
+//   row. (The word's order is that of bfloat16 pairs along k, word t of pair i, for dot products of f in
+//   bfloat16; on a Xeon with AVX512-BF16 and AMX they were slower than these float32 multiply-adds at every row
+//   count, `vdpbf16ps` taking 2 cycles and 13 of latency where an FMA takes half a cycle and 4.)
+// - W8A8 (`w8a8_linear`): int8 weights per output row as for int8, codes [ceil(out / 16), ceil(in / 4), 16, 4]
+//   (4 consecutive k of a row together, zeros past in), float32 scales and each row's sum of codes. Each row of x
+//   is quantized as it comes, symmetric per row (s = max |x| / 127, q = round(x / s), as quant_linear.py's
+//   `quantize_activations`), and the int8 x int8 products are summed exactly in int32 (4 k at once): AVX512-VNNI's
+//   `vpdpbusd` (16 outputs an instruction) or AVX-VNNI's, which take unsigned x, so x goes in as q + 128 and 128
+//   times the row's sum of codes comes off the sum; elsewhere AVX2's `vpmaddubsw` of |w| and x with w's sign
+//   (products at most 127 * 127, pairs of them within int16: nothing saturates). y = float(sum) * s_x * s_w + b.
+//
+// The instruction set comes from the build flags (engine/kernels/build.py: AVX-512, with AVX512-VNNI where the CPU
+// has it; AVX2, with AVX-VNNI where the CPU has it; or plain C++).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "blocked.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using namespace ferry::blocked;
+
+// ---- int4, weight only (int8's tiles are blocked.h's) ----
+
+// f = 1 + q / 16 in float32: the code OR-ed into the top of the mantissa of 1.0 (bits 19..22).
+constexpr uint32_t kOne = 0x3F800000, kCodeBits = 0xFu << 19;
+
+// Bit position, in a row's 32-bit word, of the code of k = 8o + n: 16t + 4i for n = 2i + t.
+constexpr int code_bit(int n) { return 16 * (n & 1) + 4 * (n >> 1); }
+
+// One block's words for 8 k (16 x 32 bits), and `unpack<Bit>`: each row's code at bit Bit as f = 1 + q / 16.
+#if defined(__AVX512F__)
+struct Words {
+  __m512i v;
+};
+inline Words load_words(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+template <int Bit>
+inline Acc unpack(const Words& w) {
+  const __m512i at = Bit <= 19 ? _mm512_slli_epi32(w.v, 19 - Bit) : _mm512_srli_epi32(w.v, Bit - 19);
+  return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(at, _mm512_set1_epi32(kCodeBits), _mm512_set1_epi32(kOne),
+                                                        0xEA))};  // (at & bits) | one
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Words {
+  __m256i lo, hi;
+};
+inline Words load_words(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+template <int Bit>
+inline __m256 unpack8(__m256i v) {
+  const __m256i at = Bit <= 19 ? _mm256_slli_epi32(v, 19 - Bit) : _mm256_srli_epi32(v, Bit - 19);
+  return _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(at, _mm256_set1_epi32(kCodeBits)), _mm256_set1_epi32(kOne)));
+}
+template <int Bit>
+inline Acc unpack(const Words& w) {
+  return {unpack8<Bit>(w.lo), unpack8<Bit>(w.hi)};
+}
+#else
+struct Words {
+  uint32_t v[kBlock];
+};
+inline Words load_words(const uint8_t* p) {
+  Words w;
+  std::memcpy(w.v, p, sizeof w.v);
+  return w;
+}
+template <int Bit>
+inline Acc unpack(const Words& w) {
+  return lanewise([&](int64_t j) {
+    const uint32_t bits = (((w.v[j] >> Bit) & 0xFu) << 19) | kOne;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  });
+}
+#endif
+
+// How far ahead (in 64-byte words of 8 k) a tile asks for the codes it will read. A row's decode spends as long
+// unpacking the codes as waiting for them: without it the core asks for too few at once to stream them out of DRAM
+// at its full rate (measured on a Xeon, one row of an 8192 x 2048 layer from DRAM: 1450 us without, 880 with).
+constexpr int64_t kPrefetchWords = 32;
+
+// Where the group's codes are and what to add at its end, for one block.
+struct Int4Block {
+  const uint8_t* codes;  // [k / 8, 16, 4]
+  const at::BFloat16* scales;  // [groups, 16]
+  const at::BFloat16* mins;  // [groups, 16]
+  int64_t groups, group;
+};
+
+// A group's sums of x f (`acc`) into the row's total: 16 scale * acc + (min - 16 scale) * sum of the group's x.
+inline Acc add_group(const Int4Block& w, int64_t g, const Acc& acc, float x_sum, const Acc& total) {
+  const Acc scale16 = load(w.scales + g * kBlock) * splat(16.0f);
+  const Acc offset = load(w.mins + g * kBlock) - scale16;
+  return fmadd(offset, splat(x_sum), fmadd(scale16, acc, total));
+}
+
+// Rows [0, Rows) of float32 x times one int4 block; `x_sums` [Rows, groups]: each row's sum of x over each group.
+template <int Rows, int... N>
+inline void int4_tile(const float* x, int64_t ldx, const Int4Block& w, const float* x_sums, const float* bias,
+                      int64_t valid, float* out, int64_t ldo, std::integer_sequence<int, N...>) {
+  constexpr int Split = split<Rows>();
+  Acc total[Rows];
+  const int64_t octets = w.group / 8;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    Acc acc[Rows][Split];
+    for (int64_t o = g * octets; o < (g + 1) * octets; ++o) {
+      _mm_prefetch(reinterpret_cast<const char*>(w.codes + (o + kPrefetchWords) * 4 * kBlock), _MM_HINT_T0);
+      const Words words = load_words(w.codes + o * 4 * kBlock);
+      const auto term = [&](auto n) {
+        const Acc f = unpack<code_bit(decltype(n)::value)>(words);
+        for (int r = 0; r < Rows; ++r) acc[r][decltype(n)::value % Split].fma(x[r * ldx + 8 * o + n], f);
+      };
+      (term(std::integral_constant<int, N>{}), ...);
+    }
+    for (int r = 0; r < Rows; ++r) {
+      Acc sum = acc[r][0];
+      for (int s = 1; s < Split; ++s) sum = sum + acc[r][s];
+      total[r] = add_group(w, g, sum, x_sums[r * w.groups + g], total[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    float lanes[kBlock];
+    total[r].store(lanes);
+    finish(lanes, nullptr, bias, valid, out + r * ldo);
+  }
+}
+
+// ---- W8A8 ----
+
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+// vpdpbusd multiplies unsigned bytes of x by signed bytes of w: x goes in as q + 128.
+constexpr int32_t kXOffset = 128;
+#else
+constexpr int32_t kXOffset = 0;
+#endif
+#if defined(__AVX512F__)
+constexpr int kW8A8Rows = 8;
+#else
+constexpr int kW8A8Rows = 4;  // 2 accumulators a row in 16 registers, with the weights and their magnitudes
+#endif
+
+// Row m of `x` [m, k] quantized into `q` (k4 bytes: q + kXOffset, padded with kXOffset) and its scale.
+// Bit for bit quant_linear.py's quantize_activations: s = max|x| / 127 (1 where that is 0), q = round half to even
+// of x / s, within [-127, 127].
+inline void quantize_row(const float* x, int64_t k_size, int64_t k4, uint8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < k_size; ++k) amax = std::max(amax, std::abs(x[k]));
+  float s = amax / 127.0f;
+  if (s == 0.0f) s = 1.0f;
+  *scale = s;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(s);
+  for (; k + 16 <= k_size; k += 16) {
+    // Rounds as the MXCSR says: to nearest, ties to even.
+    __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + k), vs));
+    v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    v = _mm512_add_epi32(v, _mm512_set1_epi32(kXOffset));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(v));
+  }
+#endif
+  for (; k < k_size; ++k) {
+    const float v = std::nearbyint(x[k] / s);
+    q[k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(v, -127.0f, 127.0f)) + kXOffset);
+  }
+  for (; k < k4; ++k) q[k] = static_cast<uint8_t>(kXOffset);
+}
+
+// A tile's int32 sums of one row into outputs: float(sum - offset * codes' sum) * s_x * s_w + b.
+inline void finish_w8a8(const int32_t* lanes, float x_scale, const float* scale, const int32_t* code_sums,
+                        const float* bias, int64_t valid, float* row) {
+  for (int64_t j = 0; j < valid; ++j) {
+    const float y = static_cast<float>(lanes[j] - kXOffset * code_sums[j]) * x_scale * scale[j];
+    row[j] = bias == nullptr ? y : y + bias[j];
+  }
+}
+
+inline int32_t quad(const uint8_t* q) {
+  int32_t bits;
+  std::memcpy(&bits, q, sizeof bits);
+  return bits;
+}
+
+// Rows [0, Rows) of quantized x (`ldq` bytes apart) times one W8A8 block of `quads` groups of 4 k.
+template <int Rows>
+inline void w8a8_tile(const uint8_t* xq, int64_t ldq, const float* x_scales, const int8_t* w, int64_t quads,
+                      const float* scale, const int32_t* code_sums, const float* bias, int64_t valid, float* out,
+                      int64_t ldo) {
+  int32_t lanes[Rows][kBlock];
+#if defined(__AVX512VNNI__)
+  // A vpdpbusd waits for the one before it on the same accumulator: few rows split k into more chains.
+  constexpr int Split = Rows <= 2 ? 4 : Rows <= 4 ? 2 : 1;
+  __m512i acc[Rows][Split];
+  for (auto& row : acc) {
+    for (auto& a : row) a = _mm512_setzero_si512();
+  }
+  int64_t p = 0;
+  for (; p + Split <= quads; p += Split) {
+    for (int s = 0; s < Split; ++s) {
+      const __m512i wq = _mm512_loadu_si512(w + (p + s) * 4 * kBlock);
+      for (int r = 0; r < Rows; ++r) {
+        acc[r][s] = _mm512_dpbusd_epi32(acc[r][s], _mm512_set1_epi32(quad(xq + r * ldq + 4 * (p + s))), wq);
+      }
+    }
+  }
+  for (; p < quads; ++p) {
+    const __m512i wq = _mm512_loadu_si512(w + p * 4 * kBlock);
+    for (int r = 0; r < Rows; ++r) {
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], _mm512_set1_epi32(quad(xq + r * ldq + 4 * p)), wq);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    __m512i sum = acc[r][0];
+    for (int s = 1; s < Split; ++s) sum = _mm512_add_epi32(sum, acc[r][s]);
+    _mm512_storeu_si512(lanes[r], sum);
+  }
+#elif defined(__AVX2__)
+  __m256i lo[Rows], hi[Rows];
+  for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+#if !defined(__AVXVNNI__)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t p = 0; p < quads; ++p) {
+    const __m256i w_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 4 * kBlock));
+    const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 4 * kBlock + 32));
+#if defined(__AVXVNNI__)
+    for (int r = 0; r < Rows; ++r) {
+      const __m256i xb = _mm256_set1_epi32(quad(xq + r * ldq + 4 * p));
+      lo[r] = _mm256_dpbusd_avx_epi32(lo[r], xb, w_lo);
+      hi[r] = _mm256_dpbusd_avx_epi32(hi[r], xb, w_hi);
+    }
+#else
+    // |w| times x with w's sign: products of magnitudes at most 127, so a pair's sum fits int16.
+    const __m256i abs_lo = _mm256_abs_epi8(w_lo), abs_hi = _mm256_abs_epi8(w_hi);
+    for (int r = 0; r < Rows; ++r) {
+      const __m256i xb = _mm256_set1_epi32(quad(xq + r * ldq + 4 * p));
+      const __m256i products_lo = _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(xb, w_lo));  // int16 pairs
+      const __m256i products_hi = _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(xb, w_hi));
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(products_lo, ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(products_hi, ones));
+    }
+#endif
+  }
+  for (int r = 0; r < Rows; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes[r]), lo[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes[r] + 8), hi[r]);
+  }
+#else
+  for (int r = 0; r < Rows; ++r) {
+    for (int64_t j = 0; j < kBlock; ++j) lanes[r][j] = 0;
+    for (int64_t p = 0; p < quads; ++p) {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        for (int64_t t = 0; t < 4; ++t) {
+          lanes[r][j] += static_cast<int8_t>(xq[r * ldq + 4 * p + t]) * w[(p * kBlock + j) * 4 + t];
+        }
+      }
+    }
+  }
+#endif
+  for (int r = 0; r < Rows; ++r) finish_w8a8(lanes[r], x_scales[r], scale, code_sums, bias, valid, out + r * ldo);
+}
+
+template <int Height, typename Tile>
+inline void with_height(int64_t rows, Tile&& tile) {
+  if constexpr (Height > 1) {
+    if (rows < Height) return with_height<Height - 1>(rows, tile);
+  }
+  tile(std::integral_constant<int, Height>{});
+}
+
+// ---- shared ----
+
+// The last dimension of `x` as a [m, k] contiguous matrix in `dtype`, and its output [m, out_features] float32.
+std::pair<at::Tensor, at::Tensor> rows_and_output(const at::Tensor& x, at::ScalarType dtype, int64_t out_features) {
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).to(dtype).contiguous();
+  return {rows, at::empty({rows.size(0), out_features}, rows.options().dtype(at::kFloat))};
+}
+
+std::optional<at::Tensor> float_bias(const std::optional<at::Tensor>& bias, int64_t out_features) {
+  if (!bias.has_value()) return std::nullopt;
+  TORCH_CHECK(bias->numel() == out_features, "bias has ", bias->numel(), " elements for ", out_features, " outputs");
+  return bias->to(at::kFloat).contiguous();
+}
+
+const float* data_or_null(const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+// The output [m, out_features] float32 as x's dtype, in x's leading shape.
+at::Tensor shaped(const at::Tensor& out, const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return out.to(x.scalar_type()).view(shape);
+}
+
+void check_blocks(const char* op, const at::Tensor& x, const at::Tensor& codes, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "ferry_kernels.", op, " runs on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "ferry_kernels.", op,
+              " takes float32 or bfloat16 x, not ", x.scalar_type());
+  TORCH_CHECK(codes.is_contiguous() && codes.size(2) == kBlock, "ferry_kernels.", op, " takes packed codes");
+  const int64_t num_blocks = codes.size(0);
+  TORCH_CHECK(0 < out_features && out_features <= num_blocks * kBlock && out_features > (num_blocks - 1) * kBlock,
+              "out_features ", out_features, " does not fit ", num_blocks, " blocks");
+}
+
+void check_vector(const at::Tensor& t, at::ScalarType dtype, int64_t size, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.numel() == size, what, ": ", size, " ", dtype,
+              " values");
+}
+
+}  // namespace
+
+namespace ferry {
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar, "ferry_kernels.int8_linear takes int8 codes "
+              "[blocks, in, 16]");
+  check_blocks("int8_linear", x, codes, out_features);
+  check_vector(scales, at::kFloat, out_features, "scales");
+  const int64_t k_size = x.size(-1);
+  TORCH_CHECK(codes.size(1) == k_size, "input has ", k_size, " features, the weight ", codes.size(1));
+  const std::optional<at::Tensor> wide_bias = float_bias(bias, out_features);
+  const float* bias_data = data_or_null(wide_bias);
+  const float* scale_data = scales.data_ptr<float>();
+  const int8_t* packed = codes.data_ptr<int8_t>();
+  const int64_t num_blocks = codes.size(0);
+  auto [rows, out] = rows_and_output(x, at::kFloat, out_features);
+  const float* x_data = rows.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  for_blocks(rows.size(0), k_size, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {
+    const int64_t n0 = b * kBlock, valid = std::min(kBlock, out_features - n0);
+    for (int64_t m = m0; m < m1; m += kTileRows) {
+      with_rows(std::min<int64_t>(kTileRows, m1 - m), [&](auto n) {
+        tile<decltype(n)::value, int8_t, 8>(x_data + m * k_size, k_size, packed + b * k_size * kBlock, k_size,
+                                            scale_data + n0, bias_data == nullptr ? nullptr : bias_data + n0, valid,
+                                            out_data + m * out_features + n0, out_features);
+      });
+    }
+  });
+  return shaped(out, x, out_features);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(3) == 4 && codes.scalar_type() == at::kByte,
+              "ferry_kernels.int4_linear takes uint8 codes [blocks, in / 8, 16, 4]");
+  check_blocks("int4_linear", x, codes, out_features);
+  const int64_t k_size = x.size(-1), num_blocks = codes.size(0);
+  TORCH_CHECK(codes.size(1) * 8 == k_size, "input has ", k_size, " features, the weight ", codes.size(1) * 8);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == num_blocks && scales.size(2) == kBlock &&
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && mins.sizes() == scales.sizes() &&
+                  mins.scalar_type() == at::kBFloat16 && mins.is_contiguous(),
+              "scales and mins: [blocks, in / group, 16] bfloat16");
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(k_size % groups == 0 && (k_size / groups) % 8 == 0, k_size, " features do not go in ", groups,
+              " groups of a multiple of 8");
+  const int64_t group = k_size / groups;
+  const std::optional<at::Tensor> wide_bias = float_bias(bias, out_features);
+  const float* bias_data = data_or_null(wide_bias);
+  auto [rows, out] = rows_and_output(x, at::kFloat, out_features);
+  const int64_t m_size = rows.size(0);
+  // [m, groups]: each row's sum of x over each group, for the groups' offsets.
+  const at::Tensor x_sums = at::sum(rows.view({m_size, groups, group}), -1, false, at::kFloat);
+  const float* sums = x_sums.data_ptr<float>();
+  const float* x_data = rows.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  for_blocks(m_size, k_size, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {
+    const Int4Block w{codes.data_ptr<uint8_t>() + b * k_size / 8 * 4 * kBlock,
+                      scales.data_ptr<at::BFloat16>() + b * groups * kBlock,
+                      mins.data_ptr<at::BFloat16>() + b * groups * kBlock, groups, group};
+    const int64_t n0 = b * kBlock, valid = std::min(kBlock, out_features - n0);
+    const float* block_bias = bias_data == nullptr ? nullptr : bias_data + n0;
+    for (int64_t m = m0; m < m1; m += kTileRows) {
+      with_rows(std::min<int64_t>(kTileRows, m1 - m), [&](auto n) {
+        int4_tile<decltype(n)::value>(x_data + m * k_size, k_size, w, sums + m * groups, block_bias, valid,
+                                      out_data + m * out_features + n0, out_features,
+                                      std::make_integer_sequence<int, 8>{});
+      });
+    }
+  });
+  return shaped(out, x, out_features);
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& code_sums, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(3) == 4 && codes.scalar_type() == at::kChar,
+              "ferry_kernels.w8a8_linear takes int8 codes [blocks, ceil(in / 4), 16, 4]");
+  check_blocks("w8a8_linear", x, codes, out_features);
+  check_vector(scales, at::kFloat, out_features, "scales");
+  check_vector(code_sums, at::kInt, out_features, "code_sums");
+  const int64_t k_size = x.size(-1), quads = codes.size(1), k4 = 4 * quads, num_blocks = codes.size(0);
+  TORCH_CHECK(quads == (k_size + 3) / 4, "input has ", k_size, " features, the weight ", k4);
+  // Sums of up to k4 products of 255 * 127 (the offset x) stay within int32.
+  TORCH_CHECK(k4 <= 65536, "W8A8 takes at most 65536 input features");
+  const std::optional<at::Tensor> wide_bias = float_bias(bias, out_features);
+  const float* bias_data = data_or_null(wide_bias);
+  auto [rows, out] = rows_and_output(x, at::kFloat, out_features);
+  const int64_t m_size = rows.size(0);
+  const at::Tensor xq = at::empty({m_size, k4}, rows.options().dtype(at::kByte));
+  const at::Tensor x_scales = at::empty({m_size}, rows.options());
+  uint8_t* q_data = xq.data_ptr<uint8_t>();
+  float* s_data = x_scales.data_ptr<float>();
+  const float* x_data = rows.data_ptr<float>();
+  at::parallel_for(0, m_size, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k_size)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(x_data + m * k_size, k_size, k4, q_data + m * k4, s_data + m);
+  });
+  const int8_t* packed = codes.data_ptr<int8_t>();
+  const float* scale_data = scales.data_ptr<float>();
+  const int32_t* sums_data = code_sums.data_ptr<int32_t>();
+  float* out_data = out.data_ptr<float>();
+  for_blocks(m_size, k4, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {
+    const int64_t n0 = b * kBlock, valid = std::min(kBlock, out_features - n0);
+    for (int64_t m = m0; m < m1; m += kW8A8Rows) {
+      with_height<kW8A8Rows>(std::min<int64_t>(kW8A8Rows, m1 - m), [&](auto n) {
+        w8a8_tile<decltype(n)::value>(q_data + m * k4, k4, s_data + m, packed + b * k4 * kBlock, quads,
+                                      scale_data + n0, sums_data + n0, bias_data == nullptr ? nullptr : bias_data + n0,
+                                      valid, out_data + m * out_features + n0, out_features);
+      });
+    }
+  });
+  return shaped(out, x, out_features);
+}
+
+}  // namespace ferry
+
+using namespace ferry;
+
+TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int out_features, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int out_features, Tensor? bias) -> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor code_sums, int out_features, Tensor? bias) -> "
+        "Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("w8a8_linear", &w8a8_linear);
+}

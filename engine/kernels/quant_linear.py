@@ -1,0 +1,275 @@
+"""Quantized linear layers on the CPU: weights quantized once at load, multiplied by `cpu_quant_linear.cpp`'s kernels
+(`torch.ops.ferry_kernels.int8_linear`, `int4_linear`, `w8a8_linear`, in engine/kernels/library.py's extension),
+or where that cannot be built by torch ops of the same arithmetic (slower: Ferry never refuses to run for lack of a
+kernel).
+
+Three schemes, each a `NamedTuple` of the tensors its layout needs, a quantizer and a dequantizer that gives back
+the float32 `[out, in]` weights the kernel multiplies by:
+
+- **int8** (`quantize_int8`, `int8_linear`): weight-only, symmetric per output row, `scale = max |w| / 127`, codes
+  in [-127, 127]. y = scale * (x @ codes.T) in float32: x as it is, no rounding of the activations. Any `in`.
+- **int4** (`quantize_int4`, `int4_linear`): weight-only, asymmetric in groups of 32, 64 or 128 along `in`:
+  `w = min + scale * q`, q in 0..15, a bfloat16 scale and min per (output row, group) (scale rounded up and min
+  down to bfloat16, so the group's range is still covered: |w - dequantized| <= scale / 2). `in` must be a multiple
+  of the group.
+- **W8A8** (`quantize_w8a8`, `w8a8_linear`): int8 weights as int8's, and the activations quantized per row as
+  they come (`quantize_activations`: symmetric int8, scale = max |x| / 127): int8 x int8 products summed exactly in
+  int32, rescaled once by both scales. Any `in`.
+
+Layouts: blocks of 16 output rows, as the blocked bfloat16 kernel's (engine/kernels/linear.py), the rows past `out`
+zero; the source's header says how each block is laid out and why.
+
+Backend, measured (scripts/bench_quant_linear.py) before choosing: Ferry's kernels for every scheme. torch's own
+int8 and int4 CPU ops (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`) were slower at every size,
+and oneDNN's int8 linear (`onednn.qlinear_pointwise`, AMX where the CPU has it) only beats the W8A8 kernel from
+tens of rows, at the price of a second copy of the weight in its own layout. See the table below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.library import cpu_kernels_take
+from engine.kernels.linear import BLOCK
+
+INT4_GROUP_SIZES = (32, 64, 128)
+_QUANTIZE_ELEMENTS = 1 << 19
+"""About how many weights are quantized at a time (whole blocks of rows): the float32 temporaries of one step, 2 MiB
+each, stay a small part of a layer's weight (a model loads layer by layer, and its peak memory is the quantized
+layers plus one layer's weight in flight)."""
+
+
+class Int8Weights(NamedTuple):
+    codes: torch.Tensor
+    """[ceil(out / 16), in, 16] int8: block b's k-th 16 codes are rows 16b .. 16b + 15 at column k."""
+    scales: torch.Tensor
+    """[out] float32: each output row's scale."""
+
+
+class Int4Weights(NamedTuple):
+    codes: torch.Tensor
+    """[ceil(out / 16), in / 8, 16, 4] uint8: for columns 8o .. 8o + 7 of row 16b + j, 4 bytes that read as one
+    little-endian 32-bit word whose bits 16t + 4i .. 16t + 4i + 3 hold the code of column 8o + 2i + t."""
+    scales: torch.Tensor
+    """[ceil(out / 16), in / group, 16] bfloat16: block b's g-th 16 are rows 16b .. 16b + 15's scales of group g."""
+    mins: torch.Tensor
+    """[ceil(out / 16), in / group, 16] bfloat16: the groups' minimums (the value of code 0), laid out as `scales`."""
+
+
+class W8A8Weights(NamedTuple):
+    codes: torch.Tensor
+    """[ceil(out / 16), ceil(in / 4), 16, 4] int8: block b's p-th 64 are rows 16b + j's codes of columns 4p + t at
+    (j, t), zeros past `in`."""
+    scales: torch.Tensor
+    """[out] float32: each output row's scale."""
+    code_sums: torch.Tensor
+    """[out] int32: each output row's sum of codes (the kernel's unsigned-activation products need it)."""
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weights:
+    """`[out, in]` float weight -> int8 codes per output row, symmetric: scale = max |w| / 127, q = round(w / scale)."""
+    out_features, in_features = _check_weight(weight)
+    codes = torch.empty(_blocks(out_features), in_features, BLOCK, dtype=torch.int8)
+    scales = torch.empty(out_features)
+    for start, rows in _row_chunks(weight):
+        scale, q = _symmetric(rows)  # [r], [r, in]
+        scales[start : start + len(rows)] = scale
+        _put_rows(codes, start, q)
+    return Int8Weights(codes, scales)
+
+
+def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> Int8Weights:
+    """int8 codes `[out, in]` and float32 scales `[out]` quantized elsewhere (engine/quantization/codes.py, from
+    whole checkpoint tensors) -> the kernel's layout, the same values."""
+    out_features, in_features = codes.shape
+    blocked = torch.empty(_blocks(out_features), in_features, BLOCK, dtype=torch.int8)
+    for start, rows in _row_chunks(codes):  # exact: codes are small integers in float32
+        _put_rows(blocked, start, rows)
+    return Int8Weights(blocked, scales.float().contiguous())
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x `[..., in]` @ the int8 weight's `[out, in]`.T (+ bias): `[..., out]` in x's dtype."""
+    _check_input(x, w.codes.shape[1])
+    if cpu_kernels_take(x):
+        return torch.ops.ferry_kernels.int8_linear(x, w.codes, w.scales, out_features, bias)
+    codes = _rows(w.codes, out_features)  # [out, in]
+    return _finish(F.linear(x.float(), codes.float()) * w.scales, bias, x.dtype)
+
+
+def dequantize_int8(w: Int8Weights, out_features: int, in_features: int) -> torch.Tensor:
+    """The float32 `[out, in]` weight `int8_linear` multiplies by: scale * q."""
+    return _rows(w.codes, out_features)[:, :in_features].float() * w.scales[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
+    """`[out, in]` float weight -> 4-bit codes in groups of `group_size` columns (32, 64 or 128; `in` a multiple of
+    it): per (row, group) min = the group's minimum rounded down to bfloat16, scale = (max - min) / 15 rounded up to
+    bfloat16, q = round((w - min) / scale) in 0..15."""
+    out_features, in_features = _check_weight(weight)
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 groups are {INT4_GROUP_SIZES} columns, not {group_size}")
+    if in_features % group_size:
+        raise ValueError(
+            f"int4 in groups of {group_size} needs a multiple of {group_size} input features, not {in_features}"
+        )
+    groups = in_features // group_size
+    codes = torch.empty(_blocks(out_features), in_features // 8, BLOCK, 4, dtype=torch.uint8)
+    scales = torch.empty(_blocks(out_features), groups, BLOCK, dtype=torch.bfloat16)
+    mins = torch.empty_like(scales)
+    for start, rows in _row_chunks(weight):
+        by_group = rows.view(len(rows), groups, group_size)
+        low = by_group.amin(-1)  # [r, groups]
+        low = torch.where(low < 0, _bf16_away_from_zero(low), _bf16_toward_zero(low))
+        scale = _bf16_away_from_zero((by_group.amax(-1) - low) / 15)
+        q = (by_group - low[..., None]).div_(torch.where(scale == 0, 1, scale)[..., None]).round_().clamp_(0, 15)
+        # Column 8o + 4h + 2n + t (h: which half of the word, n: low or high nibble) into byte 2t + h's nibble n.
+        q = q.to(torch.uint8).view(len(rows), in_features // 8, 2, 2, 2).permute(0, 1, 4, 2, 3)
+        _put_rows(codes, start, (q[..., 0] | q[..., 1] << 4).reshape(len(rows), in_features // 8, 4))
+        _put_rows(scales, start, scale.to(torch.bfloat16))
+        _put_rows(mins, start, low.to(torch.bfloat16))
+    return Int4Weights(codes, scales, mins)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x `[..., in]` @ the int4 weight's `[out, in]`.T (+ bias): `[..., out]` in x's dtype."""
+    in_features = w.codes.shape[1] * 8
+    _check_input(x, in_features)
+    if cpu_kernels_take(x):
+        return torch.ops.ferry_kernels.int4_linear(x, w.codes, w.scales, w.mins, out_features, bias)
+    return _finish(F.linear(x.float(), dequantize_int4(w, out_features, in_features)), bias, x.dtype)
+
+
+def dequantize_int4(w: Int4Weights, out_features: int, in_features: int) -> torch.Tensor:
+    """The float32 `[out, in]` weight `int4_linear` multiplies by: min + scale * q of each (row, group). (The
+    kernel sums it as 16 scale * (1 + q / 16) + (min - 16 scale), equal but for float32 rounding.)"""
+    packed = _rows(w.codes, out_features)  # [out, in / 8, 4]
+    nibbles = torch.stack([packed & 15, packed >> 4], dim=-1).view(out_features, in_features // 8, 2, 2, 2)
+    q = nibbles.permute(0, 1, 3, 4, 2).reshape(out_features, in_features)
+    group_size = in_features // w.scales.shape[1]
+    scales = _rows(w.scales, out_features).float().repeat_interleave(group_size, dim=1)
+    mins = _rows(w.mins, out_features).float().repeat_interleave(group_size, dim=1)
+    return mins + scales * q.float()
+
+
+def quantize_w8a8(weight: torch.Tensor) -> W8A8Weights:
+    """`[out, in]` float weight -> int8 codes per output row as `quantize_int8`'s, in groups of 4 columns."""
+    out_features, in_features = _check_weight(weight)
+    quads = -(-in_features // 4)
+    codes = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
+    scales = torch.empty(out_features)
+    code_sums = torch.empty(out_features, dtype=torch.int32)
+    for start, rows in _row_chunks(weight):
+        scale, q = _symmetric(rows)  # [r], [r, in]
+        scales[start : start + len(rows)] = scale
+        code_sums[start : start + len(rows)] = q.sum(1, dtype=torch.int32)
+        _put_rows(codes, start, F.pad(q, (0, 4 * quads - in_features)).view(len(rows), quads, 4))
+    return W8A8Weights(codes, scales, code_sums)
+
+
+def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor) -> W8A8Weights:
+    """int8 codes `[out, in]` and float32 scales `[out]` quantized elsewhere -> the W8A8 kernel's layout."""
+    out_features, in_features = codes.shape
+    quads = -(-in_features // 4)
+    blocked = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
+    code_sums = codes.sum(1, dtype=torch.int32)
+    for start, rows in _row_chunks(codes):  # exact: codes are small integers in float32
+        _put_rows(blocked, start, F.pad(rows, (0, 4 * quads - in_features)).view(len(rows), quads, 4))
+    return W8A8Weights(blocked, scales.float().contiguous(), code_sums)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[..., in]` -> (int8 `[..., in]`, float32 scales `[..., 1]`), per row symmetric: s = max |x| / 127 (1 for
+    a row of zeros), q = round(x / s) (half to even). Bit for bit what `w8a8_linear`'s kernel does to x."""
+    wide = x.float()
+    scale = wide.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale == 0, 1, scale)
+    return (wide / scale).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def w8a8_linear(x: torch.Tensor, w: W8A8Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x `[..., in]` @ the W8A8 weight's `[out, in]`.T (+ bias), x quantized per row: float(q_x @ q_w.T) * s_x *
+    s_w, `[..., out]` in x's dtype."""
+    in_features = x.shape[-1]
+    _check_input(x, in_features, quads=w.codes.shape[1])
+    if cpu_kernels_take(x):
+        return torch.ops.ferry_kernels.w8a8_linear(x, w.codes, w.scales, w.code_sums, out_features, bias)
+    q, scale = quantize_activations(x)
+    codes = _rows(w.codes, out_features).reshape(out_features, -1)[:, :in_features]  # [out, in]
+    # float64 sums of integer products are exact (below 2^53), as the kernel's int32 ones.
+    exact = F.linear(q.double(), codes.double()).float()
+    return _finish(exact * scale * w.scales, bias, x.dtype)
+
+
+def dequantize_w8a8(w: W8A8Weights, out_features: int, in_features: int) -> torch.Tensor:
+    """The float32 `[out, in]` weight `w8a8_linear` multiplies (quantized) x by: scale * q."""
+    codes = _rows(w.codes, out_features).reshape(out_features, -1)[:, :in_features]
+    return codes.float() * w.scales[:, None]
+
+
+def _check_weight(weight: torch.Tensor) -> tuple[int, int]:
+    if weight.dim() != 2 or not weight.dtype.is_floating_point or 0 in weight.shape:
+        raise ValueError(
+            f"a weight to quantize is a non-empty [out, in] float matrix, not {tuple(weight.shape)} {weight.dtype}"
+        )
+    return weight.shape[0], weight.shape[1]
+
+
+def _check_input(x: torch.Tensor, in_features: int, quads: int | None = None) -> None:
+    fits = -(-x.shape[-1] // 4) == quads if quads is not None else x.shape[-1] == in_features
+    if x.dim() == 0 or not fits:
+        raise ValueError(f"x {tuple(x.shape)} does not have the weight's input features")
+
+
+def _blocks(out_features: int) -> int:
+    return -(-out_features // BLOCK)
+
+
+def _row_chunks(weight: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float32 rows) of `weight`, whole blocks of about _QUANTIZE_ELEMENTS weights at a time."""
+    step = max(1, _QUANTIZE_ELEMENTS // (weight.shape[1] * BLOCK)) * BLOCK
+    for start in range(0, weight.shape[0], step):
+        yield start, weight[start : start + step].float().contiguous()
+
+
+def _symmetric(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 rows [r, in] -> (scales [r] = max |w| / 127, int8 codes [r, in] = round(w / scale))."""
+    scale = rows.abs().amax(1) / 127
+    q = (rows / torch.where(scale == 0, 1, scale)[:, None]).round_().clamp_(-127, 127)
+    return scale, q.to(torch.int8)
+
+
+def _put_rows(dest: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """Rows `start ..` of a blocked `dest` [blocks, X, 16, *rest] from `rows` [r, X, *rest] (start a multiple of
+    16), zeros past the last row."""
+    count = rows.shape[0]
+    blocks = _blocks(count)
+    padded = rows.new_zeros(blocks * BLOCK, *rows.shape[1:])
+    padded[:count] = rows
+    dest[start // BLOCK : start // BLOCK + blocks] = padded.view(blocks, BLOCK, *rows.shape[1:]).transpose(1, 2)
+
+
+def _rows(blocked: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A blocked [blocks, X, 16, *rest] back as rows [out, X, *rest]."""
+    rows = blocked.transpose(1, 2).reshape(blocked.shape[0] * BLOCK, blocked.shape[1], *blocked.shape[3:])
+    return rows[:out_features]
+
+
+def _bf16_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the bfloat16 value next to it toward zero (as float32)."""
+    return (x.contiguous().view(torch.int32) & -65536).view(torch.float32)
+
+
+def _bf16_away_from_zero(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the bfloat16 value next to it away from zero (as float32; x itself where it is one)."""
+    bits = x.contiguous().view(torch.int32)
+    cut = bits & -65536
+    return torch.where(cut == bits, cut, cut + 65536).view(torch.float32)
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return (y if bias is None else y + bias.float()).to(dtype)
