@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_demo_model as training  # noqa: E402  (a script beside this one, not a package)
+import train_demo_model as training  # a script beside this one, not a package
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "data" / "demo_heldout.jsonl"

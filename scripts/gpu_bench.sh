@@ -7,6 +7,7 @@
 #      Ferry with CUDA graphs, then Ferry with --enforce-eager, then Ferry with --async-scheduling;
 #   4. the same for Qwen3-4B-shaped dummy weights;
 #   5. decode step time at batch 1 / 16 / 64 / 256 against the HBM roofline, CUDA graphs on and off, both shapes;
+#      fp8 weights and an fp8 KV cache against bfloat16 on the 4B shape;
 #   6. on a machine with more than one GPU: tensor parallelism, the TP=2 engine step against TP=1 (NCCL).
 # Models are named configs with random weights built locally; nothing is downloaded. Pages are 16 tokens throughout.
 # Usage: scripts/gpu_bench.sh OUTDIR    (JSON results, logs and the timeline PNG land in OUTDIR)
@@ -52,7 +53,7 @@ step() {
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { echo "no CUDA device"; exit 2; }
 
 # Only the files that hold GPU tests: collecting the others would import the server's packages.
-step gpu-tests 80 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_sampler.py -p no:cacheprovider \
+step gpu-tests 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_sampler.py -p no:cacheprovider \
     --junitxml "$OUT/gpu-tests.xml"
 
 # float32 on the GPU: the same saved weights in both systems, so greedy tokens must match exactly.
@@ -91,6 +92,11 @@ for shape in qwen3-0.6b qwen3-4b; do
     step "decode-$shape" 70 "$PY" -m bench decode --model "$shape" --device cuda --dtype bfloat16 \
         --sizes 1,16,64,256 --context-len 512 --steps 30 --graphs on,off --json "$OUT/decode-$shape.json"
 done
+
+# fp8 weights (scaled matmuls) and an fp8 KV cache against bfloat16, side by side: decode is bound by bytes read.
+step decode-qwen3-4b-fp8 150 "$PY" -m bench decode --model qwen3-4b --device cuda --dtype bfloat16 \
+    --sizes 1,64 --context-len 512 --steps 30 --quantization none,fp8 --kv-cache-dtype auto,fp8 \
+    --json "$OUT/decode-qwen3-4b-fp8.json"
 
 # Tensor parallelism needs a GPU per rank: on a one-GPU machine this step is skipped, not failed.
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)

@@ -72,7 +72,8 @@ class CheckpointQuantizedMethod(QuantizedLinearMethod):
     def init_dummy(self, layer: nn.Module) -> None:
         """Random weights of a trained model's scale, quantized into the layer's parameters (`--load-format
         dummy`); the layer's shape is already this rank's."""
-        weight = torch.randn(layer.output_size, layer.input_size) * 0.02
+        device = next(layer.parameters()).device  # on a GPU, a 4B model's dummy weights quantize in seconds
+        weight = torch.randn(layer.output_size, layer.input_size, device=device) * 0.02
         for name, tensor in self.quantize(weight).items():
             getattr(layer, name).copy_(tensor)
 
