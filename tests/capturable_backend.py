@@ -31,9 +31,14 @@ class DensePagedBackend(AttentionBackend):
         *,
         softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        if softcap is not None or alibi_slopes is not None:
-            raise NotImplementedError("the dense test backend has no soft-capping or ALiBi")
+        # The interface's other arguments: a model that needs them never gets this backend (its `features` lack
+        # them, and a cache of the model's dtype is the only one it is given).
+        if softcap is not None or alibi_slopes is not None or sinks is not None:
+            raise NotImplementedError("the dense test backend has no soft-capping, ALiBi or sinks")
         write_kv(key, value, kv_cache, meta.slot_mapping)
         tokens, heads = query.shape[:2]
         page_size = meta.page_size

@@ -238,12 +238,13 @@ def test_cuda_graphs_with_the_chosen_backend(model_dir: Callable[[str], Path]) -
 def test_fp8_weights_through_scaled_matmuls_match_their_dequantized_reference(model_dir: Callable[[str], Path]) -> None:
     """--quantization fp8 on the GPU (e4m3 weights and activations, `torch._scaled_mm` with a scale per row of
     each), CUDA graphs on, against transformers in float32 on the CPU over the weights Ferry dequantizes, with
-    its activations quantized the same way: bfloat16 activations make the tolerance bfloat16's."""
-    from tests.quantized_reference import check_against, prompts_for, reference_model
+    its activations quantized the same way; float32 (a bfloat16 model's own rounding would swamp the comparison:
+    0.34 off on this tiny model's sharp logits), and bfloat16 generating through the rowwise-scaled path."""
+    from tests.quantized_reference import check_against, prompts_for, reference_model, tolerance_of
 
     path = model_dir("llama")
     config = EngineConfig.of(
-        model=str(path), device="cuda", dtype="bfloat16", quantization="fp8", attention_backend="triton",
+        model=str(path), device="cuda", dtype="float32", quantization="fp8", attention_backend="triton",
         page_size=16, num_pages=256, max_batch_tokens=64,
     )  # fmt: skip
     with EngineCore(config) as engine:
@@ -253,7 +254,10 @@ def test_fp8_weights_through_scaled_matmuls_match_their_dequantized_reference(mo
         params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
         results = generate_batch(prompts, params=params, engine=engine)
         reference = reference_model(path, model, "fp8")
-    check_against(reference, prompts, results, "fp8/cuda", tolerance=0.1)
+    check_against(reference, prompts, results, "fp8/cuda", tolerance_of("fp8"))
+    with EngineCore(config.replace(dtype="bfloat16")) as engine:
+        bf16 = generate_batch(prompts, params=params, engine=engine)
+    assert all(bf16[f"req_{i}"].generated_ids for i in range(len(prompts)))
 
 
 # -- a float8 KV cache (--kv-cache-dtype fp8) ---------------------------------------------------------------------

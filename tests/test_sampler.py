@@ -396,7 +396,7 @@ def test_one_device_to_host_sync_per_call() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert len(syncs) == 1, [f"{w.filename}:{w.lineno}" for w in syncs]  # the lines whose op synchronized
 
 
 def test_logit_bias_is_added_per_request(device: torch.device) -> None:

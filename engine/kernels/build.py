@@ -65,11 +65,17 @@ def build_flags() -> list[str]:
     ]
 
 
+def int8_dot_products() -> bool:
+    """Whether the CPU kernels are built with int8 dot products (`_vnni_flags`): their int8 weight-only kernel then
+    takes its codes in groups of 4 k (engine/kernels/quant_linear.py)."""
+    return bool(_vnni_flags())
+
+
 def _vnni_flags() -> list[str]:
-    """The int8 dot products (`vpdpbusd`) of the W8A8 kernel (cpu_quant_linear.cpp), where the CPU has them: the
-    512-bit ones of AVX512-VNNI in an AVX-512 build, the 256-bit ones of AVX-VNNI in an AVX2 build. An AVX2 build
-    that `FERRY_CPU_ISA=avx2` forces takes neither, as the AVX2-only CPUs it stands for (AVX-VNNI came after AVX2
-    by years); their kernel multiplies with AVX2's `vpmaddubsw`."""
+    """The int8 dot products (`vpdpbusd`) of the int8 and W8A8 kernels (cpu_quant_linear.cpp), where the CPU has
+    them: the 512-bit ones of AVX512-VNNI in an AVX-512 build, the 256-bit ones of AVX-VNNI in an AVX2 build. An AVX2
+    build that `FERRY_CPU_ISA=avx2` forces takes neither, as the AVX2-only CPUs it stands for (AVX-VNNI came after
+    AVX2 by years): their W8A8 kernel multiplies with AVX2's `vpmaddubsw`, their int8 one in float32."""
     flags = _cpu_flags()
     if cpu_capability() == "AVX512" and "avx512_vnni" in flags:
         return ["-mavx512vnni"]

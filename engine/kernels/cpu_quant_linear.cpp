@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -153,10 +154,10 @@ inline void int4_tile(const float* x, int64_t ldx, const Int4Block& w, const flo
   }
 }
 
-// ---- W8A8 ----
+// ---- int8 dot products: W8A8, and int8 weight-only on CPUs with VNNI ----
 
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-// vpdpbusd multiplies unsigned bytes of x by signed bytes of w: x goes in as q + 128.
+// vpdpbusd multiplies unsigned bytes of x by signed bytes of w: W8A8's x goes in as q + 128.
 constexpr int32_t kXOffset = 128;
 #else
 constexpr int32_t kXOffset = 0;
@@ -194,58 +195,60 @@ inline void quantize_row(const float* x, int64_t k_size, int64_t k4, uint8_t* q,
   for (; k < k4; ++k) q[k] = static_cast<uint8_t>(kXOffset);
 }
 
-// A tile's int32 sums of one row into outputs: float(sum - offset * codes' sum) * s_x * s_w + b.
-inline void finish_w8a8(const int32_t* lanes, float x_scale, const float* scale, const int32_t* code_sums,
-                        const float* bias, int64_t valid, float* row) {
-  for (int64_t j = 0; j < valid; ++j) {
-    const float y = static_cast<float>(lanes[j] - kXOffset * code_sums[j]) * x_scale * scale[j];
-    row[j] = bias == nullptr ? y : y + bias[j];
-  }
-}
-
 inline int32_t quad(const uint8_t* q) {
   int32_t bits;
   std::memcpy(&bits, q, sizeof bits);
   return bits;
 }
 
-// Rows [0, Rows) of quantized x (`ldq` bytes apart) times one W8A8 block of `quads` groups of 4 k.
-template <int Rows>
-inline void w8a8_tile(const uint8_t* xq, int64_t ldq, const float* x_scales, const int8_t* w, int64_t quads,
-                      const float* scale, const int32_t* code_sums, const float* bias, int64_t valid, float* out,
-                      int64_t ldo) {
-  int32_t lanes[Rows][kBlock];
+// The int32 sums of `Planes` byte vectors of each of Rows rows times one block of `quads` groups of 4 k (codes
+// [quads, 16, 4]): sums[r][d][j] = sum_k x_rdk w_jk, where row r's 4 bytes of plane d for the p-th 4 k are at
+// x + r * ldx + (p * Planes + d) * 4. Bytes of x are unsigned where the CPU has vpdpbusd; elsewhere (W8A8's one plane
+// only) they are signed.
+template <int Rows, int Planes>
+inline void dot_sums(const uint8_t* x, int64_t ldx, const int8_t* w, int64_t quads, int32_t (*sums)[Planes][kBlock]) {
+  const auto x_quad = [&](int r, int64_t p, int d) { return quad(x + r * ldx + (p * Planes + d) * 4); };
 #if defined(__AVX512VNNI__)
-  // A vpdpbusd waits for the one before it on the same accumulator: few rows split k into more chains.
-  constexpr int Split = Rows <= 2 ? 4 : Rows <= 4 ? 2 : 1;
-  __m512i acc[Rows][Split];
+  // A vpdpbusd waits 5 cycles for the one before it on the same accumulator, and 2 issue a cycle: few rows and
+  // planes split k into more chains.
+#ifndef FERRY_X_S4
+#define FERRY_X_S4 2
+#endif
+  constexpr int Split = Rows * Planes >= 8 ? 1 : Rows * Planes >= 4 ? FERRY_X_S4 : 4;
+  __m512i acc[Rows][Planes][Split];
   for (auto& row : acc) {
-    for (auto& a : row) a = _mm512_setzero_si512();
-  }
-  int64_t p = 0;
-  for (; p + Split <= quads; p += Split) {
-    for (int s = 0; s < Split; ++s) {
-      const __m512i wq = _mm512_loadu_si512(w + (p + s) * 4 * kBlock);
-      for (int r = 0; r < Rows; ++r) {
-        acc[r][s] = _mm512_dpbusd_epi32(acc[r][s], _mm512_set1_epi32(quad(xq + r * ldq + 4 * (p + s))), wq);
-      }
+    for (auto& plane : row) {
+      for (auto& a : plane) a = _mm512_setzero_si512();
     }
   }
-  for (; p < quads; ++p) {
+  const auto step = [&](int64_t p, int s) {
+#ifdef FERRY_X_PF
+    if constexpr (Planes > 1 || FERRY_X_PFALL) _mm_prefetch(reinterpret_cast<const char*>(w + p * 4 * kBlock) + FERRY_X_PF, _MM_HINT_T0);
+#endif
     const __m512i wq = _mm512_loadu_si512(w + p * 4 * kBlock);
     for (int r = 0; r < Rows; ++r) {
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], _mm512_set1_epi32(quad(xq + r * ldq + 4 * p)), wq);
+      for (int d = 0; d < Planes; ++d) acc[r][d][s] = _mm512_dpbusd_epi32(acc[r][d][s], _mm512_set1_epi32(x_quad(r, p, d)), wq);
+    }
+  };
+  int64_t p = 0;
+  for (; p + Split <= quads; p += Split) {
+    for (int s = 0; s < Split; ++s) step(p + s, s);
+  }
+  for (; p < quads; ++p) step(p, 0);
+  for (int r = 0; r < Rows; ++r) {
+    for (int d = 0; d < Planes; ++d) {
+      __m512i sum = acc[r][d][0];
+      for (int s = 1; s < Split; ++s) sum = _mm512_add_epi32(sum, acc[r][d][s]);
+      _mm512_storeu_si512(sums[r][d], sum);
     }
   }
-  for (int r = 0; r < Rows; ++r) {
-    __m512i sum = acc[r][0];
-    for (int s = 1; s < Split; ++s) sum = _mm512_add_epi32(sum, acc[r][s]);
-    _mm512_storeu_si512(lanes[r], sum);
-  }
 #elif defined(__AVX2__)
-  __m256i lo[Rows], hi[Rows];
-  for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  __m256i lo[Rows][Planes], hi[Rows][Planes];
+  for (int r = 0; r < Rows; ++r) {
+    for (int d = 0; d < Planes; ++d) lo[r][d] = hi[r][d] = _mm256_setzero_si256();
+  }
 #if !defined(__AVXVNNI__)
+  static_assert(Planes == 1, "without VNNI only W8A8's signed x");
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   for (int64_t p = 0; p < quads; ++p) {
@@ -253,40 +256,140 @@ inline void w8a8_tile(const uint8_t* xq, int64_t ldq, const float* x_scales, con
     const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 4 * kBlock + 32));
 #if defined(__AVXVNNI__)
     for (int r = 0; r < Rows; ++r) {
-      const __m256i xb = _mm256_set1_epi32(quad(xq + r * ldq + 4 * p));
-      lo[r] = _mm256_dpbusd_avx_epi32(lo[r], xb, w_lo);
-      hi[r] = _mm256_dpbusd_avx_epi32(hi[r], xb, w_hi);
+      for (int d = 0; d < Planes; ++d) {
+        const __m256i xb = _mm256_set1_epi32(x_quad(r, p, d));
+        lo[r][d] = _mm256_dpbusd_avx_epi32(lo[r][d], xb, w_lo);
+        hi[r][d] = _mm256_dpbusd_avx_epi32(hi[r][d], xb, w_hi);
+      }
     }
 #else
     // |w| times x with w's sign: products of magnitudes at most 127, so a pair's sum fits int16.
     const __m256i abs_lo = _mm256_abs_epi8(w_lo), abs_hi = _mm256_abs_epi8(w_hi);
     for (int r = 0; r < Rows; ++r) {
-      const __m256i xb = _mm256_set1_epi32(quad(xq + r * ldq + 4 * p));
+      const __m256i xb = _mm256_set1_epi32(x_quad(r, p, 0));
       const __m256i products_lo = _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(xb, w_lo));  // int16 pairs
       const __m256i products_hi = _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(xb, w_hi));
-      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(products_lo, ones));
-      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(products_hi, ones));
+      lo[r][0] = _mm256_add_epi32(lo[r][0], _mm256_madd_epi16(products_lo, ones));
+      hi[r][0] = _mm256_add_epi32(hi[r][0], _mm256_madd_epi16(products_hi, ones));
     }
 #endif
   }
   for (int r = 0; r < Rows; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes[r]), lo[r]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes[r] + 8), hi[r]);
+    for (int d = 0; d < Planes; ++d) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[r][d]), lo[r][d]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[r][d] + 8), hi[r][d]);
+    }
   }
 #else
+  static_assert(Planes == 1, "without VNNI only W8A8's signed x");
   for (int r = 0; r < Rows; ++r) {
-    for (int64_t j = 0; j < kBlock; ++j) lanes[r][j] = 0;
+    for (int64_t j = 0; j < kBlock; ++j) sums[r][0][j] = 0;
     for (int64_t p = 0; p < quads; ++p) {
       for (int64_t j = 0; j < kBlock; ++j) {
         for (int64_t t = 0; t < 4; ++t) {
-          lanes[r][j] += static_cast<int8_t>(xq[r * ldq + 4 * p + t]) * w[(p * kBlock + j) * 4 + t];
+          sums[r][0][j] += static_cast<int8_t>(x[r * ldx + 4 * p + t]) * w[(p * kBlock + j) * 4 + t];
         }
       }
     }
   }
 #endif
-  for (int r = 0; r < Rows; ++r) finish_w8a8(lanes[r], x_scales[r], scale, code_sums, bias, valid, out + r * ldo);
 }
+
+// Rows [0, Rows) of quantized x (`ldq` bytes apart) times one W8A8 block: float(sum - offset * codes' sum) * s_x *
+// s_w + b.
+template <int Rows>
+inline void w8a8_tile(const uint8_t* xq, int64_t ldq, const float* x_scales, const int8_t* w, int64_t quads,
+                      const float* scale, const int32_t* code_sums, const float* bias, int64_t valid, float* out,
+                      int64_t ldo) {
+  int32_t sums[Rows][1][kBlock];
+  dot_sums<Rows, 1>(xq, ldq, w, quads, sums);
+  for (int r = 0; r < Rows; ++r) {
+    for (int64_t j = 0; j < valid; ++j) {
+      const float y = static_cast<float>(sums[r][0][j] - kXOffset * code_sums[j]) * x_scales[r] * scale[j];
+      out[r * ldo + j] = bias == nullptr ? y : y + bias[j];
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+// int8 weight-only with dot products: a row of x in fixed point, N = round(x * 2^(30 - e)) with |x| < 2^e (e from the
+// row's largest |x|), stored as U = N + 2^31 in kPlanes byte planes (U's bytes), each multiplied by the codes with
+// vpdpbusd and the planes' int32 sums put together in int64: sum_k N_k q_k exactly, where the float32 path's sums
+// round at every term. Exact for x of 31 bits below the row's largest (bfloat16 values within 2^23 of it); any
+// other x is rounded by at most 2^-31 of 2^e.
+constexpr int kPlanes = 4;
+constexpr int kPlaneShift = 30;
+constexpr int kNotFinite = std::numeric_limits<int>::min();
+#if defined(__AVX512F__)
+constexpr int kPlaneRows = 6;  // 24 accumulators of 32 registers
+#else
+constexpr int kPlaneRows = 1;  // 8 accumulators a row of 16 registers
+#endif
+
+// Row x [k] into its planes, `quads` * 16 bytes (4 k at a time: plane 0's 4 bytes, plane 1's, ...), zeros (N = 0)
+// past k; returns e, or kNotFinite for a row with an infinity or a NaN.
+inline int to_planes(const float* x, int64_t k_size, int64_t quads, uint8_t* planes) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t k = 0; k < k_size; ++k) {
+    finite &= std::isfinite(x[k]);
+    amax = std::max(amax, std::abs(x[k]));
+  }
+  if (!finite) return kNotFinite;
+  int e;
+  std::frexp(amax, &e);  // amax < 2^e
+  e = std::max(e, kPlaneShift - 126);  // 2^(30 - e) a float32; smaller x round to 0, below 2^-126 of 2^e
+  const float unit = std::ldexp(1.0f, kPlaneShift - e);
+  const auto offset = [&](float v) {  // U = N + 2^31, N within +-2^30
+    return static_cast<uint32_t>(static_cast<int32_t>(std::nearbyint(v * unit))) ^ 0x80000000u;
+  };
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  // Each 128-bit lane's 4 U (one quad) into bytes by plane: a shuffle within the lane.
+  const __m512i by_plane = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  for (; k + 16 <= k_size; k += 16) {
+    const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), _mm512_set1_ps(unit)));
+    const __m512i u = _mm512_xor_si512(n, _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)));
+    _mm512_storeu_si512(planes + k * kPlanes, _mm512_shuffle_epi8(u, by_plane));
+  }
+#else
+  const __m256i by_plane = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  for (; k + 8 <= k_size; k += 8) {
+    const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(unit)));
+    const __m256i u = _mm256_xor_si256(n, _mm256_set1_epi32(static_cast<int32_t>(0x80000000u)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(planes + k * kPlanes), _mm256_shuffle_epi8(u, by_plane));
+  }
+#endif
+  for (; k < 4 * quads; ++k) {
+    const uint32_t u = k < k_size ? offset(x[k]) : 0x80000000u;
+    for (int d = 0; d < kPlanes; ++d) planes[(k / 4) * 4 * kPlanes + d * 4 + k % 4] = static_cast<uint8_t>(u >> (8 * d));
+  }
+  return e;
+}
+
+// Rows [0, Rows) of x in planes (`ldq` bytes apart, their e in `exponents`) times one int8 block:
+// (sum_d 2^8d sums_d - 2^31 * codes' sum) * 2^(e - 30) * scale + b, in double, rounded once to float32.
+template <int Rows>
+inline void plane_tile(const uint8_t* planes, int64_t ldq, const int* exponents, const int8_t* w, int64_t quads,
+                       const float* scale, const int32_t* code_sums, const float* bias, int64_t valid, float* out,
+                       int64_t ldo) {
+  int32_t sums[Rows][kPlanes][kBlock];
+  dot_sums<Rows, kPlanes>(planes, ldq, w, quads, sums);
+  for (int r = 0; r < Rows; ++r) {
+    if (exponents[r] == kNotFinite) {
+      for (int64_t j = 0; j < valid; ++j) out[r * ldo + j] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const double unit = std::ldexp(1.0, exponents[r] - kPlaneShift);
+    for (int64_t j = 0; j < valid; ++j) {
+      int64_t total = -(static_cast<int64_t>(code_sums[j]) << 31);
+      for (int d = 0; d < kPlanes; ++d) total += static_cast<int64_t>(sums[r][d][j]) << (8 * d);
+      const double y = static_cast<double>(total) * unit * scale[j];
+      out[r * ldo + j] = static_cast<float>(bias == nullptr ? y : y + bias[j]);
+    }
+  }
+}
+#endif
 
 template <int Height, typename Tile>
 inline void with_height(int64_t rows, Tile&& tile) {
@@ -338,23 +441,53 @@ void check_vector(const at::Tensor& t, at::ScalarType dtype, int64_t size, const
 
 namespace ferry {
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t out_features,
-                       const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar, "ferry_kernels.int8_linear takes int8 codes "
-              "[blocks, in, 16]");
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& code_sums, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && (codes.dim() == 3 || (codes.dim() == 4 && codes.size(3) == 4)),
+              "ferry_kernels.int8_linear takes int8 codes [blocks, in, 16] or [blocks, ceil(in / 4), 16, 4]");
   check_blocks("int8_linear", x, codes, out_features);
   check_vector(scales, at::kFloat, out_features, "scales");
-  const int64_t k_size = x.size(-1);
-  TORCH_CHECK(codes.size(1) == k_size, "input has ", k_size, " features, the weight ", codes.size(1));
+  check_vector(code_sums, at::kInt, out_features, "code_sums");
+  const int64_t k_size = x.size(-1), num_blocks = codes.size(0);
   const std::optional<at::Tensor> wide_bias = float_bias(bias, out_features);
   const float* bias_data = data_or_null(wide_bias);
   const float* scale_data = scales.data_ptr<float>();
   const int8_t* packed = codes.data_ptr<int8_t>();
-  const int64_t num_blocks = codes.size(0);
   auto [rows, out] = rows_and_output(x, at::kFloat, out_features);
+  const int64_t m_size = rows.size(0);
   const float* x_data = rows.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
-  for_blocks(rows.size(0), k_size, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {
+  if (codes.dim() == 4) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    const int64_t quads = codes.size(1), k4 = 4 * quads, ldq = quads * 4 * kPlanes;
+    TORCH_CHECK(quads == (k_size + 3) / 4, "input has ", k_size, " features, the weight ", k4);
+    TORCH_CHECK(k4 <= 65536, "int8 takes at most 65536 input features");  // a plane's int32 sums stay exact
+    const at::Tensor planes = at::empty({m_size, ldq}, rows.options().dtype(at::kByte));
+    const at::Tensor exponents = at::empty({m_size}, rows.options().dtype(at::kInt));
+    uint8_t* plane_data = planes.data_ptr<uint8_t>();
+    int* exponent_data = exponents.data_ptr<int>();
+    at::parallel_for(0, m_size, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k_size)), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) exponent_data[m] = to_planes(x_data + m * k_size, k_size, quads, plane_data + m * ldq);
+    });
+    const int32_t* sums_data = code_sums.data_ptr<int32_t>();
+    for_blocks(m_size, k4, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {
+      const int64_t n0 = b * kBlock, valid = std::min(kBlock, out_features - n0);
+      for (int64_t m = m0; m < m1; m += kPlaneRows) {
+        with_height<kPlaneRows>(std::min<int64_t>(kPlaneRows, m1 - m), [&](auto n) {
+          plane_tile<decltype(n)::value>(plane_data + m * ldq, ldq, exponent_data + m, packed + b * k4 * kBlock, quads,
+                                         scale_data + n0, sums_data + n0,
+                                         bias_data == nullptr ? nullptr : bias_data + n0, valid,
+                                         out_data + m * out_features + n0, out_features);
+        });
+      }
+    });
+    return shaped(out, x, out_features);
+#else
+    TORCH_CHECK(false, "int8 codes in groups of 4 k need the kernels built with VNNI");
+#endif
+  }
+  TORCH_CHECK(codes.size(1) == k_size, "input has ", k_size, " features, the weight ", codes.size(1));
+  for_blocks(m_size, k_size, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {
     const int64_t n0 = b * kBlock, valid = std::min(kBlock, out_features - n0);
     for (int64_t m = m0; m < m1; m += kTileRows) {
       with_rows(std::min<int64_t>(kTileRows, m1 - m), [&](auto n) {
@@ -453,7 +586,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 using namespace ferry;
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int out_features, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor code_sums, int out_features, Tensor? bias) -> "
+        "Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int out_features, Tensor? bias) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor code_sums, int out_features, Tensor? bias) -> "
         "Tensor");

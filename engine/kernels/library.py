@@ -54,7 +54,7 @@ def _load() -> KernelUnavailable | None:
     torch.library.register_fake("ferry_kernels::linear")(_linear_shape)
     torch.library.register_fake("ferry_kernels::int8_linear")(_int8_linear_shape)
     torch.library.register_fake("ferry_kernels::int4_linear")(_int4_linear_shape)
-    torch.library.register_fake("ferry_kernels::w8a8_linear")(_w8a8_linear_shape)
+    torch.library.register_fake("ferry_kernels::w8a8_linear")(_int8_linear_shape)
     torch.library.register_fake("ferry_kernels::rms_norm")(_norm_shape)
     torch.library.register_fake("ferry_kernels::rotary")(_rotary_shape)
     torch.library.register_fake("ferry_kernels::silu_mul")(_silu_mul_shape)
@@ -66,7 +66,12 @@ def _linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias
 
 
 def _int8_linear_shape(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    code_sums: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
@@ -76,17 +81,6 @@ def _int4_linear_shape(
     codes: torch.Tensor,
     scales: torch.Tensor,
     mins: torch.Tensor,
-    out_features: int,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-def _w8a8_linear_shape(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    code_sums: torch.Tensor,
     out_features: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.build import int8_dot_products
 from engine.kernels.library import cpu_kernels_take
 from engine.kernels.linear import BLOCK
 
@@ -45,9 +46,13 @@ layers plus one layer's weight in flight)."""
 
 class Int8Weights(NamedTuple):
     codes: torch.Tensor
-    """[ceil(out / 16), in, 16] int8: block b's k-th 16 codes are rows 16b .. 16b + 15 at column k."""
+    """int8, where the kernels have int8 dot products (engine.kernels.build.int8_dot_products) W8A8's layout,
+    [ceil(out / 16), ceil(in / 4), 16, 4]; elsewhere [ceil(out / 16), in, 16]: block b's k-th 16 codes are rows
+    16b .. 16b + 15 at column k."""
     scales: torch.Tensor
     """[out] float32: each output row's scale."""
+    code_sums: torch.Tensor
+    """[out] int32: each output row's sum of codes (the dot products' unsigned activations need it)."""
 
 
 class Int4Weights(NamedTuple):
@@ -72,38 +77,32 @@ class W8A8Weights(NamedTuple):
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weights:
     """`[out, in]` float weight -> int8 codes per output row, symmetric: scale = max |w| / 127, q = round(w / scale)."""
+    if int8_dot_products():
+        return Int8Weights(*_quantize_quads(weight))
     out_features, in_features = _check_weight(weight)
     codes = torch.empty(_blocks(out_features), in_features, BLOCK, dtype=torch.int8)
     scales = torch.empty(out_features)
+    code_sums = torch.empty(out_features, dtype=torch.int32)
     for start, rows in _row_chunks(weight):
         scale, q = _symmetric(rows)  # [r], [r, in]
         scales[start : start + len(rows)] = scale
+        code_sums[start : start + len(rows)] = q.sum(1, dtype=torch.int32)
         _put_rows(codes, start, q)
-    return Int8Weights(codes, scales)
-
-
-def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> Int8Weights:
-    """int8 codes `[out, in]` and float32 scales `[out]` quantized elsewhere (engine/quantization/codes.py, from
-    whole checkpoint tensors) -> the kernel's layout, the same values."""
-    out_features, in_features = codes.shape
-    blocked = torch.empty(_blocks(out_features), in_features, BLOCK, dtype=torch.int8)
-    for start, rows in _row_chunks(codes):  # exact: codes are small integers in float32
-        _put_rows(blocked, start, rows)
-    return Int8Weights(blocked, scales.float().contiguous())
+    return Int8Weights(codes, scales, code_sums)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x `[..., in]` @ the int8 weight's `[out, in]`.T (+ bias): `[..., out]` in x's dtype."""
-    _check_input(x, w.codes.shape[1])
+    _check_input(x, w.codes)
     if cpu_kernels_take(x):
-        return torch.ops.ferry_kernels.int8_linear(x, w.codes, w.scales, out_features, bias)
-    codes = _rows(w.codes, out_features)  # [out, in]
+        return torch.ops.ferry_kernels.int8_linear(x, w.codes, w.scales, w.code_sums, out_features, bias)
+    codes = _codes(w.codes, out_features, x.shape[-1])  # [out, in]
     return _finish(F.linear(x.float(), codes.float()) * w.scales, bias, x.dtype)
 
 
 def dequantize_int8(w: Int8Weights, out_features: int, in_features: int) -> torch.Tensor:
     """The float32 `[out, in]` weight `int8_linear` multiplies by: scale * q."""
-    return _rows(w.codes, out_features)[:, :in_features].float() * w.scales[:, None]
+    return _codes(w.codes, out_features, in_features).float() * w.scales[:, None]
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
@@ -138,7 +137,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
 def int4_linear(x: torch.Tensor, w: Int4Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x `[..., in]` @ the int4 weight's `[out, in]`.T (+ bias): `[..., out]` in x's dtype."""
     in_features = w.codes.shape[1] * 8
-    _check_input(x, in_features)
+    _check_input(x, w.codes)
     if cpu_kernels_take(x):
         return torch.ops.ferry_kernels.int4_linear(x, w.codes, w.scales, w.mins, out_features, bias)
     return _finish(F.linear(x.float(), dequantize_int4(w, out_features, in_features)), bias, x.dtype)
@@ -158,28 +157,7 @@ def dequantize_int4(w: Int4Weights, out_features: int, in_features: int) -> torc
 
 def quantize_w8a8(weight: torch.Tensor) -> W8A8Weights:
     """`[out, in]` float weight -> int8 codes per output row as `quantize_int8`'s, in groups of 4 columns."""
-    out_features, in_features = _check_weight(weight)
-    quads = -(-in_features // 4)
-    codes = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
-    scales = torch.empty(out_features)
-    code_sums = torch.empty(out_features, dtype=torch.int32)
-    for start, rows in _row_chunks(weight):
-        scale, q = _symmetric(rows)  # [r], [r, in]
-        scales[start : start + len(rows)] = scale
-        code_sums[start : start + len(rows)] = q.sum(1, dtype=torch.int32)
-        _put_rows(codes, start, F.pad(q, (0, 4 * quads - in_features)).view(len(rows), quads, 4))
-    return W8A8Weights(codes, scales, code_sums)
-
-
-def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor) -> W8A8Weights:
-    """int8 codes `[out, in]` and float32 scales `[out]` quantized elsewhere -> the W8A8 kernel's layout."""
-    out_features, in_features = codes.shape
-    quads = -(-in_features // 4)
-    blocked = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
-    code_sums = codes.sum(1, dtype=torch.int32)
-    for start, rows in _row_chunks(codes):  # exact: codes are small integers in float32
-        _put_rows(blocked, start, F.pad(rows, (0, 4 * quads - in_features)).view(len(rows), quads, 4))
-    return W8A8Weights(blocked, scales.float().contiguous(), code_sums)
+    return W8A8Weights(*_quantize_quads(weight))
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,12 +172,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def w8a8_linear(x: torch.Tensor, w: W8A8Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x `[..., in]` @ the W8A8 weight's `[out, in]`.T (+ bias), x quantized per row: float(q_x @ q_w.T) * s_x *
     s_w, `[..., out]` in x's dtype."""
-    in_features = x.shape[-1]
-    _check_input(x, in_features, quads=w.codes.shape[1])
+    _check_input(x, w.codes)
     if cpu_kernels_take(x):
         return torch.ops.ferry_kernels.w8a8_linear(x, w.codes, w.scales, w.code_sums, out_features, bias)
     q, scale = quantize_activations(x)
-    codes = _rows(w.codes, out_features).reshape(out_features, -1)[:, :in_features]  # [out, in]
+    codes = _codes(w.codes, out_features, x.shape[-1])  # [out, in]
     # float64 sums of integer products are exact (below 2^53), as the kernel's int32 ones.
     exact = F.linear(q.double(), codes.double()).float()
     return _finish(exact * scale * w.scales, bias, x.dtype)
@@ -207,8 +184,27 @@ def w8a8_linear(x: torch.Tensor, w: W8A8Weights, out_features: int, bias: torch.
 
 def dequantize_w8a8(w: W8A8Weights, out_features: int, in_features: int) -> torch.Tensor:
     """The float32 `[out, in]` weight `w8a8_linear` multiplies (quantized) x by: scale * q."""
-    codes = _rows(w.codes, out_features).reshape(out_features, -1)[:, :in_features]
-    return codes.float() * w.scales[:, None]
+    return _codes(w.codes, out_features, in_features).float() * w.scales[:, None]
+
+
+def _quantize_quads(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_int8`'s codes in groups of 4 columns (W8A8's layout), their scales and each row's sum of codes."""
+    out_features, in_features = _check_weight(weight)
+    quads = -(-in_features // 4)
+    codes = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
+    scales = torch.empty(out_features)
+    code_sums = torch.empty(out_features, dtype=torch.int32)
+    for start, rows in _row_chunks(weight):
+        scale, q = _symmetric(rows)  # [r], [r, in]
+        scales[start : start + len(rows)] = scale
+        code_sums[start : start + len(rows)] = q.sum(1, dtype=torch.int32)
+        _put_rows(codes, start, F.pad(q, (0, 4 * quads - in_features)).view(len(rows), quads, 4))
+    return codes, scales, code_sums
+
+
+def _codes(codes: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """int8 codes in either blocked layout back as rows `[out, in]`."""
+    return _rows(codes, out_features).reshape(out_features, -1)[:, :in_features]
 
 
 def _check_weight(weight: torch.Tensor) -> tuple[int, int]:
@@ -219,9 +215,15 @@ def _check_weight(weight: torch.Tensor) -> tuple[int, int]:
     return weight.shape[0], weight.shape[1]
 
 
-def _check_input(x: torch.Tensor, in_features: int, quads: int | None = None) -> None:
-    fits = -(-x.shape[-1] // 4) == quads if quads is not None else x.shape[-1] == in_features
-    if x.dim() == 0 or not fits:
+def _check_input(x: torch.Tensor, codes: torch.Tensor) -> None:
+    """x's last dimension against the input features `codes` hold: in / 8 (int4), ceil(in / 4) (in groups of 4) or
+    in (int8's blocked layout)."""
+    width = x.shape[-1] if x.dim() else 0
+    if codes.dtype == torch.uint8:
+        fits = width == 8 * codes.shape[1]
+    else:
+        fits = -(-width // 4) == codes.shape[1] if codes.dim() == 4 else width == codes.shape[1]
+    if not fits or width == 0:
         raise ValueError(f"x {tuple(x.shape)} does not have the weight's input features")
 
 

@@ -38,14 +38,25 @@ class Fp8LinearMethod(CheckpointQuantizedMethod):
         # `_scaled_mm` takes its second matrix column-major: `[out, in]` row-major, transposed, is.
         layer.fp8_weight = layer.weight.detach()  # [out, in]
         layer.fp8_scale = layer.weight_scale.detach().view(1, -1)  # [1, out]
+        layer.fp8_unit = torch.ones((), device=layer.fp8_scale.device)
         drop_parameters(layer, ["weight", "weight_scale"])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [N, in]
         codes, scale = quantize_fp8_rows(rows)  # [N, in] e4m3, [N, 1]
-        out = torch._scaled_mm(
-            codes, layer.fp8_weight.t(), scale_a=scale, scale_b=layer.fp8_scale, bias=bias, out_dtype=x.dtype
-        )  # [N, out]
+        if x.dtype == torch.float32 and x.device.type == "cuda":
+            # CUDA's rowwise scaling writes bfloat16 only: a float32 model takes the float32 sums of unit-scaled
+            # products and applies both scales itself (the same products, the same float32 accumulation).
+            out = torch._scaled_mm(
+                codes, layer.fp8_weight.t(), scale_a=layer.fp8_unit, scale_b=layer.fp8_unit, out_dtype=torch.float32
+            )  # [N, out]
+            out = out * scale * layer.fp8_scale
+            if bias is not None:
+                out += bias
+        else:
+            out = torch._scaled_mm(
+                codes, layer.fp8_weight.t(), scale_a=scale, scale_b=layer.fp8_scale, bias=bias, out_dtype=x.dtype
+            )  # [N, out]
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
