@@ -238,9 +238,14 @@ def test_cuda_graphs_with_the_chosen_backend(model_dir: Callable[[str], Path]) -
 def test_fp8_weights_through_scaled_matmuls_match_their_dequantized_reference(model_dir: Callable[[str], Path]) -> None:
     """--quantization fp8 on the GPU (e4m3 weights and activations, `torch._scaled_mm` with a scale per row of
     each), CUDA graphs on, against transformers in float32 on the CPU over the weights Ferry dequantizes, with
-    its activations quantized the same way; float32 (a bfloat16 model's own rounding would swamp the comparison:
-    0.34 off on this tiny model's sharp logits), and bfloat16 generating through the rowwise-scaled path."""
-    from tests.quantized_reference import check_against, prompts_for, reference_model, tolerance_of
+    its activations quantized the same way; float32, and bfloat16 generating through the rowwise-scaled path.
+
+    The tolerance is e4m3's, not float32's: cuBLAS sums in another order than the CPU, so an activation a few ulps
+    away from a rounding boundary of e4m3 (whose steps are 1/16 of the value) lands on its other side in one system
+    and not the other; on the tiny model's sharp logits a few such flips moved a chosen token's logprob by 0.11 on
+    the H200 (float32; 0.34 in bfloat16), where on the CPU, whose sums are the reference's, nothing flips (2e-6).
+    A wrong scale or layout is off by whole nats."""
+    from tests.quantized_reference import check_against, prompts_for, reference_model
 
     path = model_dir("llama")
     config = EngineConfig.of(
@@ -254,7 +259,7 @@ def test_fp8_weights_through_scaled_matmuls_match_their_dequantized_reference(mo
         params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
         results = generate_batch(prompts, params=params, engine=engine)
         reference = reference_model(path, model, "fp8")
-    check_against(reference, prompts, results, "fp8/cuda", tolerance_of("fp8"))
+    check_against(reference, prompts, results, "fp8/cuda", tolerance=0.25)
     with EngineCore(config.replace(dtype="bfloat16")) as engine:
         bf16 = generate_batch(prompts, params=params, engine=engine)
     assert all(bf16[f"req_{i}"].generated_ids for i in range(len(prompts)))

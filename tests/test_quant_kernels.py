@@ -3,10 +3,12 @@ weights they dequantize to, their torch fallback against the same, the quantizer
 and the memory a quantizer holds.
 
 The oracle: `int8_linear` / `int4_linear` compute F.linear(x.float(), dequantized) (+ bias) up to float32 rounding
-of the sums, at most 1e-5 of sum |x| |w| (the kernels sum in another order, and int4's as 16 scale (1 + q / 16) +
-(min - 16 scale)), then rounded to x's dtype (bfloat16: half a step more). `w8a8_linear` computes
-F.linear(q.float() * s, dequantized) for (q, s) = quantize_activations(x) to the same tolerance, and its int32 sums
-exactly: float(q_x @ q_w.T) * s_x * s_w (+ bias) within 1e-6 (the final rescale's roundings only).
+of the sums, at most 1e-5 of sum |x| |w| (the kernels sum in another order, int4's as 16 scale (1 + q / 16) +
+(min - 16 scale), int8's with dot products exactly on x's 31 bits below its row's largest), then rounded to x's
+dtype (bfloat16: half a step more). `w8a8_linear` computes F.linear(q.float() * s, dequantized) for (q, s) =
+quantize_activations(x) to the same tolerance, and its int32 sums exactly: float(q_x @ q_w.T) * s_x * s_w (+ bias)
+within 1e-6 (the final rescale's roundings only). int8 is checked in both its layouts (in groups of 4 k where the
+kernels have int8 dot products, the blocked one elsewhere).
 
 .ci/run runs this file again with FERRY_CPU_ISA=avx2, the kernels built for AVX2 (`vpmaddubsw` for W8A8)."""
 
@@ -38,8 +40,11 @@ needs_kernel = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"the CPU kernels do
 
 ROWS = (1, 3, 17, 70)
 """One row (decode), a short tile, more than two tiles, more than a chunk of 48 rows."""
+SCHEMES = ("int8", "int8-blocked", "int4", "w8a8")
+"""int8-blocked: int8 in the layout of CPUs without int8 dot products, whatever this one has."""
 SHAPES = {
     "int8": [(37, 19), (100, 256), (16, 3)],
+    "int8-blocked": [(37, 19), (100, 256), (16, 3)],
     "w8a8": [(37, 19), (100, 256), (16, 3)],
     "int4": [(37, 64), (100, 256), (21, 128)],
 }
@@ -51,6 +56,8 @@ GROUPS = {64: 32, 256: 128, 128: 64}
 def _quantize(scheme: str, weight: torch.Tensor) -> tuple:
     if scheme == "int8":
         return ql.quantize_int8(weight), ql.int8_linear, ql.dequantize_int8
+    if scheme == "int8-blocked":
+        return ql.quantize_int8(weight, dot_products=False), ql.int8_linear, ql.dequantize_int8
     if scheme == "int4":
         return ql.quantize_int4(weight, GROUPS[weight.shape[1]]), ql.int4_linear, ql.dequantize_int4
     return ql.quantize_w8a8(weight), ql.w8a8_linear, ql.dequantize_w8a8
@@ -82,13 +89,13 @@ def _check_against_dequantized(scheme: str, dtype: torch.dtype) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_kernels_multiply_by_the_dequantized_weights(scheme: str, dtype: torch.dtype) -> None:
     _check_against_dequantized(scheme, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_without_the_kernels_torch_computes_the_same(
     scheme: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -121,6 +128,34 @@ def test_w8a8_sums_the_integer_products_exactly(dtype: torch.dtype) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_row_with_a_nan_gives_nans_and_no_other_row_does(scheme: str) -> None:
+    w, linear, _ = _quantize(scheme, torch.randn(20, 64))
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    y = linear(x, w, 20, None)
+    assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
+
+
+@needs_kernel
+@pytest.mark.skipif(not ql.int8_dot_products(), reason="the kernels have no int8 dot products here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_dot_products_sum_exactly_what_a_row_holds(dtype: torch.dtype) -> None:
+    """x in fixed point, 31 bits below its row's largest: a row of values far apart (2^-20 .. 2^12) is summed as
+    float64 sums it, but for at most 2^-30 of the largest per term, rounded once."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 300, generator=generator)
+    w = ql.quantize_int8(weight)
+    dequantized = ql.dequantize_int8(w, 40, 300).double()
+    x = torch.randn(4, 300, generator=generator) * 2.0 ** torch.randint(-20, 12, (4, 300), generator=generator)
+    x = x.to(dtype)
+    want = x.double() @ dequantized.T  # [4, 40]
+    largest = x.double().abs().amax(1, keepdim=True)
+    bound = 2.0**-30 * largest * dequantized.abs().sum(1) + want.abs() * (2**-24 if dtype == torch.float32 else 2**-8)
+    assert ((ql.int8_linear(x, w, 40, None).double() - want).abs() <= bound).all()
+
+
+@needs_kernel
 def test_the_ops_have_shapes_for_torch_compile() -> None:
     """Schemas, fake (meta) shapes and dynamic-shape tracing of the three ops (torch.library.opcheck)."""
     weight = torch.randn(20, 64)
@@ -128,7 +163,7 @@ def test_the_ops_have_shapes_for_torch_compile() -> None:
     w8, w4, wa = ql.quantize_int8(weight), ql.quantize_int4(weight, 32), ql.quantize_w8a8(weight)
     ops = torch.ops.ferry_kernels
     for op, args in [
-        (ops.int8_linear.default, (x, w8.codes, w8.scales, 20, None)),
+        (ops.int8_linear.default, (x, w8.codes, w8.scales, w8.code_sums, 20, None)),
         (ops.int4_linear.default, (x, w4.codes, w4.scales, w4.mins, 20, torch.randn(20))),
         (ops.w8a8_linear.default, (x.view(1, 3, 64), wa.codes, wa.scales, wa.code_sums, 20, None)),
     ]:

@@ -5,19 +5,25 @@
 // (int4) a term instead of bfloat16's two is what makes these layers faster; more rows go in the same chunks and
 // tiles as the blocked kernel (blocked.h).
 //
-// - int8, weight only (`int8_linear`): codes [ceil(out / 16), in, 16] int8, the blocked layout of the codes, and a
-//   float32 scale per output row: y = scale * sum_k x_k q_k. A tile widens a block's 16 codes at one k to float32
-//   (a sign extension and a conversion) and multiplies them as blocked.h's tiles multiply float32 weights; the
-//   scale multiplies the sums.
+// - int8, weight only (`int8_linear`): a float32 scale per output row, y = scale * sum_k x_k q_k, and two layouts.
+//   Where the CPU has int8 dot products (VNNI), W8A8's layout below: each row of x goes in fixed point, N = round(x *
+//   2^(30 - e)) with |x| < 2^e, as 4 byte planes, each multiplied by the codes with `vpdpbusd` (64 terms an
+//   instruction) and the planes' int32 sums put together in int64: sum_k N_k q_k exactly, rounded once at the end
+//   (the float32 path's sums round at every term). x is exact on 31 bits below its row's largest |x| (every
+//   bfloat16 within 2^23 of it); what lies below is rounded by at most 2^-31 of 2^e. Elsewhere the blocked layout
+//   of the codes, [ceil(out / 16), in, 16] int8: a tile widens a block's 16 codes at one k to float32 (a sign
+//   extension and a conversion) and multiplies them as blocked.h's tiles multiply float32 weights. The widening
+//   takes 3 instructions per 16 bytes where a dot product takes 1 per 64: with it a core streamed int8 weights out
+//   of DRAM at two thirds of its rate (a Xeon with AVX512-VNNI: 2200 us for a row of an 8192 x 2048 layer, against
+//   1400 us in planes and 2800 us for the blocked bfloat16 kernel).
 // - int4, weight only, asymmetric in groups of `group` (32, 64, 128) along k (`int4_linear`): w = min + scale * q,
 //   q in 0..15. codes [ceil(out / 16), in / 8, 16, 4] uint8: for 8 k a block's row j has 4 bytes, one
-//   little-endian 32-bit word whose bits 16t + 4i .. 16t + 4i + 3 are the code of k = 8o + 2i + t (o: which 8).
-//   scales, mins: [ceil(out / 16), in / group, 16] bfloat16. A code is widened with no conversion: OR-ed into the
-//   mantissa of 1.0 it is f = 1 + q / 16 (a shift and one `vpternlogd`), and since w = 16 scale f + (min - 16
-//   scale), a group's sum is 16 scale * sum_k x_k f_k + (min - 16 scale) * sum_k x_k, the last sum taken once a
-//   row. (The word's order is that of bfloat16 pairs along k, word t of pair i, for dot products of f in
-//   bfloat16; on a Xeon with AVX512-BF16 and AMX they were slower than these float32 multiply-adds at every row
-//   count, `vdpbf16ps` taking 2 cycles and 13 of latency where an FMA takes half a cycle and 4.)
+//   little-endian 32-bit word whose bits 4n .. 4n + 3 are the code of k = 8o + n (o: which 8). scales, mins:
+//   [ceil(out / 16), in / group, 16] bfloat16. A code is widened with no conversion: OR-ed into the mantissa of
+//   1.0 it is f = 1 + q / 16 (a shift and one `vpternlogd`), and since w = 16 scale f + (min - 16 scale), a
+//   group's sum is 16 scale * sum_k x_k f_k + (min - 16 scale) * sum_k x_k, the last sum taken once a row. (f in
+//   bfloat16 pairs for `vdpbf16ps` was slower at every row count on a Xeon with AVX512-BF16: it takes 2 cycles and
+//   13 of latency where an FMA takes half a cycle and 4.)
 // - W8A8 (`w8a8_linear`): int8 weights per output row as for int8, codes [ceil(out / 16), ceil(in / 4), 16, 4]
 //   (4 consecutive k of a row together, zeros past in), float32 scales and each row's sum of codes. Each row of x
 //   is quantized as it comes, symmetric per row (s = max |x| / 127, q = round(x / s), as quant_linear.py's
@@ -25,6 +31,8 @@
 //   `vpdpbusd` (16 outputs an instruction) or AVX-VNNI's, which take unsigned x, so x goes in as q + 128 and 128
 //   times the row's sum of codes comes off the sum; elsewhere AVX2's `vpmaddubsw` of |w| and x with w's sign
 //   (products at most 127 * 127, pairs of them within int16: nothing saturates). y = float(sum) * s_x * s_w + b.
+//
+// A row with an infinity or a NaN gives NaN outputs in every scheme.
 //
 // The instruction set comes from the build flags (engine/kernels/build.py: AVX-512, with AVX512-VNNI where the CPU
 // has it; AVX2, with AVX-VNNI where the CPU has it; or plain C++).
@@ -45,13 +53,10 @@ namespace {
 
 using namespace ferry::blocked;
 
-// ---- int4, weight only (int8's tiles are blocked.h's) ----
+// ---- int4, weight only (int8's blocked layout takes blocked.h's tiles) ----
 
 // f = 1 + q / 16 in float32: the code OR-ed into the top of the mantissa of 1.0 (bits 19..22).
 constexpr uint32_t kOne = 0x3F800000, kCodeBits = 0xFu << 19;
-
-// Bit position, in a row's 32-bit word, of the code of k = 8o + n: 16t + 4i for n = 2i + t.
-constexpr int code_bit(int n) { return 16 * (n & 1) + 4 * (n >> 1); }
 
 // One block's words for 8 k (16 x 32 bits), and `unpack<Bit>`: each row's code at bit Bit as f = 1 + q / 16.
 #if defined(__AVX512F__)
@@ -136,7 +141,7 @@ inline void int4_tile(const float* x, int64_t ldx, const Int4Block& w, const flo
       _mm_prefetch(reinterpret_cast<const char*>(w.codes + (o + kPrefetchWords) * 4 * kBlock), _MM_HINT_T0);
       const Words words = load_words(w.codes + o * 4 * kBlock);
       const auto term = [&](auto n) {
-        const Acc f = unpack<code_bit(decltype(n)::value)>(words);
+        const Acc f = unpack<4 * decltype(n)::value>(words);
         for (int r = 0; r < Rows; ++r) acc[r][decltype(n)::value % Split].fma(x[r * ldx + 8 * o + n], f);
       };
       (term(std::integral_constant<int, N>{}), ...);
@@ -168,13 +173,54 @@ constexpr int kW8A8Rows = 8;
 constexpr int kW8A8Rows = 4;  // 2 accumulators a row in 16 registers, with the weights and their magnitudes
 #endif
 
+// max |x| of a row, and whether all of it is finite.
+inline float abs_max(const float* x, int64_t k_size, bool* finite) {
+  float amax = 0.0f;
+  bool all_finite = true;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 top = _mm512_setzero_ps();
+  __mmask16 not_finite = 0;
+  for (; k + 16 <= k_size; k += 16) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + k));
+    not_finite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ);
+    top = _mm512_max_ps(top, a);
+  }
+  amax = _mm512_reduce_max_ps(top);
+  all_finite = not_finite == 0;
+#elif defined(__AVX2__)
+  __m256 top = _mm256_setzero_ps(), not_finite = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (; k + 8 <= k_size; k += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude);
+    not_finite = _mm256_or_ps(
+        not_finite, _mm256_cmp_ps(a, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NLT_UQ));
+    top = _mm256_max_ps(top, a);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  for (const float v : lanes) amax = std::max(amax, v);
+  all_finite = _mm256_movemask_ps(not_finite) == 0;
+#endif
+  for (; k < k_size; ++k) {
+    all_finite &= std::isfinite(x[k]);
+    amax = std::max(amax, std::abs(x[k]));
+  }
+  *finite = all_finite;
+  return amax;
+}
+
 // Row m of `x` [m, k] quantized into `q` (k4 bytes: q + kXOffset, padded with kXOffset) and its scale.
 // Bit for bit quant_linear.py's quantize_activations: s = max|x| / 127 (1 where that is 0), q = round half to even
 // of x / s, within [-127, 127].
 inline void quantize_row(const float* x, int64_t k_size, int64_t k4, uint8_t* q, float* scale) {
-  float amax = 0.0f;
-  for (int64_t k = 0; k < k_size; ++k) amax = std::max(amax, std::abs(x[k]));
-  float s = amax / 127.0f;
+  bool finite;
+  float s = abs_max(x, k_size, &finite) / 127.0f;
+  if (!finite) {  // a row with an infinity or a NaN: NaN outputs, whatever its codes
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    std::fill(q, q + k4, static_cast<uint8_t>(kXOffset));
+    return;
+  }
   if (s == 0.0f) s = 1.0f;
   *scale = s;
   int64_t k = 0;
@@ -210,11 +256,8 @@ inline void dot_sums(const uint8_t* x, int64_t ldx, const int8_t* w, int64_t qua
   const auto x_quad = [&](int r, int64_t p, int d) { return quad(x + r * ldx + (p * Planes + d) * 4); };
 #if defined(__AVX512VNNI__)
   // A vpdpbusd waits 5 cycles for the one before it on the same accumulator, and 2 issue a cycle: few rows and
-  // planes split k into more chains.
-#ifndef FERRY_X_S4
-#define FERRY_X_S4 2
-#endif
-  constexpr int Split = Rows * Planes >= 8 ? 1 : Rows * Planes >= 4 ? FERRY_X_S4 : 4;
+  // planes split k into more chains (a single row's 4 planes into 16, measured faster than 8 with the prefetch).
+  constexpr int Split = Rows * Planes >= 8 ? 1 : Rows * Planes >= 4 && Planes == 1 ? 2 : 4;
   __m512i acc[Rows][Planes][Split];
   for (auto& row : acc) {
     for (auto& plane : row) {
@@ -222,12 +265,14 @@ inline void dot_sums(const uint8_t* x, int64_t ldx, const int8_t* w, int64_t qua
     }
   }
   const auto step = [&](int64_t p, int s) {
-#ifdef FERRY_X_PF
-    if constexpr (Planes > 1 || FERRY_X_PFALL) _mm_prefetch(reinterpret_cast<const char*>(w + p * 4 * kBlock) + FERRY_X_PF, _MM_HINT_T0);
-#endif
+    // The int8 kernel's rows in planes ask for their codes ahead of use, as the int4 kernel does (kPrefetchWords):
+    // 15% faster out of DRAM on a Xeon; W8A8's one plane streams them at DRAM's rate without, slower with.
+    if constexpr (Planes > 1) _mm_prefetch(reinterpret_cast<const char*>(w + (p + 16) * 4 * kBlock), _MM_HINT_T0);
     const __m512i wq = _mm512_loadu_si512(w + p * 4 * kBlock);
     for (int r = 0; r < Rows; ++r) {
-      for (int d = 0; d < Planes; ++d) acc[r][d][s] = _mm512_dpbusd_epi32(acc[r][d][s], _mm512_set1_epi32(x_quad(r, p, d)), wq);
+      for (int d = 0; d < Planes; ++d) {
+        acc[r][d][s] = _mm512_dpbusd_epi32(acc[r][d][s], _mm512_set1_epi32(x_quad(r, p, d)), wq);
+      }
     }
   };
   int64_t p = 0;
@@ -329,12 +374,8 @@ constexpr int kPlaneRows = 1;  // 8 accumulators a row of 16 registers
 // Row x [k] into its planes, `quads` * 16 bytes (4 k at a time: plane 0's 4 bytes, plane 1's, ...), zeros (N = 0)
 // past k; returns e, or kNotFinite for a row with an infinity or a NaN.
 inline int to_planes(const float* x, int64_t k_size, int64_t quads, uint8_t* planes) {
-  float amax = 0.0f;
-  bool finite = true;
-  for (int64_t k = 0; k < k_size; ++k) {
-    finite &= std::isfinite(x[k]);
-    amax = std::max(amax, std::abs(x[k]));
-  }
+  bool finite;
+  const float amax = abs_max(x, k_size, &finite);
   if (!finite) return kNotFinite;
   int e;
   std::frexp(amax, &e);  // amax < 2^e
@@ -353,7 +394,8 @@ inline int to_planes(const float* x, int64_t k_size, int64_t quads, uint8_t* pla
     _mm512_storeu_si512(planes + k * kPlanes, _mm512_shuffle_epi8(u, by_plane));
   }
 #else
-  const __m256i by_plane = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  const __m256i by_plane =
+      _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
   for (; k + 8 <= k_size; k += 8) {
     const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(unit)));
     const __m256i u = _mm256_xor_si256(n, _mm256_set1_epi32(static_cast<int32_t>(0x80000000u)));
@@ -362,7 +404,9 @@ inline int to_planes(const float* x, int64_t k_size, int64_t quads, uint8_t* pla
 #endif
   for (; k < 4 * quads; ++k) {
     const uint32_t u = k < k_size ? offset(x[k]) : 0x80000000u;
-    for (int d = 0; d < kPlanes; ++d) planes[(k / 4) * 4 * kPlanes + d * 4 + k % 4] = static_cast<uint8_t>(u >> (8 * d));
+    for (int d = 0; d < kPlanes; ++d) {
+      planes[(k / 4) * 4 * kPlanes + d * 4 + k % 4] = static_cast<uint8_t>(u >> (8 * d));
+    }
   }
   return e;
 }
@@ -466,8 +510,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     const at::Tensor exponents = at::empty({m_size}, rows.options().dtype(at::kInt));
     uint8_t* plane_data = planes.data_ptr<uint8_t>();
     int* exponent_data = exponents.data_ptr<int>();
-    at::parallel_for(0, m_size, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k_size)), [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) exponent_data[m] = to_planes(x_data + m * k_size, k_size, quads, plane_data + m * ldq);
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k_size));
+    at::parallel_for(0, m_size, grain, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        exponent_data[m] = to_planes(x_data + m * k_size, k_size, quads, plane_data + m * ldq);
+      }
     });
     const int32_t* sums_data = code_sums.data_ptr<int32_t>();
     for_blocks(m_size, k4, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {

@@ -57,8 +57,8 @@ class Int8Weights(NamedTuple):
 
 class Int4Weights(NamedTuple):
     codes: torch.Tensor
-    """[ceil(out / 16), in / 8, 16, 4] uint8: for columns 8o .. 8o + 7 of row 16b + j, 4 bytes that read as one
-    little-endian 32-bit word whose bits 16t + 4i .. 16t + 4i + 3 hold the code of column 8o + 2i + t."""
+    """[ceil(out / 16), in / 8, 16, 4] uint8: for columns 8o .. 8o + 7 of row 16b + j, 4 bytes, each the codes of
+    two consecutive columns (the first in the low 4 bits)."""
     scales: torch.Tensor
     """[ceil(out / 16), in / group, 16] bfloat16: block b's g-th 16 are rows 16b .. 16b + 15's scales of group g."""
     mins: torch.Tensor
@@ -77,18 +77,20 @@ class W8A8Weights(NamedTuple):
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weights:
     """`[out, in]` float weight -> int8 codes per output row, symmetric: scale = max |w| / 127, q = round(w / scale)."""
+    _check_weight(weight)
+    return pack_int8(*_symmetric_rows(weight))
+
+
+def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> Int8Weights:
+    """int8 codes `[out, in]` with their float32 scales `[out]`, quantized elsewhere (engine/quantization/codes.py,
+    from whole checkpoint tensors), in `int8_linear`'s layout: the same values."""
     if int8_dot_products():
-        return Int8Weights(*_quantize_quads(weight))
-    out_features, in_features = _check_weight(weight)
-    codes = torch.empty(_blocks(out_features), in_features, BLOCK, dtype=torch.int8)
-    scales = torch.empty(out_features)
-    code_sums = torch.empty(out_features, dtype=torch.int32)
-    for start, rows in _row_chunks(weight):
-        scale, q = _symmetric(rows)  # [r], [r, in]
-        scales[start : start + len(rows)] = scale
-        code_sums[start : start + len(rows)] = q.sum(1, dtype=torch.int32)
-        _put_rows(codes, start, q)
-    return Int8Weights(codes, scales, code_sums)
+        return Int8Weights(*_pack_quads(codes, scales))
+    out_features, in_features = codes.shape
+    blocked = torch.empty(_blocks(out_features), in_features, BLOCK, dtype=torch.int8)
+    for start, rows in _row_chunks(codes):  # float32 holds the small integer codes exactly
+        _put_rows(blocked, start, rows.to(torch.int8))
+    return Int8Weights(blocked, scales.float().contiguous(), codes.sum(1, dtype=torch.int32))
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -126,9 +128,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
         low = torch.where(low < 0, _bf16_away_from_zero(low), _bf16_toward_zero(low))
         scale = _bf16_away_from_zero((by_group.amax(-1) - low) / 15)
         q = (by_group - low[..., None]).div_(torch.where(scale == 0, 1, scale)[..., None]).round_().clamp_(0, 15)
-        # Column 8o + 4h + 2n + t (h: which half of the word, n: low or high nibble) into byte 2t + h's nibble n.
-        q = q.to(torch.uint8).view(len(rows), in_features // 8, 2, 2, 2).permute(0, 1, 4, 2, 3)
-        _put_rows(codes, start, (q[..., 0] | q[..., 1] << 4).reshape(len(rows), in_features // 8, 4))
+        q = q.to(torch.uint8).view(len(rows), in_features // 8, 4, 2)  # [r, in / 8, bytes, low / high]
+        _put_rows(codes, start, q[..., 0] | q[..., 1] << 4)
         _put_rows(scales, start, scale.to(torch.bfloat16))
         _put_rows(mins, start, low.to(torch.bfloat16))
     return Int4Weights(codes, scales, mins)
@@ -147,8 +148,7 @@ def dequantize_int4(w: Int4Weights, out_features: int, in_features: int) -> torc
     """The float32 `[out, in]` weight `int4_linear` multiplies by: min + scale * q of each (row, group). (The
     kernel sums it as 16 scale * (1 + q / 16) + (min - 16 scale), equal but for float32 rounding.)"""
     packed = _rows(w.codes, out_features)  # [out, in / 8, 4]
-    nibbles = torch.stack([packed & 15, packed >> 4], dim=-1).view(out_features, in_features // 8, 2, 2, 2)
-    q = nibbles.permute(0, 1, 3, 4, 2).reshape(out_features, in_features)
+    q = torch.stack([packed & 15, packed >> 4], dim=-1).view(out_features, in_features)
     group_size = in_features // w.scales.shape[1]
     scales = _rows(w.scales, out_features).float().repeat_interleave(group_size, dim=1)
     mins = _rows(w.mins, out_features).float().repeat_interleave(group_size, dim=1)
@@ -157,7 +157,13 @@ def dequantize_int4(w: Int4Weights, out_features: int, in_features: int) -> torc
 
 def quantize_w8a8(weight: torch.Tensor) -> W8A8Weights:
     """`[out, in]` float weight -> int8 codes per output row as `quantize_int8`'s, in groups of 4 columns."""
-    return W8A8Weights(*_quantize_quads(weight))
+    _check_weight(weight)
+    return pack_w8a8(*_symmetric_rows(weight))
+
+
+def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor) -> W8A8Weights:
+    """int8 codes `[out, in]` with their float32 scales `[out]`, quantized elsewhere, in `w8a8_linear`'s layout."""
+    return W8A8Weights(*_pack_quads(codes, scales))
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,19 +193,26 @@ def dequantize_w8a8(w: W8A8Weights, out_features: int, in_features: int) -> torc
     return _codes(w.codes, out_features, in_features).float() * w.scales[:, None]
 
 
-def _quantize_quads(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_int8`'s codes in groups of 4 columns (W8A8's layout), their scales and each row's sum of codes."""
-    out_features, in_features = _check_weight(weight)
-    quads = -(-in_features // 4)
-    codes = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
-    scales = torch.empty(out_features)
-    code_sums = torch.empty(out_features, dtype=torch.int32)
+def _symmetric_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[out, in]` float weight -> (int8 codes `[out, in]`, float32 scales `[out]`), a chunk of rows at a time."""
+    codes = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])
     for start, rows in _row_chunks(weight):
         scale, q = _symmetric(rows)  # [r], [r, in]
         scales[start : start + len(rows)] = scale
-        code_sums[start : start + len(rows)] = q.sum(1, dtype=torch.int32)
-        _put_rows(codes, start, F.pad(q, (0, 4 * quads - in_features)).view(len(rows), quads, 4))
-    return codes, scales, code_sums
+        codes[start : start + len(rows)] = q
+    return codes, scales
+
+
+def _pack_quads(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 codes `[out, in]` in groups of 4 columns (W8A8's layout), their scales and each row's sum of codes."""
+    out_features, in_features = codes.shape
+    quads = -(-in_features // 4)
+    blocked = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
+    for start, rows in _row_chunks(codes):  # float32 holds the small integer codes exactly
+        padded = F.pad(rows.to(torch.int8), (0, 4 * quads - in_features))
+        _put_rows(blocked, start, padded.view(len(rows), quads, 4))
+    return blocked, scales.float().contiguous(), codes.sum(1, dtype=torch.int32)
 
 
 def _codes(codes: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
