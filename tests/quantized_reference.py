@@ -89,9 +89,16 @@ def prompts_for(vocab: int, shared_prefix: int) -> tuple[list[list[int]], list[i
 
 @torch.no_grad()
 def check_against(
-    reference: nn.Module, prompts: list[list[int]], results: dict, what: str, tolerance: float = LOGPROB_TOLERANCE
+    reference: nn.Module,
+    prompts: list[list[int]],
+    results: dict,
+    what: str,
+    tolerance: float = LOGPROB_TOLERANCE,
+    mean_tolerance: float | None = None,
 ) -> None:
-    """Ferry's tokens and logprobs against the reference's, teacher-forced on Ferry's tokens."""
+    """Ferry's tokens and logprobs against the reference's, teacher-forced on Ferry's tokens; with
+    `mean_tolerance`, the mean error over every generated position too."""
+    errors = []
     for i, prompt in enumerate(prompts):
         got = results[f"req_{i}"]
         ids = torch.tensor([prompt + got.generated_ids], device=reference.device)
@@ -100,9 +107,13 @@ def check_against(
         chosen = torch.tensor(got.generated_ids)
         want = logprobs.gather(1, chosen[:, None]).squeeze(1)
         ours = torch.tensor([t.logprob for t in got.logprobs])
-        worst = (ours - want).abs().max().item()
+        errors.append((ours - want).abs())
+        worst = errors[-1].max().item()
         assert worst <= tolerance, f"{what}: request {i}: a chosen token's logprob is {worst:.2e} off"
         top2 = logprobs.topk(2, dim=-1).values
         decided = (top2[:, 0] - top2[:, 1]) > tolerance
         best = logprobs.argmax(dim=-1)
         assert torch.equal(best[decided], chosen[decided]), f"{what}: request {i} chose another token than a clear best"
+    if mean_tolerance is not None:
+        mean = torch.cat(errors).mean().item()
+        assert mean <= mean_tolerance, f"{what}: the chosen tokens' logprobs are {mean:.2e} off on average"

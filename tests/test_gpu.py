@@ -243,8 +243,9 @@ def test_fp8_weights_through_scaled_matmuls_match_their_dequantized_reference(mo
     The tolerance is e4m3's, not float32's: cuBLAS sums in another order than the CPU, so an activation a few ulps
     away from a rounding boundary of e4m3 (whose steps are 1/16 of the value) lands on its other side in one system
     and not the other; on the tiny model's sharp logits a few such flips moved a chosen token's logprob by 0.11 on
-    the H200 (float32; 0.34 in bfloat16), where on the CPU, whose sums are the reference's, nothing flips (2e-6).
-    A wrong scale or layout is off by whole nats."""
+    the H200 (float32: 0.11 and 0.26 in two runs; 0.34 in bfloat16), where on the CPU, whose sums are the
+    reference's, nothing flips (2e-6). So the bound on each position is loose and the mean is held tight: a wrong
+    scale or layout is off by whole nats everywhere."""
     from tests.quantized_reference import check_against, prompts_for, reference_model
 
     path = model_dir("llama")
@@ -259,7 +260,7 @@ def test_fp8_weights_through_scaled_matmuls_match_their_dequantized_reference(mo
         params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
         results = generate_batch(prompts, params=params, engine=engine)
         reference = reference_model(path, model, "fp8")
-    check_against(reference, prompts, results, "fp8/cuda", tolerance=0.25)
+    check_against(reference, prompts, results, "fp8/cuda", tolerance=0.5, mean_tolerance=0.02)
     with EngineCore(config.replace(dtype="bfloat16")) as engine:
         bf16 = generate_batch(prompts, params=params, engine=engine)
     assert all(bf16[f"req_{i}"].generated_ids for i in range(len(prompts)))

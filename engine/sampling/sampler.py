@@ -86,13 +86,6 @@ _PLAIN_ARGMAX_ELEMENTS = 100_000
 """Below this many logits torch's own argmax is the fastest (one stream over a 32k vocabulary: 41 us, blocked 57)."""
 
 
-def _accumulate(work: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor) -> None:
-    """work[rows, tokens] += values, repeated pairs adding up, in place on a contiguous `work`. A scatter into the
-    flat view rather than `index_put_(accumulate=True)`, which on CUDA sorts its indices and waits for the device
-    (tests/test_sampler.py counts one device-to-host sync per call)."""
-    work.view(-1).scatter_add_(0, rows * work.shape[1] + tokens, values.to(work.dtype))
-
-
 def argmax_rows(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """`x.argmax(dim=-1)` of a `[rows, vocab]` tensor, exactly (the first maximum), in two vectorised passes.
 
@@ -220,14 +213,13 @@ class Sampler:
                 ban_tokens += in_vocab
         if not (bias_rows or rep_rows or freq_rows or ban_rows):
             return logits
-        work = logits.clone(memory_format=torch.contiguous_format)
+        work = logits.clone(memory_format=torch.contiguous_format)  # `view(-1)` below needs it dense
         if bias_rows:
             # Accumulate: a token listed twice for one request gets the sum of its biases, in any order.
-            _accumulate(
-                work,
-                self._tensor(bias_rows, torch.long),
-                self._tensor(bias_tokens, torch.long),
+            work.index_put_(
+                (self._tensor(bias_rows, torch.long), self._tensor(bias_tokens, torch.long)),
                 self._tensor(bias_values, torch.float32),
+                accumulate=True,
             )
         if rep_rows:
             lengths = self._tensor(rep_lengths, torch.long)
@@ -244,9 +236,12 @@ class Sampler:
             tokens = self._tensor(freq_tokens, torch.long)
             # Presence counts once (duplicates write one identical value); frequency adds per occurrence.
             work[rows, tokens] = work[rows, tokens] - self._repeat(presence, torch.float32, lengths, total)
-            _accumulate(work, rows, tokens, -self._repeat(frequency, torch.float32, lengths, total))
+            work.index_put_((rows, tokens), -self._repeat(frequency, torch.float32, lengths, total), accumulate=True)
         if ban_rows:
-            work[self._tensor(ban_rows, torch.long), self._tensor(ban_tokens, torch.long)] = float("-inf")
+            # index_fill_ takes -inf as a scalar: assigning it through `work[rows, tokens] = ...` makes it a CPU
+            # tensor first, whose copy to the GPU waits for the device (the H200 run's second sync per call).
+            flat = self._tensor(ban_rows, torch.long) * work.shape[1] + self._tensor(ban_tokens, torch.long)
+            work.view(-1).index_fill_(0, flat, float("-inf"))
         return work
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
