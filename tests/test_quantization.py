@@ -84,6 +84,26 @@ def test_quantized_engine_matches_the_dequantized_reference(
     engine.close()
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_tied_embedding_reads_its_rows_from_the_int8_head(tmp_path: Path, scheme: str) -> None:
+    """A tied model keeps one matrix, in the head's int8 layout; the embedding's rows are the head's dequantized
+    rows, so the reference (whose head and embedding are one parameter) holds them too."""
+    path = build_model_dir(tmp_path, "llama", tie_word_embeddings=True)
+    config = EngineConfig.of(
+        model=str(path), dtype="float32", quantization=scheme, quantization_group_size=GROUP_SIZE, num_pages=256
+    )
+    with EngineCore(config) as engine:
+        model = engine.runner.model
+        head, embedding = model.lm_head, model.model.embed_tokens
+        ids = torch.arange(model.config.vocab_size)
+        assert torch.equal(embedding(ids), head.method.dequantized_weight(head)[: len(ids)])
+        assert not any(t.dim() == 2 and t.is_floating_point() for t in embedding.parameters())
+        prompts, max_new = prompts_for(model.config.vocab_size, shared_prefix=0)
+        params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
+        results = generate_batch(prompts, params=params, engine=engine)
+        check_against(reference_model(path, model, scheme), prompts, results, f"{scheme}/tied")
+
+
 @pytest.mark.timeout(300)
 def test_tensor_parallel_ranks_hold_slices_of_the_same_quantized_model(model_dir: Callable[[str], Path]) -> None:
     """Each rank quantizes whole checkpoint tensors and keeps its slice of codes and scales (a row-parallel

@@ -75,22 +75,28 @@ class W8A8Weights(NamedTuple):
     """[out] int32: each output row's sum of codes (the kernel's unsigned-activation products need it)."""
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weights:
-    """`[out, in]` float weight -> int8 codes per output row, symmetric: scale = max |w| / 127, q = round(w / scale)."""
+def quantize_int8(weight: torch.Tensor, *, dot_products: bool | None = None) -> Int8Weights:
+    """`[out, in]` float weight -> int8 codes per output row, symmetric: scale = max |w| / 127, q = round(w / scale).
+    `dot_products`: as `pack_int8`'s."""
     _check_weight(weight)
-    return pack_int8(*_symmetric_rows(weight))
+    return pack_int8(*_symmetric_rows(weight), dot_products=dot_products)
 
 
-def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> Int8Weights:
+def pack_int8(codes: torch.Tensor, scales: torch.Tensor, *, dot_products: bool | None = None) -> Int8Weights:
     """int8 codes `[out, in]` with their float32 scales `[out]`, quantized elsewhere (engine/quantization/codes.py,
-    from whole checkpoint tensors), in `int8_linear`'s layout: the same values."""
-    if int8_dot_products():
+    from whole checkpoint tensors), in `int8_linear`'s layout: the same values. `dot_products`: the layout, in
+    groups of 4 k for int8 dot products or blocked for float32 multiply-adds; by default the one the kernels built
+    here take (the other is for tests and benchmarks: where the kernels have no dot products they refuse codes in
+    groups of 4)."""
+    if int8_dot_products() if dot_products is None else dot_products:
         return Int8Weights(*_pack_quads(codes, scales))
     out_features, in_features = codes.shape
     blocked = torch.empty(_blocks(out_features), in_features, BLOCK, dtype=torch.int8)
+    code_sums = torch.empty(out_features, dtype=torch.int32)
     for start, rows in _row_chunks(codes):  # float32 holds the small integer codes exactly
+        code_sums[start : start + len(rows)] = rows.sum(1)  # exact below 2^24
         _put_rows(blocked, start, rows.to(torch.int8))
-    return Int8Weights(blocked, scales.float().contiguous(), codes.sum(1, dtype=torch.int32))
+    return Int8Weights(blocked, scales.float().contiguous(), code_sums)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -133,6 +139,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
         _put_rows(scales, start, scale.to(torch.bfloat16))
         _put_rows(mins, start, low.to(torch.bfloat16))
     return Int4Weights(codes, scales, mins)
+
+
+def int8_rows(w: Int8Weights, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows `ids` of the float32 `[out, in]` weight `int8_linear` multiplies by, `[N, in]` for `ids` `[N]`: a tied
+    embedding's lookup in an int8 LM head, in either layout."""
+    codes = w.codes[ids // BLOCK, :, ids % BLOCK]  # [N, in] or [N, in / 4, 4]
+    return codes.reshape(len(ids), -1)[:, :in_features].float() * w.scales[ids, None]
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weights, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -209,10 +222,12 @@ def _pack_quads(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
     out_features, in_features = codes.shape
     quads = -(-in_features // 4)
     blocked = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
+    code_sums = torch.empty(out_features, dtype=torch.int32)
     for start, rows in _row_chunks(codes):  # float32 holds the small integer codes exactly
+        code_sums[start : start + len(rows)] = rows.sum(1)  # exact below 2^24
         padded = F.pad(rows.to(torch.int8), (0, 4 * quads - in_features))
         _put_rows(blocked, start, padded.view(len(rows), quads, 4))
-    return blocked, scales.float().contiguous(), codes.sum(1, dtype=torch.int32)
+    return blocked, scales.float().contiguous(), code_sums
 
 
 def _codes(codes: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from engine.kernels import quant_linear
-from engine.kernels.linear import BLOCK
 from engine.quantization.base import CheckpointQuantizedMethod, QuantizedLinearMethod, drop_parameters
 from engine.quantization.codes import quantize_int8
 
@@ -83,7 +82,5 @@ class Int8HeadMethod(QuantizedLinearMethod):
         return quant_linear.dequantize_int8(layer.int8, layer.output_size, layer.input_size)
 
     def embed_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        codes = layer.int8.codes[flat // BLOCK, :, flat % BLOCK]  # [N, in]
-        rows = codes.float() * layer.int8.scales[flat, None]
+        rows = quant_linear.int8_rows(layer.int8, ids.reshape(-1), layer.input_size)  # [N, in]
         return rows.to(layer.embed_dtype).view(*ids.shape, layer.input_size)
