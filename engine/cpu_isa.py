@@ -43,7 +43,7 @@ def bf16_arithmetic() -> bool:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """The flags /proc/cpuinfo lists for this CPU (empty where there is no such file)."""
     try:
         with open("/proc/cpuinfo") as info:
@@ -58,4 +58,4 @@ def _cpu_flags() -> frozenset[str]:
 def bf16_dot_products() -> bool:
     """Whether the CPU kernels take AVX512-BF16's bfloat16 dot products (`vdpbf16ps`): an AVX-512 build on a CPU
     that has them. The blocked linear then keeps bfloat16 weights in pairs along k (engine/kernels/linear.py)."""
-    return cpu_capability() == "AVX512" and "avx512_bf16" in _cpu_flags()
+    return cpu_capability() == "AVX512" and "avx512_bf16" in cpu_flags()

@@ -7,10 +7,11 @@ of the sums, at most 1e-5 of sum |x| |w| (the kernels sum in another order, int4
 (min - 16 scale), int8's with dot products exactly on x's 31 bits below its row's largest), then rounded to x's
 dtype (bfloat16: half a step more). `w8a8_linear` computes F.linear(q.float() * s, dequantized) for (q, s) =
 quantize_activations(x) to the same tolerance, and its int32 sums exactly: float(q_x @ q_w.T) * s_x * s_w (+ bias)
-within 1e-6 (the final rescale's roundings only). int8 is checked in both its layouts (in groups of 4 k where the
-kernels have int8 dot products, the blocked one elsewhere).
+within 1e-6 (the final rescale's roundings only). int8 is checked in both its layouts: in groups of 4 k where the
+kernels have int8 dot products, and the blocked one of CPUs without.
 
-.ci/run runs this file again with FERRY_CPU_ISA=avx2, the kernels built for AVX2 (`vpmaddubsw` for W8A8)."""
+.ci/run runs this file again with FERRY_CPU_ISA=avx2, the kernels built for AVX2 (`vpmaddubsw` for W8A8, int8 in
+float32 multiply-adds)."""
 
 from __future__ import annotations
 
@@ -260,7 +261,7 @@ def test_int8_dot_products_are_built_only_where_the_cpu_has_them(
 ) -> None:
     """The flags are part of the library's name: a build for one CPU is never loaded on another."""
     monkeypatch.setattr(build, "cpu_capability", lambda: capability)
-    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(build, "forced_isa", lambda: forced)
     assert build._vnni_flags() == want
 
@@ -273,22 +274,27 @@ def peak_mib():
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
 
-weight = torch.randn(4096, 4096).to(torch.{dtype})
-for quantize in (ql.quantize_int8, ql.quantize_w8a8, lambda w: ql.quantize_int4(w, 128)):
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # resets the peak to the present resident size
-    before = peak_mib()
-    quantized = quantize(weight)
-    grown = peak_mib() - before
-    print(round(grown), round(sum(t.numel() * t.element_size() for t in quantized) / 2**20))
-    del quantized
+torch.set_num_threads(1)  # the peak is the same; a second thread waits on a busy core of a shared machine
+schemes = (ql.quantize_int8, ql.quantize_w8a8, lambda w: ql.quantize_int4(w, 128))
+for quantize in schemes:  # what a first call allocates once (thread pools, allocator arenas) is not measured
+    quantize(torch.randn(256, 4096))
+for dtype in (torch.float32, torch.bfloat16):
+    weight = torch.randn(2048, 4096).to(dtype)
+    for quantize in schemes:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # resets the peak to the present resident size
+        before = peak_mib()
+        quantized = quantize(weight)
+        grown = peak_mib() - before
+        print(round(grown), round(sum(t.numel() * t.element_size() for t in quantized) / 2**20))
+        del quantized
 """
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantizing_holds_the_quantized_weight_and_little_else(dtype: str) -> None:
-    """A model quantizes layer by layer: beside the weight, only its quantized form and the float32 temporaries of a
-    few rows at a time (2 MiB each), never a float32 copy of the whole weight (64 MiB)."""
+def test_quantizing_holds_the_quantized_weight_and_little_else() -> None:
+    """A model quantizes layer by layer: beside the weight, its codes (int8 and W8A8: once as rows, as
+    `pack_int8` takes them, and once packed) and the float32 temporaries of a few rows at a time (2 MiB each),
+    never a float32 copy of the whole weight (32 MiB). float32 and bfloat16 weights."""
     try:
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
@@ -298,12 +304,12 @@ def test_quantizing_holds_the_quantized_weight_and_little_else(dtype: str) -> No
     # what malloc keeps for later.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_PEAK.format(dtype=dtype))],
+        [sys.executable, "-c", textwrap.dedent(_PEAK)],
         capture_output=True,
         text=True,
         check=True,
         env=env,
     )
-    for line in done.stdout.splitlines():
+    for line, copies in zip(done.stdout.splitlines(), (2, 2, 1) * 2, strict=True):
         grown, quantized = map(int, line.split())
-        assert grown <= quantized + 12, done.stdout
+        assert grown <= copies * quantized + 12, done.stdout

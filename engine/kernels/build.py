@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_isa import _cpu_flags, bf16_dot_products, cpu_capability, forced_isa
+from engine.cpu_isa import bf16_dot_products, cpu_capability, cpu_flags, forced_isa
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _vnni_flags() -> list[str]:
     them: the 512-bit ones of AVX512-VNNI in an AVX-512 build, the 256-bit ones of AVX-VNNI in an AVX2 build. An AVX2
     build that `FERRY_CPU_ISA=avx2` forces takes neither, as the AVX2-only CPUs it stands for (AVX-VNNI came after
     AVX2 by years): their W8A8 kernel multiplies with AVX2's `vpmaddubsw`, their int8 one in float32."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if cpu_capability() == "AVX512" and "avx512_vnni" in flags:
         return ["-mavx512vnni"]
     if cpu_capability() == "AVX2" and forced_isa() is None and "avx_vnni" in flags:

@@ -13,17 +13,21 @@
 //   bfloat16 within 2^23 of it); what lies below is rounded by at most 2^-31 of 2^e. Elsewhere the blocked layout
 //   of the codes, [ceil(out / 16), in, 16] int8: a tile widens a block's 16 codes at one k to float32 (a sign
 //   extension and a conversion) and multiplies them as blocked.h's tiles multiply float32 weights. The widening
-//   takes 3 instructions per 16 bytes where a dot product takes 1 per 64: with it a core streamed int8 weights out
-//   of DRAM at two thirds of its rate (a Xeon with AVX512-VNNI: 2200 us for a row of an 8192 x 2048 layer, against
-//   1400 us in planes and 2800 us for the blocked bfloat16 kernel).
+//   takes 3 instructions per 16 bytes where a dot product takes 1 per 64: a core widening them streamed int8
+//   weights out of DRAM at three quarters of the rate it reads them in planes (a Xeon with AVX512-VNNI, one row of
+//   an 8192 x 2048 layer: 2150 us widened, 1640 us in planes, 2920 us for the blocked bfloat16 kernel), and the
+//   planes were faster at every row count up to 256.
 // - int4, weight only, asymmetric in groups of `group` (32, 64, 128) along k (`int4_linear`): w = min + scale * q,
 //   q in 0..15. codes [ceil(out / 16), in / 8, 16, 4] uint8: for 8 k a block's row j has 4 bytes, one
-//   little-endian 32-bit word whose bits 4n .. 4n + 3 are the code of k = 8o + n (o: which 8). scales, mins:
-//   [ceil(out / 16), in / group, 16] bfloat16. A code is widened with no conversion: OR-ed into the mantissa of
-//   1.0 it is f = 1 + q / 16 (a shift and one `vpternlogd`), and since w = 16 scale f + (min - 16 scale), a
-//   group's sum is 16 scale * sum_k x_k f_k + (min - 16 scale) * sum_k x_k, the last sum taken once a row. (f in
-//   bfloat16 pairs for `vdpbf16ps` was slower at every row count on a Xeon with AVX512-BF16: it takes 2 cycles and
-//   13 of latency where an FMA takes half a cycle and 4.)
+//   little-endian 32-bit word; byte c holds the code of k = 8o + c in its low 4 bits, that of 8o + 4 + c in its
+//   high 4 (o: which 8). scales, mins: [ceil(out / 16), in / group, 16] bfloat16. A code is widened with no
+//   conversion: OR-ed into the mantissa of 1.0 it is f = 1 + q / 16 (a shift and one `vpternlogd`), and since
+//   w = 16 scale f + (min - 16 scale), a group's sum is 16 scale * sum_k x_k f_k + (min - 16 scale) * sum_k x_k,
+//   the last sum taken once a row.
+//   Measured slower on a Xeon with AVX512-BF16, VNNI and AMX: f in bfloat16 pairs for `vdpbf16ps` (at every row
+//   count: it takes 2 cycles and 13 of latency where an FMA takes half a cycle and 4), and int8's planes with the
+//   low and high 4 bits as bytes for `vpdpbusd` (faster only out of cache and up to 2 rows: out of DRAM a row's
+//   decode is as fast, 8 rows half as fast).
 // - W8A8 (`w8a8_linear`): int8 weights per output row as for int8, codes [ceil(out / 16), ceil(in / 4), 16, 4]
 //   (4 consecutive k of a row together, zeros past in), float32 scales and each row's sum of codes. Each row of x
 //   is quantized as it comes, symmetric per row (s = max |x| / 127, q = round(x / s), as quant_linear.py's
@@ -32,7 +36,7 @@
 //   times the row's sum of codes comes off the sum; elsewhere AVX2's `vpmaddubsw` of |w| and x with w's sign
 //   (products at most 127 * 127, pairs of them within int16: nothing saturates). y = float(sum) * s_x * s_w + b.
 //
-// A row with an infinity or a NaN gives NaN outputs in every scheme.
+// A row with a NaN gives NaN outputs in every scheme (one with an infinity: NaN or infinite ones).
 //
 // The instruction set comes from the build flags (engine/kernels/build.py: AVX-512, with AVX512-VNNI where the CPU
 // has it; AVX2, with AVX-VNNI where the CPU has it; or plain C++).
@@ -57,6 +61,9 @@ using namespace ferry::blocked;
 
 // f = 1 + q / 16 in float32: the code OR-ed into the top of the mantissa of 1.0 (bits 19..22).
 constexpr uint32_t kOne = 0x3F800000, kCodeBits = 0xFu << 19;
+
+// Bit position, in a row's 32-bit word, of the code of k = 8o + n: byte n % 4's low 4 bits, then its high 4.
+constexpr int code_bit(int n) { return 8 * (n % 4) + 4 * (n / 4); }
 
 // One block's words for 8 k (16 x 32 bits), and `unpack<Bit>`: each row's code at bit Bit as f = 1 + q / 16.
 #if defined(__AVX512F__)
@@ -141,7 +148,7 @@ inline void int4_tile(const float* x, int64_t ldx, const Int4Block& w, const flo
       _mm_prefetch(reinterpret_cast<const char*>(w.codes + (o + kPrefetchWords) * 4 * kBlock), _MM_HINT_T0);
       const Words words = load_words(w.codes + o * 4 * kBlock);
       const auto term = [&](auto n) {
-        const Acc f = unpack<4 * decltype(n)::value>(words);
+        const Acc f = unpack<code_bit(decltype(n)::value)>(words);
         for (int r = 0; r < Rows; ++r) acc[r][decltype(n)::value % Split].fma(x[r * ldx + 8 * o + n], f);
       };
       (term(std::integral_constant<int, N>{}), ...);
@@ -371,8 +378,8 @@ constexpr int kPlaneRows = 6;  // 24 accumulators of 32 registers
 constexpr int kPlaneRows = 1;  // 8 accumulators a row of 16 registers
 #endif
 
-// Row x [k] into its planes, `quads` * 16 bytes (4 k at a time: plane 0's 4 bytes, plane 1's, ...), zeros (N = 0)
-// past k; returns e, or kNotFinite for a row with an infinity or a NaN.
+// Row x [k] into its planes, `quads` * 16 bytes (4 k at a time: plane 0's 4 bytes, plane 1's, ...), N = 0 past k;
+// returns e, or kNotFinite for a row with an infinity or a NaN.
 inline int to_planes(const float* x, int64_t k_size, int64_t quads, uint8_t* planes) {
   bool finite;
   const float amax = abs_max(x, k_size, &finite);

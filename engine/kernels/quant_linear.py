@@ -3,26 +3,52 @@
 or where that cannot be built by torch ops of the same arithmetic (slower: Ferry never refuses to run for lack of a
 kernel).
 
-Three schemes, each a `NamedTuple` of the tensors its layout needs, a quantizer and a dequantizer that gives back
-the float32 `[out, in]` weights the kernel multiplies by:
+Three schemes, each a `NamedTuple` of the tensors its layout needs, a quantizer (or a packer of codes quantized
+elsewhere) and a dequantizer that gives back the float32 `[out, in]` weights the kernel multiplies by:
 
-- **int8** (`quantize_int8`, `int8_linear`): weight-only, symmetric per output row, `scale = max |w| / 127`, codes
-  in [-127, 127]. y = scale * (x @ codes.T) in float32: x as it is, no rounding of the activations. Any `in`.
+- **int8** (`quantize_int8` / `pack_int8`, `int8_linear`): weight-only, symmetric per output row, `scale =
+  max |w| / 127`, codes in [-127, 127]; y = scale * (x @ codes.T). Where the kernels have int8 dot products
+  (AVX512-VNNI, AVX-VNNI) x goes in as 31-bit fixed point below its row's largest |x| and the sums are exact,
+  rounded once (x exact to 2^-31 of that largest); elsewhere float32 multiply-adds of x as it is. Any `in`.
 - **int4** (`quantize_int4`, `int4_linear`): weight-only, asymmetric in groups of 32, 64 or 128 along `in`:
   `w = min + scale * q`, q in 0..15, a bfloat16 scale and min per (output row, group) (scale rounded up and min
   down to bfloat16, so the group's range is still covered: |w - dequantized| <= scale / 2). `in` must be a multiple
   of the group.
-- **W8A8** (`quantize_w8a8`, `w8a8_linear`): int8 weights as int8's, and the activations quantized per row as
-  they come (`quantize_activations`: symmetric int8, scale = max |x| / 127): int8 x int8 products summed exactly in
-  int32, rescaled once by both scales. Any `in`.
+- **W8A8** (`quantize_w8a8` / `pack_w8a8`, `w8a8_linear`): int8 weights as int8's, and the activations quantized
+  per row as they come (`quantize_activations`: symmetric int8, scale = max |x| / 127): int8 x int8 products summed
+  exactly in int32, rescaled by both scales. Any `in`.
+
+A quantizer raises ValueError for what its scheme does not take; a linear, for x without the weight's `in`.
 
 Layouts: blocks of 16 output rows, as the blocked bfloat16 kernel's (engine/kernels/linear.py), the rows past `out`
 zero; the source's header says how each block is laid out and why.
 
-Backend, measured (scripts/bench_quant_linear.py) before choosing: Ferry's kernels for every scheme. torch's own
-int8 and int4 CPU ops (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`) were slower at every size,
-and oneDNN's int8 linear (`onednn.qlinear_pointwise`, AMX where the CPU has it) only beats the W8A8 kernel from
-tens of rows, at the price of a second copy of the weight in its own layout. See the table below.
+Backend, measured before choosing (scripts/bench_quant_linear.py: each layer's copies streamed out of DRAM as a
+model's layers are; Intel Xeon with AVX512-BF16, AVX512-VNNI, AVX-VNNI, AMX-BF16/INT8, 2 cores of a shared VM;
+bfloat16 x; milliseconds a call (speed against the blocked bfloat16 kernel); one thread, 2T: two; torch int4:
+`aten._weight_int4pack_mm_for_cpu` in groups of 128; oneDNN w8a8: `onednn.qlinear_pointwise` on activations
+quantized per row in torch, rescaled after):
+
+    out x in     rows   bf16         int8     int4/128      int4/32         w8a8   torch int8   torch int4  oneDNN w8a8
+    4864x896        1  0.952 0.544 (1.75) 0.344 (2.77) 0.384 (2.48) 0.512 (1.86) 0.906 (1.05) 0.406 (2.34) 0.793 (1.20)
+    4864x896        8  1.475 0.928 (1.59) 0.718 (2.05) 0.803 (1.84) 0.779 (1.89) 2.144 (0.69) 1.153 (1.28) 0.883 (1.67)
+    4864x896      256  27.53 18.90 (1.46) 22.16 (1.24) 22.45 (1.23) 8.161 (3.37) 35.08 (0.78) 30.08 (0.92) 4.148 (6.64)
+    2048x2048       1  0.864 0.547 (1.58) 0.331 (2.61) 0.352 (2.45) 0.475 (1.82) 0.725 (1.19) 0.348 (2.48) 0.692 (1.25)
+    8192x2048       1  2.920 1.640 (1.78) 1.103 (2.65) 1.205 (2.42) 1.541 (1.89) 2.567 (1.14) 1.432 (2.04) 1.860 (1.57)
+    8192x2048       8  4.276 3.040 (1.41) 2.508 (1.70) 2.810 (1.52) 2.435 (1.76) 7.192 (0.59) 3.771 (1.13) 2.007 (2.13)
+    8192x2048      32  13.70 9.044 (1.52) 9.486 (1.44) 10.08 (1.36) 4.731 (2.90) 18.89 (0.73) 14.36 (0.95) 3.318 (4.13)
+    8192x2048     256  105.7 68.47 (1.54) 74.00 (1.43) 77.40 (1.37) 30.17 (3.50) 119.4 (0.89) 115.8 (0.91) 11.61 (9.10)
+    8192x2048 2T    1  1.690 0.949 (1.78) 0.668 (2.53) 0.693 (2.44) 0.826 (2.05) 1.588 (1.06) 0.747 (2.26) 1.126 (1.50)
+    8192x2048 2T  256  52.96 32.51 (1.63) 40.22 (1.32) 42.88 (1.23) 14.96 (3.54) 63.80 (0.83) 56.33 (0.94) 5.695 (9.30)
+
+Ferry's kernels for every scheme: torch's own int8 op was slower at every size, its int4 op as fast at one row of
+the smaller layers (896x896: 77 us against 81, 2048x2048: 348 against 331) and slower from 8 rows; oneDNN's int8
+linear (AMX) beats the W8A8 kernel from about 8 rows, at the price of a second copy of the weight in its own layout
+(it takes no other: a plain int8 weight crashes it). int8 in float32 multiply-adds (the layout of CPUs without dot
+products) took 2150 us instead of 1640 for one row of 8192x2048, 94 ms instead of 68 for 256. One row of an int4
+layer costs its widening (3 instructions per 16 weights: 600 us for 8192x2048 out of cache, against bfloat16's
+1200) as much as its reading. Two threads' timings on this shared machine wait on whatever else runs on the other
+core: the one-thread rows are the steadier.
 """
 
 from __future__ import annotations
@@ -57,8 +83,8 @@ class Int8Weights(NamedTuple):
 
 class Int4Weights(NamedTuple):
     codes: torch.Tensor
-    """[ceil(out / 16), in / 8, 16, 4] uint8: for columns 8o .. 8o + 7 of row 16b + j, 4 bytes, each the codes of
-    two consecutive columns (the first in the low 4 bits)."""
+    """[ceil(out / 16), in / 8, 16, 4] uint8: for columns 8o .. 8o + 7 of row 16b + j, 4 bytes: byte c holds the
+    code of column 8o + c in its low 4 bits, that of column 8o + 4 + c in its high 4."""
     scales: torch.Tensor
     """[ceil(out / 16), in / group, 16] bfloat16: block b's g-th 16 are rows 16b .. 16b + 15's scales of group g."""
     mins: torch.Tensor
@@ -94,7 +120,7 @@ def pack_int8(codes: torch.Tensor, scales: torch.Tensor, *, dot_products: bool |
     blocked = torch.empty(_blocks(out_features), in_features, BLOCK, dtype=torch.int8)
     code_sums = torch.empty(out_features, dtype=torch.int32)
     for start, rows in _row_chunks(codes):  # float32 holds the small integer codes exactly
-        code_sums[start : start + len(rows)] = rows.sum(1)  # exact below 2^24
+        code_sums[start : start + len(rows)] = rows.sum(1, dtype=torch.float64)
         _put_rows(blocked, start, rows.to(torch.int8))
     return Int8Weights(blocked, scales.float().contiguous(), code_sums)
 
@@ -134,8 +160,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
         low = torch.where(low < 0, _bf16_away_from_zero(low), _bf16_toward_zero(low))
         scale = _bf16_away_from_zero((by_group.amax(-1) - low) / 15)
         q = (by_group - low[..., None]).div_(torch.where(scale == 0, 1, scale)[..., None]).round_().clamp_(0, 15)
-        q = q.to(torch.uint8).view(len(rows), in_features // 8, 4, 2)  # [r, in / 8, bytes, low / high]
-        _put_rows(codes, start, q[..., 0] | q[..., 1] << 4)
+        q = q.to(torch.uint8).view(len(rows), in_features // 8, 2, 4)  # [r, in / 8, low / high, bytes]
+        _put_rows(codes, start, q[:, :, 0] | q[:, :, 1] << 4)
         _put_rows(scales, start, scale.to(torch.bfloat16))
         _put_rows(mins, start, low.to(torch.bfloat16))
     return Int4Weights(codes, scales, mins)
@@ -161,7 +187,7 @@ def dequantize_int4(w: Int4Weights, out_features: int, in_features: int) -> torc
     """The float32 `[out, in]` weight `int4_linear` multiplies by: min + scale * q of each (row, group). (The
     kernel sums it as 16 scale * (1 + q / 16) + (min - 16 scale), equal but for float32 rounding.)"""
     packed = _rows(w.codes, out_features)  # [out, in / 8, 4]
-    q = torch.stack([packed & 15, packed >> 4], dim=-1).view(out_features, in_features)
+    q = torch.stack([packed & 15, packed >> 4], dim=2).view(out_features, in_features)
     group_size = in_features // w.scales.shape[1]
     scales = _rows(w.scales, out_features).float().repeat_interleave(group_size, dim=1)
     mins = _rows(w.mins, out_features).float().repeat_interleave(group_size, dim=1)
@@ -224,7 +250,7 @@ def _pack_quads(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
     blocked = torch.empty(_blocks(out_features), quads, BLOCK, 4, dtype=torch.int8)
     code_sums = torch.empty(out_features, dtype=torch.int32)
     for start, rows in _row_chunks(codes):  # float32 holds the small integer codes exactly
-        code_sums[start : start + len(rows)] = rows.sum(1)  # exact below 2^24
+        code_sums[start : start + len(rows)] = rows.sum(1, dtype=torch.float64)
         padded = F.pad(rows.to(torch.int8), (0, 4 * quads - in_features))
         _put_rows(blocked, start, padded.view(len(rows), quads, 4))
     return blocked, scales.float().contiguous(), code_sums
