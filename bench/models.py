@@ -86,6 +86,20 @@ NAMED_CONFIGS: dict[str, dict[str, object]] = {
         max_position_embeddings=32768,
         **_QWEN3_IDS,
     ),
+    # Issue 22's second shape: Llama-3.2-1B's (16 x 2048, GQA 32:8, tied 128k-token embedding).
+    "llama-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500_000.0,
+        max_position_embeddings=8192,
+        **_LLAMA_IDS,
+    ),
     "qwen3-0.6b": dict(
         hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072, **_QWEN3_COMMON
     ),
