@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.kv_cache import sliding_pool_pages
@@ -62,6 +62,27 @@ def _prompts(vocab: int, shared_prefix: int = 0) -> tuple[list[list[int]], list[
 _reference_cache: dict[tuple[str, int], tuple[list[list[int]], list[list[float]]]] = {}
 
 
+def generate_alone(
+    hf: PreTrainedModel, prompts: list[list[int]], max_new: list[int]
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Each prompt alone through the model's own `generate`, greedy: its tokens and their logprobs."""
+    tokens, logprobs = [], []
+    for prompt, n in zip(prompts, max_new, strict=True):
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            do_sample=False,
+            min_new_tokens=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        generated = out.sequences[0, len(prompt) :]
+        steps = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [n, vocab], the raw logits'
+        tokens.append(generated.tolist())
+        logprobs.append(steps.gather(1, generated[:, None]).squeeze(1).tolist())
+    return tokens, logprobs
+
+
 def _reference(
     model_path: Path, arch: str, shared_prefix: int
 ) -> tuple[list[list[int]], list[int], list[list[int]], list[list[float]]]:
@@ -70,21 +91,7 @@ def _reference(
     prompts, max_new = _prompts(hf.config.vocab_size, shared_prefix)
     key = (arch, shared_prefix)
     if key not in _reference_cache:
-        tokens, logprobs = [], []
-        for prompt, n in zip(prompts, max_new, strict=True):
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=n,
-                do_sample=False,
-                min_new_tokens=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            generated = out.sequences[0, len(prompt) :]
-            steps = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [n, vocab], the raw logits'
-            tokens.append(generated.tolist())
-            logprobs.append(steps.gather(1, generated[:, None]).squeeze(1).tolist())
-        _reference_cache[key] = tokens, logprobs
+        _reference_cache[key] = generate_alone(hf, prompts, max_new)
     return prompts, max_new, *_reference_cache[key]
 
 

@@ -35,6 +35,7 @@ from engine.execution.cuda_graphs import graph_sizes
 from engine.execution.kv_caches import kv_cache_dtype
 from engine.models.loader import load_model
 from tests.test_attention import DIM, HEADS, KV_HEADS, _Shapes, attention_runner, backend_named, fresh_plan
+from tests.test_engine_equivalence import generate_alone
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -253,21 +254,7 @@ def _reference(path: Path, prompts: list[list[int]], max_new: list[int]) -> tupl
     key = (path, len(prompts[0]))
     if key not in _references:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="e4m3_sdpa")
-        tokens, logprobs = [], []
-        for prompt, n in zip(prompts, max_new, strict=True):
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=n,
-                do_sample=False,
-                min_new_tokens=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            generated = out.sequences[0, len(prompt) :]
-            steps = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
-            tokens.append(generated.tolist())
-            logprobs.append(steps.gather(1, generated[:, None]).squeeze(1).tolist())
-        _references[key] = tokens, logprobs
+        _references[key] = generate_alone(hf, prompts, max_new)
     return _references[key]
 
 

@@ -24,11 +24,13 @@ from engine.kernels import quant_linear
 from engine.quantization.base import CheckpointQuantizedMethod, QuantizedLinearMethod, drop_parameters
 from engine.quantization.codes import quantize_int8
 
-_PARAMETERS = ["weight", "weight_scale"]
-
 
 class Int8LinearMethod(CheckpointQuantizedMethod):
     scheme = "int8"
+    pack = staticmethod(quant_linear.pack_int8)
+    """Codes and scales -> the kernel's layout."""
+    linear = staticmethod(quant_linear.int8_linear)
+    dequantize = staticmethod(quant_linear.dequantize_int8)
 
     def parameter_specs(self, input_size: int, output_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"weight": ((output_size, input_size), torch.int8), "weight_scale": ((output_size,), torch.float32)}
@@ -38,28 +40,23 @@ class Int8LinearMethod(CheckpointQuantizedMethod):
         return {"weight": codes, "weight_scale": scale}
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.int8 = quant_linear.pack_int8(layer.weight.detach(), layer.weight_scale.detach())
-        drop_parameters(layer, _PARAMETERS)
+        layer.int8 = self.pack(layer.weight.detach(), layer.weight_scale.detach())
+        drop_parameters(layer, ["weight", "weight_scale"])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return quant_linear.int8_linear(x, layer.int8, layer.output_size, bias)
+        return self.linear(x, layer.int8, layer.output_size, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
-        return quant_linear.dequantize_int8(layer.int8, layer.output_size, layer.input_size)
+        return self.dequantize(layer.int8, layer.output_size, layer.input_size)
 
 
 class W8A8LinearMethod(Int8LinearMethod):
+    """The same codes and scales in the W8A8 kernel's layout, multiplied by activations it quantizes per token."""
+
     scheme = "int8-dynamic"
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.w8a8 = quant_linear.pack_w8a8(layer.weight.detach(), layer.weight_scale.detach())
-        drop_parameters(layer, _PARAMETERS)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return quant_linear.w8a8_linear(x, layer.w8a8, layer.output_size, bias)
-
-    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
-        return quant_linear.dequantize_w8a8(layer.w8a8, layer.output_size, layer.input_size)
+    pack = staticmethod(quant_linear.pack_w8a8)
+    linear = staticmethod(quant_linear.w8a8_linear)
+    dequantize = staticmethod(quant_linear.dequantize_w8a8)
 
 
 class Int8HeadMethod(QuantizedLinearMethod):
