@@ -79,8 +79,10 @@ def test_probes_models_version_and_openapi(server: ServerProcess, http: httpx.Cl
     assert models["object"] == "list"
     assert models["data"] == [
         {"id": MODEL, "object": "model", "created": models["data"][0]["created"], "owned_by": "ferry",
-         "max_model_len": 512}
+         "max_model_len": 512, "quantization": "none", "weight_bytes": models["data"][0]["weight_bytes"],
+         "kv_cache_dtype": "float32"}
     ]  # fmt: skip
+    assert models["data"][0]["weight_bytes"] > 0
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert bare.get("/v1/models", headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
     assert bare.get("/v1/models", headers={"Authorization": f"Basic {API_KEY}"}).status_code == 401
