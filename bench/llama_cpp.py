@@ -20,8 +20,8 @@ from pathlib import Path
 _OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 QUANTIZED_TYPES = {"int8": "q8_0", "int4": "q4_0"}
 """llama.cpp's type for a Ferry --quantization: Q8_0 (int8 in blocks of 32 with a float16 scale) beside int8,
-Q4_0 (4-bit in blocks of 32 with a float16 scale) beside int4. llama.cpp keeps its token embedding and, in Q4_0, its
-output matrix quantized too; Ferry keeps both in the model's dtype."""
+Q4_0 (4-bit in blocks of 32 with a float16 scale) beside int4. Both quantize llama.cpp's output matrix (Ferry's
+head is int8 under either scheme) and its token embedding (Ferry keeps an untied one in the model's dtype)."""
 
 
 def gguf_type(model_dir: Path) -> str:

@@ -63,9 +63,10 @@ class ModelConfig:
     """Quantize the decoder's linear weights as they load and compute from them quantized (engine/quantization/):
     `int8` (weight-only, a scale per output channel), `int8-dynamic` (int8 weights and int8 activations with a
     scale per token, integer dot products), `int4` (weight-only, groups of --quantization-group-size inputs with a
-    scale and a zero point each), `fp8` (e4m3 weights with a scale per output channel, scaled matmuls on GPU; on
-    CPU the same arithmetic, slowly, for tests). Embeddings and the LM head keep the model's dtype. int8 and int4
-    run on CPU only, on the native Llama-family modules."""
+    scale and a minimum each), `fp8` (e4m3 weights with a scale per output channel, scaled matmuls on GPU; on CPU
+    the same arithmetic, slowly, for tests). Under int8, int8-dynamic and int4 the LM head is int8 (a tied
+    embedding reads its rows from it); an untied embedding, and fp8's head, keep the model's dtype. int8 and int4
+    run on CPU only; every scheme on the native Llama-family modules only."""
     quantization_group_size: GroupSize = field(default=128, metadata=_MODEL)
     """Inputs per int4 group (32, 64 or 128): smaller groups follow the weights more closely and cost more bytes
     of scales."""

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from engine.quantization import QuantizedLinearMethod, codes
+from engine.quantization import QuantizedLinearMethod
+from engine.quantization.fp8 import quantize_fp8_rows
 
 LOGPROB_TOLERANCE = 2e-3
 """Weight-only schemes: float32 sums in another order (about 1e-5), far below it."""
@@ -33,7 +34,7 @@ def _fake_quantize(scheme: str) -> Callable[[torch.Tensor], torch.Tensor] | None
 
         def fp8(x: torch.Tensor) -> torch.Tensor:
             rows = x.reshape(-1, x.shape[-1])
-            q, scale = codes.quantize_fp8_rows(rows)
+            q, scale = quantize_fp8_rows(rows)
             return (q.float() * scale).view(x.shape)
 
         return fp8

@@ -105,15 +105,15 @@ def quantize_int8(weight: torch.Tensor, *, dot_products: bool | None = None) -> 
     """`[out, in]` float weight -> int8 codes per output row, symmetric: scale = max |w| / 127, q = round(w / scale).
     `dot_products`: as `pack_int8`'s."""
     _check_weight(weight)
-    return pack_int8(*_symmetric_rows(weight), dot_products=dot_products)
+    return pack_int8(*symmetric_int8(weight), dot_products=dot_products)
 
 
 def pack_int8(codes: torch.Tensor, scales: torch.Tensor, *, dot_products: bool | None = None) -> Int8Weights:
-    """int8 codes `[out, in]` with their float32 scales `[out]`, quantized elsewhere (engine/quantization/codes.py,
-    from whole checkpoint tensors), in `int8_linear`'s layout: the same values. `dot_products`: the layout, in
-    groups of 4 k for int8 dot products or blocked for float32 multiply-adds; by default the one the kernels built
-    here take (the other is for tests and benchmarks: where the kernels have no dot products they refuse codes in
-    groups of 4)."""
+    """int8 codes `[out, in]` with their float32 scales `[out]` (`symmetric_int8`'s, of a whole checkpoint tensor
+    before tensor parallelism slices it: engine/quantization/int8.py), in `int8_linear`'s layout: the same values.
+    `dot_products`: the layout, in groups of 4 k for int8 dot products or blocked for float32 multiply-adds; by
+    default the one the kernels built here take (the other is for tests and benchmarks: where the kernels have no
+    dot products they refuse codes in groups of 4)."""
     if int8_dot_products() if dot_products is None else dot_products:
         return Int8Weights(*_pack_quads(codes, scales))
     out_features, in_features = codes.shape
@@ -197,7 +197,7 @@ def dequantize_int4(w: Int4Weights, out_features: int, in_features: int) -> torc
 def quantize_w8a8(weight: torch.Tensor) -> W8A8Weights:
     """`[out, in]` float weight -> int8 codes per output row as `quantize_int8`'s, in groups of 4 columns."""
     _check_weight(weight)
-    return pack_w8a8(*_symmetric_rows(weight))
+    return pack_w8a8(*symmetric_int8(weight))
 
 
 def pack_w8a8(codes: torch.Tensor, scales: torch.Tensor) -> W8A8Weights:
@@ -232,8 +232,9 @@ def dequantize_w8a8(w: W8A8Weights, out_features: int, in_features: int) -> torc
     return _codes(w.codes, out_features, in_features).float() * w.scales[:, None]
 
 
-def _symmetric_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[out, in]` float weight -> (int8 codes `[out, in]`, float32 scales `[out]`), a chunk of rows at a time."""
+def symmetric_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[out, in]` float weight -> (int8 codes `[out, in]`, float32 scales `[out]`), a chunk of rows at a time: the
+    one int8 quantizer, of the packers here and of engine/quantization's whole checkpoint tensors."""
     codes = torch.empty(weight.shape, dtype=torch.int8)
     scales = torch.empty(weight.shape[0])
     for start, rows in _row_chunks(weight):

@@ -49,8 +49,6 @@ class LoadedModel:
     """The attention kernels the model's layers call."""
     rank: int = 0
     """The tensor-parallel rank this shard belongs to (0 without tensor parallelism): only rank 0 gets logits."""
-    quantization: str = "none"
-    """The `--quantization` scheme of the decoder's linears."""
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -175,7 +173,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     if native:
         model_class = NATIVE_MODELS[architecture(hf_config)]
         # A tied LM head reads the embedding's matrix, which the embedding looks rows up in: a plain layout, so
-        # the matrix is stored once (see `_tied_head_method`). A quantized model's head keeps the model's dtype.
+        # the matrix is stored once (see `_tied_head_method`). The CPU schemes quantize the head (int8), fp8 keeps it
+        # in the model's dtype.
         head_method = quantized_head_method(config.model)
         if head_method is None and getattr(hf_config, "tie_word_embeddings", False):
             head_method = _tied_head_method(device, dtype)
@@ -205,7 +204,6 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         native,
         backend,
         rank=0 if tp is None else tp.rank,
-        quantization=config.model.quantization,
     )
 
 

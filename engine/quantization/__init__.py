@@ -4,7 +4,7 @@ its layer's weight quantized and multiplies by it through a kernel that reads it
 - `int8` (engine/quantization/int8.py): weight-only, a scale per output channel; the C++ CPU kernels.
 - `int8-dynamic` (engine/quantization/int8.py): int8 weights and activations (a scale per token, taken each step),
   integer dot products (VNNI where the CPU has it).
-- `int4` (engine/quantization/int4.py): weight-only, groups along the input with a scale and a zero point each.
+- `int4` (engine/quantization/int4.py): weight-only, groups along the input with a scale and a minimum each.
 - `fp8` (engine/quantization/fp8.py): e4m3 weights and activations, scaled matmuls (GPU; the same call on CPU).
 
 What is quantized: the decoder's linears (attention and MLP projections) of the native Llama-family modules, and

@@ -4,7 +4,7 @@ Two ways to quantize as a model loads, never holding it whole in full precision:
 
 - From whole checkpoint tensors (`CheckpointQuantizedMethod`: int8, int8-dynamic, fp8, a scale per output
   channel): the method registers the parameters its codes and scales load into (`parameter_specs`), quantizes each
-  checkpoint weight as it arrives, whole (`quantize`, engine/quantization/codes.py), and leaves the slicing to the
+  checkpoint weight as it arrives, whole (`quantize`), and leaves the slicing to the
   layer, which keeps its rank's rows (and columns) of each. A row-parallel layer's ranks so share the scales of
   whole rows: every rank holds a slice of what one rank would hold, and TP=2 computes the one-rank model.
 - From the layer's own weight once its last shard is in (int4 in groups along the input, the int8 LM head's rows):

@@ -5,6 +5,11 @@ the two in e4m3 with float32 accumulation and applies both scales on the way out
 fp8 tensor cores (compute capability 8.9 and up: Ada, Hopper) that is the fast path, half the weight bytes of
 bfloat16 and twice its matrix rate. On a CPU the same call runs, slowly (torch widens the codes), and computes the
 same products: the path the GPU takes, tested where there is no GPU.
+
+`quantize_fp8` takes one whole checkpoint tensor `[out, in]` (before tensor parallelism slices it, so a rank's slice
+of the codes and scales is what one rank would hold: engine/quantization/base.py) and computes in float32: `w ~
+code * scale[row]`, `scale = absmax(row) / 448`, e4m3's largest finite value; a row of zeros gets scale 1, so
+dequantizing gives the zeros back.
 """
 
 from __future__ import annotations
@@ -13,7 +18,41 @@ import torch
 from torch import nn
 
 from engine.quantization.base import CheckpointQuantizedMethod, drop_parameters
-from engine.quantization.codes import FP8_DTYPE, dequantize_fp8, quantize_fp8, quantize_fp8_rows
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+
+
+CHUNK_ELEMENTS = 1 << 19
+"""Weights quantized at a time: the float32 temporaries stay a few MiB, whatever the tensor (a load's peak memory
+is the quantized model plus the checkpoint tensor in flight, not several float32 copies of it)."""
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[out, in]` -> (float8_e4m3fn codes `[out, in]`, float32 scales `[out]`), a chunk of rows at a time."""
+    out_features, in_features = weight.shape
+    codes = torch.empty(out_features, in_features, dtype=FP8_DTYPE)
+    scale = torch.empty(out_features)
+    step = max(1, CHUNK_ELEMENTS // max(in_features, 1))
+    for start in range(0, out_features, step):
+        rows = weight[start : start + step].to(torch.float32, copy=True)  # [r, in], never the caller's own
+        absmax = rows.abs().amax(dim=1)  # [r]
+        row_scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+        codes[start : start + step] = rows.div_(row_scale[:, None]).clamp_(-FP8_MAX, FP8_MAX)  # RNE on the copy
+        scale[start : start + step] = row_scale
+    return codes, scale
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale[:, None]
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations `[N, in]` -> (e4m3 `[N, in]`, float32 scales `[N, 1]`): a scale per token, taken at every step
+    (dynamic), as vLLM's fp8 does."""
+    scale = x.float().abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / FP8_MAX  # [N, 1]
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
 
 ALIGNMENT = 16
 """`_scaled_mm` on CUDA takes matrices whose inner and output sizes are multiples of 16."""

@@ -22,7 +22,6 @@ from torch import nn
 
 from engine.kernels import quant_linear
 from engine.quantization.base import CheckpointQuantizedMethod, QuantizedLinearMethod, drop_parameters
-from engine.quantization.codes import quantize_int8
 
 
 class Int8LinearMethod(CheckpointQuantizedMethod):
@@ -36,7 +35,7 @@ class Int8LinearMethod(CheckpointQuantizedMethod):
         return {"weight": ((output_size, input_size), torch.int8), "weight_scale": ((output_size,), torch.float32)}
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        codes, scale = quantize_int8(weight)
+        codes, scale = quant_linear.symmetric_int8(weight)
         return {"weight": codes, "weight_scale": scale}
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
