@@ -33,7 +33,14 @@ from engine.core.driver import (
     StepMessage,
 )
 from engine.core.engine_core import EngineCore
-from engine.core.request import FinishReason, GenerationOutput, RequestRejected, SamplingParams, StepOutput
+from engine.core.request import (
+    FinishReason,
+    GenerationOutput,
+    PoolingParams,
+    RequestRejected,
+    SamplingParams,
+    StepOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,37 @@ def generate_batch(
         batch = _Batch(engine, requests, bar)
         EngineLoop(engine, batch, batch.publish).run()
     return batch.results
+
+
+def pool_batch(
+    inputs: list[list[int]],
+    config: EngineConfig | None = None,
+    *,
+    engine: EngineCore | None = None,
+    token_type_ids: list[list[int]] | None = None,
+) -> list[list[float]]:
+    """Pool every input (embeddings, or a classifier's or reranker's scores: what the model's pooler makes,
+    engine/pooling/) and block until all are done; the vectors in input order. `token_type_ids`, per input, its
+    tokens' segments (a BERT pair's second text is 1). Raises `RequestRejected` for an input the engine can never
+    serve, and for a model that does not pool."""
+    if engine is None:
+        if config is None:
+            raise ValueError("pool_batch needs an EngineConfig or an EngineCore")
+        engine = EngineCore(config)
+    types = token_type_ids if token_type_ids is not None else [[] for _ in inputs]
+    if len(types) != len(inputs):
+        raise ValueError(f"{len(types)} token type lists for {len(inputs)} inputs")
+    requests = [
+        EngineRequest(f"req_{i}", list(ids), SamplingParams(max_new_tokens=1), pooling=PoolingParams(tuple(t)))
+        for i, (ids, t) in enumerate(zip(inputs, types, strict=True))
+    ]
+    batch = _Batch(engine, requests, tqdm(total=len(inputs), disable=True))
+    EngineLoop(engine, batch, batch.publish).run()
+    results = [batch.results[request.request_id] for request in requests]
+    for result in results:
+        if result.pooled is None:
+            raise RuntimeError(f"request {result.request_id} finished without a vector: {result.error}")
+    return [result.pooled for result in results]  # type: ignore[misc]
 
 
 class _Batch:

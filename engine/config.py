@@ -20,6 +20,8 @@ CompileLevel = Literal["none", "piecewise", "full"]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
 Quantization = Literal["none", "int8", "int8-dynamic", "int4", "fp8"]
 GroupSize = Literal[32, 64, 128]
+Runner = Literal["auto", "generate", "pooling"]
+PoolingTypeOption = Literal["auto", "last", "mean", "cls"]
 
 _MODEL = {"group": "model"}
 _KV_CACHE = {"group": "KV cache"}
@@ -70,6 +72,24 @@ class ModelConfig:
     quantization_group_size: GroupSize = field(default=128, metadata=_MODEL)
     """Inputs per int4 group (32, 64 or 128): smaller groups follow the weights more closely and cost more bytes
     of scales."""
+    runner: Runner = field(default="auto", metadata=_MODEL)
+    """What the model serves: `generate` (chat, completions, responses) or `pooling` (embeddings, rerank, score);
+    `auto` pools for a sentence-transformers model (modules.json with a Pooling module), a BERT-family encoder or
+    a sequence classifier (a cross-encoder), and generates otherwise. A model that can do neither is refused."""
+    pooling_type: PoolingTypeOption = field(default="auto", metadata=_MODEL)
+    """How a pooling model makes one vector of an input's hidden states: the `last` token's, the `mean` over its
+    tokens, or the first token's (`cls`); `auto` reads sentence-transformers' Pooling module, else takes last for
+    a decoder and cls for an encoder."""
+    pooling_normalize: Literal["auto", "true", "false"] = field(default="auto", metadata=_MODEL)
+    """Scale embeddings to unit length: `auto` where the sentence-transformers modules end with Normalize (without
+    modules.json: true)."""
+    reranker_tokens: str | None = field(default=None, metadata=_MODEL)
+    """Also serve a causal LM as a yes/no reranker (Qwen3-Reranker style): `yes,no` names the two tokens whose
+    logits at the end of a query-document prompt (--reranker-template) score it, P(yes) over the two;
+    /v1/rerank and /v1/score then use it, and the model still generates."""
+    reranker_template: str = field(default="<Query>: {query}\n<Document>: {document}\n<Relevant>:", metadata=_MODEL)
+    """The prompt a yes/no reranker scores (--reranker-tokens): `{query}` and `{document}` are replaced by a
+    request's texts (the chat template is not applied: write the model's own format here)."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -61,6 +61,7 @@ def run_engine_process(
                 engine.model_name,
                 engine.weight_bytes,
                 engine.kv_cache_dtype,
+                engine.pooling,
             )
         )
         EngineLoop(engine, _PipeInbox(requests, parent_pid), outputs.send).run()

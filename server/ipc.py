@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.pooling.config import PoolingConfig
+
 
 @dataclass(frozen=True, slots=True)
 class EngineReady:
@@ -21,6 +23,8 @@ class EngineReady:
     and scales under --quantization."""
     kv_cache_dtype: str
     """What the KV cache stores K and V in (`float8_e4m3fn`, `bfloat16`, ...)."""
+    pooling: PoolingConfig | None = None
+    """What the model pools (embeddings, classifier or yes/no scores); None for a model that only generates."""
 
 
 @dataclass(frozen=True, slots=True)

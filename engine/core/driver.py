@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from engine.core.request import QueueFull, RequestRejected, SamplingParams, StepOutput
+from engine.core.request import PoolingParams, QueueFull, RequestRejected, SamplingParams, StepOutput
 from engine.core.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     """Lower runs first (only with the `priority` scheduling policy)."""
+    pooling: PoolingParams | None = None
+    """Pool the prompt instead of generating (`params` is then not read): the model must pool (engine/pooling/)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,9 @@ class EngineLoop:
     def _add(self, request: EngineRequest) -> None:
         request_id = request.request_id
         try:
-            joined = self.engine.add_request(request_id, request.prompt_ids, request.params, request.priority)
+            joined = self.engine.add_request(
+                request_id, request.prompt_ids, request.params, request.priority, pooling=request.pooling
+            )
         except QueueFull as exc:
             self._rejected.append(Rejection(request_id, "queue_full", str(exc), "queue_full"))
         except RequestRejected as exc:

@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
 from engine.core.observer import StepObserver, StepRecord
 from engine.core.page_pool import PagePool
-from engine.core.request import QueueFull, Request, RequestRejected, SamplingParams, StepOutput
+from engine.core.request import PoolingParams, QueueFull, Request, RequestRejected, SamplingParams, StepOutput
 from engine.core.scheduler import Scheduler
 from engine.core.stats import EngineStats
 from engine.core.step import ModelRunnerOutput, SchedulerOutput
@@ -115,6 +115,8 @@ class EngineCore:
         self.device = loaded.device
         self.weight_bytes = weight_bytes(loaded.model)
         """This rank's weights as stored (quantized codes and scales under --quantization)."""
+        self.pooling = loaded.pooler.config if loaded.pooler is not None else None
+        """What the model pools (engine/pooling/config.py); None for a model that only generates."""
         self.kv_cache_dtype = str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.")
         """What the KV cache stores K and V in: `float8_e4m3fn` under --kv-cache-dtype fp8, else the model's dtype
         (`bfloat16`, `float32`, ...), for the front end to report."""
@@ -156,10 +158,19 @@ class EngineCore:
 
     # -- requests in ---------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> bool:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> bool:
         """Take a request, or raise RequestRejected / QueueFull. True when it joined the scheduler; False when it
         waits for its grammar to compile, and `settle_grammars` later tells whether it joined or was refused.
-        `priority` (lower runs first) needs the `priority` scheduling policy."""
+        `priority` (lower runs first) needs the `priority` scheduling policy. `pooling`: pool the prompt instead
+        of generating (`params` is not read then)."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", code="invalid_prompt")
         if (
@@ -168,11 +179,24 @@ class EngineCore:
             or request_id in self._awaiting_grammar
         ):
             raise RequestRejected(f"request id {request_id!r} is already in flight", code="duplicate_request_id")
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_model_len:
+        if pooling is not None:
+            params = SamplingParams(max_new_tokens=1)
+            self._check_pooling(prompt_ids, pooling)
+        elif self.pooling is not None and not self.pooling.generates:
             raise RequestRejected(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request needs "
-                f"{total} ({len(prompt_ids)} in the prompt + {params.max_new_tokens} to generate)",
+                f"{self.model_name} is a pooling model ({self.pooling.kind}): it makes embeddings or scores and "
+                "does not generate",
+                code="model_does_not_generate",
+            )
+        total = len(prompt_ids) + (0 if pooling is not None else params.max_new_tokens)
+        if total > self.max_model_len:
+            wanted = (
+                f"{total} tokens"
+                if pooling is not None
+                else f"{total} ({len(prompt_ids)} in the prompt + {params.max_new_tokens} to generate)"
+            )
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request needs {wanted}",
                 code="context_length_exceeded",
             )
         if not self.kv_cache.fits(total):
@@ -199,6 +223,11 @@ class EngineCore:
         request = Request(
             request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id), priority=priority
         )
+        if pooling is not None:
+            request.pooling = pooling
+            if self.pooling is not None and self.pooling.bidirectional:
+                # An encoder's input attends in both directions: one span, computed in one step.
+                request.noncausal_spans = ((0, len(prompt_ids)),)
         if params.structured_output is not None:
             end_tokens = eos | frozenset(params.stop_token_ids)
             if not any(0 <= token < vocab for token in end_tokens):
@@ -214,6 +243,29 @@ class EngineCore:
             _raise_if_failed(grammar)
         self.scheduler.add(request)
         return True
+
+    def _check_pooling(self, prompt_ids: list[int], pooling: PoolingParams) -> None:
+        if self.pooling is None:
+            raise RequestRejected(
+                f"{self.model_name} generates and does not pool: it makes no embeddings or scores (a pooling model "
+                "is served with --runner pooling; a causal LM scores yes/no with --reranker-tokens)",
+                code="model_does_not_pool",
+            )
+        if pooling.token_type_ids and len(pooling.token_type_ids) != len(prompt_ids):
+            raise RequestRejected(
+                f"{len(pooling.token_type_ids)} token type ids for {len(prompt_ids)} prompt tokens",
+                code="invalid_prompt",
+            )
+        num_types = getattr(self.hf_config, "type_vocab_size", 1)
+        if pooling.token_type_ids and not all(0 <= t < num_types for t in pooling.token_type_ids):
+            raise RequestRejected(f"token type ids must be in [0, {num_types})", code="invalid_prompt")
+        budget = self.config.scheduler.max_batch_tokens
+        if self.pooling.bidirectional and len(prompt_ids) > budget:
+            raise RequestRejected(
+                f"an encoder computes an input in one step, and this one has {len(prompt_ids)} tokens where a step "
+                f"holds {budget} (--max-batch-tokens)",
+                code="context_length_exceeded",
+            )
 
     @property
     def num_awaiting_grammar(self) -> int:

@@ -204,6 +204,16 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class PoolingParams:
+    """Marks a request that computes its prompt and returns one vector instead of generating (an embedding, a
+    classifier's scores, a yes/no reranker's score: what the model's pooler makes, engine/pooling/). Such a request
+    samples nothing and finishes with `stop` once its prompt is computed; its pages are freed then."""
+
+    token_type_ids: tuple[int, ...] = ()
+    """Per prompt token, its segment (BERT's second text of a pair is 1); empty: all 0."""
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -270,6 +280,8 @@ class Request:
     """Output tokens it may reach: `max_new_tokens`, or fewer where the model length ends it first."""
     closed_by_budget: bool = False
     """The runner forced its JSON closed to fit the tokens left: it ends with `length`, even on EOS."""
+    pooling: PoolingParams | None = None
+    """Set for a request that pools its prompt instead of generating."""
 
     @property
     def num_tokens(self) -> int:
@@ -320,6 +332,8 @@ class StepOutput:
     """Set on the first delta of a request: seconds from arrival to first being scheduled."""
     new_prompt_logprobs: list[TokenLogprob] | None = None
     """Logprobs of the next prompt tokens, in order from the second (with `prompt_logprobs`)."""
+    pooled: list[float] | None = None
+    """A pooling request's vector, on its final delta."""
 
     @property
     def finished(self) -> bool:
@@ -340,6 +354,8 @@ class GenerationOutput:
     error: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     """With `prompt_logprobs`: one entry per prompt token from the second on."""
+    pooled: list[float] | None = None
+    """A pooling request's vector, once finished."""
 
     @property
     def finished(self) -> bool:
@@ -354,6 +370,8 @@ class GenerationOutput:
         if delta.new_timestamps is not None:
             self.timestamps = (self.timestamps or []) + delta.new_timestamps
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.error = delta.error

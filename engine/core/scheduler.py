@@ -315,6 +315,15 @@ class Scheduler:
                 if accepted < len(drafts):
                     self._free_rejected(request)
             prompt_logprobs = self._fresh_prompt_logprobs(request, scored.get(request.request_id)) if scored else None
+            pooled = result.pooled.get(request.request_id) if result.pooled else None
+            if pooled is not None:
+                # Its prompt is computed and pooled (preempted after this step was planned or not: the step ran
+                # its last chunk over its whole history).
+                self._finish(request, FinishReason.STOP)
+                output = _delta(request, [], None, None)
+                output.pooled = pooled
+                outputs.append(output)
+                continue
             if tokens is None:
                 if prompt_logprobs:
                     outputs.append(_delta(request, [], None, None, prompt_logprobs))
@@ -427,6 +436,7 @@ class Scheduler:
             page_tables=self.kv_cache.page_tables(request.request_id),
             noncausal_spans=request.noncausal_spans,
             max_output_tokens=request.max_output_tokens,
+            pooling=request.pooling,
         )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -455,12 +465,18 @@ class Scheduler:
                 continue
             known = len(request.prompt_ids) + len(request.output_ids)
             needed = known + pending - request.num_computed_tokens - request.num_in_flight_tokens
+            if needed <= 0 and request.pooling is not None:
+                continue  # its whole prompt is in flight: the result of that step finishes it
             if needed <= 0:
                 raise RuntimeError(
                     f"running request {request.request_id!r} has nothing to compute: update() must append "
                     "a sampled token or finish it after every step that computes its last token"
                 )
             num_new = min(needed, builder.budget)
+            if request.noncausal_spans:
+                num_new = _within_spans(request, request.num_computed_tokens + request.num_in_flight_tokens, num_new)
+                if not num_new:
+                    continue
             proposed = (
                 self._plannable_drafts(request, needed, drafts.get(request.request_id, ()), builder.budget)
                 if drafts
@@ -468,7 +484,8 @@ class Scheduler:
             )
             grant = self._reserve_pages(request, num_new + len(proposed), builder)
             if grant is not None:
-                builder.add(request, num_new + len(proposed), num_new == needed, grant)
+                samples = num_new == needed and request.pooling is None
+                builder.add(request, num_new + len(proposed), samples, grant)
                 if proposed:
                     builder.drafts[request.request_id] = proposed
 
@@ -533,14 +550,23 @@ class Scheduler:
                 return
             # Its prefix is being computed right now: wait for it (a step or two) and share it, rather than compute
             # it twice. No skipping ahead, so the queue behind it waits too.
-            scores_prompt = request.params.prompt_logprobs is not None
+            scores_prompt = request.params.prompt_logprobs is not None or request.pooling is not None
             if not scores_prompt and kv.prefix_in_flight(request):
                 return
-            # A request scoring its prompt computes all of it: cached positions would have no logits.
+            # A request scoring its prompt computes all of it: cached positions would have no logits, and a
+            # pooling request pools the hidden states of its tokens.
             hit = 0 if scores_prompt else kv.match_prefix(request)
             request.num_computed_tokens = hit
             needed = request.num_tokens - hit
             num_new = min(needed, builder.budget)
+            if request.noncausal_spans:
+                num_new = _within_spans(request, hit, num_new)
+                if not num_new:
+                    # A span that does not fit this step's budget: it waits for a step with room, and so does the
+                    # queue behind it (no skipping ahead).
+                    kv.free(request.request_id)
+                    request.num_computed_tokens = 0
+                    return
             grant = kv.allocate(request, num_new, keep_free=reserve)
             if grant is None:
                 # Give back the prefix pages just matched: holding them while waiting could keep an older
@@ -556,7 +582,18 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             builder.admitted.add(request.request_id)
-            builder.add(request, num_new, num_new == needed, grant)
+            builder.add(request, num_new, num_new == needed and request.pooling is None, grant)
+
+
+def _within_spans(request: Request, start: int, num_new: int) -> int:
+    """`num_new` tokens from `start`, cut so that the chunk does not end inside one of the request's non-causal
+    spans (a span's queries see keys up to its end, which must be computed with them): the chunk stops before
+    such a span, 0 when it starts there."""
+    end = start + num_new
+    for span_start, span_end in request.noncausal_spans:
+        if span_start < end < span_end:
+            return max(0, span_start - start)
+    return num_new
 
 
 def _num_accepted(drafts: Sequence[int], tokens: Sequence[int]) -> int:

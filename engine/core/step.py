@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.core.request import SamplingParams, Spans, TokenLogprob
+from engine.core.request import PoolingParams, SamplingParams, Spans, TokenLogprob
 
 PLACEHOLDER = -1
 """A token id the scheduler does not know yet: the token the runner samples for this request in the step before
@@ -39,6 +39,8 @@ class NewRequest:
     max_output_tokens: int | None = None
     """Output tokens it may reach (`Request.max_output_tokens`: `max_new_tokens`, or fewer where the model length
     ends it first), as the scheduler's stop rule counts them; None: `params.max_new_tokens`."""
+    pooling: PoolingParams | None = None
+    """Set for a request that pools its prompt: the runner pools its hidden states and never samples it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,8 @@ class ModelRunnerOutput:
     """Per sampling request, one entry per token of `token_ids` (None: logprobs not asked for)."""
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     """For requests with `prompt_logprobs` whose prompt this step computed part of."""
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """By request id, the vector of each pooling request whose prompt this step finished computing."""
     closed_by_budget: list[int] = field(default_factory=list)
     """Sampling rows (indexes into `token_ids`) whose JSON the budget is closing (engine/sampling/token_masks.py
     BudgetClosing): they end with `length`."""

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.attention import StepMetadata
-from engine.core.request import SamplingParams, Spans
+from engine.core.request import PoolingParams, SamplingParams, Spans
 from engine.core.step import PLACEHOLDER, NewRequest, SchedulerOutput
+from engine.pooling.pooler import PoolState
 from engine.sampling.sampler import BatchNeeds
 from engine.sampling.token_masks import GrammarState
 
@@ -42,6 +43,10 @@ class SequenceState:
     grammar: GrammarState | None
     """Set for a request with structured output."""
     noncausal_spans: Spans = ()
+    pooling: PoolingParams | None = None
+    """Set for a request that pools its prompt (never sampled)."""
+    pool: PoolState | None = None
+    """A pooling request's state across the chunks of its prompt."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +87,21 @@ class StepBuffers:
         return self.device[name][:n].copy_(host, non_blocking=True)
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingRows:
+    """One pooling sequence's chunk in a step: packed rows `[first, end)`, positions from `start`."""
+
+    request_id: str
+    seq: SequenceState
+    first: int
+    end: int
+    start: int
+    ends_prompt: bool
+    """The chunk computes the prompt's last token: the step pools the sequence."""
+    logits_row: int | None = None
+    """Where the logits of its last token are (a yes/no reranker reads two of them), when it ends the prompt."""
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
@@ -107,6 +127,10 @@ class StepInputs:
     buffers: StepBuffers
     sampling_needs: BatchNeeds
     """What `sampling` may ask of the sampler, as the batch stood when prepared."""
+    pooling: list[PoolingRows] = field(default_factory=list)
+    """The step's chunks of pooling sequences, packing order."""
+    token_type_ids: torch.Tensor | None = None
+    """[T] each token's segment, for a model that reads them (an encoder); None otherwise."""
     prepare_seconds: float = 0.0
     graph_size: int | None = None
     """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
@@ -168,6 +192,8 @@ class InputBatch:
         self.num_constrained = 0
         self.num_with_spans = 0
         """Sequences with non-causal spans: a step looks for spans only while there are any."""
+        self.num_pooling = 0
+        """Pooling sequences: a step looks for them only while there are any."""
         self._num_needing = dict.fromkeys(("penalties", "random", "logprobs"), 0)
         """Sequences using each of the sampler's per-request features (`BatchNeeds`)."""
         shapes = {
@@ -198,6 +224,7 @@ class InputBatch:
                 self.scoring_prompts.discard(request_id)
                 self.num_constrained -= seq.grammar is not None
                 self.num_with_spans -= bool(seq.noncausal_spans)
+                self.num_pooling -= seq.pooling is not None
                 self._count_needs(seq.params, -1)
         if plan.draft_token_ids:
             raise NotImplementedError("this runner has no verifying sampler: it cannot take a plan with drafts")
@@ -232,9 +259,12 @@ class InputBatch:
             new.params.prompt_logprobs,
             grammar,
             new.noncausal_spans,
+            new.pooling,
+            PoolState() if new.pooling is not None else None,
         )
         self.num_constrained += grammar is not None
         self.num_with_spans += bool(new.noncausal_spans)
+        self.num_pooling += new.pooling is not None
         self._count_needs(new.params, 1)
         if new.params.prompt_logprobs is not None:
             self.scoring_prompts.add(new.request_id)

@@ -22,7 +22,7 @@ import torch
 
 from engine.config import EngineConfig, EngineStartupError
 from engine.core.kv_cache import GroupLayout
-from engine.core.request import SamplingParams
+from engine.core.request import PoolingParams, SamplingParams
 from engine.core.step import ModelRunnerOutput, NewRequest, SchedulerOutput
 from engine.execution.cuda_graphs import capture_decode_graphs, eager_reason, graph_sizes, max_graph_size
 from engine.execution.runner import ModelRunner
@@ -129,15 +129,28 @@ def run_largest_step(config: EngineConfig, loaded: LoadedModel, layouts: list[Gr
     for i, (length, pages) in enumerate(zip(lengths, pages_of, strict=True)):
         table = tuple(range(first_page, first_page + pages))
         first_page += pages
+        # A model that only pools profiles pooling requests (an encoder's: each input one non-causal span).
+        pooling = None if loaded.generates else PoolingParams()
+        spans = ((0, length),) if pooling is not None and loaded.pooler and loaded.pooler.config.bidirectional else ()
         new_requests.append(
-            NewRequest(f"profile-{i}", (0,) * length, (), _COSTLIEST_SAMPLING, frozenset(), i, (table,) * len(layouts))
+            NewRequest(
+                f"profile-{i}",
+                (0,) * length,
+                (),
+                _COSTLIEST_SAMPLING,
+                frozenset(),
+                i,
+                (table,) * len(layouts),
+                noncausal_spans=spans,
+                pooling=pooling,
+            )
         )
     plan = SchedulerOutput(
         request_ids=tuple(new.request_id for new in new_requests),
         num_computed_tokens=(0,) * len(lengths),
         num_new_tokens=tuple(lengths),
         token_ids=tuple(new.prompt_ids for new in new_requests),
-        samples=(True,) * len(lengths),
+        samples=(loaded.generates,) * len(lengths),
         new_requests=tuple(new_requests),
     )
     return runner.execute(plan)

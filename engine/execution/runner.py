@@ -41,7 +41,7 @@ from engine.core.structured import GrammarCompiler
 from engine.execution.cpu_threads import step_threads
 from engine.execution.cuda_graphs import Capture, decode_graph_size
 from engine.execution.graph_inputs import PaddedDecode
-from engine.execution.input_batch import InputBatch, PackedStep, SequenceState, StepInputs
+from engine.execution.input_batch import InputBatch, PackedStep, PoolingRows, SequenceState, StepInputs
 from engine.execution.kv_caches import allocate_kv_caches, kv_cache_dtype, paged_specs
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
 from engine.models.loader import LoadedModel, weight_bytes
@@ -96,6 +96,9 @@ class ModelRunner:
         self.batch = InputBatch(len(layouts), max_seqs, max_tokens, max_pages, config.cache.page_size, device)
         """The running sequences (page-table rows, sampling state) and the step buffers they are packed into."""
         self._max_rows = min(max_seqs, max_tokens)
+        self.pooler = loaded.pooler
+        """The model's pooling (engine/pooling/); None for a model that only generates."""
+        self._takes_token_types = bool(getattr(model, "takes_token_types", False))
         self.padded_decode: PaddedDecode | None = None
         """Set by `use_decode_graphs`; None while every step runs eagerly."""
 
@@ -120,7 +123,7 @@ class ModelRunner:
         started = time.perf_counter()
         if self._step_threads is not None:
             self._step_threads.use_for(len(inputs.input_ids), len(inputs.meta.seq_lens))
-        logits = self.forward(inputs)
+        logits, pooled = self.forward_and_pool(inputs)
         forwarded = time.perf_counter()
         forward_seconds = forwarded - started
         if logits is None:  # a tensor-parallel rank other than 0: the driver samples, from the gathered logits
@@ -144,10 +147,14 @@ class ModelRunner:
             token_ids,
             logprobs,
             score_prompts(
-                logits[inputs.num_sampling :], self.sampler.vocab_size, inputs.prompt_spans, inputs.prompt_targets
+                logits[inputs.num_sampling : inputs.num_sampling + len(inputs.prompt_targets)],
+                self.sampler.vocab_size,
+                inputs.prompt_spans,
+                inputs.prompt_targets,
             )
             if inputs.prompt_spans
             else [],
+            pooled=pooled,
             closed_by_budget=closed_by_budget,
             prepare_seconds=inputs.prepare_seconds,
             forward_seconds=forward_seconds,
@@ -235,9 +242,14 @@ class ModelRunner:
         if self.batch.num_with_spans and any(seq.noncausal_spans for seq in packed.seqs):
             starts = packed.seq_lens - np.diff(packed.cu_q)
             noncausal = step_spans([seq.noncausal_spans for seq in packed.seqs], starts, packed.seq_lens)
-        # A graph's static metadata has no spans: a step with queries in one runs eagerly.
+        pooling = self._pooling_rows(plan, packed, num_sampling + len(targets)) if self.batch.num_pooling else []
+        num_logits = num_sampling + len(targets) + sum(rows.logits_row is not None for rows in pooling)
+        # A graph's static metadata has no spans, and its forward pass returns no hidden states to pool: such a
+        # step runs eagerly.
         graph_size = (
-            decode_graph_size(self.graph_sizes, len(packed.seqs), packed.max_query_len) if noncausal is None else None
+            decode_graph_size(self.graph_sizes, len(packed.seqs), packed.max_query_len)
+            if noncausal is None and not pooling
+            else None
         )
         if graph_size is None:
             step_ids, metas = self._eager_metas(packed, plan, noncausal)
@@ -247,7 +259,7 @@ class ModelRunner:
         return StepInputs(
             step_ids,
             metas,
-            buffers.to_device("logits_rows", num_sampling + len(targets)),
+            buffers.to_device("logits_rows", num_logits),
             num_sampling,
             spans,
             targets,
@@ -259,9 +271,39 @@ class ModelRunner:
             sample_positions=packed.sample_positions,
             buffers=buffers,
             sampling_needs=self.batch.sampling_needs,
+            pooling=pooling,
+            token_type_ids=self._token_types(plan, packed) if self._takes_token_types else None,
             prepare_seconds=time.perf_counter() - started,
             graph_size=graph_size,
         )
+
+    def _pooling_rows(self, plan: SchedulerOutput, packed: PackedStep, offset: int) -> list[PoolingRows]:
+        """The step's chunks of pooling sequences; for a pooler that reads logits (yes/no), the last row of each
+        prompt's last chunk goes into the logits rows from `offset` on."""
+        rows = []
+        logits_rows = packed.buffers.np["logits_rows"]
+        reads_logits = self.pooler is not None and self.pooler.reads_logits
+        for i, (request_id, seq) in enumerate(zip(plan.request_ids, packed.seqs, strict=True)):
+            if seq.pooling is None:
+                continue
+            first, end = int(packed.cu_q[i]), int(packed.cu_q[i + 1])
+            ends_prompt = int(packed.seq_lens[i]) == len(seq.prompt_ids)
+            logits_row = None
+            if reads_logits and ends_prompt:
+                logits_rows[offset] = end - 1
+                logits_row, offset = offset, offset + 1
+            start = plan.num_computed_tokens[i]
+            rows.append(PoolingRows(request_id, seq, first, end, start, ends_prompt, logits_row))
+        return rows
+
+    def _token_types(self, plan: SchedulerOutput, packed: PackedStep) -> torch.Tensor:
+        """[T] each token's segment (0 unless its request gave token type ids), for a model that reads them."""
+        types = np.zeros(packed.num_tokens, dtype=np.int64)
+        for i, seq in enumerate(packed.seqs):
+            if seq.pooling is not None and seq.pooling.token_type_ids:
+                start, count = plan.num_computed_tokens[i], plan.num_new_tokens[i]
+                types[packed.cu_q[i] : packed.cu_q[i + 1]] = seq.pooling.token_type_ids[start : start + count]
+        return torch.from_numpy(types).to(self.device)
 
     def _eager_metas(
         self, packed: PackedStep, plan: SchedulerOutput, noncausal: tuple[list[Spans], np.ndarray] | None
@@ -326,20 +368,48 @@ class ModelRunner:
         """A constrained request's grammar state; none on a rank that does not sample."""
         return self.step_grammars.state_of(new) if self.samples else None
 
-    @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """One forward pass over the packed row; logits (float32) only at the sampling sequences' last tokens (and
         the prompt rows scored), None on a tensor-parallel rank other than 0."""
+        return self.forward_and_pool(inputs)[0]
+
+    @torch.inference_mode()
+    def forward_and_pool(self, inputs: StepInputs) -> tuple[torch.Tensor | None, dict[str, list[float]]]:
+        """`forward`'s logits, and the vectors of the pooling sequences whose prompt this step finished (on rank 0
+        only: the hidden states are the same on every rank)."""
         self.load_inputs(inputs)
         if inputs.graph_size is not None:
             hidden = self._padded().replay(inputs.graph_size)
         else:
-            hidden = self._model_forward(inputs.input_ids, inputs.metas)
-        return self.model.compute_logits(hidden[inputs.logits_rows])
+            hidden = self._model_forward(inputs.input_ids, inputs.metas, inputs.token_type_ids)
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        pooled = self._pool(hidden, logits, inputs.pooling) if inputs.pooling and logits is not None else {}
+        return logits, pooled
 
-    def _model_forward(self, input_ids: torch.Tensor, metas: list[StepMetadata]) -> torch.Tensor:
+    def _pool(self, hidden: torch.Tensor, logits: torch.Tensor, chunks: list[PoolingRows]) -> dict[str, list[float]]:
+        """Each chunk's hidden states into its sequence's pooling state; the vectors of those whose prompt ends."""
+        pooler = self.pooler
+        if pooler is None:
+            raise RuntimeError("a pooling request reached a runner whose model does not pool")
+        done = [chunk for chunk in chunks if chunk.ends_prompt]
+        if pooler.reads_logits:
+            vectors = pooler.yes_no(logits[[chunk.logits_row for chunk in done]]) if done else None
+        else:
+            for chunk in chunks:
+                assert chunk.seq.pool is not None
+                pooler.accumulate(chunk.seq.pool, hidden[chunk.first : chunk.end], chunk.start, chunk.ends_prompt)
+            vectors = pooler.finish(torch.stack([chunk.seq.pool.pooled for chunk in done])) if done else None  # type: ignore[union-attr,misc]
+        if vectors is None:
+            return {}
+        return dict(zip((chunk.request_id for chunk in done), vectors.tolist(), strict=True))
+
+    def _model_forward(
+        self, input_ids: torch.Tensor, metas: list[StepMetadata], token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The model up to the final norm, inside the step's context for the attention layers
         (engine/attention/context.py): each group's metadata, per layer."""
         layer_metas = [metas[g] for g in self.group_of_layer]
         with step_context(StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches)):
+            if token_type_ids is not None:
+                return self.model(input_ids, metas[0].positions, self.kv_caches, token_type_ids=token_type_ids)
             return self.model(input_ids, metas[0].positions, self.kv_caches)

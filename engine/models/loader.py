@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+)
 
 from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
@@ -19,11 +29,14 @@ from engine.layers.linear import LinearBase, adopt_linears
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod, select_linear_method
 from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
+from engine.models.encoder import TransformersEncoder
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
-from engine.models.registry import NATIVE_MODELS, architecture, choose_model_class
+from engine.models.registry import BASE_MODELS, NATIVE_MODELS, architecture, choose_model_class
 from engine.models.support import UnsupportedModelError, unsupported_feature
+from engine.pooling.config import PoolingConfig, UnsupportedPooling, pooling_config
+from engine.pooling.pooler import Pooler
 from engine.quantization import (
     UnsupportedQuantization,
     check_layers,
@@ -31,6 +44,8 @@ from engine.quantization import (
     quantized_linear_method,
 )
 from engine.quantization.base import CheckpointQuantizedMethod
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,6 +64,13 @@ class LoadedModel:
     """The attention kernels the model's layers call."""
     rank: int = 0
     """The tensor-parallel rank this shard belongs to (0 without tensor parallelism): only rank 0 gets logits."""
+    pooler: Pooler | None = None
+    """What the model pools (engine/pooling/); None for a model that only generates."""
+
+    @property
+    def generates(self) -> bool:
+        """Whether requests sample from it (a pooling model of an encoder, or an embedding model, does not)."""
+        return self.pooler is None or self.pooler.config.generates
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -115,13 +137,39 @@ def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
-    """The model's transformers config, and whether it runs on the native modules (else the transformers adapter);
-    raises UnsupportedModelError for a model the engine cannot run exactly, EngineStartupError for one it cannot
-    shard over --tensor-parallel-size."""
-    if not os.path.isfile(os.path.join(config.model.path, "config.json")):
+def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingConfig | None]:
+    """The model's transformers config, whether it runs on the native modules (else a transformers adapter), and
+    what it pools (None: it only generates); raises UnsupportedModelError for a model the engine cannot run
+    exactly, UnsupportedPooling for pooling it cannot compute, EngineStartupError for a model it cannot shard over
+    --tensor-parallel-size."""
+    config_path = os.path.join(config.model.path, "config.json")
+    if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config.model.path!r} is not a model directory (no config.json)")
     hf_config = AutoConfig.from_pretrained(config.model.path)
+    with open(config_path, encoding="utf-8") as f:
+        config_json = json.load(f)
+    model = config.model
+    pooling = pooling_config(
+        model.path,
+        config_json,
+        runner=model.runner,
+        pooling_type=model.pooling_type,
+        pooling_normalize=model.pooling_normalize,
+        reranker_tokens=model.reranker_tokens,
+    )
+    if pooling is not None and pooling.bidirectional:
+        _check_encoder(config, hf_config)
+        return hf_config, False, pooling
+    causal = BASE_MODELS.get(architecture(hf_config))
+    if causal is not None:
+        if pooling is None:
+            raise UnsupportedModelError(
+                hf_config.model_type,
+                f"a {architecture(hf_config)} checkpoint (a base model without an LM head) served to generate: "
+                "serve it with --runner pooling (it has no head to generate with)",
+            )
+        # A sentence-transformers save of a decoder (its base model's weights): the causal LM's modules run it.
+        hf_config.architectures = [causal]
     native = choose_model_class(hf_config, config.model.model_impl) is not TransformersCausalLM
     check_compile_level(config, native=native, device=resolve_device(config.model.device))
     if config.parallel.tensor_parallel_size > 1:
@@ -139,7 +187,23 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool]:
                 f"the native models only ({', '.join(sorted(NATIVE_MODELS))})"
             )
         check_tensor_parallel(hf_config, config.parallel.tensor_parallel_size)
-    return hf_config, native
+    return hf_config, native, pooling
+
+
+def _check_encoder(config: EngineConfig, hf_config: PretrainedConfig) -> None:
+    """Refuse, by flag, what the encoders' path (transformers' modules, one rank, full precision) does not do."""
+    refused = [
+        (config.parallel.tensor_parallel_size > 1, f"--tensor-parallel-size {config.parallel.tensor_parallel_size}"),
+        (config.model.quantization != "none", f"--quantization {config.model.quantization}"),
+        (config.model.model_impl == "native", "--model-impl native"),
+        (config.execution.compile != "none", f"--compile {config.execution.compile}"),
+    ]
+    for asked, flag in refused:
+        if asked:
+            raise EngineStartupError(
+                f"{flag}: this {hf_config.model_type!r} encoder runs on transformers' modules, on one rank, in full "
+                "precision, uncompiled"
+            )
 
 
 def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
@@ -149,12 +213,14 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     The backend is chosen for what the model says its attention needs (`CausalLM.attention_needs`): an explicit
     `--attention-backend` that lacks one is refused by name (`UnsupportedAttention`), before a native model's
     weights are read; `auto` passes over kernels that lack one."""
-    hf_config, native = model_config(config)
+    hf_config, native, pooling = model_config(config)
     device = resolve_device(config.model.device) if tp is None else tp.device
     if device.type == "cpu" and config.execution.cpu_threads is not None:
         torch.set_num_threads(config.execution.cpu_threads)
     dtype = resolve_dtype(config.model.dtype, device, checkpoint_dtype(hf_config))
     limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is not None and hf_config.model_type in ("roberta", "xlm-roberta"):
+        limit -= hf_config.pad_token_id + 1  # its positions start after the padding index
     max_model_len = config.model.max_model_len or limit or 4096
     if limit is not None and max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
@@ -170,7 +236,10 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
             f"precision before a layer could be quantized; quantized weights run on the native modules "
             f"({', '.join(sorted(NATIVE_MODELS))})",
         )
-    if native:
+    if pooling is not None and pooling.bidirectional:
+        model = _load_encoder(config, hf_config, pooling, dtype, device, method)
+        backend = _backend_for(config, model, device, dtype)
+    elif native:
         model_class = NATIVE_MODELS[architecture(hf_config)]
         # A tied LM head reads the embedding's matrix, which the embedding looks rows up in: a plain layout, so
         # the matrix is stored once (see `_tied_head_method`). The CPU schemes quantize the head (int8), fp8 keeps it
@@ -180,13 +249,21 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
             head_method = _tied_head_method(device, dtype)
         elif head_method is None and quantized is not None:
             head_method = method
+        base_checkpoint = (
+            pooling is not None and config.model.load_format != "dummy" and _is_base_checkpoint(config.model.path)
+        )
+        if base_checkpoint:
+            # The base model's weights alone (a sentence-transformers save): it pools, and its LM head would be
+            # unused, so the head shares the embedding rather than being read from a checkpoint that lacks it.
+            hf_config.tie_word_embeddings = True
         model = model_class.empty(hf_config, max_model_len, device, dtype, tp, quantized or method, head_method)
         check_layers(model)
         backend = _backend_for(config, model, device, dtype)
         if config.model.load_format == "dummy":
             _init_dummy(model)
         else:
-            model.load_weights(_checkpoint_tensors(config.model.path))
+            tensors = _checkpoint_tensors(config.model.path)
+            model.load_weights(_as_causal_lm(tensors) if base_checkpoint else tensors)
     else:
         model = _load_transformers_model(config, hf_config, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
@@ -204,7 +281,68 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         native,
         backend,
         rank=0 if tp is None else tp.rank,
+        pooler=None if pooling is None else _pooler(config, pooling, model, device, dtype),
     )
+
+
+def _pooler(
+    config: EngineConfig, pooling: PoolingConfig, model: nn.Module, device: torch.device, dtype: torch.dtype
+) -> Pooler:
+    pooler = Pooler(pooling, model, device, dtype)
+    if pooling.yes_no_tokens is not None:
+        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        ids = []
+        for token in pooling.yes_no_tokens:
+            encoded = tokenizer.encode(token, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise UnsupportedPooling(
+                    f"--reranker-tokens {config.model.reranker_tokens}: {token!r} is {len(encoded)} tokens of this "
+                    "model's vocabulary, not one"
+                )
+            ids.append(encoded[0])
+        pooler.yes_no_ids = (ids[0], ids[1])
+    logger.info("pooling: %s", pooling)
+    return pooler
+
+
+def _is_base_checkpoint(model_dir: str) -> bool:
+    """Whether the checkpoint holds a base model's weights (no `model.` prefix, as sentence-transformers saves a
+    decoder) rather than a causal LM's."""
+    for path, names in checkpoint_files(model_dir).items():
+        if names is None:
+            with safe_open(path, framework="pt") as f:
+                names = list(f.keys())
+        if any(name.startswith("model.") for name in names):
+            return False
+    return True
+
+
+def _as_causal_lm(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A base model's tensors named as its causal LM names them."""
+    for name, tensor in tensors:
+        yield f"model.{name}", tensor
+
+
+def _load_encoder(
+    config: EngineConfig,
+    hf_config: PretrainedConfig,
+    pooling: PoolingConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    method: LinearMethod,
+) -> TransformersEncoder:
+    """An encoder (or its classifier) through transformers' `from_pretrained`, its linears adopted into the CPU
+    kernels' layouts, its attention on the paged backend (engine/models/encoder.py)."""
+    auto = AutoModelForSequenceClassification if pooling.kind == "classify" else AutoModel
+    hf_config._attn_implementation = ATTN_IMPLEMENTATION
+    if config.model.load_format == "dummy":
+        hf_model = auto.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    else:
+        hf_model = auto.from_pretrained(config.model.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    hf_model = hf_model.eval().to(device)
+    if not isinstance(method, UnquantizedLinearMethod):
+        adopt_linears(hf_model, method)
+    return TransformersEncoder(hf_model)
 
 
 def _load_transformers_model(

@@ -36,6 +36,15 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
 
 MODELS: dict[str, type[CausalLM]] = {**NATIVE_MODELS, TRANSFORMERS: TransformersCausalLM}
 
+BASE_MODELS: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+}
+"""Base models (no LM head) of the native families, as sentence-transformers saves an embedding model built on
+one: the causal LM's modules run them, for pooling."""
+
 ModelImpl = Literal["auto", "native", "transformers"]
 
 
