@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
@@ -35,7 +36,7 @@ from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
 from engine.models.registry import BASE_MODELS, NATIVE_MODELS, architecture, choose_model_class
 from engine.models.support import UnsupportedModelError, unsupported_feature
-from engine.pooling.config import PoolingConfig, UnsupportedPooling, pooling_config
+from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
 from engine.quantization import (
     UnsupportedQuantization,
@@ -160,6 +161,11 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
     if pooling is not None and pooling.bidirectional:
         _check_encoder(config, hf_config)
         return hf_config, False, pooling
+    if pooling is not None and type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UnsupportedPooling(
+            f"model_type {hf_config.model_type!r} ({architecture(hf_config)}): Ferry pools with the encoders "
+            f"{', '.join(sorted(ENCODER_TYPES))} and with causal LMs' hidden states"
+        )
     causal = BASE_MODELS.get(architecture(hf_config))
     if causal is not None:
         if pooling is None:

@@ -27,6 +27,12 @@ Activation = Literal["identity", "tanh", "sigmoid", "relu", "gelu"]
 
 ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 """Bidirectional encoders the pooling path runs (their inputs attend in both directions: one non-causal span)."""
+REFUSED_ENCODERS = {
+    "modernbert": "bidirectional sliding-window attention (ModernBERT's local layers see 64 positions either way; "
+    "a non-causal span attends across the whole span)",
+    "distilbert": "position ids made inside the model (it takes none, so a packed row would number its inputs as one)",
+}
+"""Encoder families refused by name, with the feature the engine lacks for them."""
 
 _ACTIVATIONS: dict[str, Activation] = {
     "torch.nn.modules.linear.Identity": "identity",
@@ -237,6 +243,8 @@ def pooling_config(
     architectures = hf_config.get("architectures") or []
     arch = architectures[0] if architectures else ""
     model_type = hf_config.get("model_type", "")
+    if model_type in REFUSED_ENCODERS and runner != "generate":
+        raise UnsupportedPooling(f"model_type {model_type!r}: {REFUSED_ENCODERS[model_type]} is not supported")
     encoder = model_type in ENCODER_TYPES
     st = _sentence_transformers(model_dir)
     if reranker_tokens is not None:
