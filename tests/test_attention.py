@@ -24,6 +24,8 @@ from engine.core.request import SamplingParams
 from engine.core.step import NewRequest, SchedulerOutput
 from engine.execution.runner import ModelRunner
 from engine.models.loader import LoadedModel
+from engine.pooling.config import PoolingConfig
+from engine.pooling.pooler import Pooler
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 SOFTCAP = 2.0
@@ -58,14 +60,31 @@ def attention_runner(
     device: torch.device = CPU,
     dtype: torch.dtype = torch.float32,
     max_model_len: int = 512,
+    window: int | None = None,
+    bidirectional: bool = False,
 ) -> ModelRunner:
-    """A runner around a model that has only the shapes the KV cache is sized from (its attention is tested)."""
+    """A runner around a model that has only the shapes the KV cache is sized from (its attention is tested): one
+    KV-cache group of `window`; `bidirectional`, an encoder's (its spans see their keys within the window either
+    way, engine/attention/base.py)."""
     model = _CacheOnly(shapes, dtype)
+    pooler = (
+        Pooler(PoolingConfig("embed", "cls", False, 16, bidirectional=True), model, device, dtype)
+        if bidirectional
+        else None
+    )
     loaded = LoadedModel(
-        model, PretrainedConfig(vocab_size=16), frozenset(), max_model_len, device, dtype, True, TorchPagedBackend()
+        model,
+        PretrainedConfig(vocab_size=16),
+        frozenset(),
+        max_model_len,
+        device,
+        dtype,
+        True,
+        TorchPagedBackend(),
+        pooler=pooler,
     )
     config = EngineConfig.of(model="unused", page_size=page_size, max_batch_tokens=4096, max_num_seqs=64)
-    return ModelRunner(loaded, ONE_GROUP, [num_pages], config)
+    return ModelRunner(loaded, [GroupLayout(window, (0,), 1)], [num_pages], config)
 
 
 def fresh_plan(shapes: list[tuple[int, int]], tables: list[list[int]]) -> SchedulerOutput:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.attention import AttentionBackend, TorchPagedBackend, UnsupportedAttention, select_backend
-from engine.attention.base import AttentionFeature, AttentionNeeds, SplitSpan, step_spans, write_kv
+from engine.attention.base import AttentionFeature, AttentionNeeds, SplitSpan, span_intervals, step_spans, write_kv
 from engine.core.request import SamplingParams, Spans
 from engine.core.step import NewRequest, SchedulerOutput
 from tests.test_attention import ALIBI_SLOPES, DIM, HEADS, KV_HEADS, SOFTCAP, _Shapes, attention_runner, backend_named
@@ -62,7 +62,7 @@ def _plan(step: SpannedStep, tables: list[list[int]]) -> SchedulerOutput:
     )
 
 
-def _reference(q, keys, values, computed, spans, window, *, softcap=None, alibi=False, sinks=None):
+def _reference(q, keys, values, computed, spans, window, *, softcap=None, alibi=False, sinks=None, bidirectional=False):
     """One sequence's queries over its keys ([total, Hkv, D], float64): a dense mask, then softmax."""
     new, total = q.shape[0], keys.shape[0]
     keys = keys.repeat_interleave(HEADS // KV_HEADS, dim=1)
@@ -78,7 +78,13 @@ def _reference(q, keys, values, computed, spans, window, *, softcap=None, alibi=
     if window is not None:
         allowed &= key_pos > query_pos - window
     for start, end in spans:
-        allowed |= (query_pos >= start) & (query_pos < end) & (key_pos >= start) & (key_pos < end)
+        query_in, key_in = (query_pos >= start) & (query_pos < end), (key_pos >= start) & (key_pos < end)
+        if bidirectional:
+            # An encoder's span query sees the span's keys within the window on either side, nothing else.
+            near = key_in if window is None else key_in & ((key_pos - query_pos).abs() < window)
+            allowed = torch.where(query_in, near, allowed)
+        else:
+            allowed |= query_in & key_in
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         sink_column = sinks.double()[:, None, None].expand(HEADS, new, 1)
@@ -101,12 +107,14 @@ def check_against_dense_attention(
     alibi: bool = False,
     sinks: torch.Tensor | None = None,
     tolerance: float = 1e-5,
+    bidirectional: bool = False,
 ) -> None:
-    """`backend` over the step against `_reference`, sequence by sequence (used by the Triton tests too)."""
+    """`backend` over the step against `_reference`, sequence by sequence (used by the Triton tests too); the layer's
+    window is its KV-cache group's, and `bidirectional` makes it an encoder's."""
     rng = random.Random(page_size)
     pages_of = [-(-(c + n) // page_size) for c, n, _ in step]
     num_pages = sum(pages_of) + 3
-    runner = attention_runner(_Shapes(), num_pages, page_size)
+    runner = attention_runner(_Shapes(), num_pages, page_size, window=window, bidirectional=bidirectional)
     free = list(range(num_pages))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(pages)] for pages in pages_of]
@@ -156,6 +164,7 @@ def check_against_dense_attention(
             softcap=softcap,
             alibi=alibi,
             sinks=sinks,
+            bidirectional=bidirectional,
         )
         torch.testing.assert_close(out[start : start + new].double(), want, atol=tolerance, rtol=tolerance)
         start += new
@@ -184,6 +193,29 @@ def test_noncausal_spans(backend: str, page_size: int, window: int | None, featu
         softcap=SOFTCAP if feature == "softcap" else None,
         alibi=feature == "alibi",
     )
+
+
+ENCODER_STEP: SpannedStep = [(0, n, ((0, n),)) for n in (1, 7, 30, 64, 90)]
+"""An encoder's step: whole inputs, each one span."""
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window", [None, 5, 24])
+def test_an_encoders_spans_see_the_window_on_either_side(backend: str, page_size: int, window: int | None) -> None:
+    """ModernBERT's local layers: each key within `window - 1` positions of the query, before or after it."""
+    check_against_dense_attention(
+        _backend(backend, SPANS), page_size, window, step=ENCODER_STEP, bidirectional=True, sinks=SINKS
+    )
+
+
+def test_span_intervals_take_the_layers_window() -> None:
+    bounds = np.array([[0, 0], [2, 9], [2, 9], [2, 9]], dtype=np.int32)
+    positions = np.array([1, 2, 5, 8])
+    assert span_intervals(bounds, positions, None, False).tolist() == [[0, 0], [0, 9], [0, 9], [0, 9]]
+    assert span_intervals(bounds, positions, 2, False).tolist() == [[0, 0], [1, 9], [2, 9], [2, 9]]
+    assert span_intervals(bounds, positions, None, True).tolist() == [[0, 0], [2, 9], [2, 9], [2, 9]]
+    assert span_intervals(bounds, positions, 2, True).tolist() == [[0, 0], [2, 4], [4, 7], [7, 9]]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

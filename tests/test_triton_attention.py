@@ -348,6 +348,13 @@ def test_noncausal_spans_and_sinks_match_float64_attention(window: int | None, f
 
 
 @interpreted
+@pytest.mark.parametrize("window", [None, 5])
+def test_an_encoders_spans_see_the_window_on_either_side(window: int | None) -> None:
+    step = [(0, n, ((0, n),)) for n in (1, 9, 20)]
+    check_against_dense_attention(_triton(), 8, window, step=step, bidirectional=True)
+
+
+@interpreted
 def test_sinks_in_a_decode_only_step() -> None:
     check_against_dense_attention(_triton(), 4, None, step=[(c, n, ()) for c, n in DECODES], sinks=SINKS)
 

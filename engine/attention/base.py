@@ -2,10 +2,12 @@
 
 A query at position q sees key k when `k <= q` (and, in a sliding-window layer, `q - k < window`), or when both
 lie in one of the sequence's non-causal spans: a span's tokens (an image's, an encoder's whole input) attend to
-each other in both directions, inside the window or not. Since a span holds its query, the keys one query sees are
-always one interval, `[lo, hi)`: `lo` the window's start or the span's, whichever is lower, `hi` one past the
-query or the span's end, whichever is higher. A span's keys past a query must be in the cache when it attends, so
-a step whose queries enter a span computes it to its end (the runner refuses a plan that cuts one).
+each other in both directions. In a sliding-window layer of a causal model they do so inside the window or not
+(Gemma 3's images); in an encoder's (a bidirectional model: ModernBERT's local layers) a span's query sees the
+span's keys within the window either way, `|q - k| < window`. Since a span holds its query, the keys one query sees
+are always one interval, `[lo, hi)`, which the runner computes per KV-cache group (`span_intervals`) and the
+kernels read as they are (`StepMetadata.token_spans`). A span's keys past a query must be in the cache when it
+attends, so a step whose queries enter a span computes it to its end (the runner refuses a plan that cuts one).
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ class StepMetadata:
     """Per sequence, the non-causal spans its queries this step lie in; None when no query of the step is in one
     (every step of a text-only model: the backends' plain causal path)."""
     token_spans: torch.Tensor | None = None
-    """[T, 2] int32 on the device, set with `noncausal_spans_host`: `(start, end)` of the span holding each query,
-    `(0, 0)` for a query in none (what the kernels read)."""
+    """[T, 2] int32 on the device, set with `noncausal_spans_host`: for each query in a span, the keys `[lo, hi)` it
+    sees (`span_intervals`: the span and the layer's window together); `(0, 0)` for a query in none, which sees
+    what causal attention and the window give it. What the kernels read."""
+    token_spans_host: np.ndarray | None = None
+    """The same on the host (the torch backend's masks)."""
     backend_state: dict[Any, Any] = field(default_factory=dict)
     """Per-step caches a backend derives lazily (gather indices, masks per window size)."""
 
@@ -60,9 +65,10 @@ class SplitSpan(ValueError):
 
 
 def step_spans(spans: list[Spans], computed: np.ndarray, seq_lens: np.ndarray) -> tuple[list[Spans], np.ndarray] | None:
-    """The metadata's span fields for a step whose sequences compute positions `[computed, seq_lens)`, given each
-    sequence's spans: per sequence the spans its queries lie in, and `[T, 2]` int32 `(start, end)` per query, `(0,
-    0)` outside them; None when no query lies in one. Raises `SplitSpan` for a span the step enters and cuts."""
+    """The spans of a step whose sequences compute positions `[computed, seq_lens)`, given each sequence's spans:
+    per sequence the spans its queries lie in, and `[T, 2]` int32 `(start, end)` of the span holding each query,
+    `(0, 0)` outside them (what `span_intervals` turns into each layer's intervals); None when no query lies in
+    one. Raises `SplitSpan` for a span the step enters and cuts."""
     entered: list[Spans] = []
     for own, first, end in zip(spans, computed.tolist(), seq_lens.tolist(), strict=True):
         hit = tuple((s, e) for s, e in own if s < end and e > first)
@@ -79,6 +85,25 @@ def step_spans(spans: list[Spans], computed: np.ndarray, seq_lens: np.ndarray) -
             bounds[row + max(s, first) - first : row + e - first] = (s, e)
         row += end - first
     return entered, bounds
+
+
+def span_intervals(bounds: np.ndarray, positions: np.ndarray, window: int | None, bidirectional: bool) -> np.ndarray:
+    """`[T, 2]` int32: the keys `[lo, hi)` each query in a span sees (`(0, 0)` stays for a query in none), given the
+    spans holding them (`step_spans`' bounds), their positions, and the layer's window. A causal model's span
+    query sees what its window gives it and the whole span; a bidirectional model's (an encoder's) sees the span's
+    keys within the window on either side."""
+    start, end = bounds[:, 0].astype(np.int64), bounds[:, 1].astype(np.int64)
+    inside = start < end
+    if window is None:
+        lo = np.where(bidirectional, start, 0)
+        hi = end
+    elif bidirectional:
+        lo = np.maximum(start, positions - window + 1)
+        hi = np.minimum(end, positions + window)
+    else:
+        lo = np.minimum(np.maximum(positions - window + 1, 0), start)
+        hi = end
+    return np.where(inside[:, None], np.stack([lo, hi], axis=1), 0).astype(np.int32)
 
 
 class AttentionFeature(enum.Enum):

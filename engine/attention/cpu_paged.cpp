@@ -10,8 +10,9 @@
 // widened as read). Items are spread over torch's threads (at::parallel_for, so `torch.set_num_threads` governs
 // it) by estimated cost rather than count, because one prefill chunk can cost as much as hundreds of decodes.
 //
-// Each query sees one interval of keys, [lo, hi): causal (from its window's start, if any, to itself), widened to
-// the non-causal span that holds it when the step has spans (engine/attention/base.py). A cache may hold another
+// Each query sees one interval of keys, [lo, hi): causal (from its window's start, if any, to itself), or for a
+// query in a non-causal span the interval the runner computed from the span and the layer's window
+// (engine/attention/base.py, span_intervals). A cache may hold another
 // dtype than the queries (float8 e4m3, or bfloat16 under float32 queries), scaled: its scales fold into the
 // score's scale and the output's normalisation, so a key or value costs only its widening. Sinks add one logit
 // per query head to the softmax's denominator, at the end.
@@ -193,7 +194,7 @@ struct Params {
   float softcap;       // 0: none
   const float* alibi;  // [heads] slopes, or nullptr
   const float* sinks;  // [heads] logits, or nullptr
-  const int32_t* token_spans;  // [tokens, 2] (start, end) of the non-causal span holding each query, or nullptr
+  const int32_t* token_spans;  // [tokens, 2] keys [lo, hi) of each query in a non-causal span ((0, 0): none), or nullptr
   const int32_t* query_start_loc;
   const int32_t* seq_lens;
   const int32_t* page_tables;
@@ -209,9 +210,9 @@ inline std::pair<int64_t, int64_t> visible_keys(const Params& p, int64_t token, 
   int64_t lo = p.window ? std::max<int64_t>(0, pos - p.window + 1) : 0, hi = pos + 1;
   if (p.token_spans) {
     const int64_t start = p.token_spans[2 * token], end = p.token_spans[2 * token + 1];
-    if (start < end) {
-      lo = std::min(lo, start);
-      hi = std::max(hi, end);
+    if (start < end) {  // a query in a span sees the interval the runner computed for this layer's window
+      lo = start;
+      hi = end;
     }
   }
   return {lo, hi};

@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from engine.attention.base import (
     AttentionBackend,
     AttentionFeature,
-    Spans,
     StepMetadata,
     from_cache,
     is_float8,
@@ -116,16 +115,14 @@ def _visible(n: int, total: int, window: int | None, page_size: int) -> _Visible
     return _Visible(first_key // page_size, (total - 1) // page_size, first_key)
 
 
-def _query_bounds(n: int, total: int, window: int | None, spans: Spans) -> tuple[np.ndarray, np.ndarray]:
-    """For each of a sequence's last `n` queries, `[lo, hi)`: the keys it sees (engine/attention/base.py)."""
+def _query_bounds(n: int, total: int, window: int | None, intervals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each of a sequence's last `n` queries, `[lo, hi)`: the keys it sees (engine/attention/base.py): causal
+    within the window, or for a query in a span its row of `intervals` (`[n, 2]`, the metadata's)."""
     query_pos = np.arange(total - n, total)
     lo = np.zeros(n, np.int64) if window is None else np.maximum(query_pos - window + 1, 0)
     hi = query_pos + 1
-    for start, end in spans:
-        inside = (query_pos >= start) & (query_pos < end)
-        lo = np.where(inside, np.minimum(lo, start), lo)
-        hi = np.where(inside, np.maximum(hi, end), hi)
-    return lo, hi
+    inside = intervals[:, 0] < intervals[:, 1]
+    return np.where(inside, intervals[:, 0], lo), np.where(inside, intervals[:, 1], hi)
 
 
 def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -221,7 +218,7 @@ class TorchPagedBackend(AttentionBackend):
             q_start = meta.query_start_loc_host[i]
             spans = all_spans[i] if all_spans is not None else ()
             if spans:
-                chunks.append(TorchPagedBackend._span_chunk(meta, i, window, spans, alibi_slopes, dtype, chunk_pages))
+                chunks.append(TorchPagedBackend._span_chunk(meta, i, window, alibi_slopes, dtype, chunk_pages))
                 continue
             if total == n and (window is None or n <= window):
                 mask = None
@@ -253,7 +250,6 @@ class TorchPagedBackend(AttentionBackend):
         meta: StepMetadata,
         i: int,
         window: int | None,
-        spans: Spans,
         alibi_slopes: torch.Tensor | None,
         dtype: torch.dtype,
         chunk_pages: list[int],
@@ -262,7 +258,9 @@ class TorchPagedBackend(AttentionBackend):
         to `chunk_pages`."""
         ps, device = meta.page_size, meta.positions.device
         n, total = meta.query_lens_host[i], meta.seq_lens_host[i]
-        lo, hi = _query_bounds(n, total, window, spans)
+        q_start = meta.query_start_loc_host[i]
+        assert meta.token_spans_host is not None, "a step with spans has their intervals"
+        lo, hi = _query_bounds(n, total, window, meta.token_spans_host[q_start : q_start + n])
         first_key = int(lo.min())
         first_page = first_key // ps
         k_start = len(chunk_pages) * ps + first_key - first_page * ps
@@ -272,7 +270,6 @@ class TorchPagedBackend(AttentionBackend):
         if alibi_slopes is not None:
             distance = _from_host(key_pos - np.arange(total - n, total)[:, None], device)
             mask = _alibi_bias(alibi_slopes, distance, mask).to(dtype)
-        q_start = meta.query_start_loc_host[i]
         return _Chunk(q_start, q_start + n, k_start, total - first_key, mask)
 
     @staticmethod

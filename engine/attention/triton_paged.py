@@ -155,8 +155,8 @@ def _paged_attention_kernel(
         span_start = tl.load(token_spans_ptr + span_offsets, mask=row_valid, other=0)
         span_end = tl.load(token_spans_ptr + span_offsets + 1, mask=row_valid, other=0)
         in_span = span_start < span_end
-        row_lo = tl.where(in_span, tl.minimum(row_lo, span_start), row_lo)
-        row_hi = tl.where(in_span, tl.maximum(row_hi, span_end), row_hi)
+        row_lo = tl.where(in_span, span_start, row_lo)  # the interval the runner computed for the layer
+        row_hi = tl.where(in_span, span_end, row_hi)
         key_start = tl.min(tl.where(row_valid, row_lo, seq_len), axis=0)
         key_end = tl.max(tl.where(row_valid, row_hi, 0), axis=0)
 

@@ -256,8 +256,9 @@ class EngineCore:
                 f"{len(pooling.token_type_ids)} token type ids for {len(prompt_ids)} prompt tokens",
                 code="invalid_prompt",
             )
-        num_types = getattr(self.hf_config, "type_vocab_size", 1)
-        if pooling.token_type_ids and not all(0 <= t < num_types for t in pooling.token_type_ids):
+        # A model without segments (no `type_vocab_size`: ModernBERT, decoders) never reads them.
+        num_types = getattr(self.hf_config, "type_vocab_size", None)
+        if num_types and pooling.token_type_ids and not all(0 <= t < num_types for t in pooling.token_type_ids):
             raise RequestRejected(f"token type ids must be in [0, {num_types})", code="invalid_prompt")
         budget = self.config.scheduler.max_batch_tokens
         if self.pooling.bidirectional and len(prompt_ids) > budget:

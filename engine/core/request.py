@@ -211,7 +211,8 @@ class PoolingParams:
     samples nothing and finishes with `stop` once its prompt is computed; its pages are freed then."""
 
     token_type_ids: tuple[int, ...] = ()
-    """Per prompt token, its segment (BERT's second text of a pair is 1); empty: all 0."""
+    """Per prompt token, its segment (BERT's second text of a pair is 1); empty: all 0. A model without segments
+    (ModernBERT, a decoder) does not read them."""
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from engine.attention import StepMetadata
-from engine.attention.base import step_spans
+from engine.attention.base import span_intervals, step_spans
 from engine.attention.context import StepContext, step_context
 from engine.config import EngineConfig
 from engine.core.kv_cache import GroupLayout
@@ -91,6 +91,9 @@ class ModelRunner:
         """Each layer's K and V pages, as its cache spec keeps them, in --kv-cache-dtype's dtype where it names one
         (engine/execution/kv_caches.py)."""
         self.sliding_windows = [layouts[g].window for g in self.group_of_layer]
+        self.group_windows = [layout.window for layout in layouts]
+        self.bidirectional = loaded.pooler is not None and loaded.pooler.config.bidirectional
+        """An encoder: its spans' queries see the span's keys within a window on either side (span_intervals)."""
         max_seqs, max_tokens = config.scheduler.max_num_seqs, config.scheduler.max_batch_tokens
         max_pages = -(-loaded.max_model_len // config.cache.page_size)
         self.batch = InputBatch(len(layouts), max_seqs, max_tokens, max_pages, config.cache.page_size, device)
@@ -329,20 +332,26 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             page_size=self.page_size,
         )
-        if noncausal is not None:
-            # Rare (steps with an image's or an encoder's tokens): staged on its own rather than in a step buffer.
-            spans, bounds = noncausal
-            shared.update(noncausal_spans_host=spans, token_spans=torch.from_numpy(bounds).to(self.device))
         widest = -(-max_seq_len // self.page_size)
         metas = []
         for g in range(self.batch.num_groups):
             self.batch.write_tables(host, g, packed.seq_rows, widest, packed.seq_of_token, positions)
             tables = host[f"page_tables{g}"][:num_seqs, :widest]
+            spans: dict = {}
+            if noncausal is not None:
+                # Rare (steps with an image's or an encoder's tokens): staged on their own, not in step buffers.
+                intervals = span_intervals(noncausal[1], positions, self.group_windows[g], self.bidirectional)
+                spans = dict(
+                    noncausal_spans_host=noncausal[0],
+                    token_spans=torch.from_numpy(intervals).to(self.device),
+                    token_spans_host=intervals,
+                )
             meta = StepMetadata(
                 slot_mapping=buffers.to_device(f"slot_mapping{g}", total),
                 page_tables=buffers.to_device(f"page_tables{g}", num_seqs)[:, :widest],
                 page_tables_host=tables,
                 **shared,
+                **spans,
             )
             self.backend.prepare(meta)
             metas.append(meta)

@@ -25,11 +25,9 @@ PoolingKind = Literal["embed", "classify", "yes_no"]
 PoolingType = Literal["last", "mean", "cls"]
 Activation = Literal["identity", "tanh", "sigmoid", "relu", "gelu"]
 
-ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
+ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "modernbert"})
 """Bidirectional encoders the pooling path runs (their inputs attend in both directions: one non-causal span)."""
 REFUSED_ENCODERS = {
-    "modernbert": "bidirectional sliding-window attention (ModernBERT's local layers see 64 positions either way; "
-    "a non-causal span attends across the whole span)",
     "distilbert": "position ids made inside the model (it takes none, so a packed row would number its inputs as one)",
 }
 """Encoder families refused by name, with the feature the engine lacks for them."""
@@ -194,6 +192,15 @@ def _sentence_transformers(model_dir: str) -> _SentenceTransformers | None:
                 )
         elif kind == "dense":
             config = _json(os.path.join(folder, "config.json"))
+            if normalize:
+                raise UnsupportedPooling(f"a Dense module after the Normalize module ({entry['path']}, modules.json)")
+            if config.get("use_residual"):
+                raise UnsupportedPooling(f"a Dense module with a residual connection ({entry['path']}/config.json)")
+            if config.get("module_input_name", "sentence_embedding") != "sentence_embedding":
+                raise UnsupportedPooling(
+                    f"a Dense module over {config['module_input_name']!r} ({entry['path']}/config.json): Ferry's "
+                    "Dense modules map the pooled sentence_embedding"
+                )
             dense.append(
                 DenseModule(
                     folder,
@@ -204,13 +211,29 @@ def _sentence_transformers(model_dir: str) -> _SentenceTransformers | None:
                 )
             )
         elif kind == "normalize":
-            if dense and pooling is None:
+            if pooling is None:
                 raise UnsupportedPooling("a Normalize module before the Pooling module (modules.json)")
             normalize = True
     st_config_path = os.path.join(model_dir, "config_sentence_transformers.json")
     st_config = _json(st_config_path) if os.path.isfile(st_config_path) else {}
     bert_config_path = os.path.join(model_dir, "sentence_bert_config.json")
     bert_config = _json(bert_config_path) if os.path.isfile(bert_config_path) else {}
+    if "message" in (bert_config.get("modality_config") or {}):
+        # sentence-transformers 6 then renders each text through the chat template (a prompt as a system message)
+        # before tokenizing it; Ferry embeds the text as it is (as sentence-transformers 5 and vLLM do).
+        raise UnsupportedPooling(
+            "inputs rendered through the chat template (a 'message' entry in sentence_bert_config.json's "
+            "modality_config): Ferry embeds texts as they are; remove that entry to serve the model so"
+        )
+    max_seq_length = bert_config.get("max_seq_length")
+    if max_seq_length is None:
+        # sentence-transformers 5+ saves it as the tokenizer's model_max_length (capped at the positions on load).
+        tokenizer_config_path = os.path.join(model_dir, "tokenizer_config.json")
+        tokenizer_config = _json(tokenizer_config_path) if os.path.isfile(tokenizer_config_path) else {}
+        max_seq_length = tokenizer_config.get("model_max_length")
+        positions = _json(os.path.join(model_dir, "config.json")).get("max_position_embeddings")
+        if max_seq_length is not None and positions not in (None, -1):
+            max_seq_length = min(int(max_seq_length), int(positions))
     prompts = st_config.get("prompts") or {}
     return _SentenceTransformers(
         pooling,
@@ -218,7 +241,7 @@ def _sentence_transformers(model_dir: str) -> _SentenceTransformers | None:
         tuple(dense),
         tuple((str(name), str(text)) for name, text in prompts.items()),
         st_config.get("default_prompt_name"),
-        bert_config.get("max_seq_length"),
+        max_seq_length,
         st_config.get("model_type") == "CrossEncoder",
         st_config.get("activation_fn"),
     )
@@ -254,6 +277,11 @@ def pooling_config(
     if runner == "generate" or (runner == "auto" and not pools):
         return None
     if classifier:
+        if pooling_type not in ("auto", "cls") or pooling_normalize != "auto":
+            raise UnsupportedPooling(
+                "--pooling-type and --pooling-normalize on a sequence classifier: its head reads the first token's "
+                "state and its scores are not normalized"
+            )
         return _classifier(hf_config, st, encoder, arch)
     if st is not None and st.pooling is None and st.dense:
         raise UnsupportedPooling("Dense modules without a Pooling module before them (modules.json)")
@@ -315,9 +343,11 @@ def _classifier(hf_config: dict, st: _SentenceTransformers | None, encoder: bool
         if named is not None
         else ("sigmoid" if num_labels == 1 else "identity")
     )
+    # ModernBERT's head reads the mean or the first token (`classifier_pooling`); the others' the first token.
+    pooling: PoolingType = "mean" if hf_config.get("classifier_pooling") == "mean" else "cls"
     return PoolingConfig(
         "classify",
-        "cls",
+        pooling,
         False,
         num_labels,
         activation=activation,
