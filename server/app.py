@@ -26,14 +26,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
+from engine.pooling.config import PoolingConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.metrics import ServerMetrics, rejection_reason
 from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
+from server.openai.embeddings import serve_embeddings
 from server.openai.errors import APIError, ErrorResponse, internal_error, invalid_request, service_unavailable
 from server.openai.generation import ServingContext
+from server.openai.pooling_schemas import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from server.openai.responses import serve_response
 from server.openai.responses_schemas import ResponseObject, ResponsesRequest
 from server.openai.schemas import (
@@ -44,7 +54,9 @@ from server.openai.schemas import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    ModelPooling,
 )
+from server.openai.scoring import serve_rerank, serve_score
 from server.openai.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -163,6 +175,10 @@ class ServerState:
             reasoning=reasoning,
             tool_call_parser=parser,
             call_tags=_call_tags(parser, tokenizer),
+            pooling=info.pooling,
+            max_batch_tokens=self.engine_config.scheduler.max_batch_tokens,
+            max_queue_size=self.engine_config.scheduler.max_queue_size,
+            reranker_template=self.engine_config.model.reranker_template,
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -173,9 +189,10 @@ class ServerState:
         self.metrics.set_model_info(info.weight_bytes, info.kv_cache_dtype)
         self.lifecycle.set_ready()
         logger.info(
-            "Serving %s (max_model_len=%d, reasoning parser: %s, tool-call parser: %s)",
+            "Serving %s (max_model_len=%d, %s, reasoning parser: %s, tool-call parser: %s)",
             self.model_name,
             info.max_model_len,
+            _served_tasks(info.pooling),
             reasoning.name if reasoning else "none",
             self.serving.tool_call_parser or "none",
         )
@@ -200,6 +217,9 @@ _REQUEST_MODELS: list[type[BaseModel]] = [
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     DetokenizeRequest,
 ]
@@ -229,6 +249,27 @@ class _FerryApp(FastAPI):
                 schema["components"]["schemas"].setdefault(name, definition)
             self.openapi_schema = schema
         return self.openapi_schema
+
+
+def _served_tasks(pooling: PoolingConfig | None) -> str:
+    """What the model answers, for the start-up log line."""
+    if pooling is None:
+        return "generates"
+    pools = {"embed": "embeddings", "classify": "cross-encoder scores", "yes_no": "yes/no reranker scores"}
+    return pools[pooling.kind] + (" and generates" if pooling.generates else "")
+
+
+def _model_pooling(pooling: PoolingConfig | None) -> ModelPooling | None:
+    """The card's account of what the model pools (None, so absent, for a model that only generates)."""
+    if pooling is None:
+        return None
+    matryoshka = pooling.matryoshka_dimensions
+    return ModelPooling(
+        kind=pooling.kind,
+        dimensions=pooling.dimensions,
+        matryoshka_dimensions=list(matryoshka) if matryoshka is not None else None,
+        generates=pooling.generates,
+    )
 
 
 def _call_tags(parser: str | None, tokenizer: Tokenizer) -> tuple[str, str] | None:
@@ -297,6 +338,24 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         """The Responses API, stateless: the whole conversation comes in `input` every time."""
         return await serve_response(state.get_serving(), body, request)
 
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        """OpenAI's embeddings, from a pooling model (sentence-transformers' prompts and vLLM's extras too)."""
+        return await serve_embeddings(state.get_serving(), body, request)
+
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=_ERRORS)
+    @app.post("/v2/rerank", response_model=RerankResponse, responses=_ERRORS)
+    @app.post("/rerank", response_model=RerankResponse, responses=_ERRORS)
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        """Jina's and Cohere's rerank: documents ranked by relevance to a query, best first."""
+        return await serve_rerank(state.get_serving(), body, request)
+
+    @app.post("/v1/score", response_model=ScoreResponse, responses=_ERRORS)
+    @app.post("/score", response_model=ScoreResponse, responses=_ERRORS)
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        """vLLM's score: one text against many, or two lists pairwise."""
+        return await serve_score(state.get_serving(), body, request)
+
     def model_card(name: str) -> ModelCard:
         serving = state.get_serving()
         info = state.client.info
@@ -310,6 +369,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             quantization=engine_config.model.quantization,
             weight_bytes=info.weight_bytes,
             kv_cache_dtype=info.kv_cache_dtype,
+            pooling=_model_pooling(info.pooling),
         )
 
     # A field left None (tensor_parallel_size on one device) is left out, as OpenAI's cards carry no nulls.

@@ -58,7 +58,7 @@ class RequestIdMiddleware:
             request_id.reset(token)
 
 
-GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/rerank", "/score")
 """Where the API key is required: the API itself (probes, /metrics and the page at / stay open)."""
 
 

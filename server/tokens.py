@@ -43,8 +43,39 @@ class Tokenizer:
     def load(cls, model_dir: str | Path) -> Tokenizer:
         return cls(AutoTokenizer.from_pretrained(str(model_dir)))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        """`max_length`: at most that many tokens, cut as the tokenizer truncates (its special tokens kept)."""
+        if max_length is None:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = self._tokenizer.encode(
+            text, add_special_tokens=add_special_tokens, truncation=True, max_length=max_length
+        )
+        # The tokenizer leaves a text whole when its special tokens alone exceed max_length: cut the ids then.
+        return self.truncated(ids, max_length)
+
+    def encode_pair(self, text: str, pair: str, max_length: int | None = None) -> tuple[list[int], list[int]]:
+        """Two texts as one input, the way the tokenizer pairs them (BERT: `[CLS] a [SEP] b [SEP]`): the token ids,
+        and each token's segment where the model reads segments (an empty list where it does not: all 0).
+        `max_length` truncates the longer text first, as the tokenizer's `longest_first` does."""
+        truncation = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+        encoded = self._tokenizer(text, pair, **truncation)
+        ids = list(encoded["input_ids"])
+        types = list(encoded.get("token_type_ids") or [])
+        if max_length is not None and len(ids) > max_length:
+            # Its special tokens alone exceed max_length (the tokenizer then leaves the pair whole): cut the ids.
+            keep = self.truncated(list(range(len(ids))), max_length)
+            ids = [ids[i] for i in keep]
+            types = [types[i] for i in keep] if types else []
+        return ids, types
+
+    def truncated(self, token_ids: list[int], max_length: int) -> list[int]:
+        """At most `max_length` of the ids, dropped from the side the tokenizer truncates (its `truncation_side`:
+        the end, for almost every tokenizer)."""
+        if len(token_ids) <= max_length:
+            return token_ids
+        if self._tokenizer.truncation_side == "left":
+            return token_ids[len(token_ids) - max_length :]
+        return token_ids[:max_length]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: it rewrites text depending on what follows, which would make the decode of a

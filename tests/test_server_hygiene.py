@@ -238,6 +238,9 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"), ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"),
     ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/metrics.json"), ("GET", "/version"),
+    # Pooling: this server's model generates, so these reach their refusal (tests/test_server_pooling.py serves them).
+    ("POST", "/v1/embeddings"), ("POST", "/v1/rerank"), ("POST", "/rerank"), ("POST", "/v2/rerank"),
+    ("POST", "/v1/score"), ("POST", "/score"),
 ]  # fmt: skip
 WITH_INPUT = {operation for operation in OPERATIONS if operation[0] == "POST" or "{" in operation[1]}
 # Schema-violating input only where there is input: a body or a path parameter.

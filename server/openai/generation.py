@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from engine.core.driver import EngineRequest
 from engine.core.request import QueueFull, RequestRejected, SamplingParams, StepOutput, StructuredOutput
+from engine.pooling.config import PoolingConfig
 from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
 from server.lifecycle import Lifecycle
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
@@ -100,6 +101,15 @@ class ServingContext:
     call_tags: tuple[str, str] | None = None
     """The text around a call object in the model's own format, where the grammar can write calls as the model
     does (tool_parsers/hermes.py call_tags); None: enforced calls use the JSON-array form."""
+    pooling: PoolingConfig | None = None
+    """What the model pools (embeddings, a cross-encoder's or a yes/no reranker's scores); None: it only
+    generates."""
+    max_batch_tokens: int = 0
+    """Tokens one engine step computes (--max-batch-tokens): an encoder computes each input in one step."""
+    max_queue_size: int = 0
+    """Requests the engine keeps waiting at most (--max-queue-size; 0: no limit)."""
+    reranker_template: str = ""
+    """The prompt a yes/no reranker scores, `{query}` and `{document}` filled in (--reranker-template)."""
 
     def tool_use(
         self,
@@ -129,10 +139,25 @@ class ServingContext:
         if model not in self.model_names:
             raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
 
+    def check_generates(self, model: str) -> None:
+        """Refuse text generation from a model that only pools (the engine would refuse it too, later)."""
+        pooling = self.pooling
+        if pooling is None or pooling.generates:
+            return
+        what = (
+            "an embedding model: it answers /v1/embeddings, /v1/score and /v1/rerank"
+            if pooling.kind == "embed"
+            else "a cross-encoder: it answers /v1/score and /v1/rerank"
+        )
+        raise invalid_request(
+            f"The model '{model}' is {what}, and does not generate text.", "model", code="model_does_not_generate"
+        )
+
     def check_request(self, body: GenerationRequest) -> None:
         """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
         self.lifecycle.check_accepting()
         self.check_model(body.model)
+        self.check_generates(body.model)
         body.check_supported(self.tokenizer.chat_template_options)
         vocab_size = self.tokenizer.vocab_size
         # The Responses API has no stop ids; chat and completions do.
@@ -173,18 +198,9 @@ class Generation:
         """Every chunk's `usage` is the count so far, not null."""
         self.timers = [RequestTimer(ctx.metrics, arrival) for _ in choices]
         self._unfinished = len(choices)
-        self._deadline: asyncio.TimerHandle | None = None
         self._closed = False
         ctx.lifecycle.request_started()
-        if ctx.request_timeout:
-            remaining = max(0.0, arrival + ctx.request_timeout - time.monotonic())
-            timeout = APIError(
-                504,
-                f"The request did not finish within the server's request timeout ({ctx.request_timeout:g}s).",
-                type="timeout_error",
-                code="request_timeout",
-            )
-            self._deadline = asyncio.get_running_loop().call_later(remaining, group.fail, timeout)
+        self._deadline = request_deadline(ctx, arrival, group)
 
     @property
     def done(self) -> bool:
@@ -192,21 +208,7 @@ class Generation:
 
     async def admitted(self) -> None:
         """Wait until the engine took every request; map its refusal to the API's error."""
-        try:
-            await self.group.wait_admitted()
-        except QueueFull as exc:
-            raise APIError(
-                429,
-                f"The server's request queue is full ({exc}); retry after {RETRY_AFTER_SECONDS}s.",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            ) from exc
-        except RequestRejected as exc:
-            param = {"invalid_priority": "priority", "invalid_logit_bias": "logit_bias"}.get(exc.code)
-            raise invalid_request(str(exc), param=param, code=exc.code) from exc
-        except (EngineDeadError, EngineAddFailed) as exc:
-            raise engine_failure(str(exc)) from exc
+        await wait_admitted(self.group)
         for prompt in self.prompts:
             self.ctx.metrics.prompt_tokens.inc(len(prompt) * self.num_choices)
 
@@ -273,7 +275,7 @@ class Generation:
         async def work() -> Response:
             return Response((await build()).model_dump_json(), media_type="application/json")
 
-        return await _unless_disconnected(request, work(), self)
+        return await unless_disconnected(request, work(), self.close)
 
     def stream_response(
         self, chunk_type: type[BaseModel], chunk_choices: AsyncIterator[Sequence[BaseModel]]
@@ -411,10 +413,44 @@ def _max_new_tokens(limit: int, prompt: Sequence[int], requested: int | None, pa
     return requested
 
 
-async def _unless_disconnected(
-    request: Request, work: Coroutine[Any, Any, Response], generation: Generation
+def request_deadline(ctx: ServingContext, arrival: float, group: RequestGroup) -> asyncio.TimerHandle | None:
+    """Fail `group` with a 504 once the server's request timeout has passed since `arrival` (None: no timeout)."""
+    if not ctx.request_timeout:
+        return None
+    remaining = max(0.0, arrival + ctx.request_timeout - time.monotonic())
+    timeout = APIError(
+        504,
+        f"The request did not finish within the server's request timeout ({ctx.request_timeout:g}s).",
+        type="timeout_error",
+        code="request_timeout",
+    )
+    return asyncio.get_running_loop().call_later(remaining, group.fail, timeout)
+
+
+async def wait_admitted(group: RequestGroup) -> None:
+    """Wait until the engine took every request of `group`; its refusal as the API's error (429, 400, 500)."""
+    try:
+        await group.wait_admitted()
+    except QueueFull as exc:
+        raise APIError(
+            429,
+            f"The server's request queue is full ({exc}); retry after {RETRY_AFTER_SECONDS}s.",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        ) from exc
+    except RequestRejected as exc:
+        param = {"invalid_priority": "priority", "invalid_logit_bias": "logit_bias"}.get(exc.code)
+        raise invalid_request(str(exc), param=param, code=exc.code) from exc
+    except (EngineDeadError, EngineAddFailed) as exc:
+        raise engine_failure(str(exc)) from exc
+
+
+async def unless_disconnected(
+    request: Request, work: Coroutine[Any, Any, Response], close: Callable[[], None]
 ) -> Response:
-    """Run a non-streaming response's work, abandoning it (and its engine requests) if the client leaves."""
+    """Run a non-streaming response's work, abandoning it (and its engine requests) if the client leaves; `close`
+    releases the call's engine requests however it ended."""
     work_task = asyncio.ensure_future(work)
     disconnect_task = asyncio.ensure_future(_client_disconnected(request))
     try:
@@ -425,7 +461,7 @@ async def _unless_disconnected(
     finally:
         for task in (work_task, disconnect_task):
             task.cancel()
-        generation.close()
+        close()
 
 
 async def _client_disconnected(request: Request) -> None:

@@ -679,6 +679,18 @@ class CompletionResponse(BaseModel):
 # ------------------------------------------------------------------------------------------------ models
 
 
+class ModelPooling(BaseModel):
+    """What a pooling model makes, on its card."""
+
+    kind: Literal["embed", "classify", "yes_no"] = Field(
+        description="embed: embeddings (/v1/embeddings; /v1/score and /v1/rerank by cosine similarity); classify: a "
+        "cross-encoder's scores (/v1/score, /v1/rerank); yes_no: a causal LM's P(yes) (--reranker-tokens)."
+    )
+    dimensions: int = Field(description="The embedding's size; a classifier's labels; 1 for yes/no.")
+    matryoshka_dimensions: list[int] | None = _omitted_when_none("Sizes an embedding request may ask for.")
+    generates: bool = Field(description="The model also serves chat, completions and responses.")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -694,6 +706,8 @@ class ModelCard(BaseModel):
     """Bytes of the weights as stored (quantized codes and scales included), on each rank."""
     kv_cache_dtype: str
     """What the KV cache stores K and V in (`float8_e4m3fn` under --kv-cache-dtype fp8, else the model's dtype)."""
+    pooling: ModelPooling | None = None
+    """What the model pools (the field is absent for a model that only generates)."""
 
 
 class ModelList(BaseModel):

@@ -132,8 +132,35 @@ const FerryChat = (() => {
       $("model-name").title = `Served model · context ${card.max_model_len} tokens`;
     }
     setStatus("ready", "ok");
+    showTask(card);
+    if (card.pooling && !card.pooling.generates) {
+      // An embedding model or a cross-encoder: nothing to chat with (the server would refuse every message).
+      const task = POOLING_TASKS[card.pooling.kind];
+      $("empty-hint").textContent = `${card.id} is a pooling model (${task.name.toLowerCase()}) and does not ` +
+        `chat: call ${task.endpoints} from any OpenAI-compatible client.`;
+      setReady(false);
+      return;
+    }
     setReady(true);
     $("prompt").focus();
+  }
+
+  const POOLING_TASKS = {
+    embed: { name: "Embedding model", endpoints: "/v1/embeddings, /v1/score, /v1/rerank" },
+    classify: { name: "Cross-encoder", endpoints: "/v1/score, /v1/rerank" },
+    yes_no: { name: "Yes/no reranker", endpoints: "/v1/score, /v1/rerank" },
+  };
+
+  // What the model serves besides chat, from its card's `pooling` (absent for a model that only generates).
+  function showTask(card) {
+    const caption = $("model-task");
+    const pooling = card.pooling;
+    caption.hidden = !pooling;
+    if (!pooling) return;
+    const task = POOLING_TASKS[pooling.kind];
+    const size = pooling.kind === "embed" ? ` of ${pooling.dimensions} dimensions` : "";
+    caption.textContent = `${task.name}${size}: ${task.endpoints}${pooling.generates ? ", and chat" : ""}`;
+    caption.dataset.kind = pooling.kind;
   }
 
   function askForKey(error) {
