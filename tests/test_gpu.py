@@ -332,3 +332,28 @@ def test_float8_cache_through_triton_and_graphs_generates_the_torch_backends_tok
         assert got.generated_ids == want.generated_ids, f"request {i}"
         worst = max(abs(a.logprob - b.logprob) for a, b in zip(got.logprobs, want.logprobs, strict=True))
         assert worst <= 5e-3, f"request {i}: a logprob is {worst:.2e} off"
+
+
+@pytest.mark.parametrize("builder", ["bert", "modernbert", "qwen3"])
+def test_pooling_on_cuda_matches_sentence_transformers(tmp_path: Path, builder: str) -> None:
+    """Embeddings on the GPU (the memory profile runs pooling steps for a model that does not generate; the Triton
+    kernel reads an encoder's span intervals, ModernBERT's windowed ones included) against sentence-transformers on
+    the CPU in float32."""
+    import numpy as np
+
+    from engine.api import pool_batch
+
+    # Before the builders, which save their models with it: the GPU machine's interpreter may not have it.
+    SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
+    from tests.pooling_models import build_bert_embedder, build_modernbert_embedder, build_qwen3_embedder
+
+    build = {"bert": build_bert_embedder, "modernbert": build_modernbert_embedder, "qwen3": build_qwen3_embedder}
+    path = build[builder](tmp_path / builder)
+    model = SentenceTransformer(str(path), device="cpu")
+    texts = ["a ferry waits for no one", "the harbour opens at dawn and closes at dusk " * 6, "x"]
+    expected = model.encode(texts, convert_to_numpy=True)
+    tokenizer = model[0].tokenizer
+    ids = [tokenizer(text, truncation=True, max_length=model.max_seq_length)["input_ids"] for text in texts]
+    config = EngineConfig.of(model=str(path), device="cuda", dtype="float32", num_pages=256)
+    got = np.asarray(pool_batch(ids, config))
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
