@@ -199,6 +199,19 @@ def _save_embedder(
     return directory
 
 
+def _bert_config(tokenizer: BertTokenizerFast, **extra: object) -> BertConfig:
+    return BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=ENCODER_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=ENCODER_MAX_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+
+
 def build_bert_embedder(
     directory: Path,
     pooling: str = "mean",
@@ -213,16 +226,7 @@ def build_bert_embedder(
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = _wordpiece_tokenizer(max_seq_length)
         tokenizer.save_pretrained(scratch)
-        config = BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=ENCODER_HIDDEN,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=ENCODER_MAX_POSITIONS,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        _sharpen(BertModel(config), 0.1).save_pretrained(scratch)
+        _sharpen(BertModel(_bert_config(tokenizer)), 0.1).save_pretrained(scratch)
         return _save_embedder(
             directory, scratch, pooling, dense, normalize, prompts, None, max_seq_length, ENCODER_HIDDEN
         )
@@ -363,16 +367,7 @@ def build_bert_cross_encoder(directory: Path, num_labels: int = 1) -> Path:
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = _wordpiece_tokenizer(ENCODER_MAX_POSITIONS)
         tokenizer.save_pretrained(scratch)
-        config = BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=ENCODER_HIDDEN,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=ENCODER_MAX_POSITIONS,
-            pad_token_id=tokenizer.pad_token_id,
-            num_labels=num_labels,
-        )
+        config = _bert_config(tokenizer, num_labels=num_labels)
         _sharpen(BertForSequenceClassification(config), 0.1).save_pretrained(scratch)
         return _save_cross_encoder(directory, scratch)
 
