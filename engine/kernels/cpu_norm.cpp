@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bfloat16.h"
 #include "kernels.h"
 
 #include <cmath>
@@ -22,14 +23,14 @@ void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t dim, f
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t k = 0; k < dim; ++k) {
-        const float v = static_cast<float>(row[k]);
+        const float v = ferry::to_float(row[k]);
         sum += v * v;
       }
       const float scale = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
 #pragma omp simd
       for (int64_t k = 0; k < dim; ++k) {
-        const T normed = static_cast<T>(static_cast<float>(row[k]) * scale);
-        dst[k] = static_cast<T>(static_cast<float>(weight[k]) * static_cast<float>(normed));
+        const float normed = ferry::to_float(ferry::from_float<T>(ferry::to_float(row[k]) * scale));
+        dst[k] = ferry::from_float<T>(ferry::to_float(weight[k]) * normed);
       }
     }
   });

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bfloat16.h"
 #include "kernels.h"
 
 #include <cmath>
@@ -28,15 +29,15 @@ void rotate(const T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t toke
         T* dst = out + (t * heads + h) * dim;
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
-          const T a = static_cast<T>(static_cast<float>(row[d]) * static_cast<float>(c[d]));
-          const T b = static_cast<T>(-static_cast<float>(row[d + half]) * static_cast<float>(s[d]));
-          dst[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+          const float a = ferry::to_float(ferry::from_float<T>(ferry::to_float(row[d]) * ferry::to_float(c[d])));
+          const float b = ferry::to_float(ferry::from_float<T>(-ferry::to_float(row[d + half]) * ferry::to_float(s[d])));
+          dst[d] = ferry::from_float<T>(a + b);
         }
 #pragma omp simd
         for (int64_t d = half; d < dim; ++d) {
-          const T a = static_cast<T>(static_cast<float>(row[d]) * static_cast<float>(c[d]));
-          const T b = static_cast<T>(static_cast<float>(row[d - half]) * static_cast<float>(s[d]));
-          dst[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+          const float a = ferry::to_float(ferry::from_float<T>(ferry::to_float(row[d]) * ferry::to_float(c[d])));
+          const float b = ferry::to_float(ferry::from_float<T>(ferry::to_float(row[d - half]) * ferry::to_float(s[d])));
+          dst[d] = ferry::from_float<T>(a + b);
         }
       }
     }

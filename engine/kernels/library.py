@@ -18,7 +18,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_norm.cpp", "cpu_pointwise.cpp", "cpu_decoder.cpp")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h", "bfloat16.h")]
 """The kernels' entry points, for the decoder (`cpu_decoder.cpp`), which calls the others; the blocked layouts' tiles,
 shared by the linear kernels."""
 
