@@ -214,6 +214,39 @@ def _decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _embed(args: argparse.Namespace) -> int:
+    from bench.embed import CosineMismatch, EmbedOptions, format_embed, run_embed
+
+    _quiet_transformers()
+    options = EmbedOptions(
+        model=args.model,
+        num_inputs=args.num_inputs,
+        min_len=args.min_len,
+        max_len=args.max_len,
+        seed=args.seed,
+        systems=tuple(v for v in args.systems.split(",") if v),
+        dtype=args.dtype,
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        max_batch_tokens=args.max_batch_tokens,
+        threads=args.threads,
+        check_inputs=args.check_inputs,
+        min_cosine=args.min_cosine,
+        vllm_python=args.vllm_python,
+        workdir=args.workdir,
+        ferry_args=tuple(args.ferry_arg),
+        vllm_args=tuple(args.vllm_arg),
+    )
+    try:
+        report = run_embed(options)
+    except CosineMismatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        print("no figures reported: the systems' vectors must agree before they are compared", file=sys.stderr)
+        return 1
+    _emit(report, format_embed(report), args.json)
+    return 0
+
+
 def _graph_modes(text: str) -> tuple[str, ...]:
     modes = tuple(v for v in text.split(",") if v)
     if not modes or any(mode not in ("on", "off") for mode in modes):
@@ -242,7 +275,7 @@ def _kv_cache_dtypes(text: str) -> tuple[str, ...]:
 
 def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(
-        dest="bench_command", required=True, metavar="{offline,serve,overhead,tp,decode,perplexity}"
+        dest="bench_command", required=True, metavar="{offline,serve,overhead,tp,decode,perplexity,embed}"
     )
 
     offline = commands.add_parser(
@@ -488,6 +521,68 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     perplexity.add_argument("--json", type=Path, default=None)
     perplexity.set_defaults(func=_perplexity)
 
+    from bench.embed import DTYPES, EMBED_SHAPES, EmbedOptions
+
+    embed = commands.add_parser(
+        "embed",
+        help="embeddings/s: Ferry's server against sentence-transformers' encode and vLLM's pooling runner",
+        description="Embeds one seeded set of inputs of mixed length with each system (Ferry's server and vLLM's "
+        "over /v1/embeddings with concurrent batched requests, sentence-transformers' encode in-process), checks "
+        "their vectors agree with sentence-transformers' in float32 on a few inputs, then prints embeddings/s, "
+        "tokens/s and Ferry's ratio to each.",
+    )
+    embed.add_argument(
+        "--model", default="bert-base", choices=tuple(EMBED_SHAPES), help="a named shape, random weights"
+    )
+    embed.add_argument("--num-inputs", type=_positive_int, default=1024)
+    embed.add_argument("--min-len", type=_positive_int, default=16, help="shortest input, special tokens included")
+    embed.add_argument("--max-len", type=_positive_int, default=512, help="longest input, special tokens included")
+    embed.add_argument("--seed", type=int, default=0)
+    embed.add_argument(
+        "--systems",
+        default="ferry,st,vllm",
+        help="comma-separated, run in this order: ferry, st (sentence-transformers), vllm; SYSTEM@DTYPE runs one in "
+        "its own dtype, e.g. ferry,st,st@float32,vllm",
+    )
+    embed.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="every system's dtype; auto: the checkpoint's (BERT float32, Qwen3 bfloat16)",
+    )
+    embed.add_argument(
+        "--batch-size", type=_positive_int, default=32, help="inputs per /v1/embeddings request, and encode's batch"
+    )
+    embed.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight against a server")
+    embed.add_argument(
+        "--max-batch-tokens",
+        type=_positive_int,
+        default=2048,
+        help="token budget per engine step: Ferry's --max-batch-tokens, vLLM's --max-num-batched-tokens",
+    )
+    embed.add_argument(
+        "--threads", type=int, default=None, help="CPU threads of every system (default: each system's own)"
+    )
+    embed.add_argument("--check-inputs", type=_positive_int, default=8, help="inputs whose vectors are compared")
+    embed.add_argument("--min-cosine", type=float, default=0.999, help="least cosine to the float32 reference")
+    embed.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="the python of an environment with vLLM installed (../shared/peers/install-vllm-cpu.sh makes one), "
+        "for the vllm system; without it that system is skipped with a note",
+    )
+    embed.add_argument(
+        "--workdir",
+        type=Path,
+        default=EmbedOptions.workdir,
+        help="where the model directories are built (once per shape and seed) and the servers' logs go",
+    )
+    embed.add_argument("--ferry-arg", action="append", default=[], help="extra `ferry serve` argument (repeatable)")
+    embed.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
+    embed.add_argument("--json", type=Path, default=None)
+    embed.set_defaults(func=_embed)
+
 
 def _perplexity(args: argparse.Namespace) -> int:
     from bench.checkpoints import resolve
@@ -511,7 +606,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` under `ferry`'s subcommands; dispatch with `args.func(args)`."""
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: offline, serve, overhead, tp, decode, perplexity",
+        help="benchmarks: offline, serve, overhead, tp, decode, perplexity, embed",
         description="Reproducible benchmarks of Ferry against its baselines.",
     )
     add_bench_subcommands(bench)

@@ -12,11 +12,22 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from bench.cli import main
 from bench.decode import DecodeOptions, format_decode, run_decode
+from bench.embed import (
+    EMBED_SHAPES,
+    CosineMismatch,
+    SystemResult,
+    check_tokenization,
+    compare_vectors,
+    embedder_tokenizer,
+    format_embed,
+    make_inputs,
+)
 from bench.llama_cpp import gguf_type, llama_server_command
 from bench.models import NAMED_CONFIGS
 from bench.offline import SYSTEMS, OfflineOptions, TokenMismatch, compare_tokens, format_offline, run_offline
@@ -530,3 +541,57 @@ def test_the_floors_replay_the_steps_of_the_reported_repeat(tiny_llama: Path) ->
     # Whichever repeat is the median (most often a warm one), the floor computes what it computed.
     assert report["floor"]["steps"] == details["steps"]
     assert report["floor"]["tokens_computed"] == cold - details["prefix_cache_hits"]
+
+
+# -- embed ---------------------------------------------------------------------------------------------------
+
+
+def _embed_command(tmp_path: Path, systems: str, *extra: str) -> dict[str, object]:
+    out = tmp_path / "embed.json"
+    status = main([
+        "embed", "--model", "tiny-bert", "--num-inputs", "10", "--min-len", "4", "--max-len", "40",
+        "--systems", systems, "--batch-size", "4", "--concurrency", "2", "--check-inputs", "4",
+        "--workdir", str(tmp_path), "--json", str(out), *extra,
+    ])  # fmt: skip
+    assert status == 0
+    return json.loads(out.read_text())
+
+
+def test_embed_command_runs_ferrys_server_and_sentence_transformers_on_the_same_inputs(tmp_path: Path) -> None:
+    report = _embed_command(tmp_path, "ferry,st")
+    assert set(report["systems"]) == {"ferry@float32", "st@float32"}
+    assert (
+        report["inputs"]["count"] == 10 and 4 <= report["inputs"]["min_tokens"] <= report["inputs"]["max_tokens"] <= 40
+    )
+    for label, cosine in report["check"]["min_cosine"].items():
+        assert cosine > 0.999 and report["check"]["max_distance"][label] < report["check"]["nearest_other_input"] / 2
+    st = report["systems"]["st@float32"]
+    assert st["ferry_ratio"] == pytest.approx(st["wall_seconds"] / report["systems"]["ferry@float32"]["wall_seconds"])
+    assert "Ferry / this" in format_embed(report)
+
+
+@pytest.mark.skipif(not os.environ.get("FERRY_VLLM_PYTHON"), reason="set FERRY_VLLM_PYTHON to vLLM's interpreter")
+def test_embed_command_against_vllms_pooling_runner(tmp_path: Path) -> None:
+    report = _embed_command(tmp_path, "ferry,vllm", "--vllm-python", os.environ["FERRY_VLLM_PYTHON"])
+    assert set(report["systems"]) == {"ferry@float32", "vllm@float32"} and report["skipped"] == {}
+
+
+def test_embed_check_refuses_vectors_of_other_inputs(tmp_path: Path) -> None:
+    """Mean pooling over random tokens leaves different inputs' vectors close: the check must still catch a mix-up."""
+    reference = np.random.default_rng(0).normal(size=(4, 8)) + 20.0  # nearly parallel, as mean-pooled vectors are
+    mixed = SystemResult("ferry", "float32", 1.0, np.roll(reference, 1, axis=0))
+    assert compare_vectors([SystemResult("st", "float32", 1.0, reference)], reference, [0, 1, 2, 3], 0.99)
+    with pytest.raises(CosineMismatch, match="ferry@float32"):
+        compare_vectors([mixed], reference, [0, 1, 2, 3], 0.99)
+
+
+@pytest.mark.parametrize("model", ["tiny-bert", "qwen3-embedding-0.6b"])
+def test_embed_texts_tokenize_to_the_ids_the_servers_get(model: str, tmp_path: Path) -> None:
+    shape = EMBED_SHAPES[model]
+    embedder_tokenizer(shape, 512).save_pretrained(tmp_path)
+    inputs = make_inputs(shape, 6, 5, 30, seed=1)
+    assert inputs == make_inputs(shape, 6, 5, 30, seed=1)
+    assert all(5 <= len(ids) <= 30 for ids in inputs.ids)
+    check_tokenization(tmp_path, inputs)
+    with pytest.raises(RuntimeError, match="input 0"):
+        check_tokenization(tmp_path, dataclasses.replace(inputs, ids=[ids[::-1] for ids in inputs.ids]))
