@@ -10,6 +10,7 @@ that has a field of that name (what the CLI, the benchmarks and the tests write)
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -142,6 +143,72 @@ class CacheConfig:
             )
 
 
+SpeculativeMethod = Literal["ngram", "suffix"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative/): where drafts come from and how many a request may carry. The
+    keys are vLLM's `--speculative-config` keys; `from_json` reads that flag's JSON."""
+
+    method: SpeculativeMethod
+    """`ngram`: prompt lookup, the tokens that followed the latest earlier occurrence of the sequence's last
+    n-gram; `suffix`: suffix trees over each request and over recent requests' outputs, scored by frequency."""
+    num_speculative_tokens: int = 4
+    """Most drafts a request carries into one step (fewer where its drafts are seldom accepted)."""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest n-gram that proposes."""
+    prompt_lookup_max: int = 5
+    """ngram: the longest n-gram tried (the longest match proposes)."""
+    suffix_decoding_max_tree_depth: int = 24
+    """suffix: the longest suffix matched, and the deepest a tree goes."""
+    suffix_decoding_max_cached_requests: int = 1000
+    """suffix: finished requests whose outputs are kept to draft from (oldest dropped first)."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """suffix: drafts at most this many times the matched suffix's length."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """suffix: drafting stops where the path's estimated probability falls below this."""
+    disable_by_batch_size: int | None = None
+    """No drafts while more requests than this run; by default the engine decides each step from the step times
+    it measures (engine/speculative/gate.py)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in get_args(SpeculativeMethod):
+            raise ValueError(
+                f"speculative method must be one of {', '.join(get_args(SpeculativeMethod))}, got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and max_cached_requests >= 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config of `--speculative-config`'s JSON object; unknown keys are an error, never ignored."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config is not JSON: {error}") from None
+        if not isinstance(values, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config has unknown keys {unknown}; known: {sorted(known)}")
+        if "method" not in values:
+            raise ValueError(f"--speculative-config needs a method: one of {', '.join(get_args(SpeculativeMethod))}")
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How steps are planned: budgets, policies, the waiting queue, request seeds (the scheduler's part)."""
@@ -169,6 +236,10 @@ class SchedulerConfig:
     """Plan each step while the one before it runs (the model on a thread of its own), vLLM's option: the host
     work of scheduling overlaps the forward pass. Greedy output is the same; a request that stops on EOS or a
     stop token computes one more token, discarded."""
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata=_SCHEDULING)
+    """Speculative decoding, as a JSON object with vLLM's keys: `{"method": "ngram", "num_speculative_tokens": 4}`
+    (prompt lookup; `prompt_lookup_min`, `prompt_lookup_max`) or `{"method": "suffix"}`. Drafts are verified in
+    the step's one forward pass: greedy and seeded output are the same as without them. Off by default."""
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1:

@@ -1,7 +1,7 @@
 """Command-line flags generated from an options dataclass, so that each option is documented once, where it is.
 
 Every field becomes `--field-name`: its type from the annotation (`bool` -> `--x/--no-x`, `Literal[...]` ->
-choices, `X | None` -> X, `tuple[X, ...]` -> one or more X), its default from the field, its help from the field's
+choices, `X | None` -> X, `tuple[X, ...]` -> one or more X, a class with `from_json` -> its JSON), its default from the field, its help from the field's
 attribute docstring (the string right after it), its help section from `metadata["group"]`, and other names it
 accepts from `metadata["aliases"]`. A field with
 `metadata["flag"] = False` is left to the caller.
@@ -78,7 +78,18 @@ def _type_options(annotation: Any) -> dict[str, Any]:
         return {**_type_options(value_type), "nargs": "+"}
     if annotation in (int, float, str):
         return {"type": annotation}
+    if hasattr(annotation, "from_json"):
+        # An options object given as one JSON argument (`--speculative-config '{"method": "ngram"}'`).
+        return {"type": functools.partial(_from_json, annotation)}
     raise TypeError(f"no command-line flag for a field of type {annotation!r}")
+
+
+def _from_json(cls: Any, text: str) -> Any:
+    # argparse shows an ArgumentTypeError's own message; a ValueError would be "invalid value" alone.
+    try:
+        return cls.from_json(text)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 @functools.cache

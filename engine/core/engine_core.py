@@ -42,6 +42,7 @@ from engine.execution.cuda_graphs import CaptureReport
 from engine.execution.runner import ModelRunner
 from engine.execution.startup import start_runner
 from engine.models.loader import LoadedModel, load_model, model_config, weight_bytes
+from engine.speculative.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,9 @@ class EngineCore:
         ]
         self.kv_cache = KVCacheManager(layouts, pools)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        speculative = config.scheduler.speculative_config
+        self.speculator = Speculator(speculative) if speculative is not None else None
+        """Drafts for each step's decodes (--speculative-config); None without speculative decoding."""
         self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []
@@ -325,10 +329,19 @@ class EngineCore:
         if self._runner_thread is not None:
             return self._step_ahead(self._runner_thread)
         started = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         scheduled = time.perf_counter()
         result = self._execute(plan)
         return self._apply(plan, result, scheduled - started, time.perf_counter())
+
+    def _schedule(self) -> SchedulerOutput:
+        """The next plan, with the drafts the speculator proposes for its decodes."""
+        speculator = self.speculator
+        if speculator is None or not self.scheduler.running:
+            return self.scheduler.schedule()
+        running = self.scheduler.running
+        drafts = speculator.propose(running)
+        return self.scheduler.schedule(drafts, speculator.hold(running) if self._runner_thread is not None else ())
 
     def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """The plan to every tensor-parallel rank, then this rank's part (on the runner's thread when async)."""
@@ -343,11 +356,11 @@ class EngineCore:
     def _step_ahead(self, runner_thread: ThreadPoolExecutor) -> list[StepOutput]:
         if self._in_flight is None:
             started = time.perf_counter()
-            plan = self.scheduler.schedule()
+            plan = self._schedule()
             self._in_flight = (plan, runner_thread.submit(self._ahead(plan)), time.perf_counter() - started)
         plan, running, schedule_seconds = self._in_flight
         started = time.perf_counter()
-        following = self.scheduler.schedule()
+        following = self._schedule()
         planned = time.perf_counter() - started
         execute_following = self._ahead(following)
         outputs = self._apply(plan, running.result(), schedule_seconds, time.perf_counter())
@@ -371,6 +384,9 @@ class EngineCore:
         self, plan: SchedulerOutput, result: ModelRunnerOutput, schedule_seconds: float, executed: float
     ) -> list[StepOutput]:
         outputs = self.scheduler.update(plan, result)
+        if self.speculator is not None:
+            self.speculator.observe(plan, result)
+            self.speculator.forget(output.request_id for output in outputs if output.finished)
         self._last_step_tokens = plan.num_tokens
         self._num_steps += bool(plan.request_ids)
         if self.observers:
@@ -430,6 +446,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache
+        speculator = self.speculator
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=self._num_waiting,
@@ -441,6 +458,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
             last_step_tokens=self._last_step_tokens,
+            **(speculator.counters() if speculator is not None else {}),
         )
 
     def queue_room(self) -> int | None:

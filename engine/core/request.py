@@ -147,6 +147,9 @@ class SamplingParams:
     close_within_budget: bool = True
     """A JSON constraint's value closes within `max_new_tokens` (its shortest valid completion forced when the
     tokens left are just enough), and the request then ends with `length`; False lets it run out unclosed."""
+    speculate: bool = True
+    """Whether the engine may draft tokens for it (with --speculative-config): False opts a request out, as one
+    whose drafts would rarely be accepted, at no change to its output."""
 
     def __post_init__(self) -> None:
         checks = [

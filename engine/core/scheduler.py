@@ -20,7 +20,8 @@ while a step computed for it keeps the token that step sampled.
 A result may bring several tokens for a request (see `ModelRunnerOutput`): each goes through the stop rules in
 order. A token at a position the request already knows (a step planned ahead sampled where an earlier result
 brought more than one token) is dropped, and so is that step's pending sample. Drafts (`schedule(drafts)`) are
-planned only for a decode with nothing in flight, and the request waits for that result before its next plan.
+planned only for a decode with nothing in flight, and the request waits for that result before its next plan;
+`schedule(hold=...)` leaves requests out of a plan ahead, so that the plan after it can give them drafts.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import bisect
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
@@ -221,6 +222,8 @@ class Scheduler:
         self._planned: deque[_Planned] = deque()
         """Each plan whose result is not applied yet, oldest first: update() applies a step's result to its
         requests and takes their planned tokens out of flight."""
+        self._hold: Collection[str] = ()
+        """This plan's `schedule(hold=...)`."""
         self._drafting: set[str] = set()
         """Requests with drafts in flight: not planned again until that result is applied."""
         self._shrunk: dict[str, tuple[int, ...]] = {}
@@ -252,11 +255,16 @@ class Scheduler:
         self._pending.append(output)
         return True
 
-    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+    def schedule(
+        self, drafts: Mapping[str, Sequence[int]] | None = None, hold: Collection[str] = ()
+    ) -> SchedulerOutput:
         """Pick this step's requests and token counts (see the module docstring for the rules).
 
-        `drafts`: proposed next tokens by request id, planned (as many as fit) for running decodes."""
+        `drafts`: proposed next tokens by request id, planned (as many as fit) for running decodes. `hold`: running
+        requests with a step in flight not to plan ahead of its result (so that the next plan can give them drafts,
+        which only a request with nothing in flight carries)."""
         builder = _StepBuilder(self.config.max_batch_tokens, self.config.max_num_seqs)
+        self._hold = hold
         # Under the priority policy the most important running requests get the budget first.
         running = sorted(self.running, key=priority_key) if self._by_priority else list(self.running)
         if self.config.scheduler_policy == "prefill_first":
@@ -444,6 +452,7 @@ class Scheduler:
         self.running.remove(request.request_id)
         self.waiting.remove(request.request_id)
         self.kv_cache.free(request.request_id)
+        self._shrunk.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -452,12 +461,14 @@ class Scheduler:
         self, requests: list[Request], builder: _StepBuilder, drafts: Mapping[str, Sequence[int]]
     ) -> None:
         """Give each running request (oldest first) its missing tokens, up to the budget left."""
-        drafting = self._drafting  # per request below: the common case (no drafts anywhere) tests two empties
+        drafting, hold = self._drafting, self._hold  # per request below: the common case tests three empties
         for request in requests:
             if builder.full:
                 return
             # Preempted earlier in this loop, to make room for an older request; or its drafts are being checked.
             if request.status is not RequestStatus.RUNNING or (drafting and request.request_id in drafting):
+                continue
+            if hold and request.num_in_flight_tokens and request.request_id in hold:
                 continue
             pending = request.num_pending_samples
             # The token being sampled for it now is its last by length: the result finishes it.
@@ -519,6 +530,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, builder: _StepBuilder) -> None:
         self.kv_cache.free(request.request_id)
+        self._shrunk.pop(request.request_id, None)  # its table goes whole: no cut of it to send
         self.running.remove(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

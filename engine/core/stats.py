@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -18,3 +18,9 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     last_step_tokens: int
+    spec_decode_num_drafts: int = 0
+    """Draft runs verified (a request's drafts in one step), with --speculative-config."""
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = field(default=())
+    """Accepted drafts by their position in the run (0: the first draft)."""

@@ -108,7 +108,7 @@ class StepInputs:
     """On the device; on CUDA its copy is issued by `load_inputs`, once the placeholders are filled."""
     metas: list[StepMetadata]
     """One per KV-cache group (positions shared, page tables and slot mappings its own)."""
-    logits_rows: torch.Tensor  # [S + P] packed-row index of each sampling sequence's last token, then prompt rows
+    logits_rows: torch.Tensor  # [S + D + P] rows of each sampling sequence's last known token, drafts, prompt rows
     num_sampling: int
     """S: the first rows of the logits are the sampling sequences'; the P after them score prompt tokens."""
     prompt_spans: list[tuple[str, int, int, int]]
@@ -132,6 +132,9 @@ class StepInputs:
     token_type_ids: torch.Tensor | None = None
     """[T] each token's segment, for a model that reads them (an encoder); None otherwise."""
     prepare_seconds: float = 0.0
+    drafts: list[tuple[int, ...]] = field(default_factory=list)
+    """Per sampling sequence, the drafts it verifies (empty: none); empty when the step has none. Their logits
+    rows follow the S sampling rows (see `PackedStep.num_draft_rows`), before the prompt rows."""
     graph_size: int | None = None
     """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
     loaded from `buffers` by `run` (rows past the step's sequences are padding), and the forward pass replays its
@@ -156,12 +159,16 @@ class PackedStep:
     seq_of_token: np.ndarray  # [T]
     max_query_len: int
     num_sampling: int
-    """Logits rows [0, num_sampling) are the sampling sequences' last tokens."""
+    """Logits rows [0, num_sampling) are the sampling sequences' last known tokens."""
     sampling: list[SequenceState]
     sample_positions: list[int]
     """The position of the first token sampled for each of `sampling`."""
     placeholders: list[tuple[int, SequenceState, int]]
     """(packed token index, sequence, position) of each PLACEHOLDER: its token there, filled in by `run`."""
+    drafts: list[tuple[int, ...]]
+    """Per sampling sequence, its drafts (empty: none); empty when the step has none."""
+    num_draft_rows: int
+    """Logits rows [num_sampling, num_sampling + num_draft_rows) follow each draft, sequence by sequence."""
 
     @property
     def num_tokens(self) -> int:
@@ -226,8 +233,6 @@ class InputBatch:
                 self.num_with_spans -= bool(seq.noncausal_spans)
                 self.num_pooling -= seq.pooling is not None
                 self._count_needs(seq.params, -1)
-        if plan.draft_token_ids:
-            raise NotImplementedError("this runner has no verifying sampler: it cannot take a plan with drafts")
         for new in plan.new_requests:
             self._add(new, grammar_of(new))
         for request_id, lengths in plan.shrunk_tables:
@@ -309,7 +314,22 @@ class InputBatch:
         host["query_start_loc"][: num_seqs + 1] = cu_q
         host["seq_lens"][:num_seqs] = seq_lens
         samples = np.asarray(plan.samples, dtype=bool)
-        rows = cu_q[1:][samples] - 1
+        ends = cu_q[1:][samples]
+        sample_positions = seq_lens[samples]
+        drafts: list[tuple[int, ...]] = []
+        num_draft_rows = 0
+        if plan.draft_token_ids:
+            # Each drafting sequence samples before its drafts (its row among the first S) and after each draft
+            # (rows after the S, in sequence order); the first token it gets sits before the drafts.
+            drafts = [d for d, sampled in zip(plan.draft_token_ids, plan.samples, strict=True) if sampled]
+            counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+            num_draft_rows = int(counts.sum())
+            draft_ends = np.repeat(ends, counts)
+            within = np.arange(num_draft_rows) - np.repeat(np.cumsum(counts) - counts, counts)
+            host["logits_rows"][len(ends) : len(ends) + num_draft_rows] = draft_ends - counts.repeat(counts) + within
+            ends = ends - counts
+            sample_positions = sample_positions - counts
+        rows = ends - 1
         host["logits_rows"][: len(rows)] = rows
         return PackedStep(
             buffers,
@@ -321,8 +341,10 @@ class InputBatch:
             int(q_lens.max()),
             len(rows),
             [seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled],
-            seq_lens[samples].tolist(),
+            sample_positions.tolist(),
             placeholders,
+            drafts,
+            num_draft_rows,
         )
 
     def write_tables(

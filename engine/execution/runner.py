@@ -47,6 +47,7 @@ from engine.execution.prompt_logprobs import prompt_rows, score_prompts
 from engine.models.loader import LoadedModel, weight_bytes
 from engine.sampling.sampler import Sampler, SampleResult
 from engine.sampling.token_masks import GrammarState, StepGrammars
+from engine.sampling.verify import verify
 
 
 class ModelRunner:
@@ -135,9 +136,16 @@ class ModelRunner:
         # After the forward pass was issued: on CUDA the CPU fills the masks while the device computes.
         grammars = [sampling[row].grammar for row in constrained]
         grammar_bias = (constrained, self.step_grammars.bias(grammars)) if constrained else None  # type: ignore[arg-type]
-        token_ids, logprobs = self.step_tokens(
-            inputs, self.sampler(logits[: inputs.num_sampling], sampling, grammar_bias, inputs.sampling_needs)
-        )
+        num_sampling, drafts = inputs.num_sampling, inputs.drafts
+        if drafts:
+            num_sampling += sum(map(len, drafts))
+            token_ids, logprobs = verify(
+                self.sampler, logits[:num_sampling], sampling, drafts, grammar_bias, inputs.sampling_needs
+            )
+        else:
+            token_ids, logprobs = self.step_tokens(
+                inputs, self.sampler(logits[:num_sampling], sampling, grammar_bias, inputs.sampling_needs)
+            )
         closed_by_budget = []
         if grammar_bias is not None:
             closed_by_budget = self._close_within_budget(logits, grammar_bias, grammars, sampling, token_ids, logprobs)
@@ -150,7 +158,7 @@ class ModelRunner:
             token_ids,
             logprobs,
             score_prompts(
-                logits[inputs.num_sampling : inputs.num_sampling + len(inputs.prompt_targets)],
+                logits[num_sampling : num_sampling + len(inputs.prompt_targets)],
                 self.sampler.vocab_size,
                 inputs.prompt_spans,
                 inputs.prompt_targets,
@@ -234,9 +242,11 @@ class ModelRunner:
             return None
         packed = self.batch.pack(plan)
         buffers, num_sampling = packed.buffers, packed.num_sampling
+        # Rows after the sampling ones: each draft's, then prompt rows, then pooling rows.
+        first_other = num_sampling + packed.num_draft_rows
         spans, targets = (
             prompt_rows(
-                plan, self.batch.seqs, self.batch.scoring_prompts, packed.cu_q, num_sampling, buffers.np["logits_rows"]
+                plan, self.batch.seqs, self.batch.scoring_prompts, packed.cu_q, first_other, buffers.np["logits_rows"]
             )
             if self.batch.scoring_prompts
             else ([], [])
@@ -245,8 +255,8 @@ class ModelRunner:
         if self.batch.num_with_spans and any(seq.noncausal_spans for seq in packed.seqs):
             starts = packed.seq_lens - np.diff(packed.cu_q)
             noncausal = step_spans([seq.noncausal_spans for seq in packed.seqs], starts, packed.seq_lens)
-        pooling = self._pooling_rows(plan, packed, num_sampling + len(targets)) if self.batch.num_pooling else []
-        num_logits = num_sampling + len(targets) + sum(rows.logits_row is not None for rows in pooling)
+        pooling = self._pooling_rows(plan, packed, first_other + len(targets)) if self.batch.num_pooling else []
+        num_logits = first_other + len(targets) + sum(rows.logits_row is not None for rows in pooling)
         # A graph's static metadata has no spans, and its forward pass returns no hidden states to pool: such a
         # step runs eagerly.
         graph_size = (
@@ -274,6 +284,7 @@ class ModelRunner:
             sample_positions=packed.sample_positions,
             buffers=buffers,
             sampling_needs=self.batch.sampling_needs,
+            drafts=packed.drafts,
             pooling=pooling,
             token_type_ids=self._token_types(plan, packed) if self._takes_token_types else None,
             prepare_seconds=time.perf_counter() - started,

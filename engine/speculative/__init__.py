@@ -1,0 +1,1 @@
+"""Speculative decoding: where drafts come from (ngram, suffix, a client's prediction) and how many to send."""

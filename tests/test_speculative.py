@@ -1,0 +1,315 @@
+"""Speculative decoding: drafts verified in the step's forward pass change nothing of the output.
+
+The oracle is each prompt decoded alone by the model's own `generate` (tests/test_engine_equivalence.py): with
+every draft source (a noisy oracle that proposes the true continuation with wrong tokens mixed in, ngram, suffix)
+the engine's greedy tokens and logprobs equal it, over mixed, chunked, preempted, prefix-shared, async and TP=2
+runs. Seeded and unseeded sampled requests give the same tokens with and without drafts; and on a tiny vocabulary
+the verified tokens follow the target distribution (chi-square).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine.config import SpeculativeConfig
+from engine.core.request import Request
+from engine.sampling.sampler import CHECK_EACH_REQUEST, Sampler
+from engine.sampling.verify import verify
+from engine.speculative.gate import Acceptance, StepCost, drafts_worth
+from engine.speculative.ngram import NgramDrafts, lookup
+from engine.speculative.source import DraftingRequest
+from engine.speculative.speculator import Speculator
+from tests.test_engine_equivalence import CONFIGS, LOGPROB_TOLERANCE, _reference
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+
+
+class NoisyOracle:
+    """Proposes each request's true greedy continuation, with one token in three replaced by a wrong one: drafts
+    that are accepted in part, rejected at every position, or accepted whole."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.continuations = continuations
+        self.vocab = vocab
+        self.rng = random.Random(7)
+        self.proposed = 0
+
+    def propose(self, request: DraftingRequest, max_drafts: int) -> list[int]:
+        truth = self.continuations[tuple(request.prompt_ids)]
+        done = len(request.output_ids)
+        drafts = list(truth[done : done + max_drafts])
+        for i in range(len(drafts)):
+            if self.rng.random() < 1 / 3:
+                drafts[i] = (drafts[i] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+        self.proposed += len(drafts)
+        return drafts
+
+    def finished(self, request: DraftingRequest) -> None:
+        pass
+
+
+def _engine(path: Path, speculative: SpeculativeConfig | None, **overrides: object) -> EngineCore:
+    config = EngineConfig.of(
+        model=str(path), debug_checks=True, speculative_config=speculative, **{"num_pages": 512, **overrides}
+    )
+    return EngineCore(config)
+
+
+def _check_greedy(engine: EngineCore, path: Path, arch: str, shared_prefix: int = 0) -> None:
+    prompts, max_new, expected, expected_logprobs = _reference(path, arch, shared_prefix)
+    params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
+    results = generate_batch(prompts, params=params, engine=engine)
+    for i, want in enumerate(expected):
+        got = results[f"req_{i}"]
+        assert got.generated_ids == want, f"request {i} (prompt {len(prompts[i])} tokens) diverged"
+        assert got.logprobs is not None
+        worst = max(abs(t.logprob - e) for t, e in zip(got.logprobs, expected_logprobs[i], strict=True))
+        assert worst <= LOGPROB_TOLERANCE, f"request {i}: a logprob is {worst:.2e} off"
+    assert engine.is_idle_and_clean()
+    engine.kv_cache.check_invariants()
+
+
+def _with_oracle(engine: EngineCore, path: Path, arch: str, shared_prefix: int) -> NoisyOracle:
+    prompts, _, expected, _ = _reference(path, arch, shared_prefix)
+    oracle = NoisyOracle({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, engine.hf_config.vocab_size)
+    assert engine.speculator is not None
+    engine.speculator.source = oracle
+    return oracle
+
+
+@pytest.mark.parametrize(
+    ("setup", "async_scheduling"), [("mixed", False), ("chunked", False), ("preempt", False), ("preempt", True)]
+)
+def test_drafts_keep_greedy_output(model_dir: Callable[[str], Path], setup: str, async_scheduling: bool) -> None:
+    path = model_dir("llama")
+    engine = _engine(path, NGRAM, async_scheduling=async_scheduling, **CONFIGS[setup])
+    oracle = _with_oracle(engine, path, "llama", 0)
+    _check_greedy(engine, path, "llama")
+    speculator = engine.speculator
+    assert speculator is not None and oracle.proposed > 0
+    assert 0 < speculator.num_accepted_tokens < speculator.num_draft_tokens, "drafts all accepted or all rejected"
+    if setup == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    engine.close()
+
+
+def test_drafts_with_a_shared_prefix_and_sliding_windows(model_dir: Callable[[str], Path]) -> None:
+    for arch, prefix in (("llama", 40), ("qwen2_hybrid", 0)):
+        path = model_dir(arch)
+        engine = _engine(path, NGRAM, max_batch_tokens=64, page_size=8)
+        _with_oracle(engine, path, arch, prefix)
+        _check_greedy(engine, path, arch, prefix)
+        if prefix:
+            assert engine.stats().prefix_cache_hits >= prefix // 8 * 8
+        assert engine.speculator is not None and engine.speculator.num_accepted_tokens > 0
+        engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_drafts_at_tp2(model_dir: Callable[[str], Path]) -> None:
+    """Rank 0 drafts and verifies; the other rank computes the drafted positions from the plans it is sent."""
+    path = model_dir("llama")
+    engine = _engine(
+        path,
+        NGRAM,
+        tensor_parallel_size=2,
+        max_batch_tokens=32,
+        page_size=4,
+        num_pages=None,
+        cpu_kv_cache_gib=48 * 1024 / 2**30,
+    )
+    _with_oracle(engine, path, "llama", 16)
+    _check_greedy(engine, path, "llama", 16)
+    assert engine.speculator is not None and engine.speculator.num_accepted_tokens > 0
+    engine.close()
+
+
+def _repeating_prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat a phrase: the model's continuation of the phrase is found earlier in them."""
+    rng = random.Random(3)
+    prompts = []
+    for length in (5, 9, 14):
+        phrase = [rng.randrange(10, vocab) for _ in range(length)]
+        prompts.append(phrase * 4 + phrase[: length // 2])
+    return prompts
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_real_draft_sources_keep_output(model_dir: Callable[[str], Path], method: str) -> None:
+    """ngram and suffix drafting on prompts they can draft from: the same greedy and seeded tokens as without."""
+    path = model_dir("llama")
+    plain = _engine(path, None)
+    drafting = _engine(path, SpeculativeConfig(method=method, num_speculative_tokens=5))
+    prompts = _repeating_prompts(plain.hf_config.vocab_size)
+    params = [SamplingParams(max_new_tokens=40, logprobs=True, top_logprobs=2)] * len(prompts) + [
+        SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95, seed=11, repetition_penalty=1.2),
+        SamplingParams(max_new_tokens=40, temperature=1.3, frequency_penalty=0.5),
+    ] * len(prompts)
+    inputs = prompts * 3
+    want = generate_batch(inputs, params=params, engine=plain)
+    # The suffix source also learns from finished requests: a second round drafts from the first's outputs.
+    for _ in range(2 if method == "suffix" else 1):
+        got = generate_batch(inputs, params=params, engine=drafting)
+        for key, expected in want.items():
+            assert got[key].generated_ids == expected.generated_ids, f"{method}: {key} differs"
+            if expected.logprobs is not None:
+                assert got[key].logprobs is not None
+                for a, b in zip(got[key].logprobs, expected.logprobs, strict=True):
+                    assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= LOGPROB_TOLERANCE
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    speculator = drafting.speculator
+    assert speculator is not None and speculator.num_accepted_tokens > 0, f"{method} never had a draft accepted"
+    stats = drafting.stats()
+    assert stats.spec_decode_num_accepted_tokens == speculator.num_accepted_tokens
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == speculator.num_accepted_tokens
+    assert drafting.is_idle_and_clean()
+    plain.close()
+    drafting.close()
+
+
+def test_opted_out_and_constrained_requests_draft_nothing(model_dir: Callable[[str], Path]) -> None:
+    path = model_dir("llama")
+    engine = _engine(path, NGRAM)
+    prompts = _repeating_prompts(engine.hf_config.vocab_size)
+    generate_batch(prompts, params=SamplingParams(max_new_tokens=30, speculate=False), engine=engine)
+    assert engine.speculator is not None and engine.speculator.num_drafts == 0
+    engine.close()
+
+
+# -- the verifier alone ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Seq:
+    params: SamplingParams
+    generator_seed: int
+    prompt_ids: tuple[int, ...] = (1,)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def test_verified_tokens_follow_the_target_distribution() -> None:
+    """A context-free target p over 6 tokens, two drafts per sequence: the first kept token and the token after an
+    accepted first draft are both distributed as p. Accepting a draft more often than p(d) (or resampling from p
+    instead of the residual) shifts the counts far past the test's bound at this many samples."""
+    vocab, n = 6, 12_000
+    p = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.2, 0.1])
+    sampler = Sampler(vocab, torch.device("cpu"), default_seed=5)
+    seqs = [_Seq(SamplingParams(temperature=1.0), generator_seed=i) for i in range(n)]
+    drafts = [(1, 3)] * n
+    logits = p.log().expand(n * 3, vocab).contiguous()
+    tokens, _ = verify(sampler, logits, seqs, drafts, None, CHECK_EACH_REQUEST)
+    first = torch.tensor([t[0] for t in tokens])
+    second = torch.tensor([t[1] for t in tokens if len(t) > 1])
+    for observed in (first, second):
+        counts = torch.bincount(observed, minlength=vocab).double()
+        expected = p.double() / p.double().sum() * len(observed)
+        assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+    # The first draft (token 1) is accepted with probability p(1) = 0.3, the second given the first p(3) = 0.25.
+    accepted = [len(t) - 1 for t in tokens]
+    assert abs(sum(a >= 1 for a in accepted) / n - 0.3) < 0.02
+    assert abs(sum(a == 2 for a in accepted) / n - 0.3 * 0.25) < 0.015
+
+
+def test_verified_tokens_are_the_undrafted_draws() -> None:
+    """Seeded or not, the tokens kept are those sampling without drafts draws at each position."""
+    vocab = 50
+    torch.manual_seed(0)
+    sampler = Sampler(vocab, torch.device("cpu"), default_seed=5)
+    rows = torch.randn(4, vocab) * 3
+    for params in (
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(temperature=1.0, top_k=10, repetition_penalty=1.3),
+        SamplingParams(),
+    ):
+        seq = _Seq(params, generator_seed=9, output_ids=[4, 8])
+        plain: list[int] = []
+        for position in range(3):
+            state = _Seq(params, 9, output_ids=[4, 8, *plain])
+            plain.append(sampler(rows[position : position + 1], [state]).token_ids[0])
+        for drafted in ((plain[0], plain[1], 7), (plain[0], (plain[1] + 1) % vocab), ((plain[0] + 1) % vocab,)):
+            tokens, _ = verify(sampler, rows[: 1 + len(drafted)], [seq], [drafted], None, CHECK_EACH_REQUEST)
+            accepted = next((i for i, d in enumerate(drafted) if d != plain[i]), len(drafted))
+            assert tokens[0] == plain[: accepted + 1]
+
+
+# -- the parts ---------------------------------------------------------------------------------------------------
+
+
+def test_ngram_lookup() -> None:
+    seq = torch.tensor([5, 6, 7, 8, 9, 1, 5, 6, 7]).numpy()
+    assert lookup(seq, 2, 4, 3) == [8, 9, 1]  # "5 6 7" occurred: what followed it
+    assert lookup(seq, 2, 4, 1) == [8]
+    assert lookup(torch.tensor([1, 2, 3, 4]).numpy(), 1, 3, 5) == []
+    # The latest earlier occurrence of the longest n-gram wins.
+    assert lookup(torch.tensor([1, 2, 9, 1, 2, 8, 3, 1, 2]).numpy(), 2, 3, 2) == [8, 3]
+    assert lookup(torch.tensor([4, 1, 2, 9, 3, 1, 2]).numpy(), 2, 3, 2) == [9, 3]
+
+
+def test_ngram_source_follows_a_growing_request() -> None:
+    source = NgramDrafts(2, 3)
+    request = Request("r", [3, 4, 5, 6, 3, 4], SamplingParams(), frozenset())
+    assert source.propose(request, 2) == [5, 6]
+    request.output_ids += [5, 6, 3]
+    assert source.propose(request, 3) == [4, 5, 6]
+    source.finished(request)
+    assert source.propose(Request("r", [1, 2], SamplingParams(), frozenset()), 3) == []
+
+
+def test_the_gate_steps_aside_under_load() -> None:
+    # A step costs 10 ms plus 0.1 ms a token.
+    cost = StepCost()
+    for n in (1, 5, 3, 1, 8, 2):
+        cost.record(n, 0.010 + 0.0001 * n)
+    fit = cost.fit()
+    assert fit is not None
+    assert fit[0] == pytest.approx(0.010, rel=1e-6) and fit[1] == pytest.approx(0.0001, rel=1e-6)
+    assert drafts_worth(0.5, 1, fit, 8) == 6  # 0.5^j * 10.1 ms > 0.1 ms for j <= 6
+    assert drafts_worth(0.9, 1, fit, 8) == 8
+    assert drafts_worth(0.9, 256, fit, 8) == 3  # 0.9^j * 0.139 ms > 0.1 ms for j <= 3.1
+    assert drafts_worth(0.5, 256, fit, 8) == 0
+    assert drafts_worth(0.5, 1, None, 8) == 8  # nothing measured yet: draft, and so measure
+    acceptance = Acceptance()
+    for _ in range(100):
+        acceptance.record(4, 0)
+    assert acceptance.rate < 0.05
+    assert drafts_worth(acceptance.rate, 1, fit, 8) <= 1
+
+
+def test_disable_by_batch_size() -> None:
+    speculator = Speculator(dataclasses.replace(NGRAM, disable_by_batch_size=1))
+    requests = [Request(f"r{i}", [1, 2, 1, 2, 1], SamplingParams(), frozenset()) for i in range(2)]
+    from engine.core.request import RequestStatus
+
+    for request in requests:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_tokens - 1
+    assert speculator.propose(requests) == {}
+    assert speculator.propose(requests[:1]) == {"r0": [2, 1]}
+
+
+def test_speculative_config_json() -> None:
+    config = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", 3, 4)
+    for text, message in (
+        ('{"method": "eagle"}', "speculative method must be one of"),
+        ('{"num_speculative_tokens": 3}', "needs a method"),
+        ('{"method": "ngram", "lookahead": 3}', "unknown keys ['lookahead']"),
+        ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "1 <= min <= max"),
+        ("[1]", "must be a JSON object"),
+        ("{", "is not JSON"),
+    ):
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            SpeculativeConfig.from_json(text)
