@@ -37,6 +37,9 @@ SNAPSHOT_SAMPLES = (
     "prefix_cache_queries_total",
     "prefix_cache_hits_total",
     "num_preemptions_total",
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
     "request_rejected_total",
     "tensor_parallel_size",
     "model_weight_bytes",
@@ -97,6 +100,20 @@ class ServerMetrics:
         self.num_preemptions = counter("ferry:num_preemptions", "Requests preempted to free KV-cache pages.").labels(
             model_name
         )
+        self.spec_decode_num_drafts = counter(
+            "ferry:spec_decode_num_drafts", "Draft runs verified (one request's drafts in one step)."
+        ).labels(model_name)
+        self.spec_decode_num_draft_tokens = counter(
+            "ferry:spec_decode_num_draft_tokens", "Drafted tokens verified."
+        ).labels(model_name)
+        self.spec_decode_num_accepted_tokens = counter(
+            "ferry:spec_decode_num_accepted_tokens", "Drafted tokens accepted."
+        ).labels(model_name)
+        self._spec_decode_accepted_per_pos = counter(
+            "ferry:spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted, by their position in the draft run (0: the first).",
+            ("position",),
+        )
         self.time_to_first_token = histogram(
             "ferry:time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS
         ).labels(model_name)
@@ -133,9 +150,25 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        if stats.spec_decode_num_drafts > (last.spec_decode_num_drafts if last else 0):
+            self._observe_drafts(stats, last)
         if stats.num_steps > (last.num_steps if last else 0):  # a step that ran the model (not idle, not abort-only)
             self.iteration_tokens.observe(stats.last_step_tokens)
         self._last_stats = stats
+
+    def _observe_drafts(self, stats: EngineStats, last: EngineStats | None) -> None:
+        self.spec_decode_num_drafts.inc(stats.spec_decode_num_drafts - (last.spec_decode_num_drafts if last else 0))
+        self.spec_decode_num_draft_tokens.inc(
+            stats.spec_decode_num_draft_tokens - (last.spec_decode_num_draft_tokens if last else 0)
+        )
+        self.spec_decode_num_accepted_tokens.inc(
+            stats.spec_decode_num_accepted_tokens - (last.spec_decode_num_accepted_tokens if last else 0)
+        )
+        before = last.spec_decode_num_accepted_tokens_per_pos if last else ()
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            done = before[position] if position < len(before) else 0
+            if count > done:
+                self._spec_decode_accepted_per_pos.labels(self._model_name, str(position)).inc(count - done)
 
     def count_success(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
@@ -163,6 +196,10 @@ class ServerMetrics:
             snapshot[name] = value if name == "kv_cache_usage_perc" else int(value)
         queries = snapshot["prefix_cache_queries_total"]
         snapshot["prefix_cache_hit_rate"] = snapshot["prefix_cache_hits_total"] / queries if queries else None
+        drafted = snapshot["spec_decode_num_draft_tokens_total"]
+        snapshot["spec_decode_acceptance_rate"] = (
+            snapshot["spec_decode_num_accepted_tokens_total"] / drafted if drafted else None
+        )
         return snapshot
 
 

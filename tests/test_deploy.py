@@ -641,6 +641,7 @@ CPU_ENGINE_VALUES = {
     "cpuPrefillThreads": 2,
     "cpuWideModelBytes": 67108864,
     "asyncScheduling": True,
+    "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3},
     "distributedTimeout": 60,
 }
 CPU_SERVER_VALUES = {

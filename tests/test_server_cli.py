@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -161,6 +162,8 @@ def _other_value(annotation: Any, default: Any) -> Any:
     value_type = next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
     if typing.get_origin(value_type) is tuple:
         return ("set", "other")
+    if hasattr(value_type, "from_json"):  # an options object: one with a required field set otherwise
+        return value_type.from_json('{"method": "suffix", "num_speculative_tokens": 3}')
     if value_type is float:
         return default / 2 if default else 0.5  # fractions must stay below 1
     if value_type is int:
@@ -175,6 +178,8 @@ def _argv(values: dict[str, Any]) -> list[str]:
             argv.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
         elif isinstance(value, tuple):
             argv += [flag_name(name), *value]
+        elif dataclasses.is_dataclass(value):
+            argv += [flag_name(name), json.dumps(dataclasses.asdict(value))]
         else:
             argv += [flag_name(name), str(value)]
     return argv

@@ -20,7 +20,8 @@ from scipy.stats import chisquare
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.config import SpeculativeConfig
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
+from engine.core.stats import EngineStats
 from engine.sampling.sampler import CHECK_EACH_REQUEST, Sampler
 from engine.sampling.verify import verify
 from engine.speculative.gate import Acceptance, StepCost, drafts_worth
@@ -291,7 +292,6 @@ def test_the_gate_steps_aside_under_load() -> None:
 def test_disable_by_batch_size() -> None:
     speculator = Speculator(dataclasses.replace(NGRAM, disable_by_batch_size=1))
     requests = [Request(f"r{i}", [1, 2, 1, 2, 1], SamplingParams(), frozenset()) for i in range(2)]
-    from engine.core.request import RequestStatus
 
     for request in requests:
         request.status = RequestStatus.RUNNING
@@ -313,3 +313,20 @@ def test_speculative_config_json() -> None:
     ):
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
             SpeculativeConfig.from_json(text)
+
+
+def test_drafting_counters_reach_the_metrics() -> None:
+    from server.metrics import ServerMetrics
+    from tests.server_harness import metric, parse_metrics
+
+    metrics = ServerMetrics("m")
+    assert metrics.snapshot()["spec_decode_acceptance_rate"] is None
+    base = (1, 0, 100, 60, 0.4, 0, 0, 0, 5, 8)
+    metrics.observe_engine_stats(EngineStats(*base, 2, 8, 3, (2, 1, 0, 0)))
+    metrics.observe_engine_stats(EngineStats(*base, 3, 12, 6, (3, 2, 1, 0)))
+    samples = parse_metrics(metrics.render().decode())
+    assert metric(samples, "ferry:spec_decode_num_drafts_total") == 3
+    assert metric(samples, "ferry:spec_decode_num_draft_tokens_total") == 12
+    assert metric(samples, "ferry:spec_decode_num_accepted_tokens_total") == 6
+    assert metric(samples, "ferry:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
+    assert metrics.snapshot()["spec_decode_acceptance_rate"] == 0.5

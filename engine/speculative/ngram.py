@@ -1,5 +1,5 @@
 """Prompt lookup (`method: ngram`): the tokens that followed the latest earlier occurrence of the sequence's last
-n-gram, trying the longest n first.
+n-gram (the latest with a whole draft after it), trying the longest n first.
 
 Answers that repeat their input (code edits, extraction, summaries quoting the source) are full of such runs. Each
 request's tokens live in one numpy array grown as its output grows, so a step's search is a few vectorised
@@ -54,8 +54,9 @@ class NgramDrafts:
 
 
 def lookup(sequence: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> list[int]:
-    """Up to `max_drafts` tokens after the latest earlier occurrence of the sequence's last n tokens, for the
-    largest n in [min_n, max_n] that occurs earlier; empty when none does."""
+    """Up to `max_drafts` tokens after the latest earlier occurrence of the sequence's last n tokens that has
+    `max_drafts` tokens after it (else the earliest), for the largest n in [min_n, max_n] that occurs earlier;
+    empty when none does."""
     length = len(sequence)
     if max_drafts <= 0:
         return []
@@ -68,6 +69,9 @@ def lookup(sequence: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> lis
                 break
             starts = starts[sequence[starts + offset] == suffix[offset]]
         if len(starts):
-            follow = int(starts[-1]) + n
+            # The latest occurrence with a whole draft after it; in a run that repeats with a short period only an
+            # early occurrence has that many tokens after it.
+            whole = starts[starts + n + max_drafts <= length]
+            follow = int(whole[-1] if len(whole) else starts[0]) + n
             return sequence[follow : follow + max_drafts].tolist()
     return []

@@ -56,6 +56,8 @@ printed as integers: Helm reads every YAML number as a float, and 10485760 would
 - {{ printf "--%s%s" (ternary "" "no-" $value) $flag | quote }}
 {{- else if and (kindIs "float64" $value) (eq $value (floor $value)) }}
 - {{ printf "--%s=%d" $flag (int64 $value) | quote }}
+{{- else if kindIs "map" $value }}
+- {{ printf "--%s=%s" $flag (toJson $value) | quote }}
 {{- else }}
 - {{ printf "--%s=%v" $flag $value | quote }}
 {{- end }}

@@ -33,6 +33,11 @@ const FerryEngine = (() => {
     $("stat-prefix").title =
       `${count(stats.prefix_cache_hits_total)} of ${count(stats.prefix_cache_queries_total)} ` +
       "prompt tokens looked up since start";
+    const accepted = stats.spec_decode_acceptance_rate;
+    $("stat-drafts").textContent = accepted === null ? "–" : percent(accepted);
+    $("stat-drafts").title =
+      `${count(stats.spec_decode_num_accepted_tokens_total)} of ${count(stats.spec_decode_num_draft_tokens_total)} ` +
+      "drafted tokens accepted since start (--speculative-config)";
     $("stat-generated").textContent = count(stats.generation_tokens_total);
     $("stat-generated").dataset.value = stats.generation_tokens_total;
   }
