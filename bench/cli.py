@@ -583,6 +583,45 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     embed.add_argument("--json", type=Path, default=None)
     embed.set_defaults(func=_embed)
 
+    spec = commands.add_parser(
+        "spec",
+        help="speculative decoding against none: repeating, predicted and open chat, at several concurrencies",
+        description="Starts two Ferry servers of one model, one with --speculative-config, and alternates every "
+        "load point between them for --rounds rounds: repeated questions (answers that repeat their prompt), the "
+        "same with OpenAI's prediction set to the earlier answer, and fresh questions. Prints median output "
+        "tokens/s, TTFT, ITL and the drafts' acceptance.",
+    )
+    spec.add_argument(
+        "--model", default=str(DEMO_MODEL), help="a model directory or a kept checkpoint's name (default: the demo)"
+    )
+    spec.add_argument(
+        "--speculative-config",
+        default='{"method": "ngram", "num_speculative_tokens": 4}',
+        help="the drafting server's --speculative-config",
+    )
+    spec.add_argument("--concurrency", type=_ints, default=(1, 4, 32), help="closed-loop clients, e.g. 1,4,32")
+    spec.add_argument("--rounds", type=_positive_int, default=5, help="alternating rounds per point (medians)")
+    spec.add_argument("--num-requests", type=_positive_int, default=32, help="requests per workload and point")
+    spec.add_argument("--max-tokens", type=_positive_int, default=128)
+    spec.add_argument("--json", type=Path, default=None)
+    spec.set_defaults(func=_spec)
+
+
+def _spec(args: argparse.Namespace) -> int:
+    from bench.spec import SpecOptions, format_spec, run_spec
+
+    options = SpecOptions(
+        model=args.model,
+        speculative_config=args.speculative_config,
+        concurrencies=args.concurrency,
+        rounds=args.rounds,
+        num_requests=args.num_requests,
+        max_tokens=args.max_tokens,
+    )
+    report = run_spec(options)
+    _emit(report, format_spec(report), args.json)
+    return 0
+
 
 def _perplexity(args: argparse.Namespace) -> int:
     from bench.checkpoints import resolve
@@ -606,7 +645,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` under `ferry`'s subcommands; dispatch with `args.func(args)`."""
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: offline, serve, overhead, tp, decode, perplexity, embed",
+        help="benchmarks: offline, serve, overhead, tp, decode, perplexity, embed, spec",
         description="Reproducible benchmarks of Ferry against its baselines.",
     )
     add_bench_subcommands(bench)

@@ -143,7 +143,7 @@ class CacheConfig:
             )
 
 
-SpeculativeMethod = Literal["ngram", "suffix"]
+SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,10 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod
     """`ngram`: prompt lookup, the tokens that followed the latest earlier occurrence of the sequence's last
-    n-gram; `suffix`: suffix trees over each request and over recent requests' outputs, scored by frequency."""
+    n-gram; `suffix`: suffix trees over each request and over recent requests' outputs, scored by frequency;
+    `draft_model`: a smaller model on the same tokenizer (`model`), run greedily by an engine of its own."""
+    model: str | None = None
+    """draft_model: the draft model's directory (same tokenizer and vocabulary as the served model)."""
     num_speculative_tokens: int = 4
     """Most drafts a request carries into one step (fewer where its drafts are seldom accepted)."""
     prompt_lookup_min: int = 2
@@ -188,6 +191,8 @@ class SpeculativeConfig:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and max_cached_requests >= 0")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative `model` (a draft model's directory) goes with method draft_model, and only")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 

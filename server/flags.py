@@ -1,9 +1,9 @@
 """Command-line flags generated from an options dataclass, so that each option is documented once, where it is.
 
 Every field becomes `--field-name`: its type from the annotation (`bool` -> `--x/--no-x`, `Literal[...]` ->
-choices, `X | None` -> X, `tuple[X, ...]` -> one or more X, a class with `from_json` -> its JSON), its default from the field, its help from the field's
-attribute docstring (the string right after it), its help section from `metadata["group"]`, and other names it
-accepts from `metadata["aliases"]`. A field with
+choices, `X | None` -> X, `tuple[X, ...]` -> one or more X, a class with `from_json` -> its JSON text), its
+default from the field, its help from the field's attribute docstring (the string right after it), its help
+section from `metadata["group"]`, and other names it accepts from `metadata["aliases"]`. A field with
 `metadata["flag"] = False` is left to the caller.
 """
 

@@ -23,7 +23,6 @@ REFUSED_VALUES: dict[str, dict[str, dict[str, Any]]] = {
         "function_call": {"enum": ["none", None]},
         "audio": _NULL,
         "modalities": {"enum": [["text"], None]},
-        "prediction": _NULL,
         "verbosity": _NULL,
         "web_search_options": _NULL,
     },

@@ -165,7 +165,6 @@ REFUSED_EXAMPLES: dict[tuple[str, str], Any] = {
     ("ChatCompletionRequest", "function_call"): "auto",
     ("ChatCompletionRequest", "audio"): {"voice": "alloy", "format": "wav"},
     ("ChatCompletionRequest", "modalities"): ["text", "audio"],
-    ("ChatCompletionRequest", "prediction"): {"type": "content", "content": "x"},
     ("ChatCompletionRequest", "verbosity"): "low",
     ("ChatCompletionRequest", "web_search_options"): {},
     ("ChatMessage", "function_call"): {"name": "f", "arguments": "{}"},

@@ -19,8 +19,8 @@ import torch
 from scipy.stats import chisquare
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
-from engine.config import SpeculativeConfig
-from engine.core.request import Request, RequestStatus
+from engine.config import EngineStartupError, SpeculativeConfig
+from engine.core.request import Request, RequestStatus, StructuredOutput
 from engine.core.stats import EngineStats
 from engine.sampling.sampler import CHECK_EACH_REQUEST, Sampler
 from engine.sampling.verify import verify
@@ -28,6 +28,7 @@ from engine.speculative.gate import Acceptance, StepCost, drafts_worth
 from engine.speculative.ngram import NgramDrafts, lookup
 from engine.speculative.source import DraftingRequest
 from engine.speculative.speculator import Speculator
+from tests.model_factory import build_cycling_model_dir, build_model_dir
 from tests.test_engine_equivalence import CONFIGS, LOGPROB_TOLERANCE, _reference
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
@@ -134,19 +135,15 @@ def test_drafts_at_tp2(model_dir: Callable[[str], Path]) -> None:
 
 
 def _repeating_prompts(vocab: int) -> list[list[int]]:
-    """Prompts that repeat a phrase: the model's continuation of the phrase is found earlier in them."""
     rng = random.Random(3)
-    prompts = []
-    for length in (5, 9, 14):
-        phrase = [rng.randrange(10, vocab) for _ in range(length)]
-        prompts.append(phrase * 4 + phrase[: length // 2])
-    return prompts
+    return [[rng.randrange(10, vocab) for _ in range(length)] for length in (5, 9, 14)]
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_real_draft_sources_keep_output(model_dir: Callable[[str], Path], method: str) -> None:
-    """ngram and suffix drafting on prompts they can draft from: the same greedy and seeded tokens as without."""
-    path = model_dir("llama")
+def test_real_draft_sources_keep_output(tmp_path: Path, method: str) -> None:
+    """ngram and suffix drafting on a model whose output repeats itself: the same greedy, seeded and unseeded
+    sampled tokens as without."""
+    path = build_cycling_model_dir(tmp_path / "cycling")
     plain = _engine(path, None)
     drafting = _engine(path, SpeculativeConfig(method=method, num_speculative_tokens=5))
     prompts = _repeating_prompts(plain.hf_config.vocab_size)
@@ -167,7 +164,7 @@ def test_real_draft_sources_keep_output(model_dir: Callable[[str], Path], method
                     assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= LOGPROB_TOLERANCE
                     assert [t for t, _ in a.top] == [t for t, _ in b.top]
     speculator = drafting.speculator
-    assert speculator is not None and speculator.num_accepted_tokens > 0, f"{method} never had a draft accepted"
+    assert speculator.num_accepted_tokens > 0.5 * speculator.num_draft_tokens, f"{method}: few drafts accepted"
     stats = drafting.stats()
     assert stats.spec_decode_num_accepted_tokens == speculator.num_accepted_tokens
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == speculator.num_accepted_tokens
@@ -176,12 +173,18 @@ def test_real_draft_sources_keep_output(model_dir: Callable[[str], Path], method
     drafting.close()
 
 
-def test_opted_out_and_constrained_requests_draft_nothing(model_dir: Callable[[str], Path]) -> None:
-    path = model_dir("llama")
+def test_opted_out_and_constrained_requests_draft_nothing(tmp_path: Path) -> None:
+    path = build_cycling_model_dir(tmp_path / "cycling")
     engine = _engine(path, NGRAM)
     prompts = _repeating_prompts(engine.hf_config.vocab_size)
+    speculator = engine.speculator
     generate_batch(prompts, params=SamplingParams(max_new_tokens=30, speculate=False), engine=engine)
-    assert engine.speculator is not None and engine.speculator.num_drafts == 0
+    assert speculator.num_drafts == 0
+    choice = StructuredOutput("regex", "[a-z ]{1,40}")
+    generate_batch(prompts, params=SamplingParams(max_new_tokens=30, structured_output=choice), engine=engine)
+    assert speculator.num_drafts == 0
+    generate_batch(prompts, params=SamplingParams(max_new_tokens=30), engine=engine)
+    assert speculator.num_drafts > 0  # the same prompts draft when they may
     engine.close()
 
 
@@ -330,3 +333,128 @@ def test_drafting_counters_reach_the_metrics() -> None:
     assert metric(samples, "ferry:spec_decode_num_accepted_tokens_total") == 6
     assert metric(samples, "ferry:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
     assert metrics.snapshot()["spec_decode_acceptance_rate"] == 0.5
+
+
+# -- a draft model -------------------------------------------------------------------------------------------
+
+
+def test_a_draft_model_drafts_and_keeps_output(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """The served model as its own draft (every draft accepted), and a smaller random one (few accepted): both
+    give the reference's tokens; the draft engine's pages come back between proposals."""
+    path = model_dir("llama")
+    small = build_model_dir(tmp_path / "draft", "llama", seed=1, num_hidden_layers=1, hidden_size=32)
+    for draft, least_accepted in ((path, 0.9), (small, 0.0)):
+        spec = SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=3)
+        engine = _engine(path, spec, **CONFIGS["mixed"])
+        _check_greedy(engine, path, "llama")
+        speculator = engine.speculator
+        assert speculator.num_draft_tokens > 0
+        assert speculator.num_accepted_tokens >= least_accepted * speculator.num_draft_tokens
+        assert engine._draft_engine is not None and engine._draft_engine.is_idle_and_clean()
+        engine.close()
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    path = model_dir("llama")
+    other = build_model_dir(tmp_path / "other", "llama", vocab_size=300)
+    spec = SpeculativeConfig(method="draft_model", model=str(other))
+    with pytest.raises(EngineStartupError, match="vocabulary has 300 tokens"):
+        _engine(path, spec)
+    with pytest.raises(ValueError, match="goes with method draft_model"):
+        SpeculativeConfig(method="ngram", model=str(other))
+
+
+# -- predicted outputs ---------------------------------------------------------------------------------------
+
+
+def _edited(tokens: list[int], vocab: int) -> list[int]:
+    """A prediction that is the answer with edits: a token replaced a third of the way in, two tokens inserted two
+    thirds of the way (the model then writes two tokens fewer than predicted there)."""
+    edited = list(tokens)
+    if len(edited) >= 12:
+        third = len(edited) // 3
+        edited[third] = (edited[third] + 1) % vocab
+        edited[2 * third : 2 * third] = [(edited[2 * third] + 7) % vocab] * 2
+    return edited
+
+
+def test_predictions_draft_without_a_flag_and_keep_output(model_dir: Callable[[str], Path]) -> None:
+    path = model_dir("llama")
+    engine = _engine(path, None, **CONFIGS["mixed"])
+    prompts, max_new, expected, _ = _reference(path, "llama", 0)
+    vocab = engine.hf_config.vocab_size
+    counts: dict[str, tuple[int, int]] = {}
+    for i, (prompt, want) in enumerate(zip(prompts, expected, strict=True)):
+        engine.add_request(
+            f"p{i}",
+            prompt,
+            SamplingParams(max_new_tokens=max_new[i], logprobs=True),
+            prediction=tuple(_edited(want, vocab)),
+        )
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            got.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.prediction_tokens is not None:
+                counts[output.request_id] = output.prediction_tokens
+    for i, want in enumerate(expected):
+        assert got[f"p{i}"] == want, f"request {i} diverged"
+    accepted = sum(a for a, _ in counts.values())
+    rejected = sum(r for _, r in counts.values())
+    assert accepted > 0.4 * sum(len(e) for e in expected), (accepted, rejected)
+    assert rejected > 0  # the edits
+    stats = engine.stats()
+    assert (stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens) == (
+        accepted,
+        accepted + rejected,
+    )
+    assert not engine.speculator.active  # nothing kept once they finished
+    assert engine.is_idle_and_clean()
+    engine.close()
+
+
+def test_prediction_through_the_openai_sdk(model_dir: Callable[[str], Path]) -> None:
+    import openai
+
+    from tests.server_harness import running_server
+
+    messages = [{"role": "user", "content": "Say something long."}]
+    with running_server(model_dir("llama")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        plain = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+        answer = plain.choices[0].message.content or ""
+        assert plain.usage is not None and plain.usage.completion_tokens_details is None
+        for prediction, stream in ((answer, False), (answer[: len(answer) // 2] + " and more", True)):
+            if stream:
+                chunks = list(
+                    client.chat.completions.create(
+                        model=model,
+                        messages=messages,
+                        max_tokens=40,
+                        temperature=0,
+                        prediction={"type": "content", "content": prediction},
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                )
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                usage = chunks[-1].usage
+            else:
+                response = client.chat.completions.create(
+                    model=model,
+                    messages=messages,
+                    max_tokens=40,
+                    temperature=0,
+                    prediction={"type": "content", "content": [{"type": "text", "text": prediction}]},
+                )
+                text, usage = response.choices[0].message.content, response.usage
+            assert text == answer
+            assert usage is not None and usage.completion_tokens_details is not None
+            details = usage.completion_tokens_details
+            assert details.accepted_prediction_tokens > 0
+            assert usage.completion_tokens == plain.usage.completion_tokens + details.rejected_prediction_tokens
+        with pytest.raises(openai.BadRequestError, match="prediction"):
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=5, prediction={"type": "image", "content": "x"}
+            )

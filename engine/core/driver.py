@@ -50,6 +50,8 @@ class EngineRequest:
     """Lower runs first (only with the `priority` scheduling policy)."""
     pooling: PoolingParams | None = None
     """Pool the prompt instead of generating (`params` is then not read): the model must pool (engine/pooling/)."""
+    prediction: tuple[int, ...] = ()
+    """The output the client predicts (Predicted Outputs): drafts for speculative decoding."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,12 @@ class EngineLoop:
         request_id = request.request_id
         try:
             joined = self.engine.add_request(
-                request_id, request.prompt_ids, request.params, request.priority, pooling=request.pooling
+                request_id,
+                request.prompt_ids,
+                request.params,
+                request.priority,
+                pooling=request.pooling,
+                prediction=request.prediction,
             )
         except QueueFull as exc:
             self._rejected.append(Rejection(request_id, "queue_full", str(exc), "queue_full"))

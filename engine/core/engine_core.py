@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+from transformers import PretrainedConfig
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineStartupError, SpeculativeConfig
 from engine.core.kv_cache import KVCacheManager
 from engine.core.observer import StepObserver, StepRecord
 from engine.core.page_pool import PagePool
@@ -42,6 +43,7 @@ from engine.execution.cuda_graphs import CaptureReport
 from engine.execution.runner import ModelRunner
 from engine.execution.startup import start_runner
 from engine.models.loader import LoadedModel, load_model, model_config, weight_bytes
+from engine.speculative.draft_model import DraftModelDrafts
 from engine.speculative.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -134,8 +136,14 @@ class EngineCore:
         self.kv_cache = KVCacheManager(layouts, pools)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         speculative = config.scheduler.speculative_config
-        self.speculator = Speculator(speculative) if speculative is not None else None
-        """Drafts for each step's decodes (--speculative-config); None without speculative decoding."""
+        self._draft_engine: EngineCore | None = None
+        """The draft model's engine (--speculative-config's draft_model); None otherwise."""
+        if speculative is not None and speculative.method == "draft_model":
+            self._draft_engine = self._start_draft_engine(config, speculative)
+        self.speculator = Speculator(
+            speculative, DraftModelDrafts(self._draft_engine) if self._draft_engine is not None else None
+        )
+        """Drafts for each step's decodes: from --speculative-config's source, and from requests' predictions."""
         self._awaiting_grammar: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
         """Constrained requests whose grammar is still compiling, in arrival order."""
         self._settled: list[tuple[str, RequestRejected | None]] = []
@@ -160,6 +168,31 @@ class EngineCore:
             self.max_model_len,
         )
 
+    def _start_draft_engine(self, config: EngineConfig, speculative: SpeculativeConfig) -> EngineCore:
+        """The draft model on one rank, beside this one: as many pages and positions as the served model has, so
+        that whatever this engine takes the draft can take too; refused unless it shares the tokenizer."""
+        assert speculative.model is not None
+        draft_config = config.replace(
+            model=speculative.model,
+            speculative_config=None,
+            async_scheduling=False,
+            max_queue_size=0,
+            num_pages=self.kv_cache.num_pages,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=1,
+            nnodes=1,
+            quantization="none",
+        )
+        draft = EngineCore(draft_config)
+        problem = _vocabulary_difference(config.model.path, speculative.model, self.hf_config, draft.hf_config)
+        if problem is not None:
+            draft.close()
+            raise EngineStartupError(
+                f"the draft model {speculative.model} cannot draft for {self.model_name}: {problem} (--speculative-"
+                "config's model must share the served model's tokenizer)"
+            )
+        return draft
+
     # -- requests in ---------------------------------------------------------------------------------------
 
     def add_request(
@@ -170,11 +203,13 @@ class EngineCore:
         priority: int = 0,
         *,
         pooling: PoolingParams | None = None,
+        prediction: tuple[int, ...] = (),
     ) -> bool:
         """Take a request, or raise RequestRejected / QueueFull. True when it joined the scheduler; False when it
         waits for its grammar to compile, and `settle_grammars` later tells whether it joined or was refused.
         `priority` (lower runs first) needs the `priority` scheduling policy. `pooling`: pool the prompt instead
-        of generating (`params` is not read then)."""
+        of generating (`params` is not read then). `prediction`: the output the client expects, drafted from
+        (OpenAI's Predicted Outputs)."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", code="invalid_prompt")
         if (
@@ -212,6 +247,8 @@ class EngineCore:
         vocab = self.hf_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})", code="invalid_prompt")
+        if prediction and (min(prediction) < 0 or max(prediction) >= vocab):
+            raise RequestRejected(f"prediction token ids must be in [0, {vocab})", code="invalid_prediction")
         if any(not 0 <= token < vocab for token, _ in params.logit_bias):
             raise RequestRejected(f"logit_bias token ids must be in [0, {vocab})", code="invalid_logit_bias")
         if priority and self.config.scheduler.scheduling_policy != "priority":
@@ -227,6 +264,7 @@ class EngineCore:
         request = Request(
             request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id), priority=priority
         )
+        request.predicted_ids = tuple(prediction)
         if pooling is not None:
             request.pooling = pooling
             if self.pooling is not None and self.pooling.bidirectional:
@@ -245,6 +283,7 @@ class EngineCore:
                 self._awaiting_grammar[request_id] = (request, grammar)
                 return False
             _raise_if_failed(grammar)
+        self.speculator.add(request)
         self.scheduler.add(request)
         return True
 
@@ -337,9 +376,9 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The next plan, with the drafts the speculator proposes for its decodes."""
         speculator = self.speculator
-        if speculator is None or not self.scheduler.running:
-            return self.scheduler.schedule()
         running = self.scheduler.running
+        if not speculator.active or not running:
+            return self.scheduler.schedule()
         drafts = speculator.propose(running)
         return self.scheduler.schedule(drafts, speculator.hold(running) if self._runner_thread is not None else ())
 
@@ -384,9 +423,9 @@ class EngineCore:
         self, plan: SchedulerOutput, result: ModelRunnerOutput, schedule_seconds: float, executed: float
     ) -> list[StepOutput]:
         outputs = self.scheduler.update(plan, result)
-        if self.speculator is not None:
+        if self.speculator.active:
             self.speculator.observe(plan, result)
-            self.speculator.forget(output.request_id for output in outputs if output.finished)
+            self.speculator.finish(outputs)
         self._last_step_tokens = plan.num_tokens
         self._num_steps += bool(plan.request_ids)
         if self.observers:
@@ -425,7 +464,11 @@ class EngineCore:
         self._release(stopped)
 
     def _release(self, stopped: bool) -> None:
-        """Wait for stopped workers to leave (kill them otherwise), then leave the process group."""
+        """Wait for stopped workers to leave (kill them otherwise), then leave the process group; close the draft
+        model's engine."""
+        draft, self._draft_engine = getattr(self, "_draft_engine", None), None
+        if draft is not None:
+            draft.close()
         tp, workers = self.tensor_parallel, self._workers
         self.tensor_parallel = self._workers = None
         if workers is not None:
@@ -446,7 +489,6 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache
-        speculator = self.speculator
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=self._num_waiting,
@@ -458,7 +500,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
             last_step_tokens=self._last_step_tokens,
-            **(speculator.counters() if speculator is not None else {}),
+            **self.speculator.counters(),
         )
 
     def queue_room(self) -> int | None:
@@ -476,6 +518,26 @@ _IDLE_PLAN = SchedulerOutput()
 KEEP_ALIVE_INTERVAL_S = 0.25
 """An idle engine's ranks hear from it this often at most: its loop passes every few milliseconds while a grammar
 compiles, and each empty plan costs a broadcast on every rank."""
+
+
+def _vocabulary_difference(
+    target_dir: str, draft_dir: str, target: PretrainedConfig, draft: PretrainedConfig
+) -> str | None:
+    """Why the draft's token ids would not mean the served model's: vocabulary sizes, or tokenizers that map some
+    text to other ids (compared where both directories have one); None when they agree."""
+    if target.vocab_size != draft.vocab_size:
+        return f"its vocabulary has {draft.vocab_size} tokens, the served model's {target.vocab_size}"
+    from transformers import AutoTokenizer
+
+    try:
+        target_vocab = AutoTokenizer.from_pretrained(target_dir).get_vocab()
+        draft_vocab = AutoTokenizer.from_pretrained(draft_dir).get_vocab()
+    except (OSError, ValueError):
+        return None  # a directory without a tokenizer: the ids are all there is to compare
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
+        return f"their tokenizers differ (for example {differing})"
+    return None
 
 
 def _raise_if_failed(grammar: Future[CompiledGrammar]) -> None:

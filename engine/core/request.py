@@ -286,6 +286,8 @@ class Request:
     """The runner forced its JSON closed to fit the tokens left: it ends with `length`, even on EOS."""
     pooling: PoolingParams | None = None
     """Set for a request that pools its prompt instead of generating."""
+    predicted_ids: tuple[int, ...] = ()
+    """The output the client predicts (OpenAI's Predicted Outputs), drafted from as the output follows it."""
 
     @property
     def num_tokens(self) -> int:
@@ -338,6 +340,8 @@ class StepOutput:
     """Logprobs of the next prompt tokens, in order from the second (with `prompt_logprobs`)."""
     pooled: list[float] | None = None
     """A pooling request's vector, on its final delta."""
+    prediction_tokens: tuple[int, int] | None = None
+    """For a request with a prediction: its drafted tokens accepted and rejected so far."""
 
     @property
     def finished(self) -> bool:
@@ -360,6 +364,8 @@ class GenerationOutput:
     """With `prompt_logprobs`: one entry per prompt token from the second on."""
     pooled: list[float] | None = None
     """A pooling request's vector, once finished."""
+    prediction_tokens: tuple[int, int] | None = None
+    """With a prediction, once finished: its drafted tokens accepted and rejected."""
 
     @property
     def finished(self) -> bool:
@@ -376,6 +382,8 @@ class GenerationOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.pooled is not None:
             self.pooled = delta.pooled
+        if delta.prediction_tokens is not None:
+            self.prediction_tokens = delta.prediction_tokens
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.error = delta.error

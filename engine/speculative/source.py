@@ -1,7 +1,7 @@
 """What every draft source offers the engine: drafts for a running request, and a look at each finished one.
 
 A source proposes tokens that may follow a request's known tokens (prompt + output); the runner verifies them in
-the next step (engine/execution/verify.py) and only those the target model would have produced are kept, so a
+the next step (engine/sampling/verify.py) and only those the target model would have produced are kept, so a
 source may guess wrong at no cost to correctness, only to speed.
 """
 

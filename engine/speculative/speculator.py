@@ -1,5 +1,9 @@
 """Each step's drafts: which running requests carry some, how many, from which source; and what came of them.
 
+Two sources: the one --speculative-config names (ngram, suffix), for every request; and a request's own
+prediction (OpenAI's Predicted Outputs, engine/speculative/prediction.py), which takes its place for that request
+and needs no flag.
+
 The engine asks `propose(running)` before planning a step and hands the dict to `Scheduler.schedule(drafts)`,
 which plans them where they fit; after the step `observe(plan, result)` reads which drafts the runner accepted
 (engine/sampling/verify.py), for each request's acceptance rate, the step-cost fit (engine/speculative/gate.py)
@@ -12,20 +16,28 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from engine.config import SpeculativeConfig
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, StepOutput
 from engine.core.step import ModelRunnerOutput, SchedulerOutput
+from engine.speculative.draft_model import DraftModelDrafts
 from engine.speculative.gate import Acceptance, StepCost, drafts_worth
 from engine.speculative.ngram import NgramDrafts
+from engine.speculative.prediction import PredictionDrafts
 from engine.speculative.source import DraftSource
 
+PREDICTION_DRAFTS = 8
+"""Most drafts a prediction gives one step without --speculative-config (whose num_speculative_tokens rules
+otherwise): a prediction is usually right for long runs, so more than a guessed source's."""
 RETRY_PLANS = 8
 """Under async scheduling, a request the source found no drafts for runs ahead this many plans before it is held
 back to try again (holding it costs it the overlap of planning with the step before)."""
 
 
 def draft_source(config: SpeculativeConfig) -> DraftSource:
+    """The source of a method that needs nothing but its config (draft_model's needs an engine: EngineCore)."""
     if config.method == "ngram":
         return NgramDrafts(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method != "suffix":
+        raise ValueError(f"the {config.method} source is built by the engine that runs it")
     from engine.speculative.suffix import SuffixDrafts  # TEMP until the module lands
 
     return SuffixDrafts(
@@ -37,21 +49,42 @@ def draft_source(config: SpeculativeConfig) -> DraftSource:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig | None, source: DraftSource | None = None) -> None:
+        """`source`: --speculative-config's, when the engine builds it (a draft model's engine); by default the
+        one `draft_source` makes of the config."""
         self.config = config
-        self.source = draft_source(config)
+        self.source: DraftSource | None = source or (draft_source(config) if config is not None else None)
+        """--speculative-config's source; None without the flag (only predictions draft then)."""
+        self.most = config.num_speculative_tokens if config is not None else PREDICTION_DRAFTS
+        self.predictions = PredictionDrafts()
+        self._predicted: dict[str, list[int]] = {}
+        """Requests with a prediction, not finished: their drafted tokens [accepted, rejected] so far."""
         self.cost = StepCost()
         self._acceptance: dict[str, Acceptance] = {}
         self._found_nothing: dict[str, int] = {}
         """By request, the plan at which the source last proposed nothing for it (none since: absent)."""
         self._num_plans = 0
+        self._draft_seconds = 0.0
+        """The draft model's drafting time already charged to a step."""
         self._seen: dict[str, Request] = {}
         """Requests the source keeps state for: told when they finish."""
         self.num_drafts = 0
         """Draft runs verified (one per request and step that carried drafts)."""
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_position = [0] * config.num_speculative_tokens
+        self.accepted_per_position = [0] * self.most
+
+    @property
+    def active(self) -> bool:
+        """Whether any request may draft: with --speculative-config, or while a request with a prediction runs."""
+        return self.source is not None or bool(self._predicted)
+
+    def add(self, request: Request) -> None:
+        """A request taken by the engine: one with a prediction drafts from it."""
+        if request.predicted_ids:
+            self.predictions.add(request.request_id, request.predicted_ids)
+            self._predicted[request.request_id] = [0, 0]
+            self._seen[request.request_id] = request
 
     def propose(self, running: Collection[Request]) -> dict[str, list[int]]:
         """Drafts for the running decodes that may carry some this step (nothing of them in flight, sampled
@@ -60,34 +93,47 @@ class Speculator:
         if not candidates:
             return {}
         batch = len(running)
-        limit = self.config.disable_by_batch_size
-        if limit is not None and batch > limit:
+        if self._disabled(batch):
             return {}
         cost = self.cost.fit()
         drafts: dict[str, list[int]] = {}
+        batched: list[tuple[Request, int]] = []
         for request in candidates:
-            wanted = self._worth(request, batch, cost)
-            if wanted:
-                proposed = self.source.propose(request, wanted)
-                if proposed:
-                    drafts[request.request_id] = proposed
-                    self._found_nothing.pop(request.request_id, None)
-                else:
-                    self._found_nothing[request.request_id] = self._num_plans
+            source = self.predictions if request.request_id in self._predicted else self.source
+            wanted = self._worth(request, batch, cost) if source is not None else 0
+            if not wanted:
+                continue
+            if isinstance(source, DraftModelDrafts):
+                batched.append((request, wanted))  # one batched pass of the draft model per token, below
+            else:
+                self._take(drafts, request, source.propose(request, wanted))  # type: ignore[union-attr]
+        if batched:
+            assert isinstance(self.source, DraftModelDrafts)
+            proposals = self.source.propose_batch([r for r, _ in batched], [k for _, k in batched])
+            for (request, _), proposed in zip(batched, proposals, strict=True):
+                self._take(drafts, request, proposed)
         self._num_plans += 1
         return drafts
+
+    def _take(self, drafts: dict[str, list[int]], request: Request, proposed: list[int]) -> None:
+        if proposed:
+            drafts[request.request_id] = proposed
+            self._found_nothing.pop(request.request_id, None)
+        else:
+            self._found_nothing[request.request_id] = self._num_plans
 
     def hold(self, running: Collection[Request]) -> list[str]:
         """Under async scheduling: the running decodes with a step in flight that the next plan should leave out,
         so that the plan after it can give them drafts. Those the gate would let draft, unless the source found
         nothing for them lately (they run ahead as usual until `RETRY_PLANS` plans have passed)."""
-        limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) > limit:
+        if self._disabled(len(running)):
             return []
         cost = self.cost.fit()
         held = []
         for request in running:
             if not (request.num_in_flight_tokens and _drafts_allowed(request)):
+                continue
+            if self.source is None and request.request_id not in self._predicted:
                 continue
             since = self._found_nothing.get(request.request_id)
             if since is not None and self._num_plans - since < RETRY_PLANS:
@@ -96,17 +142,26 @@ class Speculator:
                 held.append(request.request_id)
         return held
 
+    def _disabled(self, batch: int) -> bool:
+        limit = self.config.disable_by_batch_size if self.config is not None else None
+        return limit is not None and batch > limit
+
     def _worth(self, request: Request, batch: int, cost: tuple[float, float] | None) -> int:
         acceptance = self._acceptance.get(request.request_id)
         if acceptance is None:
             acceptance = self._acceptance[request.request_id] = Acceptance()
             self._seen[request.request_id] = request
-        return drafts_worth(acceptance.rate, batch, cost, self.config.num_speculative_tokens)
+        return drafts_worth(acceptance.rate, batch, cost, self.most)
 
     def observe(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """A step's result: its cost, and how many of each request's drafts were accepted."""
         if plan.request_ids:
-            self.cost.record(plan.num_tokens, result.forward_seconds + result.sample_seconds)
+            seconds = result.forward_seconds + result.sample_seconds
+            if isinstance(self.source, DraftModelDrafts):
+                # Drafting costs a draft model's steps too: charged to the step that verifies the drafts.
+                seconds += self.source.seconds - self._draft_seconds
+                self._draft_seconds = self.source.seconds
+            self.cost.record(plan.num_tokens, seconds)
         if not plan.draft_token_ids:
             return
         row = -1
@@ -123,6 +178,10 @@ class Speculator:
             self.num_accepted_tokens += accepted
             for position in range(accepted):
                 self.accepted_per_position[position] += 1
+            counts = self._predicted.get(request_id)
+            if counts is not None:
+                counts[0] += accepted
+                counts[1] += len(drafts) - accepted
             acceptance = self._acceptance.get(request_id)
             if acceptance is not None:
                 acceptance.record(len(drafts), accepted)
@@ -136,13 +195,25 @@ class Speculator:
             "spec_decode_num_accepted_tokens_per_pos": tuple(self.accepted_per_position),
         }
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Requests that finished or were aborted: the source gets a last look at each, then nothing is kept."""
-        for request_id in request_ids:
+    def finish(self, outputs: Iterable[StepOutput]) -> None:
+        """A step's outputs: each of a request with a prediction carries the counts of its drafts so far; a
+        finished request's source gets a last look at it (a suffix tree learns its output), and nothing of it
+        is kept here."""
+        predicted = self._predicted
+        for output in outputs:
+            request_id = output.request_id
+            counts = predicted.get(request_id) if predicted else None
+            if counts is not None:
+                output.prediction_tokens = (counts[0], counts[1])
+            if not output.finished:
+                continue
+            predicted.pop(request_id, None)
             request = self._seen.pop(request_id, None)
             if request is not None:
-                self.source.finished(request)
-                del self._acceptance[request_id]
+                source = self.predictions if counts is not None else self.source
+                if source is not None:
+                    source.finished(request)
+                self._acceptance.pop(request_id, None)
                 self._found_nothing.pop(request_id, None)
 
 

@@ -67,6 +67,9 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         constraint=constraint,
         reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
         tool_reader=tool_use.reader_factory() if tool_use else None,
+        prediction=None
+        if body.prediction is None
+        else ctx.tokenizer.encode(body.prediction.text(), add_special_tokens=False),
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))

@@ -54,6 +54,8 @@ class ChoiceState:
     tool_calls: list[ParsedCall] = field(default_factory=list)
     num_tokens: int = 0
     num_cached_tokens: int = 0
+    prediction_tokens: tuple[int, int] = (0, 0)
+    """With a prediction: its drafted tokens the model accepted and rejected so far."""
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
@@ -73,6 +75,8 @@ class ChoiceState:
         emitted, stopped, num_used = self._text_until_stop(output.new_token_ids, output.finished)
         self.num_tokens += num_used
         self.num_cached_tokens = output.num_cached_tokens
+        if output.prediction_tokens is not None:
+            self.prediction_tokens = output.prediction_tokens
         new_logprobs = (output.new_logprobs or [])[:num_used]
         prompt_logprobs = output.new_prompt_logprobs or []
         if self.keep_logprobs:

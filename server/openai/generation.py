@@ -29,7 +29,7 @@ from server.lifecycle import Lifecycle
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
-from server.openai.schemas import PromptTokensDetails, Usage
+from server.openai.schemas import CompletionTokensDetails, PromptTokensDetails, Usage
 from server.openai.structured import Constraint, check_constraint
 from server.openai.tool_parsers.base import ToolCallReader
 from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode, ToolUse, resolve_tool_use
@@ -198,6 +198,8 @@ class Generation:
         """Every chunk's `usage` is the count so far, not null."""
         self.timers = [RequestTimer(ctx.metrics, arrival) for _ in choices]
         self._unfinished = len(choices)
+        self.predicted = False
+        """The call sent a prediction: its usage counts the prediction's tokens."""
         self._closed = False
         ctx.lifecycle.request_started()
         self._deadline = request_deadline(ctx, arrival, group)
@@ -246,11 +248,20 @@ class Generation:
         )
         prompt_tokens = sum(len(p) for p in self.prompts)
         completion_tokens = sum(c.num_tokens for c in self.choices)
+        details = None
+        if self.predicted:
+            # OpenAI bills rejected prediction tokens as completion tokens: they were computed like the others.
+            details = CompletionTokensDetails(
+                accepted_prediction_tokens=sum(c.prediction_tokens[0] for c in self.choices),
+                rejected_prediction_tokens=sum(c.prediction_tokens[1] for c in self.choices),
+            )
+            completion_tokens += details.rejected_prediction_tokens
         return Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=details,
         )
 
     def _envelope(self, response_type: type[BaseModel], choices: Sequence[BaseModel], usage: Usage | None) -> BaseModel:
@@ -344,12 +355,14 @@ async def start_generation(
     constraint: Constraint | None = None,
     tool_reader: Callable[[], ToolCallReader] | None = None,
     reasoning_splitter: Callable[[], ReasoningSplitter] | None = None,
+    prediction: list[int] | None = None,
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
     `param` names the request field the prompts came from, for length errors; `max_tokens` None means up to
     the context length. `constraint` is enforced on every choice; `reasoning_splitter` makes each choice's splitter
-    of reasoning from answer, `tool_reader` its reader of tool calls (None: no such stage).
+    of reasoning from answer, `tool_reader` its reader of tool calls (None: no such stage). `prediction`: the
+    tokens every choice's answer is predicted to be (Predicted Outputs).
     """
     structured_output = None
     if constraint is not None:
@@ -368,7 +381,11 @@ async def start_generation(
                 top_logprobs=top_logprobs,
                 structured_output=structured_output,
             )
-            requests.append(EngineRequest(f"{response_id}-{p}-{i}", prompt, params, body.priority))
+            requests.append(
+                EngineRequest(
+                    f"{response_id}-{p}-{i}", prompt, params, body.priority, prediction=tuple(prediction or ())
+                )
+            )
             choices.append(
                 ChoiceState(
                     index=p * n + i,
@@ -387,6 +404,7 @@ async def start_generation(
     generation = Generation(
         ctx, response_id, prompts, n, group, choices, arrival, body.include_usage, body.continuous_usage
     )
+    generation.predicted = prediction is not None
     try:
         await generation.admitted()
     except BaseException:

@@ -169,6 +169,11 @@ class SamplingRequest(_RequestModel):
         "within the token limit: when the tokens left are just enough for the value's shortest valid completion, "
         "that completion is forced and the answer ends with finish_reason 'length'. false: it may end unclosed.",
     )
+    speculate: bool = Field(
+        True,
+        description="Ferry's extra: false keeps the server from drafting tokens for this request "
+        "(--speculative-config); its output is the same either way.",
+    )
     structured_outputs: StructuredOutputsParams | None = Field(
         None, description="Constrain the output (vLLM's extra): one of json, regex, choice, grammar, json_object."
     )
@@ -253,6 +258,7 @@ class SamplingRequest(_RequestModel):
             prompt_logprobs=self.prompt_logprobs,
             structured_output=structured_output,
             close_within_budget=self.close_within_budget,
+            speculate=self.speculate,
         )
 
     @property
@@ -277,6 +283,26 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
+
+
+class PredictionContent(_RequestModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat for the most part (a file being edited)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart] = Field(
+        description="The predicted output: drafts for speculative decoding, verified by the model, so the answer "
+        "is the same as without it; what it gets right comes faster."
+    )
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise unsupported_parameter(f"prediction.content[{j}].type", f"'{part.type}' parts (only text is).")
+            texts.append(part.text)
+        return "".join(texts)
 
 
 class FunctionDefinition(_RequestModel):
@@ -389,7 +415,12 @@ class ChatCompletionRequest(SamplingRequest):
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
-    prediction: dict[str, Any] | None = None
+    prediction: PredictionContent | None = Field(
+        None,
+        description="Predicted Outputs: the tokens of its content are drafted where the answer follows them; "
+        "usage.completion_tokens_details counts the accepted and rejected ones (rejected ones are billed in "
+        "completion_tokens, as OpenAI does).",
+    )
     reasoning_effort: ReasoningEffort | None = Field(
         None, description="Passed to the chat template as `reasoning_effort`; refused unless the template reads it."
     )
@@ -414,7 +445,6 @@ class ChatCompletionRequest(SamplingRequest):
             "function_call": self.function_call not in (None, "none"),
             "audio": self.audio is not None,
             "modalities": self.modalities not in (None, ["text"]),
-            "prediction": self.prediction is not None,
             "verbosity": self.verbosity is not None,
             "web_search_options": self.web_search_options is not None,
         }
@@ -531,11 +561,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="Set for a chat completion with a `prediction`."
+    )
 
 
 class TopLogprob(BaseModel):

@@ -1,0 +1,233 @@
+"""`ferry bench spec`: speculative decoding against none, side by side in one run, on three chat workloads.
+
+Two Ferry servers of the same model run at once (one with --speculative-config, one without; each idles while the
+other is measured), and every load point alternates between them for `rounds` rounds: the figures are medians
+over rounds, so that this machine's drift does not decide a ratio. The workloads are built from the model's own
+answers (greedy, from the server without drafts), so that what repeats is what this model says:
+
+- `repeat`: the user asks a question, gets the model's answer, and asks the same question again: an answer that
+  repeats text of its prompt (as edits, extraction and summaries do);
+- `predict`: the same conversations with OpenAI's `prediction` set to the earlier answer (Predicted Outputs),
+  against the same conversations without it, both on the server without --speculative-config;
+- `chat`: fresh questions, nothing to copy from.
+
+Each point is a closed loop of C clients over the workload's requests (greedy, streamed chat completions): output
+tokens/s, TTFT and ITL medians, and the drafted tokens' acceptance from the server's /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+
+from bench.report import fmt, format_table, stamp
+from bench.serve import RequestSample, ServeOptions, _local_server, summarize
+
+SUBJECTS = (
+    "os.path.join", "a file descriptor", "fork", "a socket", "a ferry", "memory allocation", "a list", "a dictionary",
+    "the garbage collector", "a generator", "asyncio", "a thread", "a lock", "json.dumps", "a tuple", "subprocess",
+    "a decorator", "an iterator", "the GIL", "a context manager", "pathlib", "a set", "a lambda", "an exception",
+    "a module", "a class", "a coroutine", "a pipe", "a signal", "a string", "bytes", "a harbour",
+)  # fmt: skip
+QUESTIONS = ("What is {}?", "How do I use {}?", "Tell me about {}.", "Explain {} briefly.")
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    model: str
+    speculative_config: str = '{"method": "ngram", "num_speculative_tokens": 4}'
+    concurrencies: tuple[int, ...] = (1, 4, 32)
+    rounds: int = 5
+    num_requests: int = 32
+    max_tokens: int = 128
+    timeout: float = 600.0
+
+
+def _questions(count: int, offset: int) -> list[str]:
+    texts = [q.format(s) for q in QUESTIONS for s in SUBJECTS]
+    return [texts[(offset + i) % len(texts)] for i in range(count)]
+
+
+async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], origin: float, index: int) -> RequestSample:
+    sample = RequestSample(index, 0, time.perf_counter() - origin)
+    sent = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                sample.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                return sample
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.endswith("[DONE]"):
+                    continue
+                data = json.loads(line[5:])
+                now = time.perf_counter()
+                if data.get("choices") and data["choices"][0]["delta"].get("content"):
+                    if sample.ttft is None:
+                        sample.ttft = now - sent
+                    else:
+                        sample.itl.append(now - last)
+                    last = now
+                if data.get("usage"):
+                    usage = data["usage"]
+                    details = usage.get("completion_tokens_details") or {}
+                    # Rejected prediction tokens are billed in completion_tokens: not output a user sees.
+                    sample.output_tokens = usage["completion_tokens"] - details.get("rejected_prediction_tokens", 0)
+                    sample.prompt_tokens = usage["prompt_tokens"]
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"
+        return sample
+    if sample.ttft is None:
+        sample.error = "no content"
+    else:
+        sample.latency = last - sent
+    return sample
+
+
+async def _closed_loop(
+    url: str, bodies: list[dict[str, Any]], concurrency: int, timeout: float
+) -> tuple[list[RequestSample], float]:
+    pending = iter(range(len(bodies)))
+    samples: list[RequestSample] = []
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        origin = time.perf_counter()
+
+        async def user() -> None:
+            for index in pending:
+                samples.append(await _chat(client, url, bodies[index], origin, index))
+
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        return samples, time.perf_counter() - origin
+
+
+def _drafting(url: str) -> tuple[float, float]:
+    """(accepted, drafted) tokens so far, from the server's metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = {"accepted": 0.0, "drafted": 0.0}
+    for line in text.splitlines():
+        if line.startswith("ferry:spec_decode_num_accepted_tokens_total{"):
+            values["accepted"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("ferry:spec_decode_num_draft_tokens_total{"):
+            values["drafted"] += float(line.rsplit(" ", 1)[1])
+    return values["accepted"], values["drafted"]
+
+
+def _body(model: str, messages: list[dict[str, str]], max_tokens: int, prediction: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if prediction is not None:
+        body["prediction"] = {"type": "content", "content": prediction}
+    return body
+
+
+def _answers(url: str, model: str, questions: list[str], max_tokens: int) -> list[str]:
+    answers = []
+    with httpx.Client(timeout=600) as client:
+        for q in questions:
+            body = {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": max_tokens}
+            response = client.post(f"{url}/v1/chat/completions", json={**body, "temperature": 0})
+            response.raise_for_status()
+            answers.append(response.json()["choices"][0]["message"]["content"] or "")
+    return answers
+
+
+def run_spec(options: SpecOptions) -> dict[str, Any]:
+    base = ServeOptions(model=options.model, startup_timeout=300.0)
+    drafting_args = ("--speculative-config", options.speculative_config)
+    with _local_server(base) as off_url, _local_server(replace(base, server_args=drafting_args)) as on_url:
+        model = httpx.get(f"{off_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        asked = _questions(options.num_requests, 0)
+        answers = _answers(off_url, model, asked, options.max_tokens)
+        again = [
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}, {"role": "user", "content": q}]
+            for q, a in zip(asked, answers, strict=True)
+        ]
+        fresh = [[{"role": "user", "content": q}] for q in _questions(options.num_requests, options.num_requests)]
+        plain = [_body(model, m, options.max_tokens) for m in again]
+        # (workload, (url, bodies) without drafts, (url, bodies) with them)
+        cases = [
+            ("repeat", (off_url, plain), (on_url, plain)),
+            (
+                "predict",
+                (off_url, plain),
+                (off_url, [_body(model, m, options.max_tokens, a) for m, a in zip(again, answers, strict=True)]),
+            ),
+            ("chat", (off_url, [_body(model, m, options.max_tokens) for m in fresh]), (on_url, None)),
+        ]
+        rows: list[dict[str, Any]] = []
+        for workload, off, on in cases:
+            on = (on[0], on[1] if on[1] is not None else off[1])
+            for concurrency in options.concurrencies:
+                figures: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+                acceptance: list[tuple[float, float]] = []
+                for round_index in range(options.rounds):
+                    order = [("off", off), ("on", on)] if round_index % 2 == 0 else [("on", on), ("off", off)]
+                    for name, (url, bodies) in order:
+                        before = _drafting(url)
+                        samples, duration = asyncio.run(_closed_loop(url, bodies, concurrency, options.timeout))
+                        after = _drafting(url)
+                        summary = summarize(samples, duration)
+                        if summary["errors"]:
+                            raise RuntimeError(f"{workload} c={concurrency} {name}: {summary['errors']} errors")
+                        figures[name].append(summary)
+                        if name == "on":
+                            acceptance.append((after[0] - before[0], after[1] - before[1]))
+                rows.append(_row(workload, concurrency, figures, acceptance))
+    return {"stamp": stamp(), "options": options.__dict__, "rows": rows}
+
+
+def _row(
+    workload: str, concurrency: int, figures: dict[str, list[dict[str, Any]]], acceptance: list[tuple[float, float]]
+) -> dict[str, Any]:
+    def median(name: str, key: str, inner: str | None = None) -> float:
+        values = [s[key][inner] if inner else s[key] for s in figures[name]]
+        return statistics.median(v for v in values if v is not None)
+
+    accepted, drafted = sum(a for a, _ in acceptance), sum(d for _, d in acceptance)
+    off, on = median("off", "output_throughput"), median("on", "output_throughput")
+    ratios = [
+        b["output_throughput"] / a["output_throughput"] for a, b in zip(figures["off"], figures["on"], strict=True)
+    ]
+    return {
+        "workload": workload,
+        "concurrency": concurrency,
+        "tokens_per_s_off": off,
+        "tokens_per_s_on": on,
+        "speedup": statistics.median(ratios),
+        "ttft_ms_off": median("off", "ttft_ms", "p50"),
+        "ttft_ms_on": median("on", "ttft_ms", "p50"),
+        "itl_ms_off": median("off", "itl_ms", "p50"),
+        "itl_ms_on": median("on", "itl_ms", "p50"),
+        "acceptance": accepted / drafted if drafted else None,
+        "drafted_tokens": drafted,
+        "rounds": len(ratios),
+    }
+
+
+def format_spec(report: dict[str, Any]) -> str:
+    header = ["workload", "C", "tok/s off", "tok/s on", "on/off", "TTFT p50 ms", "ITL p50 ms", "accepted"]
+    rows = [
+        [
+            r["workload"],
+            str(r["concurrency"]),
+            fmt(r["tokens_per_s_off"]),
+            fmt(r["tokens_per_s_on"]),
+            f"{r['speedup']:.2f}x",
+            f"{fmt(r['ttft_ms_off'])} / {fmt(r['ttft_ms_on'])}",
+            f"{fmt(r['itl_ms_off'])} / {fmt(r['itl_ms_on'])}",
+            "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}% of {r['drafted_tokens']:.0f}",
+        ]
+        for r in report["rows"]
+    ]
+    return f"{report['stamp']}\n" + format_table(header, rows)
