@@ -596,7 +596,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     spec.add_argument(
         "--speculative-config",
-        default='{"method": "ngram", "num_speculative_tokens": 4}',
+        default='{"method": "ngram", "num_speculative_tokens": 8}',
         help="the drafting server's --speculative-config",
     )
     spec.add_argument("--concurrency", type=_ints, default=(1, 4, 32), help="closed-loop clients, e.g. 1,4,32")

@@ -41,7 +41,7 @@ QUESTIONS = ("What is {}?", "How do I use {}?", "Tell me about {}.", "Explain {}
 @dataclass(frozen=True)
 class SpecOptions:
     model: str
-    speculative_config: str = '{"method": "ngram", "num_speculative_tokens": 4}'
+    speculative_config: str = '{"method": "ngram", "num_speculative_tokens": 8}'
     concurrencies: tuple[int, ...] = (1, 4, 32)
     rounds: int = 5
     num_requests: int = 32
