@@ -171,6 +171,9 @@ class SpeculativeConfig:
     """suffix: drafts at most this many times the matched suffix's length."""
     suffix_decoding_min_token_prob: float = 0.1
     """suffix: drafting stops where the path's estimated probability falls below this."""
+    adaptive: bool = True
+    """How many drafts a request carries is decided each step from the measured step costs and its acceptance
+    (engine/speculative/gate.py); false: always as many as the source has, up to num_speculative_tokens."""
     disable_by_batch_size: int | None = None
     """No drafts while more requests than this run; by default the engine decides each step from the step times
     it measures (engine/speculative/gate.py)."""

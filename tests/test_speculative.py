@@ -10,6 +10,7 @@ the verified tokens follow the target distribution (chi-square).
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,8 @@ from engine.speculative.speculator import Speculator
 from tests.model_factory import build_cycling_model_dir, build_model_dir
 from tests.test_engine_equivalence import CONFIGS, LOGPROB_TOLERANCE, _reference
 
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
+"""Drafts whenever the source has some: what these tests check must not hang on the measured gate."""
 
 
 class NoisyOracle:
@@ -139,17 +141,39 @@ def _repeating_prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for length in (5, 9, 14)]
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_real_draft_sources_keep_output(tmp_path: Path, method: str) -> None:
-    """ngram and suffix drafting on a model whose output repeats itself: the same greedy, seeded and unseeded
-    sampled tokens as without."""
-    path = build_cycling_model_dir(tmp_path / "cycling")
-    plain = _engine(path, None)
-    drafting = _engine(path, SpeculativeConfig(method=method, num_speculative_tokens=5))
-    prompts = _repeating_prompts(plain.hf_config.vocab_size)
+@pytest.fixture(scope="module")
+def cycling_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_cycling_model_dir(tmp_path_factory.mktemp("cycling"))
+
+
+SETUPS = {
+    "mixed": dict(max_batch_tokens=96, page_size=16),
+    "chunked": dict(max_batch_tokens=16, page_size=16),
+    "preempt": dict(max_batch_tokens=256, page_size=4, num_pages=40),
+    "async": dict(max_batch_tokens=96, page_size=4, async_scheduling=True),
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_every_source_keeps_output(cycling_model: Path, method: str, setup: str) -> None:
+    """Each method on a model whose output repeats itself (drafts mostly accepted; draft_model's draft is the model
+    itself), with a shared prefix, under mixed, chunked, preempted and async steps: the same greedy, seeded and
+    unseeded sampled tokens and logprobs as without drafts."""
+    spec = SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=5,
+        model=str(cycling_model) if method == "draft_model" else None,
+        adaptive=False,
+    )
+    plain = _engine(cycling_model, None, **SETUPS[setup])
+    drafting = _engine(cycling_model, spec, **SETUPS[setup])
+    vocab = plain.hf_config.vocab_size
+    shared = _repeating_prompts(vocab)[2][:8]
+    prompts = [shared + p for p in _repeating_prompts(vocab)]
     params = [SamplingParams(max_new_tokens=40, logprobs=True, top_logprobs=2)] * len(prompts) + [
         SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95, seed=11, repetition_penalty=1.2),
-        SamplingParams(max_new_tokens=40, temperature=1.3, frequency_penalty=0.5),
+        SamplingParams(max_new_tokens=40, temperature=1.3, frequency_penalty=0.5, logprobs=True),
     ] * len(prompts)
     inputs = prompts * 3
     want = generate_batch(inputs, params=params, engine=plain)
@@ -168,20 +192,20 @@ def test_real_draft_sources_keep_output(tmp_path: Path, method: str) -> None:
     stats = drafting.stats()
     assert stats.spec_decode_num_accepted_tokens == speculator.num_accepted_tokens
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == speculator.num_accepted_tokens
+    assert stats.prefix_cache_hits > 0
+    if setup == "preempt":
+        assert drafting.scheduler.num_preemptions > 0
     assert drafting.is_idle_and_clean()
+    drafting.kv_cache.check_invariants()
     plain.close()
     drafting.close()
 
 
-def test_opted_out_and_constrained_requests_draft_nothing(tmp_path: Path) -> None:
-    path = build_cycling_model_dir(tmp_path / "cycling")
-    engine = _engine(path, NGRAM)
+def test_opted_out_requests_draft_nothing(cycling_model: Path) -> None:
+    engine = _engine(cycling_model, NGRAM)
     prompts = _repeating_prompts(engine.hf_config.vocab_size)
     speculator = engine.speculator
     generate_batch(prompts, params=SamplingParams(max_new_tokens=30, speculate=False), engine=engine)
-    assert speculator.num_drafts == 0
-    choice = StructuredOutput("regex", "[a-z ]{1,40}")
-    generate_batch(prompts, params=SamplingParams(max_new_tokens=30, structured_output=choice), engine=engine)
     assert speculator.num_drafts == 0
     generate_batch(prompts, params=SamplingParams(max_new_tokens=30), engine=engine)
     assert speculator.num_drafts > 0  # the same prompts draft when they may
@@ -458,3 +482,47 @@ def test_prediction_through_the_openai_sdk(model_dir: Callable[[str], Path]) -> 
             client.chat.completions.create(
                 model=model, messages=messages, max_tokens=5, prediction={"type": "image", "content": "x"}
             )
+
+
+# -- structured output ---------------------------------------------------------------------------------------
+
+REPEATING_SCHEMA = {
+    "type": "array",
+    "items": {"enum": ["alpha beta gamma", "alpha beta delta", "omega"]},
+    "minItems": 2,
+}
+
+
+def test_grammar_masks_the_drafts(model_dir: Callable[[str], Path]) -> None:
+    """JSON whose items repeat (ngram drafts them) under budgets that make the value close mid-draft: the same
+    tokens, logprobs and finish reasons as without drafts, every answer valid JSON of the schema."""
+    path = model_dir("llama")
+    plain = _engine(path, None)
+    drafting = _engine(
+        path, SpeculativeConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=1, adaptive=False)
+    )
+    schema = StructuredOutput("json_schema", json.dumps(REPEATING_SCHEMA))
+    regex = StructuredOutput("regex", "(ab|abc|b){3,30}")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(10, 300) for _ in range(n)] for n in (4, 9, 15, 6, 11, 8)]
+    params = [
+        SamplingParams(max_new_tokens=n, structured_output=schema, logprobs=True, top_logprobs=2) for n in (24, 37, 60)
+    ] + [
+        SamplingParams(max_new_tokens=33, structured_output=schema, temperature=0.8, seed=4, logprobs=True),
+        SamplingParams(max_new_tokens=40, structured_output=regex, logprobs=True),
+        SamplingParams(max_new_tokens=29, structured_output=schema, temperature=1.0, close_within_budget=False),
+    ]
+    want = generate_batch(prompts, params=params, engine=plain)
+    got = generate_batch(prompts, params=params, engine=drafting)
+    for key, expected in want.items():
+        assert got[key].generated_ids == expected.generated_ids, f"{key} differs"
+        assert got[key].finish_reason == expected.finish_reason
+        if expected.logprobs is not None:
+            for a, b in zip(got[key].logprobs or [], expected.logprobs, strict=True):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= LOGPROB_TOLERANCE
+    speculator = drafting.speculator
+    assert speculator.num_accepted_tokens > 0 and speculator.num_accepted_tokens < speculator.num_draft_tokens
+    assert any(o.finish_reason is not None and o.finish_reason.value == "length" for o in want.values())
+    assert drafting.is_idle_and_clean()
+    plain.close()
+    drafting.close()

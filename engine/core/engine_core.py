@@ -365,13 +365,19 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         """One step's outputs: plan, execute, apply; with async scheduling, apply the step in flight and start
         the one planned while it ran."""
-        if self._runner_thread is not None:
-            return self._step_ahead(self._runner_thread)
         started = time.perf_counter()
-        plan = self._schedule()
-        scheduled = time.perf_counter()
-        result = self._execute(plan)
-        return self._apply(plan, result, scheduled - started, time.perf_counter())
+        if self._runner_thread is not None:
+            outputs = self._step_ahead(self._runner_thread)
+        else:
+            plan = self._schedule()
+            scheduled = time.perf_counter()
+            result = self._execute(plan)
+            outputs = self._apply(plan, result, scheduled - started, time.perf_counter())
+        if self.speculator.active and self._last_step_tokens:
+            # The whole step as the engine's loop lives it (planning, drafting, the forward pass, applying): what a
+            # token made by a draft saves.
+            self.speculator.cost.record(self._last_step_tokens, time.perf_counter() - started)
+        return outputs
 
     def _schedule(self) -> SchedulerOutput:
         """The next plan, with the drafts the speculator proposes for its decodes."""

@@ -134,26 +134,38 @@ class ModelRunner:
             return ModelRunnerOutput(prepare_seconds=inputs.prepare_seconds, forward_seconds=forward_seconds)
         sampling, constrained = inputs.sampling, inputs.constrained
         # After the forward pass was issued: on CUDA the CPU fills the masks while the device computes.
-        grammars = [sampling[row].grammar for row in constrained]
-        grammar_bias = (constrained, self.step_grammars.bias(grammars)) if constrained else None  # type: ignore[arg-type]
+        grammars: list[GrammarState] = [sampling[row].grammar for row in constrained]  # type: ignore[misc]
         num_sampling, drafts = inputs.num_sampling, inputs.drafts
         if drafts:
+            grammar_bias = self._draft_grammar_bias(constrained, grammars, drafts, num_sampling)
             num_sampling += sum(map(len, drafts))
+            # The grammars walk the kept tokens there, the budget's closing included.
             token_ids, logprobs = verify(
-                self.sampler, logits[:num_sampling], sampling, drafts, grammar_bias, inputs.sampling_needs
+                self.sampler,
+                logits[:num_sampling],
+                sampling,
+                drafts,
+                grammar_bias,
+                inputs.sampling_needs,
+                dict(zip(constrained, grammars, strict=True)),
             )
+            closed_by_budget = self._closed_rows(constrained, grammars)
         else:
+            grammar_bias = (constrained, self.step_grammars.bias(grammars)) if constrained else None
             token_ids, logprobs = self.step_tokens(
                 inputs, self.sampler(logits[:num_sampling], sampling, grammar_bias, inputs.sampling_needs)
             )
-        closed_by_budget = []
-        if grammar_bias is not None:
-            closed_by_budget = self._close_within_budget(logits, grammar_bias, grammars, sampling, token_ids, logprobs)
+            closed_by_budget = []
+            if grammar_bias is not None:
+                closed_by_budget = self._close_within_budget(
+                    logits, grammar_bias, grammars, sampling, token_ids, logprobs
+                )
         added = [
             seq.extend_at(position, tokens)
             for seq, position, tokens in zip(sampling, inputs.sample_positions, token_ids, strict=True)
         ]
-        self.step_grammars.advance(grammars, [added[row] for row in constrained])
+        if not drafts:
+            self.step_grammars.advance(grammars, [added[row] for row in constrained])
         return ModelRunnerOutput(
             token_ids,
             logprobs,
@@ -194,11 +206,29 @@ class ModelRunner:
             )
             for row, logprob in zip(rows, fresh, strict=True):
                 logprobs[row] = [logprob]
+        return self._closed_rows(constrained, grammars)
+
+    @staticmethod
+    def _closed_rows(constrained: list[int], grammars: list[GrammarState]) -> list[int]:
+        """The constrained rows whose JSON value the budget is closing."""
         return [
             row
             for row, grammar in zip(constrained, grammars, strict=True)
             if grammar.closing is not None and grammar.closing.forced_any
         ]
+
+    def _draft_grammar_bias(
+        self, constrained: list[int], grammars: list[GrammarState], drafts: list[tuple[int, ...]], num_sampling: int
+    ) -> tuple[list[int], torch.Tensor] | None:
+        """The grammar bias of a step with drafts: the constrained sequences' rows, then the rows of their drafts'
+        positions (logits rows after the S sampling rows, sequence by sequence)."""
+        if not constrained:
+            return None
+        first_draft_row = np.cumsum([0, *map(len, drafts)])[:-1] + num_sampling
+        rows = list(constrained)
+        for seq in constrained:
+            rows += range(int(first_draft_row[seq]), int(first_draft_row[seq]) + len(drafts[seq]))
+        return rows, self.step_grammars.bias(grammars, [drafts[seq] for seq in constrained])
 
     def step_tokens(
         self, inputs: StepInputs, sampled: SampleResult

@@ -212,9 +212,18 @@ class GrammarMasker:
         self.num_masked_rows = 0
         """Rows masked since start-up: a step without constrained rows adds nothing."""
 
-    def bias(self, states: Sequence[GrammarState]) -> torch.Tensor:
-        """`[len(states), vocab_size]` float32 on the device: 0 where each row's grammar allows the token, else -inf."""
+    def bias(self, states: Sequence[GrammarState], drafts: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+        """`[len(states) + D, vocab_size]` float32 on the device: 0 where each row's grammar allows the token, else
+        -inf. With `drafts` (per state, the tokens drafted after it; D in all), the D rows after the states' are
+        each draft's position: the grammar after the drafts before it and the draft itself. A draft the grammar
+        refuses makes the rows after it copies of its own (their tokens are never kept: verification stops at a
+        refused draft, which no allowed token equals)."""
         rows = len(states)
+        needed = rows + sum(map(len, drafts))
+        if needed > len(self._packed):
+            # Draft rows come on top of one a sequence: grown to what a step needs, pinned again on CUDA.
+            grown = torch.zeros((needed, self._words), dtype=torch.int32, pin_memory=self._packed.is_pinned())
+            self._packed, self._bits = grown, grown.numpy().view(np.uint32)
         self._executor.unsafe_compute_mask_ptr(
             [(state.matcher, row) for row, state in enumerate(states)],
             self._packed.data_ptr(),
@@ -226,12 +235,36 @@ class GrammarMasker:
                 self._only(row, state.closing.forced[0])
             elif state.end_token_ids != self._library_ends:
                 self._use_own_end_tokens(row, state.end_token_ids)
+        for state, drafted in zip(states, drafts, strict=False):
+            rows = self._draft_rows(state, drafted, rows)
         self.num_masked_rows += rows
         packed = self._packed[:rows].to(self.device, non_blocking=True)
         # Bit b of word w is token 32w + b: expand to one int32 per token (1 allowed, 0 not), then 1 -> 0.0 and
         # 0 -> -inf by bits alone (x - 1 is 0 or all ones, masked to -inf's pattern).
         bias = (packed.unsqueeze(-1) >> self._shifts).bitwise_and_(1).sub_(1).bitwise_and_(_NEG_INF_BITS)
         return bias.view(torch.float32).view(rows, -1)[:, : self.vocab_size]
+
+    def _draft_rows(self, state: GrammarState, drafted: Sequence[int], row: int) -> int:
+        """Fill the rows of `drafted`'s positions from `row` on (the matcher walks the drafts and comes back);
+        returns the row after them."""
+        matcher, consumed, refused = state.matcher, 0, False
+        for token in drafted:
+            # Checked before it is consumed: a refused token would leave the matcher in error.
+            refused = refused or token in state.end_token_ids or matcher.validate_tokens([token]) != 1
+            if refused:
+                self._bits[row] = self._bits[row - 1]  # after a refused draft or an end: never kept
+            else:
+                matcher.consume_token(token)
+                consumed += 1
+                self._executor.unsafe_compute_mask_ptr(
+                    [(matcher, row)], self._packed.data_ptr(), self._words * 4, len(self._packed)
+                )
+                if state.end_token_ids != self._library_ends:
+                    self._use_own_end_tokens(row, state.end_token_ids)
+            row += 1
+        if consumed:
+            matcher.rollback(consumed)
+        return row
 
     def _only(self, row: int, token: int) -> None:
         """Allow `token` alone in the row: the budget is closing the value."""
@@ -283,13 +316,13 @@ class StepGrammars:
             params.close_within_budget,
         )
 
-    def bias(self, states: Sequence[GrammarState]) -> torch.Tensor:
-        """`GrammarMasker.bias` of the step's constrained rows."""
+    def bias(self, states: Sequence[GrammarState], drafts: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+        """`GrammarMasker.bias` of the step's constrained rows (and of their drafts' positions)."""
         if self.masker is None:
             self.masker = GrammarMasker(
                 self.vocab_size, self.max_rows, self.device, frozenset(self.compiler.tokenizer.eos_tokens)
             )
-        return self.masker.bias(states)
+        return self.masker.bias(states, drafts)
 
     @staticmethod
     def choose(states: Sequence[GrammarState], sampled: Sequence[list[int]]) -> list[int]:

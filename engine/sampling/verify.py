@@ -16,12 +16,13 @@ p restricted to the other tokens, the residual (p - q)+ normalised.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from engine.core.request import SamplingParams, TokenLogprob
 from engine.sampling.sampler import BatchNeeds, Sampler, SamplingState
+from engine.sampling.token_masks import GrammarState
 
 
 class _AfterDrafts:
@@ -65,12 +66,14 @@ def verify(
     drafts: Sequence[tuple[int, ...]],
     grammar_bias: tuple[list[int], torch.Tensor] | None,
     needs: BatchNeeds,
+    grammars: Mapping[int, GrammarState] | None = None,
 ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
     """Each sequence's tokens from this step (accepted drafts, then one sampled) and their logprobs.
 
     `logits`: [S + D, vocab]: row i is sequence i's last known token; then, sequence by sequence, the row after each
-    of its drafts (D drafts in all). `grammar_bias` covers rows among the first S only: a constrained sequence has
-    no drafts (engine/speculative/speculator.py).
+    of its drafts (D drafts in all). `grammar_bias` covers the rows of constrained sequences, drafts' positions
+    included (each masked by the grammar after the drafts before it). `grammars`: by sequence index, the grammar
+    state of each constrained sequence of the step, which is walked through the tokens kept (see `_walk`).
     """
     rows: list[SamplingState] = list(sequences)
     for seq, drafted in zip(sequences, drafts, strict=True):
@@ -79,14 +82,53 @@ def verify(
     tokens, logprobs = sampled.token_ids, sampled.logprobs
     token_ids: list[list[int]] = []
     token_logprobs: list[list[TokenLogprob] | None] = []
+    bias_of_row = {row: index for index, row in enumerate(grammar_bias[0])} if grammar_bias is not None else {}
     next_row = len(sequences)
     for i, drafted in enumerate(drafts):
         positions = [i, *range(next_row, next_row + len(drafted))]
         next_row += len(drafted)
-        accepted = 0
-        while accepted < len(drafted) and tokens[positions[accepted]] == drafted[accepted]:
-            accepted += 1
-        kept = positions[: accepted + 1]
-        token_ids.append([tokens[row] for row in kept])
-        token_logprobs.append(None if logprobs[i] is None else [logprobs[row] for row in kept])  # type: ignore[misc]
+        state = grammars.get(i) if grammars else None
+        if state is None:
+            accepted = 0
+            while accepted < len(drafted) and tokens[positions[accepted]] == drafted[accepted]:
+                accepted += 1
+            kept, chosen = positions[: accepted + 1], [tokens[row] for row in positions[: accepted + 1]]
+        else:
+            kept, chosen = _walk(state, drafted, positions, tokens)
+        token_ids.append(chosen)
+        if logprobs[i] is None:
+            token_logprobs.append(None)
+            continue
+        entries = [logprobs[row] for row in kept]
+        for n, (row, token) in enumerate(zip(kept, chosen, strict=True)):
+            if token != tokens[row]:  # the budget closing the value replaced the sampled token
+                assert grammar_bias is not None
+                biased = logits[row : row + 1] + grammar_bias[1][bias_of_row[row] : bias_of_row[row] + 1]
+                entries[n] = sampler.logprobs_of(biased, [token], [rows[row]])[0]
+        token_logprobs.append(entries)  # type: ignore[arg-type]
     return token_ids, token_logprobs
+
+
+def _walk(
+    state: GrammarState, drafted: tuple[int, ...], positions: list[int], tokens: list[int]
+) -> tuple[list[int], list[int]]:
+    """A constrained sequence's kept rows and tokens, its grammar state advanced through them.
+
+    Position by position as decoding without drafts goes: the budget's closing may replace the token sampled
+    (`GrammarState.choose`), which then ends the step; a draft is kept while it equals the token kept there. Once
+    the closing forces tokens, a later position's row was masked without knowing it: the step ends before it, with
+    the drafts kept so far and no token of its own (the next step samples that position, masked only to the forced
+    token, as without drafts)."""
+    kept: list[int] = []
+    chosen: list[int] = []
+    for j, row in enumerate(positions):
+        if j and state.closing is not None and state.closing.forced:
+            break
+        sampled = tokens[row]
+        token = state.choose(sampled)
+        kept.append(row)
+        chosen.append(token)
+        state.advance(token)
+        if token != sampled or j == len(drafted) or token != drafted[j]:
+            break
+    return kept, chosen

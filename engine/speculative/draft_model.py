@@ -11,7 +11,6 @@ output identical to decoding without them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -27,15 +26,12 @@ class DraftModelDrafts:
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
-        self.seconds = 0.0
-        """Time spent drafting so far (the engine adds it to the step cost it fits)."""
 
     def propose(self, request: DraftingRequest, max_drafts: int) -> list[int]:
         return self.propose_batch([request], [max_drafts])[0]
 
     def propose_batch(self, requests: Sequence[DraftingRequest], max_drafts: Sequence[int]) -> list[list[int]]:
         """Up to `max_drafts[i]` greedy tokens of the draft model after each request's tokens, in one batch."""
-        started = time.perf_counter()
         engine = self.engine
         drafts: dict[str, list[int]] = {}
         for request, most in zip(requests, max_drafts, strict=True):
@@ -49,7 +45,6 @@ class DraftModelDrafts:
             for output in engine.step():
                 if output.request_id in drafts:
                     drafts[output.request_id] += output.new_token_ids
-        self.seconds += time.perf_counter() - started
         return [drafts.get(request.request_id, []) for request in requests]
 
     def finished(self, request: DraftingRequest) -> None:

@@ -23,6 +23,7 @@ from engine.speculative.gate import Acceptance, StepCost, drafts_worth
 from engine.speculative.ngram import NgramDrafts
 from engine.speculative.prediction import PredictionDrafts
 from engine.speculative.source import DraftSource
+from engine.speculative.suffix import SuffixDrafts
 
 PREDICTION_DRAFTS = 8
 """Most drafts a prediction gives one step without --speculative-config (whose num_speculative_tokens rules
@@ -38,8 +39,6 @@ def draft_source(config: SpeculativeConfig) -> DraftSource:
         return NgramDrafts(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method != "suffix":
         raise ValueError(f"the {config.method} source is built by the engine that runs it")
-    from engine.speculative.suffix import SuffixDrafts  # TEMP until the module lands
-
     return SuffixDrafts(
         max_tree_depth=config.suffix_decoding_max_tree_depth,
         max_cached_requests=config.suffix_decoding_max_cached_requests,
@@ -64,8 +63,6 @@ class Speculator:
         self._found_nothing: dict[str, int] = {}
         """By request, the plan at which the source last proposed nothing for it (none since: absent)."""
         self._num_plans = 0
-        self._draft_seconds = 0.0
-        """The draft model's drafting time already charged to a step."""
         self._seen: dict[str, Request] = {}
         """Requests the source keeps state for: told when they finish."""
         self.num_drafts = 0
@@ -87,8 +84,9 @@ class Speculator:
             self._seen[request.request_id] = request
 
     def propose(self, running: Collection[Request]) -> dict[str, list[int]]:
-        """Drafts for the running decodes that may carry some this step (nothing of them in flight, sampled
-        freely: a grammar's requests and those that opted out draft nothing), as many as pay (gate.py)."""
+        """Drafts for the running decodes that may carry some this step (nothing of them in flight, not opted
+        out), as many as pay (gate.py)."""
+        self._num_plans += 1
         candidates = [request for request in running if _may_draft(request)]
         if not candidates:
             return {}
@@ -112,7 +110,6 @@ class Speculator:
             proposals = self.source.propose_batch([r for r, _ in batched], [k for _, k in batched])
             for (request, _), proposed in zip(batched, proposals, strict=True):
                 self._take(drafts, request, proposed)
-        self._num_plans += 1
         return drafts
 
     def _take(self, drafts: dict[str, list[int]], request: Request, proposed: list[int]) -> None:
@@ -151,17 +148,13 @@ class Speculator:
         if acceptance is None:
             acceptance = self._acceptance[request.request_id] = Acceptance()
             self._seen[request.request_id] = request
+        if self.config is not None and not self.config.adaptive:
+            return self.most
         return drafts_worth(acceptance.rate, batch, cost, self.most)
 
     def observe(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """A step's result: its cost, and how many of each request's drafts were accepted."""
-        if plan.request_ids:
-            seconds = result.forward_seconds + result.sample_seconds
-            if isinstance(self.source, DraftModelDrafts):
-                # Drafting costs a draft model's steps too: charged to the step that verifies the drafts.
-                seconds += self.source.seconds - self._draft_seconds
-                self._draft_seconds = self.source.seconds
-            self.cost.record(plan.num_tokens, seconds)
+        """A step's result: how many of each request's drafts were accepted. (Its cost the engine records in
+        `cost`, the step's whole time.)"""
         if not plan.draft_token_ids:
             return
         row = -1
@@ -218,13 +211,8 @@ class Speculator:
 
 
 def _drafts_allowed(request: Request) -> bool:
-    """A running request that samples freely: a grammar's requests and those that opted out draft nothing."""
-    return (
-        request.status is RequestStatus.RUNNING
-        and request.pooling is None
-        and request.params.structured_output is None
-        and request.params.speculate
-    )
+    """A running request that generates and has not opted out (a grammar's drafts are masked by it: verify.py)."""
+    return request.status is RequestStatus.RUNNING and request.pooling is None and request.params.speculate
 
 
 def _may_draft(request: Request) -> bool:
