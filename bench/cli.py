@@ -603,6 +603,14 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--rounds", type=_positive_int, default=5, help="alternating rounds per point (medians)")
     spec.add_argument("--num-requests", type=_positive_int, default=32, help="requests per workload and point")
     spec.add_argument("--max-tokens", type=_positive_int, default=128)
+    spec.add_argument(
+        "--draft-pair",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="measure the draft-model path: a 150M random-weight Llama on the demo's tokenizer (built once in "
+        "FOLDER), drafted for by the demo model",
+    )
     spec.add_argument("--json", type=Path, default=None)
     spec.set_defaults(func=_spec)
 
@@ -617,6 +625,7 @@ def _spec(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         num_requests=args.num_requests,
         max_tokens=args.max_tokens,
+        draft_pair=args.draft_pair,
     )
     report = run_spec(options)
     _emit(report, format_spec(report), args.json)

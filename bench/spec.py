@@ -13,6 +13,11 @@ answers (greedy, from the server without drafts), so that what repeats is what t
 
 Each point is a closed loop of C clients over the workload's requests (greedy, streamed chat completions): output
 tokens/s, TTFT and ITL medians, and the drafted tokens' acceptance from the server's /metrics.
+
+`--draft-pair` measures the draft-model path instead: the served model is a wider, deeper Llama of the demo's
+tokenizer with random weights (`draft_pair_target`, about 10x the demo's cost per token), drafted for by the demo
+model itself (`method: draft_model`), on the repeat and chat workloads. Random weights leave little to accept: the
+row shows what a poor draft costs once the engine measures it (the gate), and the acceptance it met.
 """
 
 from __future__ import annotations
@@ -22,10 +27,14 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from bench.perplexity import DEMO_MODEL
 from bench.report import fmt, format_table, stamp
 from bench.serve import RequestSample, ServeOptions, _local_server, summarize
 
@@ -47,6 +56,35 @@ class SpecOptions:
     num_requests: int = 32
     max_tokens: int = 128
     timeout: float = 600.0
+    draft_pair: Path | None = None
+    """Set: measure the draft-model pair built in this folder (module docstring) instead of `model`."""
+
+
+PAIR_TARGET = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16)
+"""The draft pair's served model: the demo's architecture widened and deepened (about 150M parameters)."""
+
+
+def draft_pair_target(folder: Path) -> Path:
+    """The draft pair's served model in `folder` (built once, seed 0): random weights, the demo's tokenizer and
+    chat template, so that the demo model can draft for it."""
+    target = folder / "draft-pair-target"
+    if (target / "model.safetensors").exists():
+        return target
+    config = AutoConfig.from_pretrained(DEMO_MODEL)
+    for key, value in PAIR_TARGET.items():
+        setattr(config, key, value)
+    config.num_key_value_heads = 4
+    config.head_dim = 64
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.02)
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        (target / name).write_bytes((DEMO_MODEL / name).read_bytes())
+    return target
 
 
 def _questions(count: int, offset: int) -> list[str]:
@@ -143,8 +181,14 @@ def _answers(url: str, model: str, questions: list[str], max_tokens: int) -> lis
 
 
 def run_spec(options: SpecOptions) -> dict[str, Any]:
-    base = ServeOptions(model=options.model, startup_timeout=300.0)
-    drafting_args = ("--speculative-config", options.speculative_config)
+    model_dir, speculative_config = options.model, options.speculative_config
+    if options.draft_pair is not None:
+        model_dir = str(draft_pair_target(options.draft_pair))
+        speculative_config = json.dumps(
+            {"method": "draft_model", "model": str(DEMO_MODEL), "num_speculative_tokens": 4}
+        )
+    base = ServeOptions(model=model_dir, startup_timeout=300.0)
+    drafting_args = ("--speculative-config", speculative_config)
     with _local_server(base) as off_url, _local_server(replace(base, server_args=drafting_args)) as on_url:
         model = httpx.get(f"{off_url}/v1/models", timeout=10).json()["data"][0]["id"]
         asked = _questions(options.num_requests, 0)
@@ -165,6 +209,8 @@ def run_spec(options: SpecOptions) -> dict[str, Any]:
             ),
             ("chat", (off_url, [_body(model, m, options.max_tokens) for m in fresh]), (on_url, None)),
         ]
+        if options.draft_pair is not None:
+            cases = [case for case in cases if case[0] != "predict"]
         rows: list[dict[str, Any]] = []
         for workload, off, on in cases:
             on = (on[0], on[1] if on[1] is not None else off[1])
@@ -184,7 +230,8 @@ def run_spec(options: SpecOptions) -> dict[str, Any]:
                         if name == "on":
                             acceptance.append((after[0] - before[0], after[1] - before[1]))
                 rows.append(_row(workload, concurrency, figures, acceptance))
-    return {"stamp": stamp(), "options": options.__dict__, "rows": rows}
+    report_options = {**options.__dict__, "model": model_dir, "speculative_config": speculative_config}
+    return {"stamp": stamp(), "options": {k: str(v) for k, v in report_options.items()}, "rows": rows}
 
 
 def _row(

@@ -217,6 +217,9 @@ def test_drafts_match_a_brute_force_reference(
         request.output_ids = output[:grown]
         expected = _reference_proposal(prompt + output[:grown], cached, max_drafts, config)
         assert drafts.propose(request, max_drafts) == expected
+        # The cache match covers no more than the trie's depth: longer would be candidates with nothing to draft.
+        match = drafts._requests["r"].cache_match
+        assert match.node_length <= match.length <= config["max_tree_depth"]
 
 
 def _trie_counts(node: _Node, prefix: tuple[int, ...] = ()) -> dict[tuple[int, ...], tuple[int, int]]:
@@ -257,17 +260,25 @@ def test_the_cache_holds_exactly_the_latest_outputs(sequences: list[list[int]], 
     drafts = SuffixDrafts(max_tree_depth=depth, max_cached_requests=max_cached)
     for index, sequence in enumerate(sequences):
         _finish(drafts, f"c{index}", sequence)
+        # Checked (and best children looked up, as drafts do) after each: the next eviction starts from there.
+        _check_best_children(drafts._cache.root)
     kept = sequences[-max_cached:] if sequences else []
     assert list(drafts._cached_outputs) == kept
     assert _trie_counts(drafts._cache.root) == _brute_counts(kept, depth)
-    _check_best_children(drafts._cache.root)
 
 
 def _check_best_children(node: _Node) -> None:
+    """Below `node`: `continued` is the children's counts summed, the best child kept has the highest count, and
+    its lead is no more than it has over the runner-up."""
     assert node.continued == sum(child.count for child in node.children.values())
+    kept = node.best_token
+    counts = sorted((child.count for child in node.children.values()), reverse=True)
+    if kept is not None:
+        assert node.children[kept].count == counts[0]
+        assert 0 <= node.lead <= counts[0] - (counts[1] if len(counts) > 1 else 0)
     best = node.most_frequent()
     if node.children:
-        assert best is not None and node.children[best].count == max(c.count for c in node.children.values())
+        assert best is not None and node.children[best].count == counts[0]
     for child in node.children.values():
         if isinstance(child, _Node):
             _check_best_children(child)

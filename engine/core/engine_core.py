@@ -333,6 +333,7 @@ class EngineCore:
             except RequestRejected as exc:
                 self._settled.append((request_id, exc))
             else:
+                self.speculator.add(request)
                 self.scheduler.add(request)
                 self._settled.append((request_id, None))
         settled, self._settled = self._settled, []
@@ -352,6 +353,7 @@ class EngineCore:
         held = self._awaiting_grammar.pop(request_id, None)
         if held is not None:
             # Taken, then ended before its grammar was ready: it finishes like any abort of a waiting request.
+            self.speculator.add(held[0])
             self.scheduler.add(held[0])
             self._settled.append((request_id, None))
         self.scheduler.abort(request_id, error)

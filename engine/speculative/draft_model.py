@@ -12,19 +12,26 @@ output identical to decoding without them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from engine.core.request import RequestRejected, SamplingParams
+from engine.core.request import RequestRejected, SamplingParams, StepOutput
 from engine.speculative.source import DraftingRequest
 
-if TYPE_CHECKING:
-    from engine.core.engine_core import EngineCore
+
+class DraftEngine(Protocol):
+    """What drafting uses of the draft model's engine (an `EngineCore`, which the served model's builds)."""
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[StepOutput]: ...
 
 
 class DraftModelDrafts:
-    """`DraftSource` over a draft engine (an EngineCore of the draft model, built by the target's EngineCore)."""
+    """`DraftSource` over a draft engine."""
 
-    def __init__(self, engine: EngineCore) -> None:
+    def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
 
     def propose(self, request: DraftingRequest, max_drafts: int) -> list[int]:

@@ -28,9 +28,15 @@ from engine.speculative.suffix import SuffixDrafts
 PREDICTION_DRAFTS = 8
 """Most drafts a prediction gives one step without --speculative-config (whose num_speculative_tokens rules
 otherwise): a prediction is usually right for long runs, so more than a guessed source's."""
-RETRY_PLANS = 8
-"""Under async scheduling, a request the source found no drafts for runs ahead this many plans before it is held
-back to try again (holding it costs it the overlap of planning with the step before)."""
+MOST_QUIET_PLANS = 64
+"""A request the source found no drafts for is not asked again for 2, 4, 8, ... plans after each miss in a row, up
+to this many: a search costs tens of microseconds a request, which at a large batch of answers that repeat
+nothing would slow every step (and under async scheduling, asking means holding the request back a plan)."""
+
+
+BEST_ACCEPTANCE = 0.95
+"""The acceptance a step's drafts are weighed at before any request is looked at: where even this would not pay,
+the step drafts nothing."""
 
 
 def draft_source(config: SpeculativeConfig) -> DraftSource:
@@ -60,8 +66,9 @@ class Speculator:
         """Requests with a prediction, not finished: their drafted tokens [accepted, rejected] so far."""
         self.cost = StepCost()
         self._acceptance: dict[str, Acceptance] = {}
-        self._found_nothing: dict[str, int] = {}
-        """By request, the plan at which the source last proposed nothing for it (none since: absent)."""
+        self._quiet: dict[str, tuple[int, int]] = {}
+        """By request whose source found nothing last time: (the plan before which it is not asked again, misses in
+        a row)."""
         self._num_plans = 0
         self._seen: dict[str, Request] = {}
         """Requests the source keeps state for: told when they finish."""
@@ -77,7 +84,10 @@ class Speculator:
         return self.source is not None or bool(self._predicted)
 
     def add(self, request: Request) -> None:
-        """A request taken by the engine: one with a prediction drafts from it."""
+        """A request taken by the engine: one with a prediction drafts from it; the source sees every request
+        finish (a suffix tree learns from all outputs, drafted or not)."""
+        if self.source is not None:
+            self._seen[request.request_id] = request
         if request.predicted_ids:
             self.predictions.add(request.request_id, request.predicted_ids)
             self._predicted[request.request_id] = [0, 0]
@@ -87,13 +97,13 @@ class Speculator:
         """Drafts for the running decodes that may carry some this step (nothing of them in flight, not opted
         out), as many as pay (gate.py)."""
         self._num_plans += 1
-        candidates = [request for request in running if _may_draft(request)]
+        candidates = [request for request in running if _may_draft(request) and not self._is_quiet(request)]
         if not candidates:
             return {}
         batch = len(running)
-        if self._disabled(batch):
-            return {}
         cost = self.cost.fit()
+        if self._disabled(batch) or not self._may_pay(batch, cost):
+            return {}  # not even drafts that are always accepted would pay: no request is looked at
         drafts: dict[str, list[int]] = {}
         batched: list[tuple[Request, int]] = []
         for request in candidates:
@@ -115,29 +125,38 @@ class Speculator:
     def _take(self, drafts: dict[str, list[int]], request: Request, proposed: list[int]) -> None:
         if proposed:
             drafts[request.request_id] = proposed
-            self._found_nothing.pop(request.request_id, None)
-        else:
-            self._found_nothing[request.request_id] = self._num_plans
+            self._quiet.pop(request.request_id, None)
+        elif request.request_id not in self._predicted:  # a prediction is cheap to ask, and realigns when asked
+            misses = self._quiet.get(request.request_id, (0, 0))[1] + 1
+            self._quiet[request.request_id] = (self._num_plans + min(2**misses, MOST_QUIET_PLANS), misses)
+
+    def _is_quiet(self, request: Request) -> bool:
+        quiet = self._quiet.get(request.request_id) if self._quiet else None
+        return quiet is not None and self._num_plans < quiet[0]
 
     def hold(self, running: Collection[Request]) -> list[str]:
         """Under async scheduling: the running decodes with a step in flight that the next plan should leave out,
         so that the plan after it can give them drafts. Those the gate would let draft, unless the source found
-        nothing for them lately (they run ahead as usual until `RETRY_PLANS` plans have passed)."""
-        if self._disabled(len(running)):
-            return []
+        nothing for them lately (they run ahead as usual while quiet: `MOST_QUIET_PLANS`)."""
         cost = self.cost.fit()
+        if self._disabled(len(running)) or not self._may_pay(len(running), cost):
+            return []
         held = []
         for request in running:
             if not (request.num_in_flight_tokens and _drafts_allowed(request)):
                 continue
             if self.source is None and request.request_id not in self._predicted:
                 continue
-            since = self._found_nothing.get(request.request_id)
-            if since is not None and self._num_plans - since < RETRY_PLANS:
+            if self._is_quiet(request):
                 continue
             if self._worth(request, len(running), cost):
                 held.append(request.request_id)
         return held
+
+    def _may_pay(self, batch: int, cost: tuple[float, float] | None) -> bool:
+        if self.config is not None and not self.config.adaptive:
+            return True
+        return drafts_worth(BEST_ACCEPTANCE, batch, cost, 1) > 0
 
     def _disabled(self, batch: int) -> bool:
         limit = self.config.disable_by_batch_size if self.config is not None else None
@@ -207,7 +226,7 @@ class Speculator:
                 if source is not None:
                     source.finished(request)
                 self._acceptance.pop(request_id, None)
-                self._found_nothing.pop(request_id, None)
+                self._quiet.pop(request_id, None)
 
 
 def _drafts_allowed(request: Request) -> bool:

@@ -572,7 +572,9 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails | None = Field(
-        None, description="Set for a chat completion with a `prediction`."
+        None,
+        description="Set for a chat completion with a `prediction` (absent otherwise).",
+        exclude_if=lambda v: v is None,
     )
 
 
