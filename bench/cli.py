@@ -601,7 +601,9 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     spec.add_argument("--concurrency", type=_ints, default=(1, 4, 32), help="closed-loop clients, e.g. 1,4,32")
     spec.add_argument("--rounds", type=_positive_int, default=5, help="alternating rounds per point (medians)")
-    spec.add_argument("--num-requests", type=_positive_int, default=32, help="requests per workload and point")
+    spec.add_argument(
+        "--num-requests", type=_positive_int, default=32, help="requests per point, at least 4x its concurrency"
+    )
     spec.add_argument("--max-tokens", type=_positive_int, default=128)
     spec.add_argument(
         "--draft-pair",

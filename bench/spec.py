@@ -44,7 +44,10 @@ SUBJECTS = (
     "a decorator", "an iterator", "the GIL", "a context manager", "pathlib", "a set", "a lambda", "an exception",
     "a module", "a class", "a coroutine", "a pipe", "a signal", "a string", "bytes", "a harbour",
 )  # fmt: skip
-QUESTIONS = ("What is {}?", "How do I use {}?", "Tell me about {}.", "Explain {} briefly.")
+QUESTIONS = (
+    "What is {}?", "How do I use {}?", "Tell me about {}.", "Explain {} briefly.", "Why would I use {}?",
+    "Give an example of {}.", "What does {} do?", "Describe {} in one sentence.",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class SpecOptions:
     concurrencies: tuple[int, ...] = (1, 4, 32)
     rounds: int = 5
     num_requests: int = 32
+    """Requests per load point, at least four times its concurrency."""
     max_tokens: int = 128
     timeout: float = 600.0
     draft_pair: Path | None = None
@@ -191,13 +195,15 @@ def run_spec(options: SpecOptions) -> dict[str, Any]:
     drafting_args = ("--speculative-config", speculative_config)
     with _local_server(base) as off_url, _local_server(replace(base, server_args=drafting_args)) as on_url:
         model = httpx.get(f"{off_url}/v1/models", timeout=10).json()["data"][0]["id"]
-        asked = _questions(options.num_requests, 0)
+        # At least four waves of requests at each concurrency: one wave's ragged end would decide a ratio.
+        count = max(options.num_requests, 4 * max(options.concurrencies))
+        asked = _questions(count, 0)
         answers = _answers(off_url, model, asked, options.max_tokens)
         again = [
             [{"role": "user", "content": q}, {"role": "assistant", "content": a}, {"role": "user", "content": q}]
             for q, a in zip(asked, answers, strict=True)
         ]
-        fresh = [[{"role": "user", "content": q}] for q in _questions(options.num_requests, options.num_requests)]
+        fresh = [[{"role": "user", "content": q}] for q in _questions(count, count)]
         plain = [_body(model, m, options.max_tokens) for m in again]
         # (workload, (url, bodies) without drafts, (url, bodies) with them)
         cases = [
@@ -221,7 +227,8 @@ def run_spec(options: SpecOptions) -> dict[str, Any]:
                     order = [("off", off), ("on", on)] if round_index % 2 == 0 else [("on", on), ("off", off)]
                     for name, (url, bodies) in order:
                         before = _drafting(url)
-                        samples, duration = asyncio.run(_closed_loop(url, bodies, concurrency, options.timeout))
+                        load = bodies[: max(options.num_requests, 4 * concurrency)]
+                        samples, duration = asyncio.run(_closed_loop(url, load, concurrency, options.timeout))
                         after = _drafting(url)
                         summary = summarize(samples, duration)
                         if summary["errors"]:
