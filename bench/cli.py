@@ -610,7 +610,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FOLDER",
-        help="measure the draft-model path: a 150M random-weight Llama on the demo's tokenizer (built once in "
+        help="measure the draft-model path: a 75M random-weight Llama on the demo's tokenizer (built once in "
         "FOLDER), drafted for by the demo model",
     )
     spec.add_argument("--json", type=Path, default=None)

@@ -25,7 +25,7 @@ from engine.core.request import Request, RequestStatus, StructuredOutput
 from engine.core.stats import EngineStats
 from engine.sampling.sampler import CHECK_EACH_REQUEST, Sampler
 from engine.sampling.verify import verify
-from engine.speculative.gate import Acceptance, StepCost, drafts_worth
+from engine.speculative.gate import LEAST_PRIOR, Acceptance, StepCost, drafts_worth
 from engine.speculative.ngram import NgramDrafts, lookup
 from engine.speculative.source import DraftingRequest
 from engine.speculative.speculator import Speculator
@@ -314,6 +314,8 @@ def test_the_gate_steps_aside_under_load() -> None:
         acceptance.record(4, 0)
     assert acceptance.rate < 0.05
     assert drafts_worth(acceptance.rate, 1, fit, 8) <= 1
+    # A new request starts where the engine's drafts stand (rejected: the least prior), not at 1/2.
+    assert acceptance.prior().rate == LEAST_PRIOR and Acceptance().prior().rate == 0.5
 
 
 def test_disable_by_batch_size() -> None:

@@ -22,13 +22,17 @@ from dataclasses import dataclass
 _DECAY = 0.98
 """Weight kept by older steps at each new one: the fit remembers about the last 50 steps."""
 _PRIOR_TRIALS = 2.0
-"""Acceptance starts at 1/2 as if from this many draft trials (one accepted), so a new request may draft."""
+"""A new request's acceptance starts from the engine's recent one as if from this many draft trials: a few of its
+own outcomes outweigh it."""
+LEAST_PRIOR = 0.05
+"""The lowest acceptance a new request starts from: where a draft costs little (one stream on a CPU) it still
+drafts a token now and then, so that a workload whose drafts start to be accepted is noticed."""
 
 
 @dataclass
 class Acceptance:
-    """A request's drafts so far: `accepted` out of `trials` (positions whose draft was checked with all drafts
-    before it accepted), old ones fading."""
+    """Drafts so far (a request's, or the engine's): `accepted` out of `trials` (positions whose draft was checked
+    with all drafts before it accepted), old ones fading. The engine's starts at 1/2."""
 
     accepted: float = _PRIOR_TRIALS / 2
     trials: float = _PRIOR_TRIALS
@@ -36,6 +40,11 @@ class Acceptance:
     @property
     def rate(self) -> float:
         return self.accepted / self.trials
+
+    def prior(self) -> Acceptance:
+        """A new request's starting point: this (the engine's) rate, at least `LEAST_PRIOR`, as `_PRIOR_TRIALS`
+        trials."""
+        return Acceptance(max(self.rate, LEAST_PRIOR) * _PRIOR_TRIALS, _PRIOR_TRIALS)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         # Position num_accepted (if any draft is left) was tried and failed; those before it succeeded.

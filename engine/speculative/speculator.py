@@ -65,6 +65,9 @@ class Speculator:
         self._predicted: dict[str, list[int]] = {}
         """Requests with a prediction, not finished: their drafted tokens [accepted, rejected] so far."""
         self.cost = StepCost()
+        self.overall = Acceptance()
+        """Every request's drafts: where a new request's acceptance starts (a workload whose drafts are rejected
+        stops drafting for its next requests too, without each learning it again)."""
         self._acceptance: dict[str, Acceptance] = {}
         self._quiet: dict[str, tuple[int, int]] = {}
         """By request whose source found nothing last time: (the plan before which it is not asked again, misses in
@@ -165,7 +168,7 @@ class Speculator:
     def _worth(self, request: Request, batch: int, cost: tuple[float, float] | None) -> int:
         acceptance = self._acceptance.get(request.request_id)
         if acceptance is None:
-            acceptance = self._acceptance[request.request_id] = Acceptance()
+            acceptance = self._acceptance[request.request_id] = self.overall.prior()
             self._seen[request.request_id] = request
         if self.config is not None and not self.config.adaptive:
             return self.most
@@ -194,6 +197,7 @@ class Speculator:
             if counts is not None:
                 counts[0] += accepted
                 counts[1] += len(drafts) - accepted
+            self.overall.record(len(drafts), accepted)
             acceptance = self._acceptance.get(request_id)
             if acceptance is not None:
                 acceptance.record(len(drafts), accepted)

@@ -295,14 +295,7 @@ class PredictionContent(_RequestModel):
     )
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
-                raise unsupported_parameter(f"prediction.content[{j}].type", f"'{part.type}' parts (only text is).")
-            texts.append(part.text)
-        return "".join(texts)
+        return self.content if isinstance(self.content, str) else _parts_text(self.content, "prediction")
 
 
 class FunctionDefinition(_RequestModel):
@@ -549,8 +542,13 @@ def _message_text(message: ChatMessage, where: str) -> str:
         return message.refusal or ""
     if isinstance(message.content, str):
         return message.content
+    return _parts_text(message.content, where)
+
+
+def _parts_text(parts: list[ContentPart], where: str) -> str:
+    """Text parts joined; any other kind of part is refused by its place (`where.content[j]`)."""
     texts = []
-    for j, part in enumerate(message.content):
+    for j, part in enumerate(parts):
         if part.type != "text" or part.text is None:
             raise unsupported_parameter(f"{where}.content[{j}].type", f"'{part.type}' parts (only text is).")
         texts.append(part.text)
