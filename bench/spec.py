@@ -270,6 +270,7 @@ def _row(
         "acceptance": accepted / drafted if drafted else None,
         "drafted_tokens": drafted,
         "rounds": len(ratios),
+        "round_speedups": ratios,
     }
 
 
