@@ -528,3 +528,20 @@ def test_grammar_masks_the_drafts(model_dir: Callable[[str], Path]) -> None:
     assert drafting.is_idle_and_clean()
     plain.close()
     drafting.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_draft_model_at_tp2(cycling_model: Path) -> None:
+    """The served model sharded over two ranks, its draft engine beside rank 0: the same tokens as one rank
+    without drafts."""
+    prompts = _repeating_prompts(300)
+    params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=30, temperature=0.8, seed=2)]
+    plain = _engine(cycling_model, None)
+    want = generate_batch(prompts * 2, params=params * 3, engine=plain)
+    plain.close()
+    spec = SpeculativeConfig(method="draft_model", model=str(cycling_model), num_speculative_tokens=4, adaptive=False)
+    sharded = _engine(cycling_model, spec, tensor_parallel_size=2, num_pages=None, cpu_kv_cache_gib=0.01)
+    got = generate_batch(prompts * 2, params=params * 3, engine=sharded)
+    assert {k: v.generated_ids for k, v in got.items()} == {k: v.generated_ids for k, v in want.items()}
+    assert sharded.speculator.num_accepted_tokens > 0.5 * sharded.speculator.num_draft_tokens
+    sharded.close()
