@@ -1,13 +1,13 @@
 """Each step's drafts: which running requests carry some, how many, from which source; and what came of them.
 
-Two sources: the one --speculative-config names (ngram, suffix), for every request; and a request's own
-prediction (OpenAI's Predicted Outputs, engine/speculative/prediction.py), which takes its place for that request
-and needs no flag.
+Two sources: the one --speculative-config names (ngram, suffix, a draft model), for every request; and a
+request's own prediction (OpenAI's Predicted Outputs, engine/speculative/prediction.py), which takes its place for
+that request and needs no flag.
 
 The engine asks `propose(running)` before planning a step and hands the dict to `Scheduler.schedule(drafts)`,
 which plans them where they fit; after the step `observe(plan, result)` reads which drafts the runner accepted
-(engine/sampling/verify.py), for each request's acceptance rate, the step-cost fit (engine/speculative/gate.py)
-and the counters the metrics report. Pure Python, no torch.
+(engine/sampling/verify.py), for each request's and the engine's acceptance rate and the counters the metrics
+report, and the engine records the step's time in `cost` (engine/speculative/gate.py). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ MOST_QUIET_PLANS = 64
 """A request the source found no drafts for is not asked again for 2, 4, 8, ... plans after each miss in a row, up
 to this many: a search costs tens of microseconds a request, which at a large batch of answers that repeat
 nothing would slow every step (and under async scheduling, asking means holding the request back a plan)."""
-
-
 BEST_ACCEPTANCE = 0.95
 """The acceptance a step's drafts are weighed at before any request is looked at: where even this would not pay,
 the step drafts nothing."""
