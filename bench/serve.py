@@ -53,6 +53,15 @@ class RequestSample:
     itl: list[float] = field(default_factory=list)
     error: str | None = None
 
+    def on_token_chunk(self, now: float, sent: float, last: float) -> float:
+        """A chunk carrying tokens arrived at `now`: the first sets TTFT, the others add a gap to ITL; returns
+        `now`, the next gap's start."""
+        if self.ttft is None:
+            self.ttft = now - sent
+        else:
+            self.itl.append(now - last)
+        return now
+
 
 @dataclass
 class ServeOptions:
@@ -168,11 +177,7 @@ async def _send(
                     return sample
                 now = time.perf_counter()
                 if data.get("choices"):
-                    if sample.ttft is None:
-                        sample.ttft = now - sent
-                    else:
-                        sample.itl.append(now - last)
-                    last = now
+                    last = sample.on_token_chunk(now, sent, last)
                 if data.get("usage"):
                     sample.output_tokens = int(data["usage"].get("completion_tokens") or 0)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:

@@ -111,11 +111,7 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], origi
                 data = json.loads(line[5:])
                 now = time.perf_counter()
                 if data.get("choices") and data["choices"][0]["delta"].get("content"):
-                    if sample.ttft is None:
-                        sample.ttft = now - sent
-                    else:
-                        sample.itl.append(now - last)
-                    last = now
+                    last = sample.on_token_chunk(now, sent, last)
                 if data.get("usage"):
                     last = now if sample.ttft is None else last  # an empty answer ends with its usage
                     usage = data["usage"]
