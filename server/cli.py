@@ -84,6 +84,11 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's options, with --model resolved to a local directory (a Hub model is fetched here, once)."""
     values = {name: value for part in PART_CLASSES.values() for name, value in flag_values(part, args).items()}
     model_dir = _resolve(args, "--model", _model_spec(args), args.revision, weights=values["load_format"] != "dummy")
+    speculative = values["speculative_config"]
+    if speculative is not None and speculative.model is not None:
+        # The draft model is found as --model is: a directory, or a Hub id's snapshot.
+        draft_dir = _resolve(args, "--speculative-config's model", speculative.model, None, weights=True)
+        values["speculative_config"] = dataclasses.replace(speculative, model=draft_dir)
     try:
         return EngineConfig.of(model=model_dir, **values)
     except ValueError as exc:

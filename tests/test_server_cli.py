@@ -223,3 +223,22 @@ def test_ferry_runs_both_subcommands(capsys: pytest.CaptureFixture[str]) -> None
     assert info.value.code == 0
     help_text = capsys.readouterr().out
     assert "serve" in help_text and "bench" in help_text
+
+
+def test_a_draft_model_is_found_as_the_model_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    spec = '{"method": "draft_model", "model": "%s"}'
+    args = serve_parser().parse_args(
+        ["serve", "--model", str(tmp_path / "target"), "--speculative-config", spec % (tmp_path / "draft")]
+    )
+    speculative = cli.build_engine_config(args).scheduler.speculative_config
+    assert speculative is not None and speculative.model == str(tmp_path / "draft")
+    args = serve_parser().parse_args(
+        ["serve", "--model", str(tmp_path / "target"), "--speculative-config", spec % (tmp_path / "missing")]
+    )
+    with pytest.raises(SystemExit):
+        cli.build_engine_config(args)
+    assert "--speculative-config's model" in capsys.readouterr().err
