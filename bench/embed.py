@@ -18,8 +18,6 @@ import gc
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from bench.report import fmt, format_table, stamp
+from bench.serve import free_port, started_server
 
 ShapeKind = Literal["bert", "qwen3"]
 SYSTEMS = ("ferry", "st", "vllm")
@@ -395,12 +394,6 @@ def run_sentence_transformers(
 # -- servers over HTTP -------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _server_command(
     system: str, model_dir: Path, dtype: str, port: int, options: EmbedOptions, shape: EmbedShape
 ) -> tuple[list[str], dict[str, str], str]:
@@ -430,36 +423,6 @@ def _server_command(
         # vLLM-CPU binds one OpenMP thread per listed core.
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{options.threads - 1}" if options.threads > 1 else "0"
     return [*command, *options.vllm_args], env, "/health"
-
-
-@contextlib.contextmanager
-def _started_server(
-    command: list[str], env: dict[str, str], ready_path: str, log: Path, timeout: float
-) -> Iterator[str]:
-    """Start a server on the port in `command`, wait for `ready_path`, stop it on exit; its output goes to `log`."""
-    url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the server exited with code {process.returncode} before it was ready: {log}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}{ready_path}", timeout=2.0).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server was not ready after {timeout:.0f} s: {log}")
-                time.sleep(0.5)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 async def _embed_request(client: httpx.AsyncClient, url: str, model: str, batch: list[list[int]]) -> np.ndarray:
@@ -507,11 +470,12 @@ def run_server(
     """Wall seconds and vectors of the timed inputs, the cores used meanwhile (`cpu_use`: the server's, the
     client's) and the server's start-up seconds."""
     shape = EMBED_SHAPES[options.model]
-    command, env, ready_path = _server_command(system, model_dir, dtype, _free_port(), options, shape)
+    port = free_port()
+    command, env, ready_path = _server_command(system, model_dir, dtype, port, options, shape)
     log = options.workdir / "logs" / f"{system}-{options.model}-{dtype}.log"
     started = time.perf_counter()
     try:
-        with _started_server(command, env, ready_path, log, options.startup_timeout) as url:
+        with started_server(command, env, f"http://127.0.0.1:{port}", ready_path, options.startup_timeout, log) as url:
             startup = time.perf_counter() - started
             wall, vectors, cpu = asyncio.run(
                 _embed_all(url, inputs, warm, options.batch_size, options.concurrency, options.timeout)

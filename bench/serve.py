@@ -270,7 +270,7 @@ def _point(mode: str, load: float, samples: list[RequestSample], duration: float
     return {"mode": mode, "load": load, **summarize(samples, duration), "samples": [asdict(s) for s in samples]}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -316,29 +316,45 @@ def _server_command(options: ServeOptions, port: int) -> tuple[list[str], dict[s
 @contextlib.contextmanager
 def _local_server(options: ServeOptions) -> Iterator[str]:
     """Start the chosen server for `options.model` on a free port; stop it on exit."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+    port = free_port()
     command, env, ready_path = _server_command(options, port)
-    process = subprocess.Popen(command, env=env)
-    try:
-        deadline = time.monotonic() + options.startup_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with code {process.returncode} before it was ready")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}{ready_path}", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready after {options.startup_timeout:.0f} s")
-            time.sleep(0.5)
+    with started_server(command, env, f"http://127.0.0.1:{port}", ready_path, options.startup_timeout) as url:
         yield url
-    finally:
-        process.terminate()
+
+
+@contextlib.contextmanager
+def started_server(
+    command: list[str], env: dict[str, str], url: str, ready_path: str, timeout: float, log: Path | None = None
+) -> Iterator[str]:
+    """Run `command` (a server listening at `url`), wait until `ready_path` answers 200, yield `url`, and stop it
+    on exit (terminate, then kill after 30 s). Its output goes to `log` when given (named in errors), else to
+    this process's."""
+    where = f": {log}" if log is not None else ""
+    with contextlib.ExitStack() as stack:
+        out = None
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            out = stack.enter_context(log.open("w"))
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            deadline = time.monotonic() + timeout
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"the server exited with code {process.returncode} before it was ready{where}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}{ready_path}", timeout=2.0).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server was not ready after {timeout:.0f} s{where}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def run_serve(options: ServeOptions, transport: httpx.AsyncBaseTransport | None = None) -> dict[str, object]:
