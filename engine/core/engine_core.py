@@ -283,8 +283,7 @@ class EngineCore:
                 self._awaiting_grammar[request_id] = (request, grammar)
                 return False
             _raise_if_failed(grammar)
-        self.speculator.add(request)
-        self.scheduler.add(request)
+        self._admit(request)
         return True
 
     def _check_pooling(self, prompt_ids: list[int], pooling: PoolingParams) -> None:
@@ -311,6 +310,11 @@ class EngineCore:
                 code="context_length_exceeded",
             )
 
+    def _admit(self, request: Request) -> None:
+        """Hand a taken request to the scheduler, and to the speculator (a prediction, a source's last look)."""
+        self.speculator.add(request)
+        self.scheduler.add(request)
+
     @property
     def num_awaiting_grammar(self) -> int:
         return len(self._awaiting_grammar)
@@ -333,8 +337,7 @@ class EngineCore:
             except RequestRejected as exc:
                 self._settled.append((request_id, exc))
             else:
-                self.speculator.add(request)
-                self.scheduler.add(request)
+                self._admit(request)
                 self._settled.append((request_id, None))
         settled, self._settled = self._settled, []
         return settled
@@ -353,8 +356,7 @@ class EngineCore:
         held = self._awaiting_grammar.pop(request_id, None)
         if held is not None:
             # Taken, then ended before its grammar was ready: it finishes like any abort of a waiting request.
-            self.speculator.add(held[0])
-            self.scheduler.add(held[0])
+            self._admit(held[0])
             self._settled.append((request_id, None))
         self.scheduler.abort(request_id, error)
 

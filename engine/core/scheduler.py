@@ -222,8 +222,6 @@ class Scheduler:
         self._planned: deque[_Planned] = deque()
         """Each plan whose result is not applied yet, oldest first: update() applies a step's result to its
         requests and takes their planned tokens out of flight."""
-        self._hold: Collection[str] = ()
-        """This plan's `schedule(hold=...)`."""
         self._drafting: set[str] = set()
         """Requests with drafts in flight: not planned again until that result is applied."""
         self._shrunk: dict[str, tuple[int, ...]] = {}
@@ -264,14 +262,13 @@ class Scheduler:
         requests with a step in flight not to plan ahead of its result (so that the next plan can give them drafts,
         which only a request with nothing in flight carries)."""
         builder = _StepBuilder(self.config.max_batch_tokens, self.config.max_num_seqs)
-        self._hold = hold
         # Under the priority policy the most important running requests get the budget first.
         running = sorted(self.running, key=priority_key) if self._by_priority else list(self.running)
         if self.config.scheduler_policy == "prefill_first":
             self._admit_waiting(builder)
-            self._schedule_running(running, builder, drafts or {})
+            self._schedule_running(running, builder, drafts or {}, hold)
         else:
-            self._schedule_running(running, builder, drafts or {})
+            self._schedule_running(running, builder, drafts or {}, hold)
             # Pages just taken from a preempted request go to running ones: admitting now would only thrash.
             if not builder.preempted:
                 self._admit_waiting(builder)
@@ -458,10 +455,14 @@ class Scheduler:
         request.finish_reason = reason
 
     def _schedule_running(
-        self, requests: list[Request], builder: _StepBuilder, drafts: Mapping[str, Sequence[int]]
+        self,
+        requests: list[Request],
+        builder: _StepBuilder,
+        drafts: Mapping[str, Sequence[int]],
+        hold: Collection[str],
     ) -> None:
         """Give each running request (oldest first) its missing tokens, up to the budget left."""
-        drafting, hold = self._drafting, self._hold  # per request below: the common case tests three empties
+        drafting = self._drafting  # per request below: the common case (no drafts, none held) tests three empties
         for request in requests:
             if builder.full:
                 return

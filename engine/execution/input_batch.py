@@ -324,10 +324,9 @@ class InputBatch:
             drafts = [d for d, sampled in zip(plan.draft_token_ids, plan.samples, strict=True) if sampled]
             counts = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
             num_draft_rows = int(counts.sum())
-            draft_ends = np.repeat(ends, counts)
+            ends = ends - counts  # each sequence's first draft sits here: its draft rows start at it
             within = np.arange(num_draft_rows) - np.repeat(np.cumsum(counts) - counts, counts)
-            host["logits_rows"][len(ends) : len(ends) + num_draft_rows] = draft_ends - counts.repeat(counts) + within
-            ends = ends - counts
+            host["logits_rows"][len(ends) : len(ends) + num_draft_rows] = np.repeat(ends, counts) + within
             sample_positions = sample_positions - counts
         rows = ends - 1
         host["logits_rows"][: len(rows)] = rows

@@ -249,12 +249,11 @@ class GrammarMasker:
         returns the row after them."""
         matcher, consumed, refused = state.matcher, 0, False
         for token in drafted:
-            # Checked before it is consumed: a refused token would leave the matcher in error.
-            refused = refused or token in state.end_token_ids or matcher.validate_tokens([token]) != 1
+            # Tried, not consumed outright: a refused token would leave the matcher in error.
+            refused = refused or token in state.end_token_ids or matcher.try_consume_tokens([token]) != 1
             if refused:
                 self._bits[row] = self._bits[row - 1]  # after a refused draft or an end: never kept
             else:
-                matcher.consume_token(token)
                 consumed += 1
                 self._executor.unsafe_compute_mask_ptr(
                     [(matcher, row)], self._packed.data_ptr(), self._words * 4, len(self._packed)
