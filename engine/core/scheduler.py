@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from engine.config import SchedulerConfig
 from engine.core.kv_cache import NO_NEW_PAGES, KVCacheManager
 from engine.core.request import FinishReason, Request, RequestStatus, StepOutput, TokenLogprob
-from engine.core.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, PageTables, PromptLogprobs, SchedulerOutput
+from engine.core.step import (
+    PLACEHOLDER,
+    ModelRunnerOutput,
+    NewRequest,
+    PageTables,
+    PromptLogprobs,
+    SchedulerOutput,
+    num_accepted,
+)
 
 
 class RequestQueue:
@@ -312,7 +320,7 @@ class Scheduler:
                 continue
             if tokens is not None and not tokens:
                 raise ValueError(f"the result has no token for sampled request {request.request_id!r}")
-            accepted = _num_accepted(drafts, tokens) if drafts else 0
+            accepted = num_accepted(drafts, tokens) if drafts else 0
             # Preempted after this step was planned: its K/V are gone, but the tokens sampled from them are its own.
             if request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += num_new - len(drafts) + accepted
@@ -607,17 +615,6 @@ def _within_spans(request: Request, start: int, num_new: int) -> int:
         if span_start < end < span_end:
             return max(0, span_start - start)
     return num_new
-
-
-def _num_accepted(drafts: Sequence[int], tokens: Sequence[int]) -> int:
-    """How many leading drafts the result confirmed: those equal to its tokens, the last token excluded (it is
-    the one sampled after the accepted drafts)."""
-    accepted = 0
-    for draft, token in zip(drafts, tokens[:-1], strict=False):
-        if draft != token:
-            break
-        accepted += 1
-    return accepted
 
 
 def _planned_tokens(request: Request, start: int, num_new: int, drafts: Sequence[int] = ()) -> list[int]:

@@ -125,3 +125,14 @@ class ModelRunnerOutput:
     forward_seconds: float = 0.0
     """Time in the model; on CUDA partly asynchronous, completed by the sampler's single sync."""
     sample_seconds: float = 0.0
+
+
+def num_accepted(drafts: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading drafts a result confirmed: those equal to its tokens, the last token excluded (it is the
+    one sampled after the accepted drafts)."""
+    accepted = 0
+    for draft, token in zip(drafts, tokens[:-1], strict=False):
+        if draft != token:
+            break
+        accepted += 1
+    return accepted

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.config import SpeculativeConfig
 from engine.core.request import Request, RequestStatus, StepOutput
-from engine.core.step import ModelRunnerOutput, SchedulerOutput
+from engine.core.step import ModelRunnerOutput, SchedulerOutput, num_accepted
 from engine.speculative.draft_model import DraftModelDrafts
 from engine.speculative.gate import Acceptance, StepCost, drafts_worth
 from engine.speculative.ngram import NgramDrafts
@@ -182,10 +182,7 @@ class Speculator:
             row += samples
             if not drafts:
                 continue
-            tokens = result.token_ids[row]
-            accepted = 0
-            while accepted < min(len(drafts), len(tokens) - 1) and tokens[accepted] == drafts[accepted]:
-                accepted += 1
+            accepted = num_accepted(drafts, result.token_ids[row])
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += accepted
