@@ -145,15 +145,9 @@ async def _closed_loop(
 
 
 def _drafting(url: str) -> tuple[float, float]:
-    """(accepted, drafted) tokens so far, from the server's metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    values = {"accepted": 0.0, "drafted": 0.0}
-    for line in text.splitlines():
-        if line.startswith("ferry:spec_decode_num_accepted_tokens_total{"):
-            values["accepted"] += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("ferry:spec_decode_num_draft_tokens_total{"):
-            values["drafted"] += float(line.rsplit(" ", 1)[1])
-    return values["accepted"], values["drafted"]
+    """(accepted, drafted) tokens so far, from the server's /metrics.json (the JSON twin of /metrics)."""
+    snapshot = httpx.get(f"{url}/metrics.json", timeout=10).json()
+    return snapshot["spec_decode_num_accepted_tokens_total"], snapshot["spec_decode_num_draft_tokens_total"]
 
 
 def _body(model: str, messages: list[dict[str, str]], max_tokens: int, prediction: str | None = None) -> dict[str, Any]:
