@@ -184,6 +184,7 @@ class Generation:
         arrival: float,
         include_usage: bool,
         continuous_usage: bool = False,
+        predicted: bool = False,
     ) -> None:
         self.ctx = ctx
         self.id = response_id
@@ -198,7 +199,7 @@ class Generation:
         """Every chunk's `usage` is the count so far, not null."""
         self.timers = [RequestTimer(ctx.metrics, arrival) for _ in choices]
         self._unfinished = len(choices)
-        self.predicted = False
+        self.predicted = predicted
         """The call sent a prediction: its usage counts the prediction's tokens."""
         self._closed = False
         ctx.lifecycle.request_started()
@@ -402,9 +403,17 @@ async def start_generation(
     except EngineDeadError as exc:
         raise APIError(503, str(exc), type="service_unavailable_error", code="engine_dead") from exc
     generation = Generation(
-        ctx, response_id, prompts, n, group, choices, arrival, body.include_usage, body.continuous_usage
+        ctx,
+        response_id,
+        prompts,
+        n,
+        group,
+        choices,
+        arrival,
+        body.include_usage,
+        body.continuous_usage,
+        predicted=prediction is not None,
     )
-    generation.predicted = prediction is not None
     try:
         await generation.admitted()
     except BaseException:
