@@ -72,7 +72,8 @@ class Speculator:
         a row)."""
         self._num_plans = 0
         self._seen: dict[str, Request] = {}
-        """Requests the source keeps state for: told when they finish."""
+        """Every request taken while there is a source, and every one with a prediction (`add`): told when they
+        finish, when what is kept for them goes too."""
         self.num_drafts = 0
         """Draft runs verified (one per request and step that carried drafts)."""
         self.num_draft_tokens = 0
@@ -167,7 +168,6 @@ class Speculator:
         acceptance = self._acceptance.get(request.request_id)
         if acceptance is None:
             acceptance = self._acceptance[request.request_id] = self.overall.prior()
-            self._seen[request.request_id] = request
         if self.config is not None and not self.config.adaptive:
             return self.most
         return drafts_worth(acceptance.rate, batch, cost, self.most)
