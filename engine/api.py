@@ -36,6 +36,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.request import (
     FinishReason,
     GenerationOutput,
+    LoRARequest,
     PoolingParams,
     RequestRejected,
     SamplingParams,
@@ -52,8 +53,10 @@ def generate_batch(
     params: SamplingParams | list[SamplingParams] | None = None,
     engine: EngineCore | None = None,
     progress_bar: bool = False,
+    loras: list[LoRARequest | None] | None = None,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt and block until all finish; ids are `req_0`, `req_1`, ... in input order.
+    `loras`: per prompt, the LoRA adapter it runs with (None: the base model; needs --enable-lora's option).
 
     Raises `RequestRejected` for a prompt the engine can never serve (too long, empty, ids out of range).
     """
@@ -66,8 +69,12 @@ def generate_batch(
     per_request = params if isinstance(params, list) else [params] * len(inputs)
     if len(per_request) != len(inputs):
         raise ValueError(f"{len(per_request)} SamplingParams for {len(inputs)} inputs")
+    adapters = loras if loras is not None else [None] * len(inputs)
+    if len(adapters) != len(inputs):
+        raise ValueError(f"{len(adapters)} LoRA adapters for {len(inputs)} inputs")
     requests = [
-        EngineRequest(f"req_{i}", list(ids), p) for i, (ids, p) in enumerate(zip(inputs, per_request, strict=True))
+        EngineRequest(f"req_{i}", list(ids), p, lora=lora)
+        for i, (ids, p, lora) in enumerate(zip(inputs, per_request, adapters, strict=True))
     ]
     with tqdm(total=len(inputs), disable=not progress_bar, desc="generate_batch") as bar:
         batch = _Batch(engine, requests, bar)

@@ -28,6 +28,7 @@ _MODEL = {"group": "model"}
 _KV_CACHE = {"group": "KV cache"}
 _SCHEDULING = {"group": "scheduling"}
 _PARALLEL = {"group": "tensor parallelism"}
+_LORA = {"group": "LoRA adapters"}
 
 
 class EngineStartupError(ValueError):
@@ -366,6 +367,36 @@ class ParallelConfig:
         return self.tensor_parallel_size // self.nnodes
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (engine/lora/): how many, how large."""
+
+    enable_lora: bool = field(default=False, metadata=_LORA)
+    """Serve LoRA adapters on the base model: a request names one as its `model` (--lora-modules, or loaded while
+    serving). Requests for different adapters and for the base run in the same steps."""
+    max_loras: int = field(default=4, metadata=_LORA)
+    """Adapters in use by the running requests at once (one weight slot each); a request for another adapter
+    waits until a slot frees."""
+    max_lora_rank: int = field(default=16, metadata=_LORA)
+    """Largest adapter rank accepted: each slot holds this rank, and a smaller adapter is padded with zeros."""
+    max_cpu_loras: int | None = field(default=None, metadata=_LORA)
+    """Adapters kept loaded in memory, the least recently used evicted (and read from disk again when next
+    used); at least max_loras, which is the default."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        """Adapters kept loaded: max_cpu_loras, or max_loras by default."""
+        return self.max_cpu_loras or self.max_loras
+
+
 _ALIASES = {"num_blocks": "num_pages", "model": "path"}
 """Flat option names that differ from their field's: `model` is the model directory, `num_blocks` the old name of
 num_pages."""
@@ -380,6 +411,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def of(cls, **options: Any) -> EngineConfig:
@@ -413,6 +445,7 @@ PART_CLASSES: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "execution": ExecutionConfig,
     "parallel": ParallelConfig,
+    "lora": LoRAConfig,
 }
 """EngineConfig's parts by attribute name, in flag order."""
 

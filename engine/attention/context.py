@@ -16,10 +16,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata
+
+if TYPE_CHECKING:
+    from engine.lora.batch import LoRABatch
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class StepContext:
     """Layer i's K and V pages."""
     on_call: Callable[[AttentionCall], None] | None = None
     """Called before each layer's attention runs (the transformers adapter's load-time probe); None while serving."""
+    lora: LoRABatch | None = None
+    """The step's tokens by LoRA adapter slot, which the adapted linear layers read; None: no token has one."""
     by_window: dict[int | None, StepMetadata] = field(init=False)
     """Each group's metadata by its layers' sliding window: what a compiled layer, which knows only its window,
     reads."""
@@ -75,6 +81,12 @@ def step_context(context: StepContext) -> Iterator[None]:
         yield
     finally:
         _active.context = None
+
+
+def step_lora() -> LoRABatch | None:
+    """The LoRA batch of the step running on this thread; None without adapters (or outside a step)."""
+    context = _active.context
+    return None if context is None else context.lora
 
 
 def current_step() -> StepContext:

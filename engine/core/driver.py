@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from engine.core.request import PoolingParams, QueueFull, RequestRejected, SamplingParams, StepOutput
+from engine.core.request import LoRARequest, PoolingParams, QueueFull, RequestRejected, SamplingParams, StepOutput
 from engine.core.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ class EngineRequest:
     """Pool the prompt instead of generating (`params` is then not read): the model must pool (engine/pooling/)."""
     prediction: tuple[int, ...] = ()
     """The output the client predicts (Predicted Outputs): drafts for speculative decoding."""
+    lora: LoRARequest | None = None
+    """The LoRA adapter to run with (--enable-lora); None: the base model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +180,7 @@ class EngineLoop:
                 request.priority,
                 pooling=request.pooling,
                 prediction=request.prediction,
+                lora=request.lora,
             )
         except QueueFull as exc:
             self._rejected.append(Rejection(request_id, "queue_full", str(exc), "queue_full"))

@@ -32,7 +32,15 @@ from engine.config import EngineConfig, EngineStartupError, SpeculativeConfig
 from engine.core.kv_cache import KVCacheManager
 from engine.core.observer import StepObserver, StepRecord
 from engine.core.page_pool import PagePool
-from engine.core.request import PoolingParams, QueueFull, Request, RequestRejected, SamplingParams, StepOutput
+from engine.core.request import (
+    LoRARequest,
+    PoolingParams,
+    QueueFull,
+    Request,
+    RequestRejected,
+    SamplingParams,
+    StepOutput,
+)
 from engine.core.scheduler import Scheduler
 from engine.core.stats import EngineStats
 from engine.core.step import ModelRunnerOutput, SchedulerOutput
@@ -42,6 +50,7 @@ from engine.distributed.worker import Workers
 from engine.execution.cuda_graphs import CaptureReport
 from engine.execution.runner import ModelRunner
 from engine.execution.startup import start_runner
+from engine.lora.adapter import AdapterError, AdapterSpec, read_adapter
 from engine.models.loader import LoadedModel, load_model, model_config, weight_bytes
 from engine.speculative.draft_model import DraftModelDrafts
 from engine.speculative.speculator import Speculator
@@ -134,7 +143,10 @@ class EngineCore:
             for layout, n in zip(layouts, pages, strict=True)
         ]
         self.kv_cache = KVCacheManager(layouts, pools)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, self.max_model_len,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+        )  # fmt: skip
         speculative = config.scheduler.speculative_config
         self._draft_engine: EngineCore | None = None
         """The draft model's engine (--speculative-config's draft_model); None otherwise."""
@@ -204,12 +216,13 @@ class EngineCore:
         *,
         pooling: PoolingParams | None = None,
         prediction: tuple[int, ...] = (),
+        lora: LoRARequest | None = None,
     ) -> bool:
         """Take a request, or raise RequestRejected / QueueFull. True when it joined the scheduler; False when it
         waits for its grammar to compile, and `settle_grammars` later tells whether it joined or was refused.
         `priority` (lower runs first) needs the `priority` scheduling policy. `pooling`: pool the prompt instead
         of generating (`params` is not read then). `prediction`: the output the client expects, drafted from
-        (OpenAI's Predicted Outputs)."""
+        (OpenAI's Predicted Outputs). `lora`: the adapter to run with (--enable-lora)."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", code="invalid_prompt")
         if (
@@ -265,6 +278,10 @@ class EngineCore:
             request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id), priority=priority
         )
         request.predicted_ids = tuple(prediction)
+        if lora is not None:
+            self._check_lora(lora, pooling)
+            request.lora = lora
+            request.extra_keys = (*request.extra_keys, lora.extra_key)
         if pooling is not None:
             request.pooling = pooling
             if self.pooling is not None and self.pooling.bidirectional:
@@ -309,6 +326,25 @@ class EngineCore:
                 f"holds {budget} (--max-batch-tokens)",
                 code="context_length_exceeded",
             )
+
+    def _check_lora(self, lora: LoRARequest, pooling: PoolingParams | None) -> None:
+        """Refuse an adapter the engine cannot run: LoRA off, a pooling request, or files that do not fit (read
+        once per loading of an adapter: the API process checked them already, and they may have changed since)."""
+        if not self.config.lora.enable_lora:
+            raise RequestRejected(
+                f"the request asks for LoRA adapter {lora.name!r}, but the server runs without --enable-lora",
+                code="lora_not_enabled",
+            )
+        if pooling is not None:
+            raise RequestRejected("LoRA adapters generate; pooling requests run on the base model", code="invalid_lora")
+        try:
+            self._lora_spec(lora.lora_id, lora.path)
+        except AdapterError as error:
+            raise RequestRejected(str(error), code="invalid_lora") from error
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one engine per process; ids are unique per loading
+    def _lora_spec(self, lora_id: int, path: str) -> AdapterSpec:
+        return read_adapter(path, self.hf_config, self.config.lora.max_lora_rank)
 
     def _admit(self, request: Request) -> None:
         """Hand a taken request to the scheduler, and to the speculator (a prediction, a source's last look)."""
@@ -510,6 +546,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
             last_step_tokens=self._last_step_tokens,
+            **self.scheduler.lora_adapters(),
             **self.speculator.counters(),
         )
 

@@ -232,6 +232,26 @@ encoder's input), whose tokens attend to each other in both directions (engine/a
 
 
 @dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with (engine/lora/): its name, the directory PEFT saved it in, and `lora_id`,
+    unique to one loading of it, so an adapter reloaded from other files under the same name is another adapter
+    to the prefix cache and the runner's caches."""
+
+    name: str
+    lora_id: int
+    path: str
+
+    def __post_init__(self) -> None:
+        if self.lora_id < 1:
+            raise ValueError(f"a LoRA adapter's id must be >= 1, got {self.lora_id}")
+
+    @property
+    def extra_key(self) -> ExtraKey:
+        """Its key for the prefix cache: every page of a request with this adapter depends on it."""
+        return ExtraKey(0, 1, ("lora", self.lora_id))
+
+
+@dataclass(frozen=True, slots=True)
 class ExtraKey:
     """Something besides the token ids that the K/V of tokens `[start, end)` depend on: a LoRA adapter, an image
     (its hash), a client's cache salt. The prefix cache mixes `key` into the hash of every page the range overlaps
@@ -277,6 +297,8 @@ class Request:
     """Positions attended in both directions (engine/attention/base.py); a plan computes each one whole."""
     extra_keys: tuple[ExtraKey, ...] = ()
     """What its pages' K/V depend on besides token ids, for the prefix cache's page hashes."""
+    lora: LoRARequest | None = None
+    """The LoRA adapter it runs with (its key is among `extra_keys`); None: the base model."""
     stop_ids: frozenset[int] = frozenset()
     """The tokens that stop it once `min_new_tokens` are out (EOS unless ignored, `stop_token_ids`); set by the
     scheduler when it takes the request, with `max_output_tokens`."""

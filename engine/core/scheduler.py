@@ -27,10 +27,11 @@ planned only for a decode with nothing in flight, and the request waits for that
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
@@ -209,8 +210,12 @@ class Scheduler:
     the interface names; they support the same len/iteration/`in` uses.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int, max_loras: int | None = None
+    ) -> None:
+        """`max_loras`: LoRA adapters the running requests may use at once (None: LoRA off)."""
         self.config = config
+        self.max_loras = max_loras
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self._by_priority = config.scheduling_policy == "priority"
@@ -450,7 +455,23 @@ class Scheduler:
             noncausal_spans=request.noncausal_spans,
             max_output_tokens=request.max_output_tokens,
             pooling=request.pooling,
+            lora=request.lora,
         )
+
+    def _lora_waits(self, request: Request, adapters: set[int] | None) -> bool:
+        """Whether `request` needs an adapter slot none of the running requests' `adapters` leaves free."""
+        if adapters is None or request.lora is None or request.lora.lora_id in adapters:
+            return False
+        return len(adapters) >= (self.max_loras or 0)
+
+    def lora_adapters(self) -> dict[str, tuple[str, ...]]:
+        """Names of the adapters running and waiting requests use (the engine's stats)."""
+        if self.max_loras is None:
+            return {}
+        return {
+            "running_lora_adapters": _adapter_names(self.running),
+            "waiting_lora_adapters": _adapter_names(self.waiting),
+        }
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Free the request's pages now, so the next schedule() can admit a waiting request into them."""
@@ -554,9 +575,13 @@ class Scheduler:
         builder.preempt(request)
 
     def _admit_waiting(self, builder: _StepBuilder) -> None:
-        """Admit waiting requests in order until one does not fit; never skip ahead (no starvation)."""
+        """Admit waiting requests in order until one does not fit; never skip ahead (no starvation), except past a
+        request whose LoRA adapter has no slot while max_loras others run (vLLM's rule: it waits for one of them to
+        drain, and requests for the running adapters or the base go ahead meanwhile)."""
         kv = self.kv_cache
-        while self.waiting and not builder.full and len(self.running) < self.config.max_num_seqs:
+        adapters = None if self.max_loras is None else {r.lora.lora_id for r in self.running if r.lora is not None}
+        skipped = 0
+        while len(self.waiting) > skipped and not builder.full and len(self.running) < self.config.max_num_seqs:
             # The margin keeps room for running sequences to grow; with none running it would only block the
             # queue forever when a first chunk needs more than the pages outside the margin.
             reserve = self._margin_pages if self.running else 0
@@ -564,7 +589,10 @@ class Scheduler:
             # full cache can stop here without hashing the prompt.
             if kv.num_free_pages - 1 < reserve:
                 return
-            request = self.waiting.first()
+            request = self.waiting.first() if not skipped else next(itertools.islice(self.waiting, skipped, None))
+            if self._lora_waits(request, adapters):
+                skipped += 1
+                continue
             # Preempted while a step computed for it, whose result is not applied yet: its tokens are not all
             # known, so it waits (a step at most) where it is.
             if request.num_in_flight_tokens:
@@ -595,7 +623,9 @@ class Scheduler:
                 kv.free(request.request_id)
                 request.num_computed_tokens = 0
                 return
-            self.waiting.popleft()
+            self.waiting.remove(request.request_id)
+            if adapters is not None and request.lora is not None:
+                adapters.add(request.lora.lora_id)
             request.status = RequestStatus.RUNNING
             if request.num_preemptions == 0:
                 request.num_cached_tokens = hit
@@ -604,6 +634,10 @@ class Scheduler:
             self.running.append(request)
             builder.admitted.add(request.request_id)
             builder.add(request, num_new, num_new == needed and request.pooling is None, grant)
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
 
 
 def _within_spans(request: Request, start: int, num_new: int) -> int:

@@ -18,6 +18,10 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     last_step_tokens: int
+    running_lora_adapters: tuple[str, ...] = ()
+    """Names of the LoRA adapters the running requests use (vLLM's `vllm:lora_requests_info` labels)."""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """Names of the LoRA adapters waiting requests ask for."""
     spec_decode_num_drafts: int = 0
     """Draft runs verified (a request's drafts in one step), with --speculative-config."""
     spec_decode_num_draft_tokens: int = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.core.request import PoolingParams, SamplingParams, Spans, TokenLogprob
+from engine.core.request import LoRARequest, PoolingParams, SamplingParams, Spans, TokenLogprob
 
 PLACEHOLDER = -1
 """A token id the scheduler does not know yet: the token the runner samples for this request in the step before
@@ -41,6 +41,8 @@ class NewRequest:
     ends it first), as the scheduler's stop rule counts them; None: `params.max_new_tokens`."""
     pooling: PoolingParams | None = None
     """Set for a request that pools its prompt: the runner pools its hidden states and never samples it."""
+    lora: LoRARequest | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
 
 
 @dataclass(frozen=True, slots=True)

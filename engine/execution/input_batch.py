@@ -21,6 +21,8 @@ import torch
 from engine.attention import StepMetadata
 from engine.core.request import PoolingParams, SamplingParams, Spans
 from engine.core.step import PLACEHOLDER, NewRequest, SchedulerOutput
+from engine.lora.batch import LoRABatch
+from engine.lora.manager import SlotLoads
 from engine.pooling.pooler import PoolState
 from engine.sampling.sampler import BatchNeeds
 from engine.sampling.token_masks import GrammarState
@@ -135,6 +137,10 @@ class StepInputs:
     drafts: list[tuple[int, ...]] = field(default_factory=list)
     """Per sampling sequence, the drafts it verifies (empty: none); empty when the step has none. Their logits
     rows follow the S sampling rows (see `PackedStep.num_draft_rows`), before the prompt rows."""
+    lora: LoRABatch | None = None
+    """The step's tokens by LoRA adapter slot (engine/lora/); None when none has an adapter."""
+    lora_loads: SlotLoads = field(default_factory=list)
+    """Adapters copied into their slots just before the forward pass."""
     graph_size: int | None = None
     """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
     loaded from `buffers` by `run` (rows past the step's sequences are padding), and the forward pass replays its

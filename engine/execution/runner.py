@@ -44,6 +44,8 @@ from engine.execution.graph_inputs import PaddedDecode
 from engine.execution.input_batch import InputBatch, PackedStep, PoolingRows, SequenceState, StepInputs
 from engine.execution.kv_caches import allocate_kv_caches, kv_cache_dtype, paged_specs
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
+from engine.lora.batch import LoRABatch
+from engine.lora.manager import lora_manager
 from engine.models.loader import LoadedModel, weight_bytes
 from engine.sampling.sampler import Sampler, SampleResult
 from engine.sampling.token_masks import GrammarState, StepGrammars
@@ -105,6 +107,8 @@ class ModelRunner:
         self._takes_token_types = bool(getattr(model, "takes_token_types", False))
         self.padded_decode: PaddedDecode | None = None
         """Set by `use_decode_graphs`; None while every step runs eagerly."""
+        self.lora = lora_manager(config, model, loaded.hf_config, loaded.dtype)
+        """The LoRA adapters' slots and their assignment to requests (--enable-lora)."""
 
     @property
     def scratch_pages(self) -> list[int]:
@@ -270,8 +274,13 @@ class ModelRunner:
         self.batch.apply(plan, self._grammar_state)
         if not plan.request_ids:
             return None
+        seq_slots, lora_loads = self.lora.step(plan) if self.lora is not None else (None, [])
         packed = self.batch.pack(plan)
         buffers, num_sampling = packed.buffers, packed.num_sampling
+        lora = None
+        if seq_slots is not None:
+            assert self.lora is not None
+            lora = self.lora.batch(np.repeat(seq_slots, plan.num_new_tokens))
         # Rows after the sampling ones: each draft's, then prompt rows, then pooling rows.
         first_other = num_sampling + packed.num_draft_rows
         spans, targets = (
@@ -287,11 +296,11 @@ class ModelRunner:
             noncausal = step_spans([seq.noncausal_spans for seq in packed.seqs], starts, packed.seq_lens)
         pooling = self._pooling_rows(plan, packed, first_other + len(targets)) if self.batch.num_pooling else []
         num_logits = first_other + len(targets) + sum(rows.logits_row is not None for rows in pooling)
-        # A graph's static metadata has no spans, and its forward pass returns no hidden states to pool: such a
-        # step runs eagerly.
+        # A graph's static metadata has no spans, and its forward pass returns no hidden states to pool nor
+        # adds LoRA products: such a step runs eagerly.
         graph_size = (
             decode_graph_size(self.graph_sizes, len(packed.seqs), packed.max_query_len)
-            if noncausal is None and not pooling
+            if noncausal is None and not pooling and lora is None
             else None
         )
         if graph_size is None:
@@ -318,6 +327,8 @@ class ModelRunner:
             pooling=pooling,
             token_type_ids=self._token_types(plan, packed) if self._takes_token_types else None,
             prepare_seconds=time.perf_counter() - started,
+            lora=lora,
+            lora_loads=lora_loads,
             graph_size=graph_size,
         )
 
@@ -428,10 +439,13 @@ class ModelRunner:
         """`forward`'s logits, and the vectors of the pooling sequences whose prompt this step finished (on rank 0
         only: the hidden states are the same on every rank)."""
         self.load_inputs(inputs)
+        if inputs.lora_loads:
+            assert self.lora is not None
+            self.lora.load(inputs.lora_loads)
         if inputs.graph_size is not None:
             hidden = self._padded().replay(inputs.graph_size)
         else:
-            hidden = self._model_forward(inputs.input_ids, inputs.metas, inputs.token_type_ids)
+            hidden = self._model_forward(inputs.input_ids, inputs.metas, inputs.token_type_ids, inputs.lora)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         pooled = self._pool(hidden, logits, inputs.pooling) if inputs.pooling and logits is not None else {}
         return logits, pooled
@@ -454,12 +468,17 @@ class ModelRunner:
         return dict(zip((chunk.request_id for chunk in done), vectors.tolist(), strict=True))
 
     def _model_forward(
-        self, input_ids: torch.Tensor, metas: list[StepMetadata], token_type_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        metas: list[StepMetadata],
+        token_type_ids: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """The model up to the final norm, inside the step's context for the attention layers
-        (engine/attention/context.py): each group's metadata, per layer."""
+        (engine/attention/context.py): each group's metadata, per layer; for the adapted linears, `lora`."""
         layer_metas = [metas[g] for g in self.group_of_layer]
-        with step_context(StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches)):
+        context = StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches, lora=lora)
+        with step_context(context):
             if token_type_ids is not None:
                 return self.model(input_ids, metas[0].positions, self.kv_caches, token_type_ids=token_type_ids)
             return self.model(input_ids, metas[0].positions, self.kv_caches)

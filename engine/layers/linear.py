@@ -18,12 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from engine.attention.context import step_lora
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+from engine.lora.batch import LoRABatch
 
 ShardId = int | str | None
 """Which part of a fused layer a checkpoint tensor is (None for an unfused layer)."""
@@ -39,6 +42,13 @@ class Shard:
 
 ONE_RANK = Shard()
 """No tensor parallelism: every layer whole."""
+
+
+class AdapterSlots(Protocol):
+    """A layer's LoRA adapter slots (engine/lora/slots.py's `LoRALayer`)."""
+
+    def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        """out += the low-rank products of x of the step's tokens' adapters."""
 
 
 def _divide(total: int, size: int, what: str) -> int:
@@ -68,9 +78,28 @@ class LinearBase(nn.Module):
         method.create_weights(self, input_size, output_size, bias, dtype or torch.get_default_dtype())
         self._pending = {(name, part) for part in shard_ids for name in (("weight", "bias") if bias else ("weight",))}
         """The (parameter, shard id) pieces not loaded yet: the method processes the weights when none is left."""
+        self.lora: AdapterSlots | None = None
+        """Its LoRA adapter slots (engine/lora/), with --enable-lora on an adapted projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        return self._with_adapters(x, self.method.apply(self, x, self.bias))
+
+    def _with_adapters(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` plus the step's LoRA products of `x`, for a layer with adapter slots in a step with adapters."""
+        if self.lora is not None and (batch := step_lora()) is not None:
+            self.lora.add(x, out, batch)
+        return out
+
+    def part_rows(self, shard_id: ShardId) -> tuple[int, int]:
+        """(first row, rows) of part `shard_id` in this rank's output."""
+        return 0, self.output_size
+
+    def lora_factors(self, a: torch.Tensor, b: torch.Tensor, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA pair of part `shard_id` (A `[r, in]`, B `[out, r]`, whole), sharded as the
+        weight is: a column-parallel layer keeps A whole and its rows of B (per sub-matrix of a fused layer); a
+        row-parallel one its columns of A and B whole, the ranks' partial products summed by its all-reduce."""
+        rows = torch.empty(self.output_size, b.shape[1], device="meta")
+        return a, self._placement("weight", rows, b, shard_id)[1]
 
     @torch.no_grad()
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
@@ -177,6 +206,10 @@ class MergedColumnParallelLinear(LinearBase):
             shard_ids=tuple(range(len(output_sizes))),
         )  # fmt: skip
 
+    def part_rows(self, shard_id: ShardId) -> tuple[int, int]:
+        assert isinstance(shard_id, int)
+        return sum(self.part_sizes[:shard_id]), self.part_sizes[shard_id]
+
     def _placement(
         self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +246,11 @@ class QKVParallelLinear(LinearBase):
             shard_ids=("q", "k", "v"),
         )  # fmt: skip
 
+    def part_rows(self, shard_id: ShardId) -> tuple[int, int]:
+        if shard_id == "q":
+            return 0, self.q_size
+        return (self.q_size if shard_id == "k" else self.q_size + self.kv_size), self.kv_size
+
     def _placement(
         self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,8 +283,13 @@ class RowParallelLinear(LinearBase):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.method.apply(self, x, self.bias)
+        # The LoRA products join the partial sums before the all-reduce: one reduction adds both up.
+        out = self._with_adapters(x, self.method.apply(self, x, self.bias))
         return out if self.all_reduce is None else self.all_reduce(out)
+
+    def lora_factors(self, a: torch.Tensor, b: torch.Tensor, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = torch.empty(a.shape[0], self.input_size, device="meta")
+        return self._placement("weight", columns, a, shard_id)[1], b
 
     def _placement(
         self, name: str, param: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId

@@ -29,7 +29,14 @@ from engine.attention.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpe
 from engine.config import EngineStartupError
 from engine.distributed.parallel import TensorParallel
 from engine.kernels.library import cpu_kernels_take
-from engine.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Shard
+from engine.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    Shard,
+    ShardId,
+)
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, rotary_tables
@@ -281,6 +288,23 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Once the weights are loaded: run the decoder stack as one C++ call wherever it can
         (engine/models/llama_fused.py), the modules everywhere else."""
         self.model.fused = FusedDecoder.of(self.model, FUSED_SILU_MAX_TOKENS)
+
+    def lora_targets(self) -> dict[tuple[int, str], tuple[LinearBase, ShardId]]:
+        """Each projection a LoRA adapter may adapt, by (layer, PEFT's module name): the linear computing it and
+        its part there (engine/lora/)."""
+        targets: dict[tuple[int, str], tuple[LinearBase, ShardId]] = {}
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            targets.update({
+                (i, "q_proj"): (attn.qkv_proj, "q"),
+                (i, "k_proj"): (attn.qkv_proj, "k"),
+                (i, "v_proj"): (attn.qkv_proj, "v"),
+                (i, "o_proj"): (attn.o_proj, None),
+                (i, "gate_proj"): (mlp.gate_up_proj, 0),
+                (i, "up_proj"): (mlp.gate_up_proj, 1),
+                (i, "down_proj"): (mlp.down_proj, None),
+            })  # fmt: skip
+        return targets
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits of `hidden`'s rows; with tensor parallelism on rank 0 only (None on the others), the

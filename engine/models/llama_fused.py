@@ -69,6 +69,7 @@ class FusedDecoder:
             or not isinstance(step.backend, CpuPagedBackend)
             or kv_caches[0][0].dtype != self.dtype
             or metas[0].token_spans is not None
+            or step.lora is not None  # the adapters' products sit between the linears the kernel fuses
         ):
             return None
         return torch.ops.ferry_kernels.llama_decoder(

@@ -1,0 +1,92 @@
+"""Adapter weights in preallocated slots on each adapted linear layer, and one step's low-rank products over them.
+
+Each adapted layer (`LoRALayer`, attached as `layer.lora`) holds, per part of its output (q, k and v of a fused QKV
+layer; gate and up; one part otherwise), `max_loras` slots of rank `max_lora_rank` side by side:
+
+    a: [slots * rank, in]     the slots' A matrices stacked (rows j*rank ... of slot j)
+    b: [out_part, slots * rank]   their B matrices side by side
+
+An adapter of a smaller rank fills the first rows of its slot and zeros the rest; a part an adapter leaves alone is
+all zeros in its slot. The tensors never change shape, so a step with adapters runs the same code whichever are
+loaded.
+
+A step's tokens are grouped by slot in `LoRABatch.mask` `[T, k * rank]`: row t holds the scaling of token t's
+adapter in the columns of its slot and zeros elsewhere (all zeros for a base-model token), `k` being the slots in
+use (the lowest, as slots are handed out). The low-rank product of every token is then two matmuls per part, the
+shrink and the expand of Punica's kernels, whatever the mix of adapters:
+
+    s = x @ a[: k * rank].T   # [T, k * rank]: each token against each used slot's A
+    s *= mask                 # keep its own slot's rows, scaled (alpha / r)
+    out[:, part] += s @ b[:, : k * rank].T
+
+A step with no adapter has no batch (`LoRABatch` None) and the layers skip all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.linear import LinearBase, ShardId
+from engine.lora.batch import LoRABatch
+
+
+@dataclass
+class _Part:
+    """One output part of an adapted layer: its rows of the output and its slots."""
+
+    offset: int
+    size: int
+    a: torch.Tensor  # [slots * rank, in]
+    b: torch.Tensor  # [size, slots * rank]
+
+
+class LoRALayer:
+    """The adapter slots of one linear layer: `add` puts the step's low-rank products into its output."""
+
+    def __init__(
+        self,
+        layer: LinearBase,
+        parts: list[ShardId],
+        num_slots: int,
+        rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        """Slots for the `parts` (shard ids) of `layer` that adapters may adapt; `dtype`: the activations'."""
+        self.layer = layer
+        self.rank = rank
+        self.parts: dict[ShardId, _Part] = {}
+        for shard_id in parts:
+            offset, size = layer.part_rows(shard_id)
+            self.parts[shard_id] = _Part(
+                offset,
+                size,
+                torch.zeros(num_slots * rank, layer.input_size, device=device, dtype=dtype),
+                torch.zeros(size, num_slots * rank, device=device, dtype=dtype),
+            )
+
+    @torch.no_grad()
+    def load(self, slot: int, pairs: dict[ShardId, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put an adapter's (A `[r, in]`, B `[out, r]`) of each part it adapts into `slot` (as the layer shards
+        them); the parts it leaves alone, and the rows past its rank, become zeros."""
+        rows = slice(slot * self.rank, (slot + 1) * self.rank)
+        for shard_id, part in self.parts.items():
+            part.a[rows].zero_()
+            part.b[:, rows].zero_()
+            pair = pairs.get(shard_id)
+            if pair is None:
+                continue
+            a, b = self.layer.lora_factors(*pair, shard_id)
+            r = a.shape[0]
+            part.a[slot * self.rank : slot * self.rank + r].copy_(a)
+            part.b[:, slot * self.rank : slot * self.rank + r].copy_(b)
+
+    def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        """out `[T, out]` += each token's adapter's low-rank product of x `[T, in]` (this rank's part of it)."""
+        columns = batch.num_slots * self.rank
+        for part in self.parts.values():
+            shrunk = torch.mm(x, part.a[:columns].t())  # [T, columns]
+            shrunk.mul_(batch.mask)
+            out.narrow(-1, part.offset, part.size).addmm_(shrunk, part.b[:, :columns].t())
