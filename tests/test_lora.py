@@ -22,7 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, StructuredOutput, generate_batch
 from engine.config import EngineStartupError, ModelConfig
 from engine.core.request import LoRARequest, RequestRejected
+from engine.kernels.library import cpu_kernels_available
 from engine.layers.linear import ColumnParallelLinear
+from engine.layers.linear_method import UnquantizedLinearMethod
 from engine.lora.adapter import AdapterError, read_adapter
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRALayer
@@ -281,6 +283,8 @@ def test_tensor_parallel_ranks_shard_the_adapters_as_their_layers(base: Path, ad
 def test_a_quantized_layer_adds_the_adapters_product_to_its_own() -> None:
     """The slots add to whatever the layer's method computes: an int8 base gets exactly its own output plus the
     low-rank product of each token's adapter (0 for a base token)."""
+    if not cpu_kernels_available():
+        pytest.skip("the CPU kernels cannot be built here")
     torch.manual_seed(0)
     method = quantized_linear_method(ModelConfig(path="unused", quantization="int8"), torch.device("cpu"))
     assert method is not None
@@ -293,10 +297,34 @@ def test_a_quantized_layer_adds_the_adapters_product_to_its_own() -> None:
     batch = LoRABatch.of(torch.tensor([1, -1, 1, 0, 1]).numpy(), torch.tensor([0.0, 2.5, 0.0]).numpy(), 4,
                          torch.device("cpu"), torch.float32)  # fmt: skip
     assert batch is not None and batch.num_slots == 2
-    out = layer.method.apply(layer, x, None)
-    expected = out.clone()
+    expected = layer.method.apply(layer, x, None)
     expected[[0, 2, 4]] += 2.5 * (x[[0, 2, 4]] @ a.t() @ b.t())
-    slots.add(x, out, batch)
-    torch.testing.assert_close(out, expected)
+    for add in (slots.add_per_token, slots.add_masked):  # the CPU kernel, and torch's matmuls (CUDA's way)
+        out = layer.method.apply(layer, x, None)
+        add(x, out, batch)
+        torch.testing.assert_close(out, expected)
     none = torch.tensor([-1, -1]).numpy()
     assert LoRABatch.of(none, torch.zeros(3).numpy(), 4, torch.device("cpu"), torch.float32) is None
+
+
+def test_the_kernel_and_the_matmuls_agree_in_bfloat16() -> None:
+    if not cpu_kernels_available():
+        pytest.skip("the CPU kernels cannot be built here")
+    torch.manual_seed(1)
+    layer = ColumnParallelLinear(64, 40, bias=True, method=UnquantizedLinearMethod(), dtype=torch.bfloat16)
+    layer.weight_loader("weight", torch.randn(40, 64))
+    layer.weight_loader("bias", torch.randn(40))
+    slots = LoRALayer(layer, [None], num_slots=2, rank=8, device=torch.device("cpu"), dtype=torch.bfloat16)
+    slots.load(0, {None: (torch.randn(8, 64), torch.randn(40, 8))})
+    slots.load(1, {None: (torch.randn(3, 64), torch.randn(40, 3))})
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    batch = LoRABatch.of(torch.tensor([0, 1, -1, 1, 0, 0]).numpy(), torch.tensor([0.5, 2.0]).numpy(), 8,
+                         torch.device("cpu"), torch.bfloat16)  # fmt: skip
+    assert batch is not None
+    outs = []
+    for add in (slots.add_per_token, slots.add_masked):
+        out = layer(x)
+        add(x, out, batch)
+        outs.append(out.float())
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=0.25)
+    assert not torch.equal(outs[0], layer(x).float())

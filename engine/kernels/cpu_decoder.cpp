@@ -10,6 +10,10 @@
 // come in one flat list, kPerLayer per layer (absent ones None), in the order of `Slot`; attention is the
 // `ferry_attention::paged_attention` op (engine/attention/cpu_paged.cpp, loaded beside this library by the CPU
 // backend), called through the dispatcher with the layer's step metadata (its KV-cache group's).
+//
+// A step with LoRA adapters (engine/lora/) adds each adapted part's low-rank products to its projection's output
+// with `lora_add`, as the eager layers do: the slots' tensors come kLoraPerLayer per layer (A, then B transposed,
+// per part in the order of `LoRAPart`), with each token's slot and the slots' scalings.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -37,6 +41,9 @@ enum Slot : int64_t {
   kDownBias,
   kPerLayer,
 };
+
+enum LoRAPart : int64_t { kLoraQ, kLoraK, kLoraV, kLoraOut, kLoraGate, kLoraUp, kLoraDown, kLoraParts };
+constexpr int64_t kLoraPerLayer = 2 * kLoraParts;
 
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, double, int64_t, double,
@@ -77,7 +84,10 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
                          const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& final_norm,
                          at::IntArrayRef sizes, double eps, double scale, at::TensorList key_caches,
                          at::TensorList value_caches, at::IntArrayRef windows, at::TensorList slot_mappings,
-                         at::TensorList page_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+                         at::TensorList page_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         const c10::List<std::optional<at::Tensor>>& lora_weights,
+                         const std::optional<at::Tensor>& lora_slots, const std::optional<at::Tensor>& lora_scalings,
+                         int64_t lora_rank) {
   TORCH_CHECK(sizes.size() == 5, "sizes: heads, kv_heads, head_dim, width, fused_silu_max_tokens");
   const int64_t heads = sizes[0], kv_heads = sizes[1], head_dim = sizes[2], width = sizes[3];
   const int64_t silu_max_tokens = sizes[4];
@@ -89,14 +99,28 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
   const int64_t tokens = hidden_in.size(0);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const auto& attention = attention_op();
+  const bool adapters = lora_slots.has_value();
+  TORCH_CHECK(!adapters || (lora_scalings.has_value() &&
+                            static_cast<int64_t>(lora_weights.size()) == layers * kLoraPerLayer),
+              "lora_weights: ", kLoraPerLayer, " per layer, with lora_slots and lora_scalings");
 
   at::Tensor hidden = hidden_in;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const auto w = [&](Slot slot) -> std::optional<at::Tensor> { return weights.get(layer * kPerLayer + slot); };
+    // out[:, offset:] += the adapters' products of x for `part` (LoRALayer.add in engine/lora/slots.py).
+    const auto add_adapters = [&](at::Tensor& out, const at::Tensor& x, LoRAPart part, int64_t offset) {
+      if (!adapters) return;
+      const int64_t first = layer * kLoraPerLayer + 2 * part;
+      lora_add(out, x, *lora_weights.get(first), *lora_weights.get(first + 1), *lora_slots, *lora_scalings, offset,
+               lora_rank);
+    };
 
     // Attention: Attention.forward in engine/models/llama.py.
     const at::Tensor normed = rms_norm(hidden, *w(kInputNorm), eps);
-    const at::Tensor qkv = project(normed, *w(kQkv), q_size + 2 * kv_size, w(kQkvBias));
+    at::Tensor qkv = project(normed, *w(kQkv), q_size + 2 * kv_size, w(kQkvBias));
+    add_adapters(qkv, normed, kLoraQ, 0);
+    add_adapters(qkv, normed, kLoraK, q_size);
+    add_adapters(qkv, normed, kLoraV, q_size + kv_size);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
@@ -115,15 +139,22 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
     const at::Tensor attended =
         attention.call(q, key_cache, value_cache, query_start_loc, seq_lens, page_tables[layer], scale, windows[layer],
                        0.0, std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0);
-    hidden = at::add(hidden, project(attended.reshape({tokens, q_size}), *w(kOut), hidden.size(1), w(kOutBias)));
+    const at::Tensor attended_rows = attended.reshape({tokens, q_size});
+    at::Tensor out = project(attended_rows, *w(kOut), hidden.size(1), w(kOutBias));
+    add_adapters(out, attended_rows, kLoraOut, 0);
+    hidden = at::add(hidden, out);
 
     // MLP: MLP.forward.
     const at::Tensor post_normed = rms_norm(hidden, *w(kPostNorm), eps);
-    const at::Tensor gate_up = project(post_normed, *w(kGateUp), 2 * width, w(kGateUpBias));
+    at::Tensor gate_up = project(post_normed, *w(kGateUp), 2 * width, w(kGateUpBias));
+    add_adapters(gate_up, post_normed, kLoraGate, 0);
+    add_adapters(gate_up, post_normed, kLoraUp, width);
     const at::Tensor activated = tokens <= silu_max_tokens
                                      ? silu_mul(gate_up)
                                      : at::mul(at::silu(gate_up.narrow(1, 0, width)), gate_up.narrow(1, width, width));
-    hidden = at::add(hidden, project(activated, *w(kDown), hidden.size(1), w(kDownBias)));
+    at::Tensor down = project(activated, *w(kDown), hidden.size(1), w(kDownBias));
+    add_adapters(down, activated, kLoraDown, 0);
+    hidden = at::add(hidden, down);
   }
   return rms_norm(hidden, final_norm, eps);
 }
@@ -137,7 +168,7 @@ TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
       "llama_decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor?[] weights, Tensor final_norm, int[] sizes, "
       "float eps, float scale, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, int[] windows, "
       "Tensor[] slot_mappings, Tensor[] page_tables, Tensor query_start_loc, "
-      "Tensor seq_lens) -> Tensor");
+      "Tensor seq_lens, Tensor?[] lora_weights, Tensor? lora_slots, Tensor? lora_scalings, int lora_rank) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) {

@@ -20,4 +20,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
+// cpu_lora.cpp: out[:, offset:] += each token's adapter's low-rank product of x (engine/lora/slots.py).
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              const at::Tensor& slots, const at::Tensor& scalings, int64_t offset, int64_t rank);
+
 }  // namespace ferry

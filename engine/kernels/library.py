@@ -1,7 +1,8 @@
 """Ferry's CPU kernel library: one extension, `torch.ops.ferry_kernels`, built from every source here by
 engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`), the
 quantized linears (`cpu_quant_linear.cpp`, engine/kernels/quant_linear.py), RMSNorm (`cpu_norm.cpp`), rotary
-embedding and SiLU-and-multiply (`cpu_pointwise.cpp`). Their shapes are registered for `torch.compile`."""
+embedding and SiLU-and-multiply (`cpu_pointwise.cpp`), LoRA's products (`cpu_lora.cpp`). Their shapes are
+registered for `torch.compile`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernels take (others run torch's ops)."""
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_linear.cpp", "cpu_quant_linear.cpp", "cpu_norm.cpp", "cpu_pointwise.cpp", "cpu_decoder.cpp")
+    for name in (
+        "cpu_linear.cpp",
+        "cpu_quant_linear.cpp",
+        "cpu_norm.cpp",
+        "cpu_pointwise.cpp",
+        "cpu_decoder.cpp",
+        "cpu_lora.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h", "bfloat16.h")]
 """The kernels' entry points, for the decoder (`cpu_decoder.cpp`), which calls the others; the blocked layouts' tiles,

@@ -3,21 +3,25 @@
 Each adapted layer (`LoRALayer`, attached as `layer.lora`) holds, per part of its output (q, k and v of a fused QKV
 layer; gate and up; one part otherwise), `max_loras` slots of rank `max_lora_rank` side by side:
 
-    a: [slots * rank, in]     the slots' A matrices stacked (rows j*rank ... of slot j)
-    b: [out_part, slots * rank]   their B matrices side by side
+    a:  [slots * rank, in]        the slots' A matrices stacked (rows j*rank ... of slot j)
+    bt: [slots * rank, out_part]  their B matrices, transposed, stacked the same way
 
 An adapter of a smaller rank fills the first rows of its slot and zeros the rest; a part an adapter leaves alone is
 all zeros in its slot. The tensors never change shape, so a step with adapters runs the same code whichever are
 loaded.
 
-A step's tokens are grouped by slot in `LoRABatch.mask` `[T, k * rank]`: row t holds the scaling of token t's
-adapter in the columns of its slot and zeros elsewhere (all zeros for a base-model token), `k` being the slots in
-use (the lowest, as slots are handed out). The low-rank product of every token is then two matmuls per part, the
-shrink and the expand of Punica's kernels, whatever the mix of adapters:
+A step's `LoRABatch` gives each token's slot (-1: the base model). On the CPU one kernel call per part
+(engine/kernels/cpu_lora.cpp) computes Punica's shrink and expand for each token against its own slot only:
 
-    s = x @ a[: k * rank].T   # [T, k * rank]: each token against each used slot's A
-    s *= mask                 # keep its own slot's rows, scaled (alpha / r)
-    out[:, part] += s @ b[:, : k * rank].T
+    out[t, part] += scaling[s] * (x[t] @ a[s].T) @ bt[s]      for s = slots[t]
+
+Elsewhere (CUDA, float16) torch's matmuls do it for all tokens at once, each against every slot in use (`k`: the
+slots are handed out lowest first), the other slots' products masked out (`LoRABatch.mask`, `[T, k * rank]`: the
+token's scaling in its slot's columns, zeros elsewhere):
+
+    s = x @ a[: k * rank].T   # [T, k * rank]
+    s *= mask
+    out[:, part] += s @ bt[: k * rank]
 
 A step with no adapter has no batch (`LoRABatch` None) and the layers skip all of it.
 """
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.library import cpu_kernels_take
 from engine.layers.linear import LinearBase, ShardId
 from engine.lora.batch import LoRABatch
 
@@ -39,7 +44,7 @@ class _Part:
     offset: int
     size: int
     a: torch.Tensor  # [slots * rank, in]
-    b: torch.Tensor  # [size, slots * rank]
+    bt: torch.Tensor  # [slots * rank, size]
 
 
 class LoRALayer:
@@ -64,7 +69,7 @@ class LoRALayer:
                 offset,
                 size,
                 torch.zeros(num_slots * rank, layer.input_size, device=device, dtype=dtype),
-                torch.zeros(size, num_slots * rank, device=device, dtype=dtype),
+                torch.zeros(num_slots * rank, size, device=device, dtype=dtype),
             )
 
     @torch.no_grad()
@@ -74,19 +79,33 @@ class LoRALayer:
         rows = slice(slot * self.rank, (slot + 1) * self.rank)
         for shard_id, part in self.parts.items():
             part.a[rows].zero_()
-            part.b[:, rows].zero_()
+            part.bt[rows].zero_()
             pair = pairs.get(shard_id)
             if pair is None:
                 continue
             a, b = self.layer.lora_factors(*pair, shard_id)
             r = a.shape[0]
             part.a[slot * self.rank : slot * self.rank + r].copy_(a)
-            part.b[:, slot * self.rank : slot * self.rank + r].copy_(b)
+            part.bt[slot * self.rank : slot * self.rank + r].copy_(b.t())
 
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         """out `[T, out]` += each token's adapter's low-rank product of x `[T, in]` (this rank's part of it)."""
+        if cpu_kernels_take(x):
+            self.add_per_token(x, out, batch)
+        else:
+            self.add_masked(x, out, batch)
+
+    def add_per_token(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        """`add` on the CPU kernel: each token against its own slot."""
+        rows = x if x.stride(-1) == 1 else x.contiguous()
+        for part in self.parts.values():
+            torch.ops.ferry_kernels.lora_add(out, rows, part.a, part.bt, batch.slots, batch.scalings, part.offset,
+                                             self.rank)  # fmt: skip
+
+    def add_masked(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        """`add` on torch's matmuls: every token against every slot in use, the others' products masked out."""
         columns = batch.num_slots * self.rank
         for part in self.parts.values():
             shrunk = torch.mm(x, part.a[:columns].t())  # [T, columns]
             shrunk.mul_(batch.mask)
-            out.narrow(-1, part.offset, part.size).addmm_(shrunk, part.b[:, :columns].t())
+            out.narrow(-1, part.offset, part.size).addmm_(shrunk, part.bt[:columns])

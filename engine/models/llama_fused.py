@@ -8,9 +8,9 @@ same arguments in the same order, so its output is the eager path's bit for bit 
 
 It serves a model whose every decoder linear is on one of the CPU defaults (`BlockedLinearMethod`, or
 `PackedLinearMethod` where oneDNN multiplies bfloat16), on one rank (the row-parallel all-reduces are Python), and a
-step that the CPU attention kernel computes over caches of the model's dtype with no non-causal spans; anything
-else runs the eager modules (`FusedDecoder.forward` returns None), as does a `torch.compile` trace, which must see
-the modules.
+step that the CPU attention kernel computes over caches of the model's dtype with no non-causal spans, LoRA adapters
+included (their slots' tensors and the step's slots join the call); anything else runs the eager modules
+(`FusedDecoder.forward` returns None), as does a `torch.compile` trace, which must see the modules.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from engine.attention.cpu_paged import CpuPagedBackend
 from engine.kernels.library import cpu_kernels_take
 from engine.layers.linear import LinearBase
 from engine.layers.linear_method import BlockedLinearMethod, PackedLinearMethod
+from engine.lora.slots import LoRALayer
 
 
 class FusedDecoder:
@@ -38,6 +39,10 @@ class FusedDecoder:
         self.scale = first.scale
         self.windows = [layer.self_attn.sliding_window or 0 for layer in backbone.layers]
         self.dtype = self.final_norm.dtype
+        self.layers = list(backbone.layers)
+        self._adapter_tensors: list[torch.Tensor] | None = None
+        """The layers' LoRA slots in the C++ decoder's order (`LoRAPart`), gathered at the first step with
+        adapters (the slots are made after the model)."""
 
     @staticmethod
     def of(backbone: nn.Module, silu_max_tokens: int) -> FusedDecoder | None:
@@ -69,9 +74,11 @@ class FusedDecoder:
             or not isinstance(step.backend, CpuPagedBackend)
             or kv_caches[0][0].dtype != self.dtype
             or metas[0].token_spans is not None
-            or step.lora is not None  # the adapters' products sit between the linears the kernel fuses
         ):
             return None
+        lora = step.lora
+        if lora is not None and self._adapter_tensors is None:
+            self._adapter_tensors = [tensor for layer in self.layers for tensor in _adapter_tensors(layer)]
         return torch.ops.ferry_kernels.llama_decoder(
             hidden,
             cos,
@@ -88,6 +95,10 @@ class FusedDecoder:
             [meta.page_tables for meta in metas],
             metas[0].query_start_loc,
             metas[0].seq_lens,
+            self._adapter_tensors if lora is not None else [],
+            None if lora is None else lora.slots,
+            None if lora is None else lora.scalings,
+            0 if lora is None else lora.rank,
         )
 
 
@@ -108,6 +119,22 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None]:
         _weight(mlp.down_proj),
         mlp.down_proj.bias,
     ]
+
+
+def _adapter_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """One layer's LoRA slots (A, then B transposed, per part) in the order of `LoRAPart` in cpu_decoder.cpp."""
+    attn, mlp = layer.self_attn, layer.mlp
+    parts = [
+        (attn.qkv_proj, "q"), (attn.qkv_proj, "k"), (attn.qkv_proj, "v"), (attn.o_proj, None),
+        (mlp.gate_up_proj, 0), (mlp.gate_up_proj, 1), (mlp.down_proj, None),
+    ]  # fmt: skip
+    tensors = []
+    for linear, shard_id in parts:
+        slots = linear.lora
+        assert isinstance(slots, LoRALayer), "a step with adapters on a model without adapter slots"
+        part = slots.parts[shard_id]
+        tensors += [part.a, part.bt]
+    return tensors
 
 
 def _weight(linear: LinearBase) -> torch.Tensor:
