@@ -616,6 +616,55 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--json", type=Path, default=None)
     spec.set_defaults(func=_spec)
 
+    lora = commands.add_parser(
+        "lora",
+        help="LoRA adapters mixed in (1, 4, 8 of them) against the base model alone, offline and served",
+        description="Makes rank-R PEFT adapters of every projection of --model (kept in --workdir), then measures "
+        "output tokens/s of the base alone and of 1, 4 and 8 adapters mixed uniformly over the requests, in "
+        "rotating order for --rounds rounds: in-process (offline) and through `ferry serve` (closed loop of "
+        "--concurrency clients); with --vllm-python, `vllm serve` with the same adapters too. Prints medians and "
+        "each mix's ratio to the base within its round.",
+    )
+    lora.add_argument(
+        "--model", default=str(DEMO_MODEL), help="a model directory or a named config (default: the demo model)"
+    )
+    lora.add_argument("--workdir", type=Path, default=Path("bench-lora"), help="adapters and named models go here")
+    lora.add_argument("--adapters", type=_ints, default=(1, 4, 8), help="adapter counts mixed in, e.g. 1,4,8")
+    lora.add_argument("--rank", type=_positive_int, default=16)
+    lora.add_argument("--concurrency", type=_positive_int, default=32, help="sequences at once (and clients)")
+    lora.add_argument("--num-requests", type=_positive_int, default=64, help="requests per run")
+    lora.add_argument("--prompt-tokens", type=_positive_int, default=64)
+    lora.add_argument("--max-tokens", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
+    lora.add_argument("--rounds", type=_positive_int, default=3)
+    lora.add_argument("--mode", action="append", choices=("offline", "serve"), default=None)
+    lora.add_argument("--dtype", default="auto")
+    lora.add_argument("--vllm-python", type=Path, default=None, help="also serve with vLLM from this environment")
+    lora.add_argument("--json", type=Path, default=None)
+    lora.set_defaults(func=_lora)
+
+
+def _lora(args: argparse.Namespace) -> int:
+    from bench.lora import LoRABenchOptions, format_lora, run_lora
+
+    _quiet_transformers()
+    options = LoRABenchOptions(
+        model=args.model,
+        workdir=args.workdir,
+        adapter_counts=args.adapters,
+        rank=args.rank,
+        concurrency=args.concurrency,
+        num_requests=args.num_requests,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.max_tokens,
+        rounds=args.rounds,
+        modes=tuple(args.mode or ("offline", "serve")),
+        dtype=args.dtype,
+        vllm_python=args.vllm_python,
+    )
+    report = run_lora(options)
+    _emit(report, format_lora(report), args.json)
+    return 0
+
 
 def _spec(args: argparse.Namespace) -> int:
     from bench.spec import SpecOptions, format_spec, run_spec
@@ -656,7 +705,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` under `ferry`'s subcommands; dispatch with `args.func(args)`."""
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: offline, serve, overhead, tp, decode, perplexity, embed, spec",
+        help="benchmarks: offline, serve, overhead, tp, decode, perplexity, embed, spec, lora",
         description="Reproducible benchmarks of Ferry against its baselines.",
     )
     add_bench_subcommands(bench)
