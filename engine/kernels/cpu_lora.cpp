@@ -12,44 +12,94 @@
 #include "bfloat16.h"
 
 #include <algorithm>
+#include <array>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-// out[t, offset:offset+size] += scaling[s] * (x[t] @ a[s*rank : (s+1)*rank].T) @ bt[s*rank : (s+1)*rank], for
-// each token t whose slot s = slots[t] is not negative. a: [slots * rank, in]; bt: [slots * rank, size] (B
-// transposed, so that the expand runs along contiguous rows of it: rank scaled row additions, no dot products).
+constexpr int64_t kBlock = 4;  // tokens of one slot computed together: each row of A and B read once for them
+
+// out[t, offset:offset+size] += scaling[s] * (x[t] @ a[s*rank : (s+1)*rank].T) @ bt[s*rank : (s+1)*rank] for the N
+// tokens `ts` of slot s. a: [slots * rank, in]; bt: [slots * rank, size] (B transposed, so that the expand runs
+// along contiguous rows of it: rank scaled row additions, no dot products). shrunk: rank * N floats; sums: size * N.
+template <typename T, int64_t N>
+void add_block(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t offset, int64_t size, const T* a,
+               const T* bt, int64_t slot, float scaling, const int64_t* ts, int64_t in, int64_t rank, float* shrunk,
+               float* sums) {
+  const T* rows[N];
+  for (int64_t j = 0; j < N; ++j) rows[j] = x + ts[j] * x_stride;
+  for (int64_t r = 0; r < rank; ++r) {
+    const T* a_row = a + (slot * rank + r) * in;
+    float dot[N] = {};
+    for (int64_t j = 0; j < N; ++j) {
+      const T* row = rows[j];
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < in; ++i) sum += ferry::to_float(row[i]) * ferry::to_float(a_row[i]);
+      dot[j] = sum;
+    }
+    for (int64_t j = 0; j < N; ++j) shrunk[j * rank + r] = dot[j] * scaling;
+  }
+  std::fill(sums, sums + N * size, 0.0f);
+  for (int64_t r = 0; r < rank; ++r) {
+    const T* b_row = bt + (slot * rank + r) * size;
+    for (int64_t j = 0; j < N; ++j) {
+      const float s = shrunk[j * rank + r];
+      float* acc = sums + j * size;
+#pragma omp simd
+      for (int64_t o = 0; o < size; ++o) acc[o] += s * ferry::to_float(b_row[o]);
+    }
+  }
+  for (int64_t j = 0; j < N; ++j) {
+    T* dst = out + ts[j] * out_stride + offset;
+    const float* acc = sums + j * size;
+#pragma omp simd
+    for (int64_t o = 0; o < size; ++o) dst[o] = ferry::from_float<T>(ferry::to_float(dst[o]) + acc[o]);
+  }
+}
+
+// Every token with a slot (slots[t] >= 0), grouped by slot in blocks of up to kBlock tokens.
 template <typename T>
 void add_products(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t offset, int64_t size,
-                  const T* a, const T* bt, const int64_t* slots, const float* scalings, int64_t tokens, int64_t in,
-                  int64_t rank) {
-  const int64_t work = std::max<int64_t>(1, rank * (in + size));
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 262144 / work), [&](int64_t t0, int64_t t1) {
-    std::vector<float> shrunk(rank);
-    std::vector<float> sums(size);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      const T* row = x + t * x_stride;
-      const float scaling = scalings[slot];
-      for (int64_t r = 0; r < rank; ++r) {
-        const T* a_row = a + (slot * rank + r) * in;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < in; ++i) sum += ferry::to_float(row[i]) * ferry::to_float(a_row[i]);
-        shrunk[r] = sum * scaling;
+                  const T* a, const T* bt, const int64_t* slots, const float* scalings, int64_t num_slots,
+                  int64_t tokens, int64_t in, int64_t rank) {
+  // The tokens by slot (a counting sort), then the blocks: (first index into `order`, count, slot).
+  std::vector<int64_t> starts(num_slots + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "token ", t, " is in slot ", slots[t], " of ", num_slots);
+    if (slots[t] >= 0) ++starts[slots[t] + 1];
+  }
+  for (int64_t s = 0; s < num_slots; ++s) starts[s + 1] += starts[s];
+  std::vector<int64_t> order(starts[num_slots]);
+  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] >= 0) order[next[slots[t]]++] = t;
+  }
+  std::vector<std::array<int64_t, 3>> blocks;
+  for (int64_t s = 0; s < num_slots; ++s) {
+    for (int64_t first = starts[s]; first < starts[s + 1]; first += kBlock) {
+      blocks.push_back({first, std::min(kBlock, starts[s + 1] - first), s});
+    }
+  }
+  const int64_t work = std::max<int64_t>(1, kBlock * rank * (in + size));
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), std::max<int64_t>(1, 262144 / work), [&](int64_t b0,
+                                                                                                     int64_t b1) {
+    std::vector<float> shrunk(kBlock * rank);
+    std::vector<float> sums(kBlock * size);
+    for (int64_t b = b0; b < b1; ++b) {
+      const auto [first, count, slot] = blocks[b];
+      const int64_t* ts = order.data() + first;
+      const auto run = [&](auto n) {
+        add_block<T, decltype(n)::value>(x, x_stride, out, out_stride, offset, size, a, bt, slot, scalings[slot], ts,
+                                         in, rank, shrunk.data(), sums.data());
+      };
+      switch (count) {
+        case 1: run(std::integral_constant<int64_t, 1>{}); break;
+        case 2: run(std::integral_constant<int64_t, 2>{}); break;
+        case 3: run(std::integral_constant<int64_t, 3>{}); break;
+        default: run(std::integral_constant<int64_t, 4>{}); break;
       }
-      float* acc = sums.data();
-      std::fill(sums.begin(), sums.end(), 0.0f);
-      for (int64_t r = 0; r < rank; ++r) {
-        const T* b_row = bt + (slot * rank + r) * size;
-        const float s = shrunk[r];
-#pragma omp simd
-        for (int64_t o = 0; o < size; ++o) acc[o] += s * ferry::to_float(b_row[o]);
-      }
-      T* dst = out + t * out_stride + offset;
-#pragma omp simd
-      for (int64_t o = 0; o < size; ++o) dst[o] = ferry::from_float<T>(ferry::to_float(dst[o]) + acc[o]);
     }
   });
 }
@@ -75,11 +125,11 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
   if (x.scalar_type() == at::kFloat) {
     add_products(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), out.stride(0), offset, size,
                  a.data_ptr<float>(), bt.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                 scalings.data_ptr<float>(), x.size(0), x.size(1), rank);
+                 scalings.data_ptr<float>(), scalings.size(0), x.size(0), x.size(1), rank);
   } else if (x.scalar_type() == at::kBFloat16) {
     add_products(x.data_ptr<at::BFloat16>(), x.stride(0), out.data_ptr<at::BFloat16>(), out.stride(0), offset, size,
                  a.data_ptr<at::BFloat16>(), bt.data_ptr<at::BFloat16>(), slots.data_ptr<int64_t>(),
-                 scalings.data_ptr<float>(), x.size(0), x.size(1), rank);
+                 scalings.data_ptr<float>(), scalings.size(0), x.size(0), x.size(1), rank);
   } else {
     TORCH_CHECK(false, "ferry_kernels.lora_add takes float32 or bfloat16, not ", x.scalar_type());
   }
