@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import EngineConfig, EngineCore, SamplingParams, StructuredOutput, generate_batch
@@ -31,6 +32,7 @@ from engine.lora.slots import LoRALayer
 from engine.quantization import quantized_linear_method
 from tests.lora_adapters import ADAPTER_SPECS, build_adapter_dir, build_adapters, peft_model
 from tests.model_factory import build_model_dir
+from tests.quantized_reference import check_against, prompts_for, reference_model, tolerance_of
 from tests.test_engine_equivalence import LOGPROB_TOLERANCE
 from tests.test_scheduler import make_request, make_scheduler, sample
 
@@ -328,3 +330,26 @@ def test_the_kernel_and_the_matmuls_agree_in_bfloat16() -> None:
         outs.append(out.float())
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=0.25)
     assert not torch.equal(outs[0], layer(x).float())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_adapters_on_a_quantized_base_equal_peft_on_the_weights_it_multiplies_by(
+    base: Path, adapters: dict[str, Path], scheme: str
+) -> None:
+    """The oracle of a quantized base (tests/quantized_reference.py: transformers' model holding the dequantized
+    weights) with PEFT's adapter on top, teacher-forced on Ferry's tokens."""
+    prompts, max_new = prompts_for(384, shared_prefix=8)
+    names = ["all-r16", "mlp-r4", None, "ko-r6"]
+    chosen = [names[i % len(names)] for i in range(len(prompts))]
+    config = EngineConfig.of(model=str(base), quantization=scheme, quantization_group_size=32, enable_lora=True,
+                             max_loras=3)  # fmt: skip
+    with EngineCore(config) as engine:
+        params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
+        loras = [None if name is None else lora_request(adapters, name) for name in chosen]
+        results = generate_batch(prompts, params=params, engine=engine, loras=loras)
+        for name in set(chosen):
+            dequantized = reference_model(base, engine.runner.model, scheme)
+            reference = dequantized if name is None else PeftModel.from_pretrained(dequantized, adapters[name]).eval()
+            rows = [i for i, c in enumerate(chosen) if c == name]
+            picked = {f"req_{k}": results[f"req_{i}"] for k, i in enumerate(rows)}
+            check_against(reference, [prompts[i] for i in rows], picked, f"{scheme} + {name}", tolerance_of(scheme))
