@@ -161,7 +161,8 @@ def _serve(
     max_loras = str(max(options.adapter_counts))
     if system == "vllm":
         args = ("--enable-lora", "--max-loras", max_loras, "--max-lora-rank", str(options.rank), "--max-cpu-loras",
-                max_loras, "--lora-modules", *modules, "--max-num-seqs", str(options.concurrency))  # fmt: skip
+                max_loras, "--lora-modules", *modules, "--max-num-seqs", str(options.concurrency), "--dtype",
+                options.dtype)  # fmt: skip
         serve = ServeOptions(model=str(model_path), server="vllm", vllm_python=options.vllm_python, server_args=args)
     else:
         args = ("--enable-lora", "--max-loras", max_loras, "--max-lora-rank", str(options.rank), "--lora-modules",

@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.pooling.config import PoolingConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
+from server.lora import LoadLoRAAdapterRequest, ServedAdapter, UnloadLoRAAdapterRequest, startup_registry
 from server.metrics import ServerMetrics, rejection_reason
 from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from server.openai.chat import serve_chat_completion
@@ -82,6 +83,11 @@ servers before 3.0 do not know."""
 # Documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape).
 _ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
 _UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse}}
+_JSON_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for status in ("4XX", "5XX")
+}
+"""The errors of a route that answers text: JSON all the same (a `model` would take the route's text type)."""
 _RESPONSES_STREAM: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"description": "With `stream: true`: named events (`event: <type>`, "
                                                            "`data: {event}`), response.created first and "
@@ -131,10 +137,15 @@ class ServerState:
         self.settings = settings
         self.lifecycle = lifecycle
         self.model_names = settings.served_model_name or (Path(engine_config.model.path).name,)
-        """Every name clients may send as `model`; the first is the one responses report."""
+        """The base model's names, which clients may send as `model`; the first is the one responses report."""
         self.model_name = self.model_names[0]
+        self.adapters = startup_registry(engine_config, settings, self.model_names)
+        lora = engine_config.lora
         self.metrics = ServerMetrics(
-            self.model_name, engine_config.parallel.tensor_parallel_size, engine_config.model.quantization
+            self.model_name,
+            engine_config.parallel.tensor_parallel_size,
+            engine_config.model.quantization,
+            max_loras=lora.max_loras if lora.enable_lora else None,
         )
         self.created = int(time.time())
         self.client = EngineClient(
@@ -169,6 +180,7 @@ class ServerState:
             metrics=self.metrics,
             lifecycle=self.lifecycle,
             model_names=self.model_names,
+            adapters=self.adapters,
             max_model_len=info.max_model_len,
             request_timeout=self.settings.request_timeout or None,
             sse_ping=self.settings.sse_ping_interval,
@@ -196,6 +208,8 @@ class ServerState:
             reasoning.name if reasoning else "none",
             self.serving.tool_call_parser or "none",
         )
+        if self.adapters.adapters:
+            logger.info("LoRA adapters: %s", ", ".join(adapter.request.name for adapter in self.adapters.adapters))
         if self.settings.ui:
             logger.info("Playground and engine view: http://%s:%d/", self.settings.host, self.settings.port)
 
@@ -212,7 +226,8 @@ class ServerState:
         return self.lifecycle.phase is Phase.LOADING or self.client.healthy
 
 
-# The request bodies: their own JSON schemas go into the OpenAPI document (server/openapi.py).
+# The request bodies: their own JSON schemas go into the OpenAPI document (server/openapi.py); create_app adds the
+# LoRA endpoints' where it serves them.
 _REQUEST_MODELS: list[type[BaseModel]] = [
     ChatCompletionRequest,
     CompletionRequest,
@@ -232,8 +247,13 @@ class _FerryApp(FastAPI):
 
     STREAM_CHUNKS = (ChatCompletionChunk, CompletionResponse)
 
-    def __init__(self, model_names: tuple[str, ...], **options: Any) -> None:
+    def __init__(
+        self, request_models: list[type[BaseModel]], model_names: tuple[str, ...] | None, **options: Any
+    ) -> None:
+        """`request_models`: the request bodies, whose own schemas the document gives; `model_names`: what requests
+        may send as `model` (None: names that change while serving, so the document lists none)."""
         super().__init__(**options)
+        self.request_models = request_models
         self.model_names = model_names
 
     def build_middleware_stack(self) -> ASGIApp:
@@ -241,7 +261,7 @@ class _FerryApp(FastAPI):
 
     def openapi(self) -> dict[str, Any]:
         if self.openapi_schema is None:
-            schema = openapi_document(self, _REQUEST_MODELS, self.model_names)
+            schema = openapi_document(self, self.request_models, self.model_names)
             _, definitions = models_json_schema(
                 [(chunk, "serialization") for chunk in self.STREAM_CHUNKS], ref_template="#/components/schemas/{model}"
             )
@@ -316,7 +336,13 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             loading.cancel()
             await state.client.shutdown()
 
-    app = _FerryApp(state.model_names, title="Ferry", version=ferry_version(), lifespan=lifespan)
+    runtime_lora = settings.allow_runtime_lora_updating
+    lora_requests = [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest] if runtime_lora else []
+    # With adapters loaded and unloaded while serving, the names `model` takes change: the document lists none.
+    names = None if runtime_lora else (*state.model_names, *(a.request.name for a in state.adapters.adapters))
+    app = _FerryApp(
+        [*_REQUEST_MODELS, *lora_requests], names, title="Ferry", version=ferry_version(), lifespan=lifespan
+    )
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
@@ -356,7 +382,9 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         """vLLM's score: one text against many, or two lists pairwise."""
         return await serve_score(state.get_serving(), body, request)
 
-    def model_card(name: str) -> ModelCard:
+    def model_card(name: str, adapter: ServedAdapter | None = None) -> ModelCard:
+        """The base model's card under `name`, or an adapter's: the base's numbers (it runs on them), with its
+        directory as `root` and the model it adapts as `parent`, as vLLM's cards have them."""
         serving = state.get_serving()
         info = state.client.info
         assert info is not None  # serving exists only once the engine reported ready
@@ -364,24 +392,45 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         return ModelCard(
             id=name,
             created=state.created,
+            root=adapter.request.path if adapter else None,
+            parent=adapter.parent if adapter else None,
             max_model_len=serving.max_model_len,
             tensor_parallel_size=tensor_parallel_size if tensor_parallel_size > 1 else None,
             quantization=engine_config.model.quantization,
             weight_bytes=info.weight_bytes,
             kv_cache_dtype=info.kv_cache_dtype,
-            pooling=_model_pooling(info.pooling),
+            pooling=None if adapter else _model_pooling(info.pooling),
         )
 
     # A field left None (tensor_parallel_size on one device) is left out, as OpenAI's cards carry no nulls.
     @app.get("/v1/models", responses=_ERRORS, response_model_exclude_none=True)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in state.model_names])
+        """The base model under each served name, then every LoRA adapter."""
+        cards = [model_card(name) for name in state.model_names]
+        return ModelList(data=cards + [model_card(a.request.name, a) for a in state.adapters.adapters])
 
     @app.get("/v1/models/{model_id:path}", responses=_ERRORS, response_model_exclude_none=True)
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in state.model_names:
+        if model_id in state.model_names:
+            return model_card(model_id)
+        adapter = state.adapters.get(model_id)
+        if adapter is None:
             raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
-        return model_card(model_id)
+        return model_card(model_id, adapter)
+
+    if settings.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_JSON_ERRORS)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            """vLLM's: serve a LoRA adapter under a new name (or, with load_inplace, new files under a name)."""
+            await state.adapters.load(body)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_JSON_ERRORS)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            """vLLM's: stop serving a LoRA adapter; requests already running with it finish with it."""
+            state.adapters.unload(body)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

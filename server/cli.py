@@ -133,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.lifecycle import FerryServer, Lifecycle
     from server.logs import configure_logging
+    from server.lora import LoRAStartupError
 
     engine_config = build_engine_config(args)
     _check_parallel_layout(args, engine_config)
@@ -144,7 +145,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return run_node(engine_config)
     lifecycle = Lifecycle(settings.drain_timeout)
-    app = create_app(engine_config, settings, lifecycle)
+    try:
+        app = create_app(engine_config, settings, lifecycle)
+    except LoRAStartupError as exc:
+        args.parser.error(str(exc))
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -1,10 +1,11 @@
 """Command-line flags generated from an options dataclass, so that each option is documented once, where it is.
 
 Every field becomes `--field-name`: its type from the annotation (`bool` -> `--x/--no-x`, `Literal[...]` ->
-choices, `X | None` -> X, `tuple[X, ...]` -> one or more X, a class with `from_json` -> its JSON text), its
-default from the field, its help from the field's attribute docstring (the string right after it), its help
-section from `metadata["group"]`, and other names it accepts from `metadata["aliases"]`. A field with
-`metadata["flag"] = False` is left to the caller.
+choices, `X | None` -> X, `tuple[X, ...]` -> one or more X, a class with `from_json` -> its JSON text, a class
+with `from_flag` -> the text that method reads), its default from the field, its help from the field's attribute
+docstring (the string right after it), its help section from `metadata["group"]`, and other names it accepts from
+`metadata["aliases"]`. A tuple field with `metadata["repeatable"]` collects the values of every use of its flag
+(`--x a b --x c`); any other flag's last use wins. A field with `metadata["flag"] = False` is left to the caller.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import itertools
 import textwrap
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 
@@ -43,6 +44,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, argp
         group_name = field.metadata["group"]
         if group_name not in groups:
             groups[group_name] = parser.add_argument_group(group_name)
+        options = _type_options(hints[field.name])
+        if field.metadata.get("repeatable"):
+            options["action"] = "extend"
         groups[group_name].add_argument(
             flag_name(field.name),
             *field.metadata.get("aliases", ()),
@@ -50,7 +54,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, argp
             default=field.default,
             # argparse %-formats help texts (for `%(default)s`): a literal % must be doubled.
             help=docs[field.name].replace("%", "%%"),
-            **_type_options(hints[field.name]),
+            **options,
         )
 
 
@@ -80,14 +84,17 @@ def _type_options(annotation: Any) -> dict[str, Any]:
         return {"type": annotation}
     if hasattr(annotation, "from_json"):
         # An options object given as one JSON argument (`--speculative-config '{"method": "ngram"}'`).
-        return {"type": functools.partial(_from_json, annotation)}
+        return {"type": functools.partial(_parsed, annotation.from_json)}
+    if hasattr(annotation, "from_flag"):
+        # A value with a text form of its own (`--lora-modules name=path`).
+        return {"type": functools.partial(_parsed, annotation.from_flag)}
     raise TypeError(f"no command-line flag for a field of type {annotation!r}")
 
 
-def _from_json(cls: Any, text: str) -> Any:
+def _parsed(parse: Callable[[str], Any], text: str) -> Any:
     # argparse shows an ArgumentTypeError's own message; a ValueError would be "invalid value" alone.
     try:
-        return cls.from_json(text)
+        return parse(text)
     except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

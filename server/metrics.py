@@ -1,7 +1,9 @@
 """Prometheus metrics: vLLM's names and meanings under a `ferry:` prefix, every one labelled with `model_name`.
 
 Dashboards written for vLLM port by a prefix change. Beyond vLLM: `ferry:request_rejected_total{reason}` and
-latency buckets fine enough for fast GPUs (inter-token latency from 1 ms).
+latency buckets fine enough for fast GPUs (inter-token latency from 1 ms). One metric keeps vLLM's own name and
+labels: `vllm:lora_requests_info`, which routers (the Gateway API Inference Extension's endpoint picker) read as
+it is.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ SNAPSHOT_SAMPLES = (
 class ServerMetrics:
     """The server's own registry (not the process-global one), so apps never collide on metric names."""
 
-    def __init__(self, model_name: str, tensor_parallel_size: int = 1, quantization: str = "none") -> None:
+    def __init__(
+        self, model_name: str, tensor_parallel_size: int = 1, quantization: str = "none", max_loras: int | None = None
+    ) -> None:
+        """`max_loras`: --max-loras with --enable-lora (None: LoRA is off, and its metric absent)."""
         self.registry = CollectorRegistry()
         model = ["model_name"]
 
@@ -134,6 +139,17 @@ class ServerMetrics:
             "Requests refused, by reason: queue_full, timeout, invalid, unauthorized, unavailable.",
             ("reason",),
         )
+        self._max_loras = max_loras
+        self._lora_info: Gauge | None = None
+        if max_loras is not None:
+            # As vLLM has it: one series per combination of adapters seen, valued at the time it was last seen, so
+            # the newest series is the engine's current state (a router takes the series with the highest value).
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
         self._last_stats: EngineStats | None = None
 
     def set_model_info(self, weight_bytes: int, kv_cache_dtype: str) -> None:
@@ -154,6 +170,12 @@ class ServerMetrics:
             self._observe_drafts(stats, last)
         if stats.num_steps > (last.num_steps if last else 0):  # a step that ran the model (not idle, not abort-only)
             self.iteration_tokens.observe(stats.last_step_tokens)
+        if self._lora_info is not None:
+            self._lora_info.labels(
+                max_lora=str(self._max_loras),
+                waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+                running_lora_adapters=",".join(stats.running_lora_adapters),
+            ).set_to_current_time()
         self._last_stats = stats
 
     def _observe_drafts(self, stats: EngineStats, last: EngineStats | None) -> None:

@@ -4,7 +4,8 @@ Three corrections. Exact bounds: FastAPI passes every schema through its own Ope
 are floats (the seed's 2**63 - 1 came out as 9.223372036854776e18), so the request models' own JSON schemas
 replace them. Refused values: a field the server knows but cannot honour (OpenAI's `tools`, say) is advertised
 with only the values it accepts (none or empty) instead of everything OpenAI's API would take. And `model`
-(in bodies and in /v1/models/{model_id}) lists the served names, and every response declares its X-Request-Id.
+(in bodies and in /v1/models/{model_id}) lists the served names (the base model's and its LoRA adapters', unless
+adapters come and go while serving), and every response declares its X-Request-Id.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ _REQUEST_ID_HEADER = {
 }
 
 
-def openapi_document(app: FastAPI, request_models: list[type[BaseModel]], model_names: tuple[str, ...]) -> dict:
+def openapi_document(app: FastAPI, request_models: list[type[BaseModel]], model_names: tuple[str, ...] | None) -> dict:
     """The corrected document for `app`, whose request bodies are `request_models` and whose `model` fields take
-    `model_names`."""
+    `model_names` (None: any string, for names that change while serving)."""
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = document["components"]["schemas"]
     for model in request_models:
@@ -66,14 +67,14 @@ def openapi_document(app: FastAPI, request_models: list[type[BaseModel]], model_
     for name, required in REQUIRED.items():
         schemas[name]["required"] = sorted(set(schemas[name].get("required", [])) | set(required))
     for name, schema in schemas.items():
-        if name.endswith("Request") and "model" in schema["properties"]:
+        if model_names is not None and name.endswith("Request") and "model" in schema["properties"]:
             model_field = schema["properties"]["model"]
             names = list(model_names) if "model" in schema.get("required", []) else [*model_names, None]
             schema["properties"]["model"] = {**_annotations(model_field), "enum": names}
     for path in document["paths"].values():
         for operation in path.values():
             for parameter in operation.get("parameters", ()):
-                if parameter["name"] == "model_id":
+                if parameter["name"] == "model_id" and model_names is not None:
                     parameter["schema"] = {**_annotations(parameter["schema"]), "enum": list(model_names)}
             for response in operation["responses"].values():
                 response.setdefault("headers", {}).update(_REQUEST_ID_HEADER)

@@ -6,6 +6,7 @@ under (server/flags.py turns every field into a flag).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +18,43 @@ ToolCallParserName = Literal["auto", "none", "hermes", "llama3_json", "mistral"]
 
 _MODEL = {"group": "model"}
 _SERVER = {"group": "server"}
+_LORA = {"group": "LoRA adapters"}
+"""The help section engine.config.LoRAConfig's flags are listed under."""
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One adapter of --lora-modules: `name=path`, or vLLM's JSON form `{"name", "path", "base_model_name"}`."""
+
+    name: str
+    """What requests send as `model` to use it."""
+    path: str
+    """The directory PEFT saved it in."""
+    base_model_name: str | None = None
+    """The served name /v1/models gives as its `parent`; None: the first served name."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.path:
+            raise ValueError(f"a LoRA module needs a name and a path, got name={self.name!r} path={self.path!r}")
+
+    @classmethod
+    def from_flag(cls, text: str) -> LoRAModule:
+        if not text.lstrip().startswith("{"):
+            name, equals, path = text.partition("=")
+            if not equals:
+                raise ValueError(f"{text!r} is neither name=path nor a JSON object")
+            return cls(name, path)
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{text!r} is not JSON: {error}") from None
+        if not isinstance(values, dict) or set(values) - {"name", "path", "base_model_name"}:
+            raise ValueError(f"{text!r}: the JSON form is an object of name, path and base_model_name")
+        if not all(isinstance(values.get(key, ""), str) for key in ("name", "path")):
+            raise ValueError(f"{text!r}: name and path are strings")
+        if not isinstance(values.get("base_model_name"), str | None):
+            raise ValueError(f"{text!r}: base_model_name is a string")
+        return cls(values.get("name", ""), values.get("path", ""), values.get("base_model_name"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +104,14 @@ class ServerSettings:
     log_format: LogFormat = field(default="text", metadata=_SERVER)
     """`text`: one readable line per record; `json`: one JSON object per line (time, level, logger, message,
     request_id) for log shippers. Either way a request's records carry its X-Request-Id."""
+    lora_modules: tuple[LoRAModule, ...] | None = field(default=None, metadata={**_LORA, "repeatable": True})
+    """LoRA adapters served from the start (with --enable-lora): each `name=path`, or a JSON object `{"name": ...,
+    "path": ..., "base_model_name": ...}` (its `parent` in /v1/models, by default the first served name); several
+    per flag, and the flag may repeat. A request uses one by sending its name as `model`. Each is checked against
+    the model at start-up: one that does not fit stops the server, saying why."""
+    allow_runtime_lora_updating: bool = field(default=False, metadata=_LORA)
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which add and remove adapters while
+    serving (with --enable-lora). Requests already running with an adapter finish with it when it is unloaded."""
 
     def __post_init__(self) -> None:
         if self.request_timeout < 0:
@@ -78,3 +124,7 @@ class ServerSettings:
             raise ValueError(f"sse_ping_interval must be >= 0, got {self.sse_ping_interval}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        names = [module.name for module in self.lora_modules or ()]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"lora_modules: each adapter needs a name of its own, and {', '.join(repeated)} repeat")

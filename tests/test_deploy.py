@@ -473,6 +473,22 @@ def test_inference_pool_routes_to_the_serving_pods_on_ferry_metrics(helm: Module
         assert not routes, "no HTTPRoute without a Gateway to attach it to"
 
 
+def test_the_picker_reads_lora_adapters_where_ferry_serves_them(helm: ModuleType) -> None:
+    """With engine.enableLora the picker scrapes `vllm:lora_requests_info` (Ferry exports it under vLLM's name), and
+    without it nothing."""
+    from engine.core.stats import EngineStats
+    from server.metrics import ServerMetrics
+
+    for enabled, metric_name in ((False, ""), (True, "vllm:lora_requests_info")):
+        docs = render(helm, {"inferencePool": {"enabled": True}, "engine": {"enableLora": enabled}})
+        epp = _named(docs, "Deployment")["demo-ferry-epp"]
+        args = dict(a.split("=", 1) for a in epp["spec"]["template"]["spec"]["containers"][0]["args"])
+        assert args["--lora-info-metric"] == metric_name, enabled
+    metrics = ServerMetrics("m", max_loras=4)
+    metrics.observe_engine_stats(EngineStats(0, 0, 16, 16, 0.0, 0, 0, 0, 0, 0))
+    assert "\nvllm:lora_requests_info{" in metrics.render().decode()
+
+
 # ------------------------------------------------------------------------------------------ Dockerfile
 
 
@@ -643,6 +659,10 @@ CPU_ENGINE_VALUES = {
     "asyncScheduling": True,
     "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3},
     "distributedTimeout": 60,
+    "enableLora": True,
+    "maxLoras": 2,
+    "maxLoraRank": 8,
+    "maxCpuLoras": 4,
 }
 CPU_SERVER_VALUES = {
     "servedModelName": "ferry-deploy-test",

@@ -161,6 +161,9 @@ def _other_value(annotation: Any, default: Any) -> Any:
         return next(choice for choice in reversed(typing.get_args(annotation)) if choice != default)
     value_type = next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
     if typing.get_origin(value_type) is tuple:
+        (item_type, _) = typing.get_args(value_type)
+        if hasattr(item_type, "from_flag"):  # values with a text form of their own (--lora-modules name=path)
+            return (item_type.from_flag("a=/set"), item_type.from_flag('{"name": "b", "path": "/other"}'))
         return ("set", "other")
     if hasattr(value_type, "from_json"):  # an options object: one with a required field set otherwise
         return value_type.from_json('{"method": "suffix", "num_speculative_tokens": 3}')
@@ -177,7 +180,10 @@ def _argv(values: dict[str, Any]) -> list[str]:
         if isinstance(value, bool):
             argv.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
         elif isinstance(value, tuple):
-            argv += [flag_name(name), *value]
+            argv += [
+                flag_name(name),
+                *(json.dumps(dataclasses.asdict(v)) if dataclasses.is_dataclass(v) else v for v in value),
+            ]
         elif dataclasses.is_dataclass(value):
             argv += [flag_name(name), json.dumps(dataclasses.asdict(value))]
         else:

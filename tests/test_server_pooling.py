@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.pooling.config import pooling_config
 from server.client import EngineClient
 from server.lifecycle import Lifecycle
+from server.lora import LoRARegistry
 from server.metrics import ServerMetrics
 from server.openai.errors import APIError
 from server.openai.generation import ServingContext
@@ -432,6 +433,7 @@ def test_a_classifier_of_several_labels_does_not_score(tmp_path: Path) -> None:
         metrics=ServerMetrics("two-labels"),
         lifecycle=lifecycle,
         model_names=("two-labels",),
+        adapters=LoRARegistry(str(directory), 16, ("two-labels",)),
         max_model_len=128,
         request_timeout=None,
         sse_ping=0.0,

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +173,9 @@ def server() -> Iterator[ServerProcess]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+@contextmanager
+def chromium() -> Iterator[Any]:
+    """A headless Chromium driven through Debian's chromedriver, with its console log kept."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -192,6 +194,12 @@ def browser() -> Iterator[Any]:
             yield driver
         finally:
             driver.quit()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with chromium() as driver:
+        yield driver
 
 
 def wait_for(driver: Any, condition: Any, timeout: float = WAIT_SECONDS) -> Any:

@@ -41,7 +41,7 @@ from server.tokens import Tokenizer
 
 async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
-    ctx.check_request(body)
+    lora = ctx.check_request(body)
     tool_use = ctx.tool_use(body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls)
     answer = body.output_constraint()
     constraint = tool_use.constraint(answer) if tool_use else answer
@@ -70,6 +70,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         prediction=None
         if body.prediction is None
         else ctx.tokenizer.encode(body.prediction.text(), add_special_tokens=False),
+        lora=lora,
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))

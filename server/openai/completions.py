@@ -27,7 +27,7 @@ DEFAULT_MAX_TOKENS = 16
 
 async def serve_completion(ctx: ServingContext, body: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
-    ctx.check_request(body)
+    lora = ctx.check_request(body)
     prompts = _prompts(body, ctx.tokenizer)
     echo = _Echo(body, prompts, ctx.tokenizer) if body.echo else None
     generation = await start_generation(
@@ -41,6 +41,7 @@ async def serve_completion(ctx: ServingContext, body: CompletionRequest, request
         param="prompt",
         arrival=arrival,
         constraint=body.vllm_constraint(),
+        lora=lora,
     )
     if body.stream:
         return generation.stream_response(CompletionResponse, _chunk_choices(generation, body, ctx.tokenizer, echo))

@@ -22,10 +22,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.core.driver import EngineRequest
-from engine.core.request import QueueFull, RequestRejected, SamplingParams, StepOutput, StructuredOutput
+from engine.core.request import LoRARequest, QueueFull, RequestRejected, SamplingParams, StepOutput, StructuredOutput
 from engine.pooling.config import PoolingConfig
 from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
 from server.lifecycle import Lifecycle
+from server.lora import LoRARegistry
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
@@ -89,7 +90,9 @@ class ServingContext:
     metrics: ServerMetrics
     lifecycle: Lifecycle
     model_names: tuple[str, ...]
-    """The names clients may send as `model`."""
+    """The base model's names, which clients may send as `model`."""
+    adapters: LoRARegistry
+    """The LoRA adapters served now, whose names clients may send as `model` too."""
     max_model_len: int
     request_timeout: float | None
     sse_ping: float
@@ -135,9 +138,14 @@ class ServingContext:
         """The name responses report (the first served name, as vLLM does)."""
         return self.model_names[0]
 
-    def check_model(self, model: str) -> None:
-        if model not in self.model_names:
+    def check_model(self, model: str) -> LoRARequest | None:
+        """The LoRA adapter `model` names, None for a name of the base model; a 404 for any other name."""
+        if model in self.model_names:
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
             raise APIError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
+        return adapter.request
 
     def check_generates(self, model: str) -> None:
         """Refuse text generation from a model that only pools (the engine would refuse it too, later)."""
@@ -153,10 +161,12 @@ class ServingContext:
             f"The model '{model}' is {what}, and does not generate text.", "model", code="model_does_not_generate"
         )
 
-    def check_request(self, body: GenerationRequest) -> None:
-        """Refuse, before any prompt is built, a request the server cannot take now or cannot honour."""
+    def check_request(self, body: GenerationRequest) -> LoRARequest | None:
+        """Refuse, before any prompt is built, a request the server cannot take now or cannot honour; the LoRA
+        adapter it runs with (None: the base model), looked up once, so that an unload in the meantime cannot
+        turn it into a request for the base."""
         self.lifecycle.check_accepting()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_generates(body.model)
         body.check_supported(self.tokenizer.chat_template_options)
         vocab_size = self.tokenizer.vocab_size
@@ -168,6 +178,7 @@ class ServingContext:
             raise invalid_request(
                 f"Token id {stop_ids[bad]} is outside the vocabulary [0, {vocab_size}).", f"stop_token_ids[{bad}]"
             )
+        return lora
 
 
 class Generation:
@@ -177,6 +188,7 @@ class Generation:
         self,
         ctx: ServingContext,
         response_id: str,
+        model: str,
         prompts: list[list[int]],
         num_choices: int,
         group: RequestGroup,
@@ -188,6 +200,8 @@ class Generation:
     ) -> None:
         self.ctx = ctx
         self.id = response_id
+        self.model = model
+        """The name the response reports: the LoRA adapter's, or the base model's first served name (as vLLM)."""
         self.created = int(time.time())
         self.prompts = prompts
         self.num_choices = num_choices
@@ -267,7 +281,7 @@ class Generation:
 
     def _envelope(self, response_type: type[BaseModel], choices: Sequence[BaseModel], usage: Usage | None) -> BaseModel:
         """A response or chunk object: the fields every one of them repeats around its choices."""
-        return response_type(id=self.id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage)
+        return response_type(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     async def json_response(
         self, request: Request, response_type: type[BaseModel], final_choice: Callable[[ChoiceState], BaseModel]
@@ -357,13 +371,15 @@ async def start_generation(
     tool_reader: Callable[[], ToolCallReader] | None = None,
     reasoning_splitter: Callable[[], ReasoningSplitter] | None = None,
     prediction: list[int] | None = None,
+    lora: LoRARequest | None = None,
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
     `param` names the request field the prompts came from, for length errors; `max_tokens` None means up to
     the context length. `constraint` is enforced on every choice; `reasoning_splitter` makes each choice's splitter
     of reasoning from answer, `tool_reader` its reader of tool calls (None: no such stage). `prediction`: the
-    tokens every choice's answer is predicted to be (Predicted Outputs).
+    tokens every choice's answer is predicted to be (Predicted Outputs). `lora`: the adapter every choice runs with
+    (check_request's answer).
     """
     structured_output = None
     if constraint is not None:
@@ -384,7 +400,12 @@ async def start_generation(
             )
             requests.append(
                 EngineRequest(
-                    f"{response_id}-{p}-{i}", prompt, params, body.priority, prediction=tuple(prediction or ())
+                    f"{response_id}-{p}-{i}",
+                    prompt,
+                    params,
+                    body.priority,
+                    prediction=tuple(prediction or ()),
+                    lora=lora,
                 )
             )
             choices.append(
@@ -405,6 +426,7 @@ async def start_generation(
     generation = Generation(
         ctx,
         response_id,
+        ctx.model_name if lora is None else lora.name,
         prompts,
         n,
         group,

@@ -40,8 +40,13 @@ def pooling_model(ctx: ServingContext, model: str | None, endpoint: Endpoint) ->
     """What the model pools, once the server accepts work, `model` (when given) is served, and the model can
     answer `endpoint`: embeddings need an embedding model, rerank and score a model with one score per pair."""
     ctx.lifecycle.check_accepting()
-    if model is not None:
-        ctx.check_model(model)
+    if model is not None and ctx.check_model(model) is not None:
+        raise invalid_request(
+            f"The model '{model}' is a LoRA adapter: adapters generate text (chat, completions, responses) and make "
+            f"no embeddings or relevance scores for {endpoint}; send the base model's name, '{ctx.model_name}'.",
+            "model",
+            code="model_does_not_pool",
+        )
     name = model or ctx.model_name
     pooling = ctx.pooling
     if pooling is None:

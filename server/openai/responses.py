@@ -56,7 +56,7 @@ Event = dict[str, Any]
 
 async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: Request) -> Response:
     arrival = time.monotonic()
-    ctx.check_request(body)
+    lora = ctx.check_request(body)
     tool_use = ctx.tool_use(
         body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, parameters_field="parameters"
     )
@@ -86,8 +86,9 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         constraint=constraint,
         reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
         tool_reader=tool_use.reader_factory() if tool_use else None,
+        lora=lora,
     )
-    assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, ctx.model_name))
+    assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, generation.model))
     if body.stream:
         return generation.event_stream(_stream(generation, assembler), lambda error: _frames(assembler.fail(error)))
 

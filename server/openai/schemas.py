@@ -734,6 +734,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "ferry"
+    root: str | None = None
+    """A LoRA adapter's directory (the field is absent for the base model)."""
+    parent: str | None = None
+    """The served model a LoRA adapter adapts (absent for the base model)."""
     max_model_len: int
     tensor_parallel_size: int | None = None
     """Ranks the model is sharded over, when it is (the field is absent for a model on one device)."""

@@ -44,9 +44,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/*
 A map of flag values as `ferry serve` arguments, one YAML list item each: null is skipped (the server's
-default applies), true/false become --flag/--no-flag, anything else --flag=value. Whole numbers are
-printed as integers: Helm reads every YAML number as a float, and 10485760 would otherwise print as
-1.048576e+07.
+default applies), true/false become --flag/--no-flag, a list one --flag=item per item (the repeatable flags:
+--lora-modules), a map --flag=its JSON, anything else --flag=value. Whole numbers are printed as integers: Helm
+reads every YAML number as a float, and 10485760 would otherwise print as 1.048576e+07.
 */}}
 {{- define "ferry.flags" -}}
 {{- range $key, $value := . }}
@@ -58,6 +58,10 @@ printed as integers: Helm reads every YAML number as a float, and 10485760 would
 - {{ printf "--%s=%d" $flag (int64 $value) | quote }}
 {{- else if kindIs "map" $value }}
 - {{ printf "--%s=%s" $flag (toJson $value) | quote }}
+{{- else if kindIs "slice" $value }}
+{{- range $value }}
+- {{ printf "--%s=%s" $flag (ternary (toJson .) (toString .) (kindIs "map" .)) | quote }}
+{{- end }}
 {{- else }}
 - {{ printf "--%s=%v" $flag $value | quote }}
 {{- end }}

@@ -2,6 +2,8 @@
 // URLs are relative, so the page also works behind a proxy that serves Ferry under a path prefix.
 //
 // Everything the model says reaches the page through FerryMarkdown.render or textContent, never innerHTML.
+// The model picker lists the base model and its LoRA adapters (the cards of /v1/models with a `parent`), read
+// again whenever it is opened, so adapters loaded while serving show up.
 // With `ferry serve --api-key`, /v1/* answers 401 until the page sends the key: the page asks for it once,
 // keeps it in sessionStorage (this tab only) and sends it as `Authorization: Bearer`.
 "use strict";
@@ -11,7 +13,7 @@ const FerryChat = (() => {
   const $ = (id) => document.getElementById(id);
 
   const state = {
-    model: null,
+    model: null, // what requests send as `model`: the base model's name or an adapter's
     history: [], // {role, content, node}: what the next request sends (node: its <article>)
     controller: null, // the AbortController of the answer being streamed, if any
   };
@@ -125,8 +127,7 @@ const FerryChat = (() => {
     }
     const models = await response.json();
     const card = models.data[0];
-    state.model = card.id;
-    $("model-name").textContent = card.id;
+    showModels(models.data);
     if (card.max_model_len) {
       $("max-tokens").max = card.max_model_len;
       $("model-name").title = `Served model · context ${card.max_model_len} tokens`;
@@ -143,6 +144,40 @@ const FerryChat = (() => {
     }
     setReady(true);
     $("prompt").focus();
+  }
+
+  // The picker's choices: the base model under its first name (the others are aliases) and every LoRA adapter,
+  // keeping the current choice while it is still served; shown only when there is a choice.
+  function showModels(cards) {
+    const select = $("model-select");
+    const choices = [cards[0], ...cards.filter((card) => card.parent)];
+    const current = state.model;
+    select.replaceChildren(
+      ...choices.map((card) => {
+        const option = document.createElement("option");
+        option.value = card.id;
+        option.textContent = card.parent ? `${card.id} (LoRA adapter of ${card.parent})` : card.id;
+        return option;
+      }),
+    );
+    if (choices.some((card) => card.id === current)) select.value = current;
+    $("model-picker").hidden = choices.length < 2;
+    chooseModel();
+  }
+
+  function chooseModel() {
+    state.model = $("model-select").value;
+    $("model-name").textContent = state.model;
+  }
+
+  // Adapters come and go while serving: the list is read again as the picker opens.
+  async function refreshModels() {
+    try {
+      const response = await fetch("v1/models", { headers: authHeaders() });
+      if (response.ok) showModels((await response.json()).data);
+    } catch {
+      // unreachable for now: keep the list as it is
+    }
   }
 
   const POOLING_TASKS = {
@@ -456,6 +491,8 @@ const FerryChat = (() => {
     $("clear").addEventListener("click", onClear);
     $("key-form").addEventListener("submit", onKeySubmit);
     $("key-button").addEventListener("click", () => askForKey(""));
+    $("model-select").addEventListener("change", chooseModel);
+    $("model-select").addEventListener("focus", refreshModels);
     const temperature = $("temperature");
     const shown = () => ($("temperature-value").textContent = parseFloat(temperature.value).toFixed(2));
     temperature.addEventListener("input", shown);
