@@ -9,7 +9,9 @@ scheduler's max_loras, tensor parallelism, async scheduling, structured output a
 
 from __future__ import annotations
 
+import functools
 import json
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, StructuredOutput, generate_batch
 from engine.config import EngineStartupError, ModelConfig
 from engine.core.request import LoRARequest, RequestRejected
+from engine.execution.cuda_graphs import StepFn, graph_sizes, max_graph_size
 from engine.kernels.library import cpu_kernels_available
 from engine.layers.linear import ColumnParallelLinear
 from engine.layers.linear_method import UnquantizedLinearMethod
@@ -33,6 +36,7 @@ from engine.quantization import quantized_linear_method
 from tests.lora_adapters import ADAPTER_SPECS, build_adapter_dir, build_adapters, peft_model
 from tests.model_factory import build_model_dir
 from tests.quantized_reference import check_against, prompts_for, reference_model, tolerance_of
+from tests.test_cpu_attention import needs_kernel
 from tests.test_engine_equivalence import LOGPROB_TOLERANCE
 from tests.test_scheduler import make_request, make_scheduler, sample
 
@@ -246,8 +250,26 @@ def test_the_engine_refuses_what_it_cannot_run(
         assert refused.value.code == "invalid_lora"
     with pytest.raises(EngineStartupError, match="transformers fallback"):
         EngineCore(EngineConfig.of(model=str(model_dir("gpt2")), enable_lora=True))
-    with pytest.raises(EngineStartupError, match="--compile"):
-        EngineCore(EngineConfig.of(model=str(base), enable_lora=True, compile="piecewise"))
+
+
+@pytest.mark.parametrize("level", ["piecewise", "full"])
+def test_compiled_layers_add_the_adapters_products(
+    base: Path, adapters: dict[str, Path], level: str, compiling: None
+) -> None:
+    """Under --compile the products are one opaque op that reads the step's adapters: the warm-up's graphs (compiled
+    without adapters) serve the base and every adapter, mixed, with no recompiling."""
+    from torch._dynamo.utils import counters
+
+    names: list[str | None] = [None, "all-r16", "mlp-r4", "ko-r6"]
+    prompts = [[9, 31, 4, 250, 17, 60 + i] for i in range(len(names))]
+    config = EngineConfig.of(model=str(base), enable_lora=True, max_loras=4, compile=level, debug_checks=True)
+    with EngineCore(config) as engine:
+        warmed_up = counters["stats"]["unique_graphs"]
+        out = generate_batch(prompts, params=SamplingParams(max_new_tokens=MAX_NEW), engine=engine,
+                             loras=[None if n is None else lora_request(adapters, n) for n in names])  # fmt: skip
+        assert counters["stats"]["unique_graphs"] == warmed_up, "a step with adapters recompiled"
+    for i, name in enumerate(names):
+        assert out[f"req_{i}"].generated_ids == reference(base, adapters, name, prompts[i])[0], name
 
 
 def test_async_scheduling_structured_output_and_logprobs_run_per_adapter(base: Path, adapters: dict[str, Path]) -> None:
@@ -267,6 +289,49 @@ def test_async_scheduling_structured_output_and_logprobs_run_per_adapter(base: P
     assert sync["req_0"].generated_ids == planned_ahead["req_0"].generated_ids
     assert sync["req_0"].generated_ids == reference(base, adapters, "attn-r8", prompt)[0]
     assert sync["req_1"].generated_ids == planned_ahead["req_1"].generated_ids
+
+
+class _CaptureCounts:
+    """A capture strategy for CPU: each captured forward (PaddedDecode's partial of its size and whether it is the
+    adapted one) runs as it is, its steps counted."""
+
+    def __init__(self) -> None:
+        self.replays: Counter[tuple[int, bool]] = Counter()
+
+    def __call__(self, forward: StepFn) -> StepFn:
+        assert isinstance(forward, functools.partial)
+        size, adapted = forward.args
+
+        def step() -> torch.Tensor:
+            self.replays[size, adapted] += 1
+            return forward()
+
+        return step
+
+
+@needs_kernel
+def test_decode_steps_with_adapters_replay_graphs_of_their_own(base: Path, adapters: dict[str, Path]) -> None:
+    """With decode graphs every decode step replays its size's graph: the base one without adapters, the adapted
+    one (every slot's product, static slot and scaling buffers) with them, and each request equals PEFT's."""
+    names: list[str | None] = [None, "attn-r8", "mlp-r4", "qv-r16-rslora", "ko-r6"]
+    prompt = [5, 77, 12, 301, 44, 9, 160]
+    config = EngineConfig.of(model=str(base), enable_lora=True, max_loras=4, attention_backend="cpu", page_size=4,
+                             max_num_seqs=8, debug_checks=True)  # fmt: skip
+    capture = _CaptureCounts()
+    with EngineCore(config) as engine:
+        engine.runner.use_decode_graphs(graph_sizes(max_graph_size(config)), capture)
+        alone = generate_batch([prompt], params=SamplingParams(max_new_tokens=MAX_NEW), engine=engine)
+        mixed = generate_batch([prompt] * len(names), params=SamplingParams(max_new_tokens=MAX_NEW), engine=engine,
+                               loras=[None if n is None else lora_request(adapters, n) for n in names])  # fmt: skip
+        assert engine.is_idle_and_clean()
+    assert alone["req_0"].generated_ids == reference(base, adapters, None, prompt)[0]
+    for i, name in enumerate(names):
+        assert mixed[f"req_{i}"].generated_ids == reference(base, adapters, name, prompt)[0], name
+    base_replays = sum(n for (_, adapted), n in capture.replays.items() if not adapted)
+    adapted_replays = sum(n for (_, adapted), n in capture.replays.items() if adapted)
+    assert base_replays >= MAX_NEW - 1, "the base request alone decodes through the base graphs"
+    assert adapted_replays >= MAX_NEW - 1, "the mixed batch decodes through the adapted graphs"
+    assert {size for size, adapted in capture.replays if adapted} == {8}, "five sequences padded to 8"
 
 
 def test_tensor_parallel_ranks_shard_the_adapters_as_their_layers(base: Path, adapters: dict[str, Path]) -> None:

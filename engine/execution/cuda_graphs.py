@@ -24,13 +24,17 @@ capture), the attention backend is `capturable` (reads only the step's device te
 here) and `--enforce-eager` is off; `--compile` is CPU-only, so graphs always capture the eager modules.
 Otherwise every step runs eagerly, and the start-up log says why once.
 
+With LoRA adapters (--enable-lora) each size has a second graph, with every adapter slot's product in it
+(engine/execution/graph_inputs.py): a decode step with adapters replays that one, a step without them the base
+model's.
+
 Steps with a prefill chunk run eagerly: whether prefill steps would gain from graphs of their own token counts is
 for a GPU measurement to decide (the offline benchmark in scripts/gpu_bench.sh, graphs on against --enforce-eager,
 with the Triton backend, the capturable one on CUDA: torch and flash are not), and is not built. A prefill step's large
 matmuls keep the GPU busy, so launch overhead matters far less there than in a decode step.
 
-Memory: engine/execution/memory.py captures the largest size once before the KV budget is set, and counts its pool (plus
-the smaller graphs' outputs) against the budget like the activations.
+Memory: engine/execution/memory.py captures the largest size once (both of its graphs, with adapters) before the KV
+budget is set, and counts its pool (plus the smaller graphs' outputs) against the budget like the activations.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ own host rows and never touches what a replay reads. A step of n sequences padde
     rows [n, s)     padding: token 0 at position 0 of a one-token sequence whose page table and slot are its
                     group's scratch page
 
+With LoRA adapters (--enable-lora) each size is captured twice: the base model's forward, and the adapted one,
+which reads each row's adapter slot (-1 on padding rows and base rows) and the slots' scalings from static buffers
+of their own and computes every slot's product (`LoRABatch.num_slots` is all of them: which slots a step uses
+varies, a graph's shapes cannot). A step without adapters replays the base graph and pays nothing for them.
+
 Which steps replay, the sizes and the capture strategies are engine/execution/cuda_graphs.py's.
 """
 
@@ -23,15 +28,37 @@ import torch
 from engine.attention import AttentionBackend, StepMetadata
 from engine.execution.cuda_graphs import Capture, StepFn
 from engine.execution.input_batch import InputBatch, PackedStep, StepBuffers
+from engine.lora.batch import LoRABatch
 
-ModelForward = Callable[[torch.Tensor, list[StepMetadata]], torch.Tensor]
-"""The model over token ids and each KV-cache group's metadata, inside the step context: [tokens, hidden]."""
+ModelForward = Callable[[torch.Tensor, list[StepMetadata], LoRABatch | None], torch.Tensor]
+"""The model over token ids and each KV-cache group's metadata, with the step's LoRA batch, inside the step context:
+[tokens, hidden]."""
+
+
+class StaticAdapters:
+    """The adapted graphs' LoRA inputs: each row's slot and each slot's scaling, on the device, written by `load`."""
+
+    def __init__(self, rows: int, num_slots: int, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.scalings = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.rank, self.dtype = rank, dtype
+
+    def batch(self, size: int) -> LoRABatch:
+        """The LoRA batch a graph of `size` rows captures: views of the static buffers, every slot in it."""
+        return LoRABatch(self.scalings.shape[0], self.slots[:size], self.scalings, self.rank, self.dtype)
+
+    def load(self, lora: LoRABatch, size: int) -> None:
+        """The step's slots (its rows first, then -1 for padding up to `size`) and scalings, in place."""
+        n = lora.slots.shape[0]
+        self.slots[:n].copy_(lora.slots, non_blocking=True)
+        self.slots[n:size].fill_(-1)
+        self.scalings[: lora.num_slots].copy_(lora.scalings, non_blocking=True)
 
 
 class PaddedDecode:
     """Decode steps of up to `sizes[-1]` sequences, padded to the next of `sizes` (ascending), each size's forward
     captured at construction, largest first, over a step of padding rows only (what the static buffers hold until
-    a step overwrites them)."""
+    a step overwrites them); with `adapters`, each size's adapted forward too."""
 
     def __init__(
         self,
@@ -42,6 +69,7 @@ class PaddedDecode:
         backend: AttentionBackend,
         scratch_pages: list[int],
         max_rows: int,
+        adapters: StaticAdapters | None = None,
     ) -> None:
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > max_rows:
             raise ValueError(f"graph sizes must ascend from 1 up to {max_rows}, got {sizes}")
@@ -50,6 +78,7 @@ class PaddedDecode:
         self._backend = backend
         self._forward = forward
         self._scratch_pages = scratch_pages
+        self._adapters = adapters
         largest = sizes[-1]
         staging = batch.buffers[0]
         self._static = {
@@ -63,10 +92,13 @@ class PaddedDecode:
         self._write_padding(staging.np, 0, largest)
         self.load(staging, largest)
         self._metas: dict[int, list[StepMetadata]] = {}
-        self._steps: dict[int, StepFn] = {}
+        self._steps: dict[tuple[int, bool], StepFn] = {}
+        """Each (size, adapted) forward as captured."""
         for size in reversed(sizes):
             self._metas[size] = self._static_metas(size)
-            self._steps[size] = capture(functools.partial(self._padded_forward, size))
+            self._steps[size, False] = capture(functools.partial(self._padded_forward, size, False))
+            if adapters is not None:
+                self._steps[size, True] = capture(functools.partial(self._padded_forward, size, True))
 
     def prepare(self, packed: PackedStep, size: int) -> tuple[torch.Tensor, list[StepMetadata]]:
         """The decode step whose host rows the input batch packed, completed with padding rows up to `size`: the
@@ -81,17 +113,23 @@ class PaddedDecode:
             self._batch.write_tables(host, g, packed.seq_rows, widest, np.arange(num_seqs), positions)
         return self._static["input_ids"][:size], self._metas[size]
 
-    def load(self, buffers: StepBuffers, size: int) -> None:
+    def load(self, buffers: StepBuffers, size: int, lora: LoRABatch | None = None) -> None:
         """The first `size` rows of every graph input, from `buffers`' host rows into the static device buffers (in
-        place: the graphs read these addresses). On CUDA the copies queue behind the step before on the stream."""
+        place: the graphs read these addresses), and the step's LoRA batch into the adapted graphs' inputs. On CUDA
+        the copies queue behind the step before on the stream."""
         rows = {name: size for name in self._static}
         rows["query_start_loc"] = size + 1
         for name, n in rows.items():
             self._static[name][:n].copy_(buffers.host[name][:n], non_blocking=True)
+        if lora is not None:
+            if self._adapters is None:
+                raise RuntimeError("a step with LoRA adapters, yet the decode graphs were captured without them")
+            self._adapters.load(lora, size)
 
-    def replay(self, size: int) -> torch.Tensor:
-        """What the capture made of the padded forward of `size` (on CUDA its graph's replay): [size, hidden]."""
-        return self._steps[size]()
+    def replay(self, size: int, adapted: bool = False) -> torch.Tensor:
+        """What the capture made of the padded forward of `size` (on CUDA its graph's replay), the adapted one for a
+        step with LoRA adapters: [size, hidden]."""
+        return self._steps[size, adapted]()
 
     def _write_padding(self, host: dict[str, np.ndarray], first: int, size: int) -> None:
         """Host rows [first, size) become padding rows (row i is token i and sequence i alike)."""
@@ -129,11 +167,13 @@ class PaddedDecode:
         ]
 
     @torch.inference_mode()
-    def _padded_forward(self, size: int) -> torch.Tensor:
-        """The model over the static buffers' first `size` rows, up to the final norm: [size, hidden]. The
-        backend's `prepare` runs inside, so what it derives on the device is derived again by every replay."""
+    def _padded_forward(self, size: int, adapted: bool) -> torch.Tensor:
+        """The model over the static buffers' first `size` rows, up to the final norm, with the static adapters
+        when `adapted`: [size, hidden]. The backend's `prepare` runs inside, so what it derives on the device is
+        derived again by every replay (and so is the adapters' mask, `LoRABatch.mask`)."""
         metas = self._metas[size]
         for meta in metas:
             meta.backend_state.clear()
             self._backend.prepare(meta)
-        return self._forward(self._static["input_ids"][:size], metas)
+        lora = self._adapters.batch(size) if adapted and self._adapters is not None else None
+        return self._forward(self._static["input_ids"][:size], metas, lora)

@@ -84,11 +84,15 @@ def gpu_kv_budget_bytes(
     return free * max_memory_percent - activation_bytes - graph_bytes - scratch_bytes
 
 
-def decode_graphs_estimate(largest_pool_bytes: int, sizes: tuple[int, ...], output_row_bytes: int) -> int:
+def decode_graphs_estimate(
+    largest_pool_bytes: int, sizes: tuple[int, ...], output_row_bytes: int, graphs_per_size: int = 1
+) -> int:
     """The memory all decode graphs hold, from what capturing the largest size alone reserved: the smaller graphs
     reuse the blocks it freed in the shared pool, but each keeps its output ([size, hidden], rounded up to the
-    allocator's 512-byte blocks) allocated there."""
-    return largest_pool_bytes + sum(-(-size * output_row_bytes // 512) * 512 for size in sizes[:-1])
+    allocator's 512-byte blocks) allocated there; `graphs_per_size`: 2 with LoRA adapters (a base and an adapted
+    graph of each size)."""
+    outputs = sum(-(-size * output_row_bytes // 512) * 512 for size in sizes[:-1])
+    return largest_pool_bytes + graphs_per_size * outputs
 
 
 def decode_graph_bytes(config: EngineConfig, loaded: LoadedModel, layouts: list[GroupLayout]) -> int:
@@ -101,7 +105,7 @@ def decode_graph_bytes(config: EngineConfig, loaded: LoadedModel, layouts: list[
     gc.collect()
     torch.cuda.empty_cache()
     row = loaded.hf_config.hidden_size * torch.empty((), dtype=loaded.dtype).element_size()
-    return decode_graphs_estimate(largest, sizes, row)
+    return decode_graphs_estimate(largest, sizes, row, graphs_per_size=2 if config.lora.enable_lora else 1)
 
 
 def largest_step_lengths(max_batch_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:

@@ -15,7 +15,7 @@ token step N samples) is filled in by `run`, just before the token ids go to the
 With decode graphs (engine/execution/cuda_graphs.py, `use_decode_graphs`) a step whose every sequence computes one
 token is padded to a graph size instead (engine/execution/graph_inputs.py): its rows, then padding rows on the
 scratch pages, in its host buffers; `run` copies them into the graphs' static inputs and replays the captured graph
-of that size.
+of that size (with LoRA adapters in the step, that size's adapted graph).
 
 A constrained sequence (structured output) also keeps its grammar state, which advances with every token sampled
 for it; the step's constrained rows get one grammar mask that the sampler applies (engine/sampling/token_masks.py).
@@ -40,7 +40,7 @@ from engine.core.step import PLACEHOLDER, ModelRunnerOutput, NewRequest, Schedul
 from engine.core.structured import GrammarCompiler
 from engine.execution.cpu_threads import step_threads
 from engine.execution.cuda_graphs import Capture, decode_graph_size
-from engine.execution.graph_inputs import PaddedDecode
+from engine.execution.graph_inputs import PaddedDecode, StaticAdapters
 from engine.execution.input_batch import InputBatch, PackedStep, PoolingRows, SequenceState, StepInputs
 from engine.execution.kv_caches import allocate_kv_caches, kv_cache_dtype, paged_specs
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
@@ -255,7 +255,7 @@ class ModelRunner:
         if inputs.graph_size is None:
             inputs.buffers.to_device("input_ids", len(inputs.input_ids))
         else:
-            self._padded().load(inputs.buffers, inputs.graph_size)
+            self._padded().load(inputs.buffers, inputs.graph_size, inputs.lora)
 
     def with_sampled_tokens(self, plan: SchedulerOutput) -> SchedulerOutput:
         """The plan with each PLACEHOLDER replaced by the token this runner sampled for its request: what the
@@ -296,11 +296,11 @@ class ModelRunner:
             noncausal = step_spans([seq.noncausal_spans for seq in packed.seqs], starts, packed.seq_lens)
         pooling = self._pooling_rows(plan, packed, first_other + len(targets)) if self.batch.num_pooling else []
         num_logits = first_other + len(targets) + sum(rows.logits_row is not None for rows in pooling)
-        # A graph's static metadata has no spans, and its forward pass returns no hidden states to pool nor
-        # adds LoRA products: such a step runs eagerly.
+        # A graph's static metadata has no spans, and its forward pass returns no hidden states to pool: such a
+        # step runs eagerly.
         graph_size = (
             decode_graph_size(self.graph_sizes, len(packed.seqs), packed.max_query_len)
-            if noncausal is None and not pooling and lora is None
+            if noncausal is None and not pooling
             else None
         )
         if graph_size is None:
@@ -415,8 +415,19 @@ class ModelRunner:
         engine/execution/cuda_graphs.py). Called before the first step (engine/execution/graph_inputs.py)."""
         if self.batch.seqs:
             raise RuntimeError("decode graphs are set up before the first step")
+        lora = self.lora
+        adapters = (
+            None if lora is None else StaticAdapters(sizes[-1], lora.num_slots, lora.rank, lora.dtype, self.device)
+        )
         self.padded_decode = PaddedDecode(
-            sizes, capture, self._model_forward, self.batch, self.backend, self.scratch_pages, self._max_rows
+            sizes,
+            capture,
+            lambda ids, metas, batch: self._model_forward(ids, metas, lora=batch),
+            self.batch,
+            self.backend,
+            self.scratch_pages,
+            self._max_rows,
+            adapters,
         )
 
     def _padded(self) -> PaddedDecode:
@@ -443,7 +454,7 @@ class ModelRunner:
             assert self.lora is not None
             self.lora.load(inputs.lora_loads)
         if inputs.graph_size is not None:
-            hidden = self._padded().replay(inputs.graph_size)
+            hidden = self._padded().replay(inputs.graph_size, adapted=inputs.lora is not None)
         else:
             hidden = self._model_forward(inputs.input_ids, inputs.metas, inputs.token_type_ids, inputs.lora)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])

@@ -50,6 +50,9 @@ class AdapterSlots(Protocol):
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         """out += the low-rank products of x of the step's tokens' adapters."""
 
+    def add_in_graph(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """`add` inside a compiled graph, which reads the step's batch as it runs."""
+
 
 def _divide(total: int, size: int, what: str) -> int:
     if total % size:
@@ -86,7 +89,11 @@ class LinearBase(nn.Module):
 
     def _with_adapters(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` plus the step's LoRA products of `x`, for a layer with adapter slots in a step with adapters."""
-        if self.lora is not None and (batch := step_lora()) is not None:
+        if self.lora is None:
+            return out
+        if torch.compiler.is_compiling():
+            self.lora.add_in_graph(x, out)
+        elif (batch := step_lora()) is not None:
             self.lora.add(x, out, batch)
         return out
 

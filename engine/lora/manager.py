@@ -113,6 +113,10 @@ class LoRAManager:
         self._scalings = np.zeros(config.max_loras, dtype=np.float32)
         self._clock = 0
 
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
     def _read(self, lora: LoRARequest) -> LoadedAdapter:
         spec = read_adapter(lora.path, self._hf_config, self.rank)
         tensors = load_file(spec.weights_file)
@@ -190,8 +194,6 @@ def lora_manager(config: EngineConfig, model: nn.Module, hf_config: object, dtyp
             f"--enable-lora runs on the natively implemented families ({', '.join(sorted(NATIVE_MODELS))}); this "
             f"model runs on the transformers fallback"
         )
-    if config.execution.compile != "none":
-        raise EngineStartupError("--enable-lora runs eagerly: drop --compile")
     device = next(model.buffers()).device
     return LoRAManager(config.lora, targets(), hf_config, device, dtype)
 

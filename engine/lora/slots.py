@@ -24,6 +24,11 @@ token's scaling in its slot's columns, zeros elsewhere):
     out[:, part] += s @ bt[: k * rank]
 
 A step with no adapter has no batch (`LoRABatch` None) and the layers skip all of it.
+
+Under `torch.compile` (engine/execution/compile.py) a layer's products are the opaque op `ferry::lora_add`, which
+reads the step's batch from the step context itself, as `ferry::layer_attention` reads its metadata: a compiled
+layer cannot branch on the step's adapters, so it calls the op in every step, and without adapters the op returns
+at once.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.context import step_lora
 from engine.kernels.library import cpu_kernels_take
 from engine.layers.linear import LinearBase, ShardId
 from engine.lora.batch import LoRABatch
@@ -45,6 +51,56 @@ class _Part:
     size: int
     a: torch.Tensor  # [slots * rank, in]
     bt: torch.Tensor  # [slots * rank, size]
+
+
+def _add_in_step(
+    out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], offsets: list[int], rank: int
+) -> None:
+    """`ferry::lora_add`: out += the step's adapter products of x over the parts whose slots are `weights` (a, bt
+    of each part in turn) at output `offsets`."""
+    batch = step_lora()
+    if batch is None:
+        return
+    for (a, bt), offset in zip(zip(weights[::2], weights[1::2], strict=True), offsets, strict=True):
+        _add_part(x, out, a, bt, offset, rank, batch)
+
+
+_LIBRARY = torch.library.Library("ferry", "FRAGMENT")
+_LIBRARY.define("lora_add(Tensor(a!) out, Tensor x, Tensor[] weights, int[] offsets, int rank) -> ()")
+_LIBRARY.impl("lora_add", _add_in_step, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ferry::lora_add", lib=_LIBRARY)
+def _(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], offsets: list[int], rank: int) -> None:
+    return None
+
+
+def _add_part(
+    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
+) -> None:
+    """out[:, offset : offset + size] += each token's product of one part (`a`, `bt`: its slots)."""
+    if cpu_kernels_take(x):
+        _add_per_token(x, out, a, bt, offset, rank, batch)
+    else:
+        _add_masked(x, out, a, bt, offset, rank, batch)
+
+
+def _add_per_token(
+    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
+) -> None:
+    """`_add_part` on the CPU kernel: each token against its own slot."""
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    torch.ops.ferry_kernels.lora_add(out, rows, a, bt, batch.slots, batch.scalings, offset, rank)
+
+
+def _add_masked(
+    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
+) -> None:
+    """`_add_part` on torch's matmuls: every token against every slot in use, the others' products masked out."""
+    columns = batch.num_slots * rank
+    shrunk = torch.mm(x, a[:columns].t())  # [T, columns]
+    shrunk.mul_(batch.mask)
+    out.narrow(-1, offset, bt.shape[1]).addmm_(shrunk, bt[:columns])
 
 
 class LoRALayer:
@@ -89,23 +145,22 @@ class LoRALayer:
             part.bt[slot * self.rank : slot * self.rank + r].copy_(b.t())
 
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
-        """out `[T, out]` += each token's adapter's low-rank product of x `[T, in]` (this rank's part of it)."""
-        if cpu_kernels_take(x):
-            self.add_per_token(x, out, batch)
-        else:
-            self.add_masked(x, out, batch)
+        """out `[T, out]` += each token's adapter's low-rank product of x `[T, in]` (this rank's part of it): on the
+        CPU kernel each token against its own slot, on torch's matmuls every token against every slot in use."""
+        for part in self.parts.values():
+            _add_part(x, out, part.a, part.bt, part.offset, self.rank, batch)
 
     def add_per_token(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
-        """`add` on the CPU kernel: each token against its own slot."""
-        rows = x if x.stride(-1) == 1 else x.contiguous()
+        """`add` on the CPU kernel, whatever x is (the tests compare the two ways)."""
         for part in self.parts.values():
-            torch.ops.ferry_kernels.lora_add(out, rows, part.a, part.bt, batch.slots, batch.scalings, part.offset,
-                                             self.rank)  # fmt: skip
+            _add_per_token(x, out, part.a, part.bt, part.offset, self.rank, batch)
 
     def add_masked(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
-        """`add` on torch's matmuls: every token against every slot in use, the others' products masked out."""
-        columns = batch.num_slots * self.rank
+        """`add` on torch's matmuls, whatever x is."""
         for part in self.parts.values():
-            shrunk = torch.mm(x, part.a[:columns].t())  # [T, columns]
-            shrunk.mul_(batch.mask)
-            out.narrow(-1, part.offset, part.size).addmm_(shrunk, part.bt[:columns])
+            _add_masked(x, out, part.a, part.bt, part.offset, self.rank, batch)
+
+    def add_in_graph(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """`add` inside a compiled graph: the op that adds the step's products, if the step has adapters."""
+        weights = [t for part in self.parts.values() for t in (part.a, part.bt)]
+        torch.ops.ferry.lora_add(out, x, weights, [part.offset for part in self.parts.values()], self.rank)
