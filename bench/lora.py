@@ -10,7 +10,7 @@ round, so that this machine's drift does not decide a ratio.
   `num_requests` prompts of random token ids, greedy with a fixed output length;
 - serve: one `ferry serve --enable-lora --lora-modules ...`, a closed loop of `concurrency` clients streaming
   completions whose `model` names the adapter (or the base). With `vllm_python`, the same against `vllm serve` with
-  the same adapters.
+  the same adapters. A named config's directory gets a tokenizer of token-id words (`x<id>`) first.
 
 Prompts are drawn afresh for every run, so no run finds another's pages in the prefix cache.
 """
@@ -201,10 +201,24 @@ def run_lora(options: LoRABenchOptions) -> dict[str, Any]:
     if "offline" in options.modes:
         rows += _offline(options, path, adapters, vocab)
     if "serve" in options.modes:
+        if not (path / "tokenizer.json").is_file():
+            _token_id_tokenizer(vocab).save_pretrained(path)
         rows += _serve(options, path, adapters, vocab, "ferry")
         if options.vllm_python is not None:
             rows += _serve(options, path, adapters, vocab, "vllm")
     return {"stamp": stamp(), "options": {k: str(v) for k, v in options.__dict__.items()}, "rows": rows}
+
+
+def _token_id_tokenizer(vocab_size: int) -> Any:
+    """A tokenizer for a named config's random weights, which come without one: the word `x<id>` is token `id`, so
+    the servers take the workload's token ids as they are (they check each id against the tokenizer's vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = f"x{vocab_size - 1}"
+    tokenizer = Tokenizer(models.WordLevel({f"x{i}": i for i in range(vocab_size)}, unk_token=eos))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token=eos)
 
 
 def format_lora(report: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import TorchPagedBackend
 from engine.attention.flash import FlashBackend, flash_available
 from engine.core.observer import StepRecord
+from engine.core.request import LoRARequest
 from engine.execution.cuda_graphs import graph_sizes, max_graph_size
 from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import decode_graph_bytes
@@ -197,6 +198,38 @@ def test_cuda_graphs_replay_the_eager_tokens(model_dir: Callable[[str], Path]) -
     assert report.seconds < 30
     assert 0 < report.pool_bytes <= 1.5 * estimate + 64 * 2**20, (report.pool_bytes, estimate)
     assert _greedy(engine) == expected
+
+
+def test_lora_adapters_through_cuda_graphs_equal_peft(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """Four adapters and the base mixed (torch's masked matmuls on CUDA), decodes replayed from the base and the
+    adapted graphs: each request's greedy tokens equal PEFT's on the same GPU in float32, and --enforce-eager's."""
+    pytest.importorskip("peft")
+    from tests.lora_adapters import build_adapters, peft_model
+
+    path = model_dir("llama")
+    names = ["attn-r8", "mlp-r4", "all-r16", "qv-r16-rslora"]
+    adapters = build_adapters(path, tmp_path, names)
+    loras = [None, *(LoRARequest(name, i + 1, str(adapters[name])) for i, name in enumerate(names))]
+    prompts = [[7 + 13 * i + j for j in range(6 + 5 * i)] for i in range(len(loras))]
+    params = SamplingParams(max_new_tokens=10)
+    config = _graph_config(path, enable_lora=True, max_loras=4, max_memory_percent=0.05)
+    loaded = _with_backend(load_model(config), DensePagedBackend())
+    outputs = []
+    for eager in (True, False):
+        with EngineCore(config.replace(enforce_eager=eager), loaded=loaded) as engine:
+            assert (engine.cuda_graphs is None) == eager
+            results = generate_batch(prompts, params=params, engine=engine, loras=loras)
+            assert engine.is_idle_and_clean()
+        outputs.append([results[f"req_{i}"].generated_ids for i in range(len(prompts))])
+    assert outputs[0] == outputs[1], "graphs and eager steps disagree"
+    for i, lora in enumerate(loras):
+        model = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            if lora is None
+            else peft_model(path, adapters[lora.name])
+        ).cuda()
+        want = model.generate(torch.tensor([prompts[i]], device="cuda"), max_new_tokens=10, do_sample=False)
+        assert outputs[1][i] == want[0, len(prompts[i]) :].tolist(), lora
 
 
 def test_cuda_graphs_keep_real_pages_clean(model_dir: Callable[[str], Path]) -> None:
