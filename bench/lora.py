@@ -29,7 +29,7 @@ import httpx
 from bench.models import prepare_model
 from bench.perplexity import DEMO_MODEL
 from bench.report import fmt, format_table, stamp
-from bench.serve import RequestSample, ServeOptions, _local_server, _send, summarize
+from bench.serve import RequestSample, ServeOptions, _local_server, _send, closed_loop, summarize
 from bench.workload import LengthDist, Workload, WorkloadSpec, make_workload
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -141,17 +141,13 @@ def _rows(mode: str, system: str, rates: dict[str, list[float]]) -> list[dict[st
 async def _closed_loop(
     url: str, models: list[str], workload: Workload, concurrency: int, timeout: float
 ) -> tuple[list[RequestSample], float]:
-    pending = iter(range(len(workload)))
-    samples: list[RequestSample] = []
+    """The workload's requests through `concurrency` users, request i naming `models[i % len(models)]`."""
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        origin = time.perf_counter()
-
-        async def user() -> None:
-            for index in pending:
-                samples.append(await _send(client, url, models[index % len(models)], workload, index, origin))
-
-        await asyncio.gather(*(user() for _ in range(concurrency)))
-        return samples, time.perf_counter() - origin
+        return await closed_loop(
+            len(workload),
+            concurrency,
+            lambda index, origin: _send(client, url, models[index % len(models)], workload, index, origin),
+        )
 
 
 def _serve(

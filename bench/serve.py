@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -198,15 +198,27 @@ async def run_closed_loop(
     concurrency: int,
     structured_outputs: dict[str, object] | None = None,
 ) -> tuple[list[RequestSample], float]:
-    next_index = iter(range(len(workload)))
+    return await closed_loop(
+        len(workload),
+        concurrency,
+        lambda index, origin: _send(client, url, model, workload, index, origin, structured_outputs),
+    )
+
+
+async def closed_loop(
+    count: int, concurrency: int, send: Callable[[int, float], Awaitable[RequestSample]]
+) -> tuple[list[RequestSample], float]:
+    """Requests 0 .. count - 1 through `concurrency` users, each sending its next request (`send(index, origin)`,
+    origin the loop's start) as soon as its last one ended: the samples by index, and the seconds it all took."""
+    next_index = iter(range(count))
     samples: list[RequestSample] = []
     origin = time.perf_counter()
 
     async def user() -> None:
         for index in next_index:  # the shared iterator hands each request to exactly one user
-            samples.append(await _send(client, url, model, workload, index, origin, structured_outputs))
+            samples.append(await send(index, origin))
 
-    await asyncio.gather(*(user() for _ in range(min(concurrency, len(workload)))))
+    await asyncio.gather(*(user() for _ in range(min(concurrency, count))))
     return sorted(samples, key=lambda s: s.index), time.perf_counter() - origin
 
 

@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.perplexity import DEMO_MODEL
 from bench.report import fmt, format_table, stamp
-from bench.serve import RequestSample, ServeOptions, _local_server, summarize
+from bench.serve import RequestSample, ServeOptions, _local_server, closed_loop, summarize
 
 SUBJECTS = (
     "os.path.join", "a file descriptor", "fork", "a socket", "a ferry", "memory allocation", "a list", "a dictionary",
@@ -131,17 +131,10 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], origi
 async def _closed_loop(
     url: str, bodies: list[dict[str, Any]], concurrency: int, timeout: float
 ) -> tuple[list[RequestSample], float]:
-    pending = iter(range(len(bodies)))
-    samples: list[RequestSample] = []
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        origin = time.perf_counter()
-
-        async def user() -> None:
-            for index in pending:
-                samples.append(await _chat(client, url, bodies[index], origin, index))
-
-        await asyncio.gather(*(user() for _ in range(concurrency)))
-        return samples, time.perf_counter() - origin
+        return await closed_loop(
+            len(bodies), concurrency, lambda index, origin: _chat(client, url, bodies[index], origin, index)
+        )
 
 
 def _drafting(url: str) -> tuple[float, float]:

@@ -53,7 +53,7 @@ step() {
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { echo "no CUDA device"; exit 2; }
 
 # Only the files that hold GPU tests: collecting the others would import the server's packages.
-step gpu-tests 110 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_sampler.py -p no:cacheprovider \
+step gpu-tests 90 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_sampler.py -p no:cacheprovider \
     --junitxml "$OUT/gpu-tests.xml"
 
 # float32 on the GPU: the same saved weights in both systems, so greedy tokens must match exactly.
