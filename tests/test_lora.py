@@ -357,11 +357,11 @@ def test_a_quantized_layer_adds_the_adapters_product_to_its_own() -> None:
     assert method is not None
     layer = ColumnParallelLinear(32, 48, bias=False, method=method)
     layer.weight_loader("weight", torch.randn(48, 32))
-    slots = LoRALayer(layer, [None], num_slots=3, rank=4, device=torch.device("cpu"), dtype=torch.float32)
-    a, b = torch.randn(2, 32), torch.randn(48, 2)  # rank 2 in slots of 4
+    slots = LoRALayer(layer, [None], num_slots=3, rank=8, device=torch.device("cpu"), dtype=torch.float32)
+    a, b = torch.randn(2, 32), torch.randn(48, 2)  # rank 2 in slots of 8
     slots.load(1, {None: (a, b)})
     x = torch.randn(5, 32)
-    batch = LoRABatch.of(torch.tensor([1, -1, 1, 0, 1]).numpy(), torch.tensor([0.0, 2.5, 0.0]).numpy(), 4,
+    batch = LoRABatch.of(torch.tensor([1, -1, 1, 0, 1]).numpy(), torch.tensor([0.0, 2.5, 0.0]).numpy(), 8,
                          torch.device("cpu"), torch.float32)  # fmt: skip
     assert batch is not None and batch.num_slots == 2
     expected = layer.method.apply(layer, x, None)
@@ -371,7 +371,35 @@ def test_a_quantized_layer_adds_the_adapters_product_to_its_own() -> None:
         add(x, out, batch)
         torch.testing.assert_close(out, expected)
     none = torch.tensor([-1, -1]).numpy()
-    assert LoRABatch.of(none, torch.zeros(3).numpy(), 4, torch.device("cpu"), torch.float32) is None
+    assert LoRABatch.of(none, torch.zeros(3).numpy(), 8, torch.device("cpu"), torch.float32) is None
+
+
+@pytest.mark.parametrize("rank", [8, 16, 24])
+def test_the_kernel_computes_each_tokens_own_product(rank: int) -> None:
+    """Slots of 8, 16 and 24 ranks (the kernel's two register widths), adapters of smaller ranks in them, tokens
+    spread over the slots in runs longer and shorter than its blocks, an output width with a partial last chunk."""
+    if not cpu_kernels_available():
+        pytest.skip("the CPU kernels cannot be built here")
+    torch.manual_seed(rank)
+    layer = ColumnParallelLinear(48, 72, bias=False, method=UnquantizedLinearMethod())
+    layer.weight_loader("weight", torch.randn(72, 48))
+    slots = LoRALayer(layer, [None], num_slots=3, rank=rank, device=torch.device("cpu"), dtype=torch.float32)
+    pairs = [(torch.randn(r, 48), torch.randn(72, r)) for r in (rank, rank - 3, 1)]
+    for slot, pair in enumerate(pairs):
+        slots.load(slot, {None: pair})
+    token_slots = torch.randint(-1, 3, (37,))
+    scalings = torch.tensor([0.5, 2.0, 1.5])
+    batch = LoRABatch.of(token_slots.numpy(), scalings.numpy(), rank, torch.device("cpu"), torch.float32)
+    assert batch is not None
+    x = torch.randn(37, 48)
+    out = torch.zeros(37, 72)
+    slots.add_per_token(x, out, batch)
+    expected = torch.zeros(37, 72, dtype=torch.float64)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            a, b = pairs[slot]
+            expected[t] = scalings[slot].double() * (x[t].double() @ a.double().t() @ b.double().t())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_the_kernel_and_the_matmuls_agree_in_bfloat16() -> None:

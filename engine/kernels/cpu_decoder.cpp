@@ -12,7 +12,7 @@
 // backend), called through the dispatcher with the layer's step metadata (its KV-cache group's).
 //
 // A step with LoRA adapters (engine/lora/) adds each adapted part's low-rank products to its projection's output
-// with `lora_add`, as the eager layers do: the slots' tensors come kLoraPerLayer per layer (A, then B transposed,
+// with `lora_add`, as the eager layers do: the slots' tensors come kLoraPerLayer per layer (A and B, each transposed,
 // per part in the order of `LoRAPart`), with each token's slot and the slots' scalings.
 
 #include <ATen/ATen.h>

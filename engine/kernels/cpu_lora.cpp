@@ -13,57 +13,99 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 4;  // tokens of one slot computed together: each row of A and B read once for them
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;  // floats in one vector register
+#else
+constexpr int64_t kLanes = 8;  // AVX2: wider GCC vectors than a register are split badly (3x slower, measured)
+#endif
+constexpr int64_t kColumns = kLanes;  // output columns summed in registers over the rank before one add to `out`
 
-// out[t, offset:offset+size] += scaling[s] * (x[t] @ a[s*rank : (s+1)*rank].T) @ bt[s*rank : (s+1)*rank] for the N
-// tokens `ts` of slot s. a: [slots * rank, in]; bt: [slots * rank, size] (B transposed, so that the expand runs
-// along contiguous rows of it: rank scaled row additions, no dot products). shrunk: rank * N floats; sums: size * N.
-template <typename T, int64_t N>
-void add_block(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t offset, int64_t size, const T* a,
-               const T* bt, int64_t slot, float scaling, const int64_t* ts, int64_t in, int64_t rank, float* shrunk,
-               float* sums) {
+// W floats in one vector register (GCC's vector extensions).
+template <int64_t W>
+struct VectorOf;
+template <>
+struct VectorOf<8> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VectorOf<16> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <int64_t W>
+using Floats = typename VectorOf<W>::type;
+
+template <int64_t W>
+inline Floats<W> load(const float* p) {
+  Floats<W> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <int64_t W>
+inline Floats<W> load(const at::BFloat16* p) {
+  Floats<W> v;
+  for (int64_t k = 0; k < W; ++k) v[k] = ferry::to_float(p[k]);
+  return v;
+}
+
+// out[t, offset:offset+size] += scaling[s] * (x[t] @ A_s.T) @ B_s.T for the N tokens `ts` of slot s.
+// a_t: [in, ld = slots * rank], A transposed with the slots side by side: the shrink takes C ranks at a time, and for
+// each input column adds x[t, i] times C contiguous values of A's column into C sums per token held in registers
+// (no dot products to reduce). bt: [slots * rank, size], B transposed: the expand sums kColumns outputs per token
+// in registers over the whole rank, one row of B a rank, then adds them to `out` once. shrunk: N * rank floats.
+template <typename T, int64_t N, int64_t C>
+void add_block(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t offset, int64_t size, const T* a_t,
+               int64_t ld, const T* bt, int64_t slot, float scaling, const int64_t* ts, int64_t in, int64_t rank,
+               float* shrunk) {
   const T* rows[N];
   for (int64_t j = 0; j < N; ++j) rows[j] = x + ts[j] * x_stride;
-  for (int64_t r = 0; r < rank; ++r) {
-    const T* a_row = a + (slot * rank + r) * in;
-    float dot[N] = {};
-    for (int64_t j = 0; j < N; ++j) {
-      const T* row = rows[j];
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < in; ++i) sum += ferry::to_float(row[i]) * ferry::to_float(a_row[i]);
-      dot[j] = sum;
+  for (int64_t r0 = 0; r0 < rank; r0 += C) {
+    Floats<C> sums[N] = {};
+    const T* column = a_t + slot * rank + r0;
+    for (int64_t i = 0; i < in; ++i) {
+      const Floats<C> a = load<C>(column + i * ld);
+      for (int64_t j = 0; j < N; ++j) sums[j] += ferry::to_float(rows[j][i]) * a;
     }
-    for (int64_t j = 0; j < N; ++j) shrunk[j * rank + r] = dot[j] * scaling;
-  }
-  std::fill(sums, sums + N * size, 0.0f);
-  for (int64_t r = 0; r < rank; ++r) {
-    const T* b_row = bt + (slot * rank + r) * size;
     for (int64_t j = 0; j < N; ++j) {
-      const float s = shrunk[j * rank + r];
-      float* acc = sums + j * size;
-#pragma omp simd
-      for (int64_t o = 0; o < size; ++o) acc[o] += s * ferry::to_float(b_row[o]);
+      const Floats<C> scaled = sums[j] * scaling;
+      std::memcpy(shrunk + j * rank + r0, &scaled, sizeof scaled);
     }
   }
-  for (int64_t j = 0; j < N; ++j) {
+  const T* b_slot = bt + slot * rank * size;
+  int64_t o0 = 0;
+  for (; o0 + kColumns <= size; o0 += kColumns) {
+    Floats<kColumns> sums[N] = {};
+    for (int64_t r = 0; r < rank; ++r) {
+      const Floats<kColumns> b = load<kColumns>(b_slot + r * size + o0);
+      for (int64_t j = 0; j < N; ++j) sums[j] += shrunk[j * rank + r] * b;
+    }
+    for (int64_t j = 0; j < N; ++j) {
+      T* dst = out + ts[j] * out_stride + offset + o0;
+      for (int64_t o = 0; o < kColumns; ++o) dst[o] = ferry::from_float<T>(ferry::to_float(dst[o]) + sums[j][o]);
+    }
+  }
+  for (int64_t j = 0; j < N && o0 < size; ++j) {  // the last columns, fewer than kColumns
     T* dst = out + ts[j] * out_stride + offset;
-    const float* acc = sums + j * size;
-#pragma omp simd
-    for (int64_t o = 0; o < size; ++o) dst[o] = ferry::from_float<T>(ferry::to_float(dst[o]) + acc[o]);
+    for (int64_t o = o0; o < size; ++o) {
+      float sum = 0.0f;
+      for (int64_t r = 0; r < rank; ++r) sum += shrunk[j * rank + r] * ferry::to_float(b_slot[r * size + o]);
+      dst[o] = ferry::from_float<T>(ferry::to_float(dst[o]) + sum);
+    }
   }
 }
 
 // Every token with a slot (slots[t] >= 0), grouped by slot in blocks of up to kBlock tokens.
 template <typename T>
 void add_products(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t offset, int64_t size,
-                  const T* a, const T* bt, const int64_t* slots, const float* scalings, int64_t num_slots,
-                  int64_t tokens, int64_t in, int64_t rank) {
+                  const T* a_t, int64_t ld, const T* bt, const int64_t* slots, const float* scalings,
+                  int64_t num_slots, int64_t tokens, int64_t in, int64_t rank) {
   // The tokens by slot (a counting sort), then the blocks: (first index into `order`, count, slot).
   std::vector<int64_t> starts(num_slots + 1, 0);
   for (int64_t t = 0; t < tokens; ++t) {
@@ -86,13 +128,18 @@ void add_products(const T* x, int64_t x_stride, T* out, int64_t out_stride, int6
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), std::max<int64_t>(1, 262144 / work), [&](int64_t b0,
                                                                                                      int64_t b1) {
     std::vector<float> shrunk(kBlock * rank);
-    std::vector<float> sums(kBlock * size);
     for (int64_t b = b0; b < b1; ++b) {
       const auto [first, count, slot] = blocks[b];
       const int64_t* ts = order.data() + first;
       const auto run = [&](auto n) {
-        add_block<T, decltype(n)::value>(x, x_stride, out, out_stride, offset, size, a, bt, slot, scalings[slot], ts,
-                                         in, rank, shrunk.data(), sums.data());
+        constexpr int64_t kN = decltype(n)::value;
+        if (rank % kLanes == 0) {
+          add_block<T, kN, kLanes>(x, x_stride, out, out_stride, offset, size, a_t, ld, bt, slot, scalings[slot],
+                                   ts, in, rank, shrunk.data());
+        } else {
+          add_block<T, kN, 8>(x, x_stride, out, out_stride, offset, size, a_t, ld, bt, slot, scalings[slot],
+                              ts, in, rank, shrunk.data());
+        }
       };
       switch (count) {
         case 1: run(std::integral_constant<int64_t, 1>{}); break;
@@ -108,14 +155,16 @@ void add_products(const T* x, int64_t x_stride, T* out, int64_t out_stride, int6
 
 namespace ferry {
 
-void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const at::Tensor& bt,
               const at::Tensor& slots, const at::Tensor& scalings, int64_t offset, int64_t rank) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0),
               "ferry_kernels.lora_add takes x [T, in] and out [T, out] on the CPU");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out need contiguous rows");
-  TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.size(1) == x.size(1) && bt.size(0) == a.size(0),
-              "a [slots * rank, in] and bt [slots * rank, size] must be contiguous and agree with x");
-  TORCH_CHECK(a.scalar_type() == x.scalar_type() && bt.scalar_type() == x.scalar_type() &&
+  TORCH_CHECK(a_t.is_contiguous() && bt.is_contiguous() && a_t.size(0) == x.size(1) && bt.size(0) == a_t.size(1),
+              "a_t [in, slots * rank] and bt [slots * rank, size] must be contiguous and agree with x");
+  TORCH_CHECK(rank > 0 && rank % 8 == 0 && a_t.size(1) % rank == 0 && scalings.size(0) * rank <= a_t.size(1),
+              "the slots' rank must be a multiple of 8, and a_t hold rank columns for each slot of the scalings");
+  TORCH_CHECK(a_t.scalar_type() == x.scalar_type() && bt.scalar_type() == x.scalar_type() &&
                   out.scalar_type() == x.scalar_type(), "x, out, a and b must share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == x.size(0),
               "slots: int64 [T]");
@@ -124,11 +173,11 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
   TORCH_CHECK(offset >= 0 && offset + size <= out.size(1), "the part's rows fall outside out");
   if (x.scalar_type() == at::kFloat) {
     add_products(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), out.stride(0), offset, size,
-                 a.data_ptr<float>(), bt.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                 a_t.data_ptr<float>(), a_t.size(1), bt.data_ptr<float>(), slots.data_ptr<int64_t>(),
                  scalings.data_ptr<float>(), scalings.size(0), x.size(0), x.size(1), rank);
   } else if (x.scalar_type() == at::kBFloat16) {
     add_products(x.data_ptr<at::BFloat16>(), x.stride(0), out.data_ptr<at::BFloat16>(), out.stride(0), offset, size,
-                 a.data_ptr<at::BFloat16>(), bt.data_ptr<at::BFloat16>(), slots.data_ptr<int64_t>(),
+                 a_t.data_ptr<at::BFloat16>(), a_t.size(1), bt.data_ptr<at::BFloat16>(), slots.data_ptr<int64_t>(),
                  scalings.data_ptr<float>(), scalings.size(0), x.size(0), x.size(1), rank);
   } else {
     TORCH_CHECK(false, "ferry_kernels.lora_add takes float32 or bfloat16, not ", x.scalar_type());
@@ -138,7 +187,7 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
 }  // namespace ferry
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
-  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, Tensor slots, Tensor scalings, int offset, "
+  m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a_t, Tensor bt, Tensor slots, Tensor scalings, int offset, "
         "int rank) -> ()");
 }
 

@@ -21,7 +21,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
 // cpu_lora.cpp: out[:, offset:] += each token's adapter's low-rank product of x (engine/lora/slots.py).
-void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const at::Tensor& bt,
               const at::Tensor& slots, const at::Tensor& scalings, int64_t offset, int64_t rank);
 
 }  // namespace ferry

@@ -31,7 +31,7 @@ from engine.core.step import SchedulerOutput
 from engine.layers.linear import LinearBase, ShardId
 from engine.lora.adapter import AdapterSpec, read_adapter
 from engine.lora.batch import LoRABatch
-from engine.lora.slots import LoRALayer
+from engine.lora.slots import LoRALayer, slot_rank
 from engine.models.registry import NATIVE_MODELS
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,9 @@ class LoRAManager:
     def __init__(
         self, config: LoRAConfig, targets: Targets, hf_config: object, device: torch.device, dtype: torch.dtype
     ) -> None:
-        self.rank = config.max_lora_rank
+        self.max_rank = config.max_lora_rank
+        self.rank = slot_rank(config.max_lora_rank)
+        """The slots' rank (engine/lora/slots.py)."""
         self.device, self.dtype = device, dtype
         self.targets = targets
         parts: dict[LinearBase, list[ShardId]] = {}
@@ -118,7 +120,7 @@ class LoRAManager:
         return len(self._slots)
 
     def _read(self, lora: LoRARequest) -> LoadedAdapter:
-        spec = read_adapter(lora.path, self._hf_config, self.rank)
+        spec = read_adapter(lora.path, self._hf_config, self.max_rank)
         tensors = load_file(spec.weights_file)
         prefix = "base_model.model.model.layers"
         pairs = {

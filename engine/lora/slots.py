@@ -1,12 +1,12 @@
 """Adapter weights in preallocated slots on each adapted linear layer, and one step's low-rank products over them.
 
 Each adapted layer (`LoRALayer`, attached as `layer.lora`) holds, per part of its output (q, k and v of a fused QKV
-layer; gate and up; one part otherwise), `max_loras` slots of rank `max_lora_rank` side by side:
+layer; gate and up; one part otherwise), `max_loras` slots of rank `slot_rank(max_lora_rank)` side by side:
 
-    a:  [slots * rank, in]        the slots' A matrices stacked (rows j*rank ... of slot j)
-    bt: [slots * rank, out_part]  their B matrices, transposed, stacked the same way
+    a_t: [in, slots * rank]        the slots' A matrices, transposed, side by side (columns j*rank ... of slot j)
+    bt:  [slots * rank, out_part]  their B matrices, transposed, stacked (rows j*rank ... of slot j)
 
-An adapter of a smaller rank fills the first rows of its slot and zeros the rest; a part an adapter leaves alone is
+An adapter of a smaller rank fills the first ranks of its slot and zeros the rest; a part an adapter leaves alone is
 all zeros in its slot. The tensors never change shape, so a step with adapters runs the same code whichever are
 loaded.
 
@@ -19,7 +19,7 @@ Elsewhere (CUDA, float16) torch's matmuls do it for all tokens at once, each aga
 slots are handed out lowest first), the other slots' products masked out (`LoRABatch.mask`, `[T, k * rank]`: the
 token's scaling in its slot's columns, zeros elsewhere):
 
-    s = x @ a[: k * rank].T   # [T, k * rank]
+    s = x @ a_t[:, : k * rank]   # [T, k * rank]
     s *= mask
     out[:, part] += s @ bt[: k * rank]
 
@@ -49,20 +49,20 @@ class _Part:
 
     offset: int
     size: int
-    a: torch.Tensor  # [slots * rank, in]
+    a_t: torch.Tensor  # [in, slots * rank]
     bt: torch.Tensor  # [slots * rank, size]
 
 
 def _add_in_step(
     out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], offsets: list[int], rank: int
 ) -> None:
-    """`ferry::lora_add`: out += the step's adapter products of x over the parts whose slots are `weights` (a, bt
+    """`ferry::lora_add`: out += the step's adapter products of x over the parts whose slots are `weights` (a_t, bt
     of each part in turn) at output `offsets`."""
     batch = step_lora()
     if batch is None:
         return
-    for (a, bt), offset in zip(zip(weights[::2], weights[1::2], strict=True), offsets, strict=True):
-        _add_part(x, out, a, bt, offset, rank, batch)
+    for (a_t, bt), offset in zip(zip(weights[::2], weights[1::2], strict=True), offsets, strict=True):
+        _add_part(x, out, a_t, bt, offset, rank, batch)
 
 
 _LIBRARY = torch.library.Library("ferry", "FRAGMENT")
@@ -76,31 +76,37 @@ def _(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], offsets: 
 
 
 def _add_part(
-    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
+    x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
 ) -> None:
-    """out[:, offset : offset + size] += each token's product of one part (`a`, `bt`: its slots)."""
+    """out[:, offset : offset + size] += each token's product of one part (`a_t`, `bt`: its slots)."""
     if cpu_kernels_take(x):
-        _add_per_token(x, out, a, bt, offset, rank, batch)
+        _add_per_token(x, out, a_t, bt, offset, rank, batch)
     else:
-        _add_masked(x, out, a, bt, offset, rank, batch)
+        _add_masked(x, out, a_t, bt, offset, rank, batch)
 
 
 def _add_per_token(
-    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
+    x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
 ) -> None:
     """`_add_part` on the CPU kernel: each token against its own slot."""
     rows = x if x.stride(-1) == 1 else x.contiguous()
-    torch.ops.ferry_kernels.lora_add(out, rows, a, bt, batch.slots, batch.scalings, offset, rank)
+    torch.ops.ferry_kernels.lora_add(out, rows, a_t, bt, batch.slots, batch.scalings, offset, rank)
 
 
 def _add_masked(
-    x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
+    x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
 ) -> None:
     """`_add_part` on torch's matmuls: every token against every slot in use, the others' products masked out."""
     columns = batch.num_slots * rank
-    shrunk = torch.mm(x, a[:columns].t())  # [T, columns]
+    shrunk = torch.mm(x, a_t[:, :columns])  # [T, columns]
     shrunk.mul_(batch.mask)
     out.narrow(-1, offset, bt.shape[1]).addmm_(shrunk, bt[:columns])
+
+
+def slot_rank(max_lora_rank: int) -> int:
+    """The rank of every slot: --max-lora-rank rounded up to a multiple of 8, the CPU kernel's unit (its shrink keeps
+    8 or 16 ranks of a token in one vector register; the padding ranks are zeros)."""
+    return -(-max_lora_rank // 8) * 8
 
 
 class LoRALayer:
@@ -124,7 +130,7 @@ class LoRALayer:
             self.parts[shard_id] = _Part(
                 offset,
                 size,
-                torch.zeros(num_slots * rank, layer.input_size, device=device, dtype=dtype),
+                torch.zeros(layer.input_size, num_slots * rank, device=device, dtype=dtype),
                 torch.zeros(num_slots * rank, size, device=device, dtype=dtype),
             )
 
@@ -132,35 +138,35 @@ class LoRALayer:
     def load(self, slot: int, pairs: dict[ShardId, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter's (A `[r, in]`, B `[out, r]`) of each part it adapts into `slot` (as the layer shards
         them); the parts it leaves alone, and the rows past its rank, become zeros."""
-        rows = slice(slot * self.rank, (slot + 1) * self.rank)
+        ranks = slice(slot * self.rank, (slot + 1) * self.rank)
         for shard_id, part in self.parts.items():
-            part.a[rows].zero_()
-            part.bt[rows].zero_()
+            part.a_t[:, ranks].zero_()
+            part.bt[ranks].zero_()
             pair = pairs.get(shard_id)
             if pair is None:
                 continue
             a, b = self.layer.lora_factors(*pair, shard_id)
             r = a.shape[0]
-            part.a[slot * self.rank : slot * self.rank + r].copy_(a)
+            part.a_t[:, slot * self.rank : slot * self.rank + r].copy_(a.t())
             part.bt[slot * self.rank : slot * self.rank + r].copy_(b.t())
 
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         """out `[T, out]` += each token's adapter's low-rank product of x `[T, in]` (this rank's part of it): on the
         CPU kernel each token against its own slot, on torch's matmuls every token against every slot in use."""
         for part in self.parts.values():
-            _add_part(x, out, part.a, part.bt, part.offset, self.rank, batch)
+            _add_part(x, out, part.a_t, part.bt, part.offset, self.rank, batch)
 
     def add_per_token(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         """`add` on the CPU kernel, whatever x is (the tests compare the two ways)."""
         for part in self.parts.values():
-            _add_per_token(x, out, part.a, part.bt, part.offset, self.rank, batch)
+            _add_per_token(x, out, part.a_t, part.bt, part.offset, self.rank, batch)
 
     def add_masked(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         """`add` on torch's matmuls, whatever x is."""
         for part in self.parts.values():
-            _add_masked(x, out, part.a, part.bt, part.offset, self.rank, batch)
+            _add_masked(x, out, part.a_t, part.bt, part.offset, self.rank, batch)
 
     def add_in_graph(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """`add` inside a compiled graph: the op that adds the step's products, if the step has adapters."""
-        weights = [t for part in self.parts.values() for t in (part.a, part.bt)]
+        weights = [t for part in self.parts.values() for t in (part.a_t, part.bt)]
         torch.ops.ferry.lora_add(out, x, weights, [part.offset for part in self.parts.values()], self.rank)

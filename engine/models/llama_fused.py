@@ -122,7 +122,7 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None]:
 
 
 def _adapter_tensors(layer: nn.Module) -> list[torch.Tensor]:
-    """One layer's LoRA slots (A, then B transposed, per part) in the order of `LoRAPart` in cpu_decoder.cpp."""
+    """One layer's LoRA slots (A and B, each transposed, per part) in the order of `LoRAPart` in cpu_decoder.cpp."""
     attn, mlp = layer.self_attn, layer.mlp
     parts = [
         (attn.qkv_proj, "q"), (attn.qkv_proj, "k"), (attn.qkv_proj, "v"), (attn.o_proj, None),
@@ -133,7 +133,7 @@ def _adapter_tensors(layer: nn.Module) -> list[torch.Tensor]:
         slots = linear.lora
         assert isinstance(slots, LoRALayer), "a step with adapters on a model without adapter slots"
         part = slots.parts[shard_id]
-        tensors += [part.a, part.bt]
+        tensors += [part.a_t, part.bt]
     return tensors
 
 
