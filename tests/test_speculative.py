@@ -351,8 +351,15 @@ def test_drafting_counters_reach_the_metrics() -> None:
     metrics = ServerMetrics("m")
     assert metrics.snapshot()["spec_decode_acceptance_rate"] is None
     base = (1, 0, 100, 60, 0.4, 0, 0, 0, 5, 8)
-    metrics.observe_engine_stats(EngineStats(*base, 2, 8, 3, (2, 1, 0, 0)))
-    metrics.observe_engine_stats(EngineStats(*base, 3, 12, 6, (3, 2, 1, 0)))
+    for drafts, tokens, accepted, per_position in ((2, 8, 3, (2, 1, 0, 0)), (3, 12, 6, (3, 2, 1, 0))):
+        stats = EngineStats(
+            *base,
+            spec_decode_num_drafts=drafts,
+            spec_decode_num_draft_tokens=tokens,
+            spec_decode_num_accepted_tokens=accepted,
+            spec_decode_num_accepted_tokens_per_pos=per_position,
+        )
+        metrics.observe_engine_stats(stats)
     samples = parse_metrics(metrics.render().decode())
     assert metric(samples, "ferry:spec_decode_num_drafts_total") == 3
     assert metric(samples, "ferry:spec_decode_num_draft_tokens_total") == 12

@@ -27,16 +27,20 @@ constexpr int64_t kLanes = 8;  // AVX2: wider GCC vectors than a register are sp
 #endif
 constexpr int64_t kColumns = kLanes;  // output columns summed in registers over the rank before one add to `out`
 
-// W floats in one vector register (GCC's vector extensions).
+// W floats in one vector register (GCC's vector extensions), and the integer vectors bfloat16 passes through.
 template <int64_t W>
 struct VectorOf;
 template <>
 struct VectorOf<8> {
   typedef float type __attribute__((vector_size(32)));
+  typedef uint16_t halves __attribute__((vector_size(16)));
+  typedef uint32_t words __attribute__((vector_size(32)));
 };
 template <>
 struct VectorOf<16> {
   typedef float type __attribute__((vector_size(64)));
+  typedef uint16_t halves __attribute__((vector_size(32)));
+  typedef uint32_t words __attribute__((vector_size(64)));
 };
 template <int64_t W>
 using Floats = typename VectorOf<W>::type;
@@ -50,33 +54,53 @@ inline Floats<W> load(const float* p) {
 
 template <int64_t W>
 inline Floats<W> load(const at::BFloat16* p) {
+  using Halves = typename VectorOf<W>::halves;
+  using Words = typename VectorOf<W>::words;
+  Halves h;
+  std::memcpy(&h, p, sizeof h);
+  const Words w = __builtin_convertvector(h, Words) << 16;
   Floats<W> v;
-  for (int64_t k = 0; k < W; ++k) v[k] = ferry::to_float(p[k]);
+  std::memcpy(&v, &w, sizeof v);
   return v;
 }
 
+template <int64_t W>
+inline void store(float* p, Floats<W> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// Rounded to nearest even as ferry::from_float does, a NaN to 0x7FC0.
+template <int64_t W>
+inline void store(at::BFloat16* p, Floats<W> v) {
+  using Halves = typename VectorOf<W>::halves;
+  using Words = typename VectorOf<W>::words;
+  Words bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  Words rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  rounded = v != v ? 0x7FC0u : rounded;
+  const Halves h = __builtin_convertvector(rounded, Halves);
+  std::memcpy(p, &h, sizeof h);
+}
+
 // out[t, offset:offset+size] += scaling[s] * (x[t] @ A_s.T) @ B_s.T for the N tokens `ts` of slot s.
-// a_t: [in, ld = slots * rank], A transposed with the slots side by side: the shrink takes C ranks at a time, and for
+// a_t: [slots, in, rank], each slot's A transposed, read front to back: the shrink takes C ranks at a time, and for
 // each input column adds x[t, i] times C contiguous values of A's column into C sums per token held in registers
 // (no dot products to reduce). bt: [slots * rank, size], B transposed: the expand sums kColumns outputs per token
 // in registers over the whole rank, one row of B a rank, then adds them to `out` once. shrunk: N * rank floats.
 template <typename T, int64_t N, int64_t C>
 void add_block(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t offset, int64_t size, const T* a_t,
-               int64_t ld, const T* bt, int64_t slot, float scaling, const int64_t* ts, int64_t in, int64_t rank,
+               const T* bt, int64_t slot, float scaling, const int64_t* ts, int64_t in, int64_t rank,
                float* shrunk) {
   const T* rows[N];
   for (int64_t j = 0; j < N; ++j) rows[j] = x + ts[j] * x_stride;
+  const T* a_slot = a_t + slot * in * rank;
   for (int64_t r0 = 0; r0 < rank; r0 += C) {
     Floats<C> sums[N] = {};
-    const T* column = a_t + slot * rank + r0;
     for (int64_t i = 0; i < in; ++i) {
-      const Floats<C> a = load<C>(column + i * ld);
+      const Floats<C> a = load<C>(a_slot + i * rank + r0);
       for (int64_t j = 0; j < N; ++j) sums[j] += ferry::to_float(rows[j][i]) * a;
     }
-    for (int64_t j = 0; j < N; ++j) {
-      const Floats<C> scaled = sums[j] * scaling;
-      std::memcpy(shrunk + j * rank + r0, &scaled, sizeof scaled);
-    }
+    for (int64_t j = 0; j < N; ++j) store<C>(shrunk + j * rank + r0, sums[j] * scaling);
   }
   const T* b_slot = bt + slot * rank * size;
   int64_t o0 = 0;
@@ -88,7 +112,7 @@ void add_block(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t
     }
     for (int64_t j = 0; j < N; ++j) {
       T* dst = out + ts[j] * out_stride + offset + o0;
-      for (int64_t o = 0; o < kColumns; ++o) dst[o] = ferry::from_float<T>(ferry::to_float(dst[o]) + sums[j][o]);
+      store<kColumns>(dst, load<kColumns>(dst) + sums[j]);
     }
   }
   for (int64_t j = 0; j < N && o0 < size; ++j) {  // the last columns, fewer than kColumns
@@ -104,7 +128,7 @@ void add_block(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t
 // Every token with a slot (slots[t] >= 0), grouped by slot in blocks of up to kBlock tokens.
 template <typename T>
 void add_products(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t offset, int64_t size,
-                  const T* a_t, int64_t ld, const T* bt, const int64_t* slots, const float* scalings,
+                  const T* a_t, const T* bt, const int64_t* slots, const float* scalings,
                   int64_t num_slots, int64_t tokens, int64_t in, int64_t rank) {
   // The tokens by slot (a counting sort), then the blocks: (first index into `order`, count, slot).
   std::vector<int64_t> starts(num_slots + 1, 0);
@@ -134,10 +158,10 @@ void add_products(const T* x, int64_t x_stride, T* out, int64_t out_stride, int6
       const auto run = [&](auto n) {
         constexpr int64_t kN = decltype(n)::value;
         if (rank % kLanes == 0) {
-          add_block<T, kN, kLanes>(x, x_stride, out, out_stride, offset, size, a_t, ld, bt, slot, scalings[slot],
+          add_block<T, kN, kLanes>(x, x_stride, out, out_stride, offset, size, a_t, bt, slot, scalings[slot],
                                    ts, in, rank, shrunk.data());
         } else {
-          add_block<T, kN, 8>(x, x_stride, out, out_stride, offset, size, a_t, ld, bt, slot, scalings[slot],
+          add_block<T, kN, 8>(x, x_stride, out, out_stride, offset, size, a_t, bt, slot, scalings[slot],
                               ts, in, rank, shrunk.data());
         }
       };
@@ -160,10 +184,11 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0),
               "ferry_kernels.lora_add takes x [T, in] and out [T, out] on the CPU");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out need contiguous rows");
-  TORCH_CHECK(a_t.is_contiguous() && bt.is_contiguous() && a_t.size(0) == x.size(1) && bt.size(0) == a_t.size(1),
-              "a_t [in, slots * rank] and bt [slots * rank, size] must be contiguous and agree with x");
-  TORCH_CHECK(rank > 0 && rank % 8 == 0 && a_t.size(1) % rank == 0 && scalings.size(0) * rank <= a_t.size(1),
-              "the slots' rank must be a multiple of 8, and a_t hold rank columns for each slot of the scalings");
+  TORCH_CHECK(a_t.is_contiguous() && bt.is_contiguous() && a_t.dim() == 3 && a_t.size(1) == x.size(1) &&
+                  a_t.size(2) == rank && bt.size(0) == a_t.size(0) * rank,
+              "a_t [slots, in, rank] and bt [slots * rank, size] must be contiguous and agree with x");
+  TORCH_CHECK(rank > 0 && rank % 8 == 0 && scalings.size(0) <= a_t.size(0),
+              "the slots' rank must be a multiple of 8, and every slot of the scalings have its A and B");
   TORCH_CHECK(a_t.scalar_type() == x.scalar_type() && bt.scalar_type() == x.scalar_type() &&
                   out.scalar_type() == x.scalar_type(), "x, out, a and b must share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == x.size(0),
@@ -173,11 +198,11 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a_t, const
   TORCH_CHECK(offset >= 0 && offset + size <= out.size(1), "the part's rows fall outside out");
   if (x.scalar_type() == at::kFloat) {
     add_products(x.data_ptr<float>(), x.stride(0), out.data_ptr<float>(), out.stride(0), offset, size,
-                 a_t.data_ptr<float>(), a_t.size(1), bt.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                 a_t.data_ptr<float>(), bt.data_ptr<float>(), slots.data_ptr<int64_t>(),
                  scalings.data_ptr<float>(), scalings.size(0), x.size(0), x.size(1), rank);
   } else if (x.scalar_type() == at::kBFloat16) {
     add_products(x.data_ptr<at::BFloat16>(), x.stride(0), out.data_ptr<at::BFloat16>(), out.stride(0), offset, size,
-                 a_t.data_ptr<at::BFloat16>(), a_t.size(1), bt.data_ptr<at::BFloat16>(), slots.data_ptr<int64_t>(),
+                 a_t.data_ptr<at::BFloat16>(), bt.data_ptr<at::BFloat16>(), slots.data_ptr<int64_t>(),
                  scalings.data_ptr<float>(), scalings.size(0), x.size(0), x.size(1), rank);
   } else {
     TORCH_CHECK(false, "ferry_kernels.lora_add takes float32 or bfloat16, not ", x.scalar_type());

@@ -3,7 +3,7 @@
 Each adapted layer (`LoRALayer`, attached as `layer.lora`) holds, per part of its output (q, k and v of a fused QKV
 layer; gate and up; one part otherwise), `max_loras` slots of rank `slot_rank(max_lora_rank)` side by side:
 
-    a_t: [in, slots * rank]        the slots' A matrices, transposed, side by side (columns j*rank ... of slot j)
+    a_t: [slots, in, rank]         the slots' A matrices, each transposed
     bt:  [slots * rank, out_part]  their B matrices, transposed, stacked (rows j*rank ... of slot j)
 
 An adapter of a smaller rank fills the first ranks of its slot and zeros the rest; a part an adapter leaves alone is
@@ -19,7 +19,7 @@ Elsewhere (CUDA, float16) torch's matmuls do it for all tokens at once, each aga
 slots are handed out lowest first), the other slots' products masked out (`LoRABatch.mask`, `[T, k * rank]`: the
 token's scaling in its slot's columns, zeros elsewhere):
 
-    s = x @ a_t[:, : k * rank]   # [T, k * rank]
+    s = x @ a_t[:k]              # [k, T, rank], as [T, k * rank]
     s *= mask
     out[:, part] += s @ bt[: k * rank]
 
@@ -49,7 +49,7 @@ class _Part:
 
     offset: int
     size: int
-    a_t: torch.Tensor  # [in, slots * rank]
+    a_t: torch.Tensor  # [slots, in, rank]
     bt: torch.Tensor  # [slots * rank, size]
 
 
@@ -98,7 +98,7 @@ def _add_masked(
 ) -> None:
     """`_add_part` on torch's matmuls: every token against every slot in use, the others' products masked out."""
     columns = batch.num_slots * rank
-    shrunk = torch.mm(x, a_t[:, :columns])  # [T, columns]
+    shrunk = torch.matmul(x, a_t[: batch.num_slots]).transpose(0, 1).reshape(x.shape[0], columns)  # [T, columns]
     shrunk.mul_(batch.mask)
     out.narrow(-1, offset, bt.shape[1]).addmm_(shrunk, bt[:columns])
 
@@ -130,7 +130,7 @@ class LoRALayer:
             self.parts[shard_id] = _Part(
                 offset,
                 size,
-                torch.zeros(layer.input_size, num_slots * rank, device=device, dtype=dtype),
+                torch.zeros(num_slots, layer.input_size, rank, device=device, dtype=dtype),
                 torch.zeros(num_slots * rank, size, device=device, dtype=dtype),
             )
 
@@ -140,14 +140,14 @@ class LoRALayer:
         them); the parts it leaves alone, and the rows past its rank, become zeros."""
         ranks = slice(slot * self.rank, (slot + 1) * self.rank)
         for shard_id, part in self.parts.items():
-            part.a_t[:, ranks].zero_()
+            part.a_t[slot].zero_()
             part.bt[ranks].zero_()
             pair = pairs.get(shard_id)
             if pair is None:
                 continue
             a, b = self.layer.lora_factors(*pair, shard_id)
             r = a.shape[0]
-            part.a_t[:, slot * self.rank : slot * self.rank + r].copy_(a.t())
+            part.a_t[slot, :, :r].copy_(a.t())
             part.bt[slot * self.rank : slot * self.rank + r].copy_(b.t())
 
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
