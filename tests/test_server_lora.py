@@ -181,6 +181,27 @@ def test_langchain_chat_openai_with_an_adapter(server: ServerProcess, client: op
     assert reply.response_metadata["model_name"] == "mlp-r4"
 
 
+def test_a_forced_tool_call_and_logprobs_with_an_adapter(client: openai.OpenAI) -> None:
+    """Tools per adapter: a named tool_choice gives a call whose arguments match the tool's schema, reported under
+    the adapter's name, with logprobs for its tokens."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
+        },
+    }
+    chat = client.chat.completions.create(
+        model="attn-r8", messages=USER, tools=[tool], tool_choice={"type": "function", "function": {"name": "lookup"}},
+        max_tokens=40, temperature=0, logprobs=True,
+    )  # fmt: skip
+    assert chat.model == "attn-r8"
+    calls = chat.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "lookup"
+    assert isinstance(json.loads(calls[0].function.arguments)["id"], int)
+    assert chat.choices[0].logprobs is not None
+
+
 def test_pooling_endpoints_refuse_an_adapter_by_name(http: httpx.Client) -> None:
     for path, body in (("/v1/embeddings", {"input": "x"}), ("/v1/score", {"text_1": "a", "text_2": "b"})):
         error = error_of(http.post(path, json={"model": "attn-r8", **body}), 400)
