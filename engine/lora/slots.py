@@ -53,16 +53,18 @@ class _Part:
     bt: torch.Tensor  # [slots * rank, size]
 
 
+PartSlots = tuple[torch.Tensor, torch.Tensor, int]
+"""One part's slots and place in the output: (a_t `[slots, in, rank]`, bt `[slots * rank, size]`, first row)."""
+
+
 def _add_in_step(
     out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], offsets: list[int], rank: int
 ) -> None:
     """`ferry::lora_add`: out += the step's adapter products of x over the parts whose slots are `weights` (a_t, bt
     of each part in turn) at output `offsets`."""
     batch = step_lora()
-    if batch is None:
-        return
-    for (a_t, bt), offset in zip(zip(weights[::2], weights[1::2], strict=True), offsets, strict=True):
-        _add_part(x, out, a_t, bt, offset, rank, batch)
+    if batch is not None:
+        _add_parts(x, out, list(zip(weights[::2], weights[1::2], offsets, strict=True)), rank, batch)
 
 
 _LIBRARY = torch.library.Library("ferry", "FRAGMENT")
@@ -75,32 +77,27 @@ def _(out: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], offsets: 
     return None
 
 
-def _add_part(
-    x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
+def _add_parts(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    parts: list[PartSlots],
+    rank: int,
+    batch: LoRABatch,
+    per_token: bool | None = None,
 ) -> None:
-    """out[:, offset : offset + size] += each token's product of one part (`a_t`, `bt`: its slots)."""
-    if cpu_kernels_take(x):
-        _add_per_token(x, out, a_t, bt, offset, rank, batch)
-    else:
-        _add_masked(x, out, a_t, bt, offset, rank, batch)
-
-
-def _add_per_token(
-    x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
-) -> None:
-    """`_add_part` on the CPU kernel: each token against its own slot."""
-    rows = x if x.stride(-1) == 1 else x.contiguous()
-    torch.ops.ferry_kernels.lora_add(out, rows, a_t, bt, batch.slots, batch.scalings, offset, rank)
-
-
-def _add_masked(
-    x: torch.Tensor, out: torch.Tensor, a_t: torch.Tensor, bt: torch.Tensor, offset: int, rank: int, batch: LoRABatch
-) -> None:
-    """`_add_part` on torch's matmuls: every token against every slot in use, the others' products masked out."""
+    """out[:, part] += each token's product of every part. `per_token`: on the CPU kernel, each token against its
+    own slot; else torch's matmuls, every token against every slot in use, the others' products masked out (None:
+    the kernel wherever it takes x)."""
+    if cpu_kernels_take(x) if per_token is None else per_token:
+        rows = x if x.stride(-1) == 1 else x.contiguous()
+        for a_t, bt, offset in parts:
+            torch.ops.ferry_kernels.lora_add(out, rows, a_t, bt, batch.slots, batch.scalings, offset, rank)
+        return
     columns = batch.num_slots * rank
-    shrunk = torch.matmul(x, a_t[: batch.num_slots]).transpose(0, 1).reshape(x.shape[0], columns)  # [T, columns]
-    shrunk.mul_(batch.mask)
-    out.narrow(-1, offset, bt.shape[1]).addmm_(shrunk, bt[:columns])
+    for a_t, bt, offset in parts:
+        shrunk = torch.matmul(x, a_t[: batch.num_slots]).transpose(0, 1).reshape(x.shape[0], columns)  # [T, columns]
+        shrunk.mul_(batch.mask)
+        out.narrow(-1, offset, bt.shape[1]).addmm_(shrunk, bt[:columns])
 
 
 def slot_rank(max_lora_rank: int) -> int:
@@ -133,6 +130,8 @@ class LoRALayer:
                 torch.zeros(num_slots, layer.input_size, rank, device=device, dtype=dtype),
                 torch.zeros(num_slots * rank, size, device=device, dtype=dtype),
             )
+        self._part_slots: list[PartSlots] = [(part.a_t, part.bt, part.offset) for part in self.parts.values()]
+        """What `add` reads of each part (the tensors stay the same objects: `load` writes into them)."""
 
     @torch.no_grad()
     def load(self, slot: int, pairs: dict[ShardId, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -153,18 +152,15 @@ class LoRALayer:
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         """out `[T, out]` += each token's adapter's low-rank product of x `[T, in]` (this rank's part of it): on the
         CPU kernel each token against its own slot, on torch's matmuls every token against every slot in use."""
-        for part in self.parts.values():
-            _add_part(x, out, part.a_t, part.bt, part.offset, self.rank, batch)
+        _add_parts(x, out, self._part_slots, self.rank, batch)
 
     def add_per_token(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         """`add` on the CPU kernel, whatever x is (the tests compare the two ways)."""
-        for part in self.parts.values():
-            _add_per_token(x, out, part.a_t, part.bt, part.offset, self.rank, batch)
+        _add_parts(x, out, self._part_slots, self.rank, batch, per_token=True)
 
     def add_masked(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         """`add` on torch's matmuls, whatever x is."""
-        for part in self.parts.values():
-            _add_masked(x, out, part.a_t, part.bt, part.offset, self.rank, batch)
+        _add_parts(x, out, self._part_slots, self.rank, batch, per_token=False)
 
     def add_in_graph(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """`add` inside a compiled graph: the op that adds the step's products, if the step has adapters."""
