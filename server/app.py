@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from sqlalchemy.engine import make_url
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
@@ -71,6 +72,9 @@ from server.openai.tool_parsers.hermes import call_tags as hermes_call_tags
 from server.openapi import openapi_document
 from server.reasoning import ReasoningParser
 from server.settings import ServerSettings
+from server.state.database import Database, database_url
+from server.state.keys import read_keys
+from server.state.stored import StoredState
 from server.tokens import ChatTemplateError, Tokenizer
 from server.ui import mount_ui
 
@@ -156,6 +160,19 @@ class ServerState:
             on_death=lifecycle.fail,
         )
         self.serving: ServingContext | None = None
+        self.stored = StoredState(settings)
+
+    async def open_database(self) -> bool:
+        """Open the state database and apply its migrations; False (the lifecycle failed, saying why) if not."""
+        url = database_url(self.settings.database_url, self.settings.state_dir)
+        try:
+            self.stored.database = await Database.open(url)
+        except Exception as exc:
+            logger.error("Cannot open the state database (%s): %s", _shown_url(url), exc)
+            self.lifecycle.fail()
+            return False
+        logger.info("Stored state in %s", _shown_url(url))
+        return True
 
     async def load(self) -> None:
         """Spawn the engine first, so that it loads the model while this process loads the tokenizer."""
@@ -271,6 +288,11 @@ class _FerryApp(FastAPI):
         return self.openapi_schema
 
 
+def _shown_url(url: str) -> str:
+    """A database URL for the log: its password hidden."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def _served_tasks(pooling: PoolingConfig | None) -> str:
     """What the model answers, for the start-up log line."""
     if pooling is None:
@@ -329,12 +351,16 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lifecycle.attach(asyncio.get_running_loop())
+        if not await state.open_database():
+            yield
+            return
         loading = asyncio.create_task(state.load())
         try:
             yield
         finally:
             loading.cancel()
             await state.client.shutdown()
+            await state.stored.db().close()
 
     runtime_lora = settings.allow_runtime_lora_updating
     lora_requests = [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest] if runtime_lora else []
@@ -346,8 +372,9 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, metrics=state.metrics)
+    api_keys = read_keys(settings.api_key, settings.api_keys_file)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys, metrics=state.metrics)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, responses=_stream_response(ChatCompletionChunk)

@@ -108,6 +108,7 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
     values = flag_values(ServerSettings, args)
     # The environment variable keeps the key out of `ps` output and shell history.
     values["api_key"] = args.api_key or os.environ.get("FERRY_API_KEY") or None
+    values["database_url"] = args.database_url or os.environ.get("FERRY_DATABASE_URL") or None
     values["served_model_name"] = values["served_model_name"] or (default_served_name(_model_spec(args)),)
     try:
         return ServerSettings(**values)
@@ -134,6 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from server.lifecycle import FerryServer, Lifecycle
     from server.logs import configure_logging
     from server.lora import LoRAStartupError
+    from server.state.database import database_url
+    from server.state.keys import read_keys
 
     engine_config = build_engine_config(args)
     _check_parallel_layout(args, engine_config)
@@ -146,8 +149,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_node(engine_config)
     lifecycle = Lifecycle(settings.drain_timeout)
     try:
+        read_keys(settings.api_key, settings.api_keys_file)
+        database_url(settings.database_url, settings.state_dir)
         app = create_app(engine_config, settings, lifecycle)
-    except LoRAStartupError as exc:
+    except (LoRAStartupError, ValueError) as exc:
         args.parser.error(str(exc))
     config = uvicorn.Config(
         app,

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.logs import request_id
 from server.metrics import ServerMetrics
 from server.openai.errors import APIError
+from server.state.keys import OWNER_SCOPE_KEY, owner_of
 
 REQUEST_ID_HEADER = b"x-request-id"
 MAX_REQUEST_ID_LENGTH = 128
@@ -63,23 +64,30 @@ GUARDED_PATHS = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/rerank", "/score"
 
 
 class APIKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on the API (GUARDED_PATHS); probes and /metrics stay open for
-    orchestrators."""
+    """Require `Authorization: Bearer <key>` with one of the server's keys on the API (GUARDED_PATHS); probes and
+    /metrics stay open for orchestrators. The request's owner (server/state/keys.py) goes into its scope."""
 
-    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], metrics: ServerMetrics) -> None:
         self.app = app
-        self._expected = api_key.encode()
+        self._owners = [(key.encode(), owner_of(key)) for key in api_keys]
         self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS):
             scheme, _, provided = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            # Constant-time: the comparison must not reveal how much of a guessed key was right.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(provided.strip(), self._expected):
+            provided = provided.strip()
+            owner = None
+            # Constant-time, and every key compared: the time taken must reveal neither how much of a guessed key
+            # was right nor which key matched.
+            for key, key_owner in self._owners:
+                if hmac.compare_digest(provided, key):
+                    owner = key_owner
+            if scheme.lower() != b"bearer" or owner is None:
                 self._metrics.count_rejection("unauthorized")
                 error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
+            scope[OWNER_SCOPE_KEY] = owner
         await self.app(scope, receive, send)
 
 

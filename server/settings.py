@@ -19,6 +19,8 @@ ToolCallParserName = Literal["auto", "none", "hermes", "llama3_json", "mistral"]
 _MODEL = {"group": "model"}
 _SERVER = {"group": "server"}
 _LORA = {"group": "LoRA adapters"}
+_STATE = {"group": "stored state"}
+"""The help section of what outlives a request: stored responses, conversations, files, batches (server/state/)."""
 """The help section engine.config.LoRAConfig's flags are listed under."""
 
 
@@ -113,7 +115,36 @@ class ServerSettings:
     """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which add and remove adapters while
     serving (with --enable-lora). Requests already running with an adapter finish with it when it is unloaded."""
 
+    api_keys_file: str | None = field(default=None, metadata=_STATE)
+    """A file of API keys, one a line (blank lines and `#` comments skipped), each accepted as --api-key is.
+    What a key stores (responses, conversations, files, batches) belongs to that key: other keys cannot see it."""
+    state_dir: str | None = field(default=None, metadata=_STATE)
+    """Folder of the embedded SQLite database that stored responses, conversations, files and batches live in
+    (one replica); by default $FERRY_STATE_DIR, else $XDG_DATA_HOME/ferry (~/.local/share/ferry)."""
+    database_url: str | None = field(default=None, metadata=_STATE)
+    """A PostgreSQL server to keep that state in instead (`postgresql://user:password@host:5432/db`): what
+    several replicas share. `ferry serve` falls back to $FERRY_DATABASE_URL, which keeps the password out of `ps`."""
+    store_retention_days: float = field(default=30.0, metadata=_STATE)
+    """Days a stored response is kept after it was created (OpenAI keeps them 30 days); 0 keeps them until
+    deleted."""
+    max_stored_bytes_per_key: int = field(default=10 * 2**30, metadata=_STATE)
+    """Most bytes one API key may keep stored (responses, conversation items, files) before new stores are refused
+    (429, `insufficient_quota`); 0: no limit."""
+    max_file_bytes: int = field(default=200 * 2**20, metadata=_STATE)
+    """Largest file `POST /v1/files` accepts (413 beyond); a batch's input file holds at most 50,000 requests."""
+    batch_concurrency: int = field(default=16, metadata=_STATE)
+    """Requests of one batch a replica keeps in the engine at once; they run at a lower priority than interactive
+    requests, so the engine admits an interactive request ahead of any waiting batch request."""
+
     def __post_init__(self) -> None:
+        if self.store_retention_days < 0:
+            raise ValueError(f"store_retention_days must be >= 0, got {self.store_retention_days}")
+        if self.max_stored_bytes_per_key < 0:
+            raise ValueError(f"max_stored_bytes_per_key must be >= 0, got {self.max_stored_bytes_per_key}")
+        if self.max_file_bytes < 1:
+            raise ValueError(f"max_file_bytes must be >= 1, got {self.max_file_bytes}")
+        if self.batch_concurrency < 1:
+            raise ValueError(f"batch_concurrency must be >= 1, got {self.batch_concurrency}")
         if self.request_timeout < 0:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.drain_timeout < 0:

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.model_factory import build_model_dir, build_scripted_model_dir
+from tests.postgres_server import PostgresServer, postgres_server, unavailable_reason
 from tests.scripted_chat import CHAT_TEMPLATE, SCRIPTS
 
 if not torch.cuda.is_available():
@@ -16,6 +18,11 @@ if not torch.cuda.is_available():
     # first imported: torch imports it as soon as a test touches torch.compile, so it must be on from the start.
     # Never where a CUDA device is: there the kernels (inductor's too) run compiled (tests/test_gpu.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Stored state (server/state/) of the servers and apps the tests start goes into a folder of this run, never the
+# user's own; a test that restarts a server on the same state passes --state-dir itself.
+if "FERRY_STATE_DIR" not in os.environ:
+    os.environ["FERRY_STATE_DIR"] = tempfile.mkdtemp(prefix="ferry-test-state-")
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +68,13 @@ def compiling(_inductor_compiles: bool) -> None:
     if not _inductor_compiles:
         pytest.skip("torch inductor cannot compile here (no C++ compiler)")
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server for the session (skipped, saying why, only where one truly cannot start)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with postgres_server() as server:
+        yield server

@@ -152,7 +152,7 @@ def server_process(
                 cwd=REPO_ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_serve_env(env),
+                env=_serve_env({"FERRY_STATE_DIR": str(Path(tmp) / "state"), **(env or {})}),
             )
         server = ServerProcess(process, log_path, port)
         try:
