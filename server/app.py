@@ -355,10 +355,16 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             yield
             return
         loading = asyncio.create_task(state.load())
+        jobs = [asyncio.create_task(job()) for job in state.stored.jobs]
         try:
             yield
         finally:
             loading.cancel()
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            for hook in state.stored.on_shutdown:
+                await hook()
             await state.client.shutdown()
             await state.stored.db().close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
@@ -37,6 +38,11 @@ class StoredState:
     """Set once the lifespan has opened it (before the server reports ready)."""
     worker: str = field(default_factory=lambda: f"replica_{uuid.uuid4().hex}")
     """This server process's name in the leases it takes."""
+    jobs: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """Loops the server runs while it serves (the batch runner, the retention sweep, lease renewal), started once
+    the database is open and cancelled at shutdown; the route modules register theirs."""
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """Run at shutdown after the jobs stop, before the database closes (work still running is recorded as ended)."""
 
     def db(self) -> Database:
         if self.database is None:
