@@ -46,17 +46,20 @@ FROM ${CPU_IMAGE} AS cpu
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH \
-    HOME=/home/ferry
-# A fixed high UID that matches the Helm chart's securityContext and no host user. g++: the CPU attention
-# kernel is C++ that torch's extension tooling compiles for the CPU it finds (engine/attention/cpu_kernel.py),
-# and `--compile` levels other than none have inductor build C++ kernels at start-up.
+    HOME=/home/ferry \
+    FERRY_STATE_DIR=/data/ferry
+# A fixed high UID that matches the Helm chart's securityContext and no host user. FERRY_STATE_DIR (/data/ferry,
+# owned by that user) holds the SQLite database of stored responses, conversations, files and batches when no
+# --database-url is given: mount a volume there (`-v ferry-state:/data/ferry`) for them to outlive the container.
+# g++: the CPU attention kernel is C++ that torch's extension tooling compiles for the CPU it finds
+# (engine/attention/cpu_kernel.py), and `--compile` levels other than none have inductor build C++ kernels at start-up.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 ferry \
     && useradd --uid 10001 --gid ferry --create-home --home-dir /home/ferry --shell /usr/sbin/nologin ferry \
-    && mkdir /models && chown ferry:ferry /models
+    && mkdir -p /models /data/ferry && chown ferry:ferry /models /data/ferry
 COPY --from=cpu-builder /opt/venv /opt/venv
 USER 10001
 WORKDIR /home/ferry
@@ -112,14 +115,16 @@ FROM ${CUDA_IMAGE} AS gpu
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH \
-    HOME=/home/ferry
+    HOME=/home/ferry \
+    FERRY_STATE_DIR=/data/ferry
+# The same user and state folder as the CPU image.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 ferry \
     && useradd --uid 10001 --gid ferry --create-home --home-dir /home/ferry --shell /usr/sbin/nologin ferry \
-    && mkdir /models && chown ferry:ferry /models
+    && mkdir -p /models /data/ferry && chown ferry:ferry /models /data/ferry
 COPY --from=gpu-builder /opt/venv /opt/venv
 USER 10001
 WORKDIR /home/ferry

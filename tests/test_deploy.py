@@ -8,6 +8,7 @@ helm binary), kubernetes-validate (Kubernetes JSON schemas shipped in the packag
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -166,10 +168,11 @@ def test_all_options_renders_every_resource(helm: ModuleType) -> None:
         "name": kinds["Service"]["metadata"]["name"],
         "port": {"number": kinds["Service"]["spec"]["ports"][0]["port"]},
     }
-    secret_ref = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"][0]
-    assert secret_ref["name"] == "FERRY_API_KEY"
-    assert secret_ref["valueFrom"]["secretKeyRef"]["name"] == kinds["Secret"]["metadata"]["name"]
-    assert "--api-key" not in " ".join(container_args(list(kinds.values()))), "the key stays off the command line"
+    env = {e["name"]: e for e in kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["FERRY_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == kinds["Secret"]["metadata"]["name"]
+    assert env["FERRY_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "ferry-database", "key": "database-url"}
+    flags = {a.split("=")[0] for a in container_args(list(kinds.values()))}
+    assert flags.isdisjoint({"--api-key", "--database-url"}), "the key and the password stay off the command line"
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -228,7 +231,7 @@ def test_chart_variants(helm: ModuleType, values: dict[str, Any]) -> None:
         assert pod["initContainers"][0]["volumeMounts"][0]["name"] == "models"
     if values.get("gpu", {}).get("count") == 0:
         assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
-        assert "volumes" not in pod
+        assert [v["name"] for v in pod["volumes"]] == ["state"], "no /dev/shm, only the stored state's folder"
 
 
 @pytest.mark.parametrize(
@@ -238,8 +241,19 @@ def test_chart_variants(helm: ModuleType, values: dict[str, Any]) -> None:
         {"engine": {"schedulerPolicy": "lifo"}},
         {"termination": {"terminationGracePeriodSeconds": 30}},  # shorter than preStop + drain
         {"modelStorage": {"initContainers": [{"name": "fetch", "image": "busybox:1.36"}]}},  # no volume
+        {"state": {"retentionDay": 7}},
+        {"state": {"databaseUrl": {"value": "mysql://db/ferry"}}},  # Ferry keeps state in PostgreSQL only
+        {"postgresql": {"enabled": True, "password": "p@ss:word"}},  # would break the URL it goes into
     ],
-    ids=["engine-typo", "bad-enum", "grace-too-short", "init-without-volume"],
+    ids=[
+        "engine-typo",
+        "bad-enum",
+        "grace-too-short",
+        "init-without-volume",
+        "state-typo",
+        "not-postgresql",
+        "password-not-url-safe",
+    ],
 )
 def test_chart_rejects_bad_values(helm: ModuleType, values: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmError):
@@ -267,9 +281,10 @@ def _serve_help(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_chart_flags_are_real_ferry_serve_flags(helm: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
-    """Every flag the chart can emit (all options on) is one `ferry serve --help` documents."""
+    """Every flag the chart can emit (all options on, and the defaults' --state-dir) is one `ferry serve --help`
+    documents."""
     help_text = _serve_help(capsys)
-    flags = {a.split("=")[0] for a in container_args(render(helm, _all_options()))}
+    flags = {a.split("=")[0] for values in VALUE_SETS.values() for a in container_args(render(helm, values()))}
     missing = sorted(f for f in flags if not re.search(re.escape(f) + r"\b", help_text))
     assert not missing, f"chart emits flags `ferry serve` lacks: {missing}"
 
@@ -350,6 +365,9 @@ def test_multi_node_renders_a_leader_worker_set(helm: ModuleType, capsys: pytest
     assert "replicas" not in lws["spec"], "the HPA owns the replica count"
     leader, worker = group["leaderTemplate"], group["workerTemplate"]
     leader_container, worker_container = leader["spec"]["containers"][0], worker["spec"]["containers"][0]
+    # Stored state is the leader's (it serves HTTP): only it reads the database.
+    assert "FERRY_DATABASE_URL" in {e["name"] for e in leader_container["env"]}
+    assert "env" not in worker_container
     for container in (leader_container, worker_container):
         args = container["args"]
         for flag in ("--tensor-parallel-size=16", "--nnodes=2", "--node-rank=$(LWS_WORKER_INDEX)",
@@ -489,6 +507,173 @@ def test_the_picker_reads_lora_adapters_where_ferry_serves_them(helm: ModuleType
     assert "\nvllm:lora_requests_info{" in metrics.render().decode()
 
 
+# ------------------------------------------------------------------------------------------------ stored state
+
+DATABASE_SECRET = {"existingSecret": "ferry-database", "key": "url"}
+
+
+def _server_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return _named(docs, "Deployment")["demo-ferry"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _secret_value(secret: dict[str, Any], key: str) -> str:
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+@pytest.mark.parametrize(
+    "persistence",
+    [None, {"enabled": True, "storageClass": "ssd"}, {"enabled": True, "existingClaim": "old"}],
+    ids=["emptyDir", "pvc", "existing-pvc"],
+)
+def test_one_replica_keeps_state_in_sqlite_on_a_volume(helm: ModuleType, persistence: dict[str, Any] | None) -> None:
+    """By default (one replica, no database): no database env, --state-dir on a volume of its own."""
+    docs = render(helm, {"state": {"persistence": persistence}} if persistence else None)
+    _validate_all(docs)
+    deployment = _named(docs, "Deployment")["demo-ferry"]
+    assert deployment["spec"]["replicas"] == 1
+    assert {"StatefulSet", "Secret"}.isdisjoint(doc["kind"] for doc in docs)
+    ferry = _server_container(docs)
+    assert "FERRY_DATABASE_URL" not in _env(ferry)
+    assert not any(a.startswith(("--database-url", "--api-keys-file")) for a in ferry["args"])
+    assert "--state-dir=/data/ferry" in ferry["args"]
+    (mount,) = (m for m in ferry["volumeMounts"] if m["name"] == "state")
+    assert mount["mountPath"] == "/data/ferry" and not mount.get("readOnly")
+    (volume,) = (v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
+    claims = _named(docs, "PersistentVolumeClaim")
+    if persistence is None:
+        assert volume["emptyDir"] == {} and not claims
+    elif persistence.get("existingClaim"):
+        assert volume["persistentVolumeClaim"]["claimName"] == "old" and not claims, "an existing claim is not made"
+    else:
+        claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["storageClassName"] == "ssd"
+        assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep", "stored state survives uninstall"
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"replicaCount": 3},
+        {"autoscaling": {"enabled": True}},
+        {"replicaCount": 2, "state": {"persistence": {"enabled": True}}},  # a PVC does not make SQLite shared
+        {**_multi_node(), "state": {"databaseUrl": {"existingSecret": ""}}},
+    ],
+    ids=["replicas", "autoscaling", "replicas+pvc", "leader-worker-set"],
+)
+def test_several_replicas_without_a_database_are_refused(helm: ModuleType, values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmError) as error:
+        render(helm, values)
+    message = str(error.value)
+    assert "SQLite" in message and "split across pods" in message, message
+    for remedy in ("state.databaseUrl.existingSecret", "postgresql.enabled=true", "replicaCount: 1"):
+        assert remedy in message, remedy
+
+
+def test_one_database_at_a_time(helm: ModuleType) -> None:
+    with pytest.raises(helm.HelmError, match=re.escape("postgresql.enabled and state.databaseUrl")):
+        render(helm, {"postgresql": {"enabled": True}, "state": {"databaseUrl": DATABASE_SECRET}})
+
+
+@pytest.mark.parametrize("source", ["existingSecret", "value"])
+def test_replicas_share_a_database_by_secret(helm: ModuleType, source: str) -> None:
+    """Several replicas with a database URL from a Secret (an existing one, or the chart's of an inline URL): env
+    FERRY_DATABASE_URL from it, no SQLite folder."""
+    url = "postgresql://ferry:pw@db.example.com:5432/ferry"
+    database = DATABASE_SECRET if source == "existingSecret" else {"value": url, "key": "url"}
+    docs = render(helm, {"replicaCount": 3, "state": {"databaseUrl": database}})
+    _validate_all(docs)
+    deployment = _named(docs, "Deployment")["demo-ferry"]
+    assert deployment["spec"]["replicas"] == 3
+    ferry = _server_container(docs)
+    env = _env(ferry)["FERRY_DATABASE_URL"]
+    assert "value" not in env, "the URL (and its password) is never in the pod spec"
+    reference = env["valueFrom"]["secretKeyRef"]
+    assert reference["key"] == "url"
+    assert not any(a.startswith(("--database-url", "--state-dir")) for a in ferry["args"])
+    assert all(m["name"] != "state" for m in ferry["volumeMounts"]), "no SQLite folder with a database"
+    secrets = _named(docs, "Secret")
+    if source == "existingSecret":
+        assert reference["name"] == "ferry-database" and not secrets, "an existing Secret is not made"
+    else:
+        assert _secret_value(secrets[reference["name"]], "url") == url
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert "checksum/database-url" in annotations, "a changed URL rolls the pods"
+
+
+@pytest.mark.parametrize("password", ["s3cret-pass", ""], ids=["given", "generated"])
+def test_postgresql_statefulset_for_trying_replicas(helm: ModuleType, password: str) -> None:
+    from server.state.database import database_url
+
+    values = {"replicaCount": 2, "postgresql": {"enabled": True, "password": password}}
+    report = helm.lint(str(CHART), values, strict=True, kube_version="v" + KUBE_VERSIONS[0])
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
+    docs = render(helm, values)
+    _validate_all(docs)
+    (statefulset,) = _named(docs, "StatefulSet").values()
+    (secret,) = _named(docs, "Secret").values()
+    service = _named(docs, "Service")[statefulset["spec"]["serviceName"]]
+    spec = statefulset["spec"]
+    pod = spec["template"]["spec"]
+    (postgres,) = pod["containers"]
+    assert spec["replicas"] == 1 and postgres["image"].startswith("postgres:")
+    # The headless Service reaches the database pod, and no selector of the model pods does.
+    assert service["spec"]["clusterIP"] == "None"
+    pod_labels = spec["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
+    for selector in (
+        _named(docs, "Service")["demo-ferry"]["spec"]["selector"],
+        _named(docs, "PodDisruptionBudget")["demo-ferry"]["spec"]["selector"]["matchLabels"],
+    ):
+        assert not selector.items() <= pod_labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == postgres["ports"][0]["name"]
+    # Data on the claim template; ready when pg_isready says so; not root, no privilege escalation.
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] in {m["name"] for m in postgres["volumeMounts"]}
+    assert postgres["readinessProbe"]["exec"]["command"][0] == "pg_isready"
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    assert postgres["securityContext"]["allowPrivilegeEscalation"] is False
+    assert postgres["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    env = _env(postgres)
+    assert env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": secret["metadata"]["name"],
+        "key": "password",
+    }
+    # The server reads a URL to that Service, with the password the database was made with, which ferry accepts.
+    stored_password = _secret_value(secret, "password")
+    assert stored_password == (password or stored_password) and len(stored_password) >= 8
+    ferry = _server_container(docs)
+    reference = _env(ferry)["FERRY_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+    assert reference["name"] == secret["metadata"]["name"]
+    url = urlsplit(_secret_value(secret, reference["key"]))
+    assert url.scheme == "postgresql" and url.password == stored_password
+    assert (url.username, url.path) == (env["POSTGRES_USER"]["value"], "/" + env["POSTGRES_DB"]["value"])
+    assert url.hostname == f"{service['metadata']['name']}.llm.svc"
+    assert url.port == service["spec"]["ports"][0]["port"]
+    assert database_url(url.geturl(), None).startswith("postgresql+asyncpg://")
+    # The server waits for it before opening the database (it exits at start-up if it cannot).
+    (wait,) = _named(docs, "Deployment")["demo-ferry"]["spec"]["template"]["spec"]["initContainers"]
+    assert wait["command"][-1] == url.hostname
+
+
+def test_api_keys_secret_is_mounted_as_the_keys_file(helm: ModuleType) -> None:
+    docs = render(helm, {"state": {"apiKeysSecret": {"name": "ferry-keys", "key": "keys.txt"}}})
+    _validate_all(docs)
+    ferry = _server_container(docs)
+    (path,) = (a.split("=", 1)[1] for a in ferry["args"] if a.startswith("--api-keys-file="))
+    folder, name = path.rsplit("/", 1)
+    (mount,) = (m for m in ferry["volumeMounts"] if m["mountPath"] == folder)
+    assert mount["readOnly"]
+    pod = _named(docs, "Deployment")["demo-ferry"]["spec"]["template"]["spec"]
+    (volume,) = (v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "ferry-keys"
+    assert volume["secret"]["items"] == [{"key": "keys.txt", "path": name}]
+
+
 # ------------------------------------------------------------------------------------------ Dockerfile
 
 
@@ -524,6 +709,9 @@ def test_dockerfile_shape() -> None:
         assert 'VOLUME ["/models"]' in body, stage
         assert re.search(r"^HEALTHCHECK .*\n.*/health", body, re.M), stage
         assert re.search(r'^ENTRYPOINT \["ferry", "serve"', body, re.M), stage
+        # The default --state-dir (the SQLite database of stored state) exists and the image's user can write it.
+        assert "FERRY_STATE_DIR=/data/ferry" in body, stage
+        assert re.search(r"mkdir -p [^\n]*/data/ferry && chown ferry:ferry [^\n]*/data/ferry", body), stage
 
 
 def test_dockerignore_keeps_only_the_packages() -> None:
@@ -671,6 +859,7 @@ CPU_SERVER_VALUES = {
     "drainTimeout": 5,
     "logLevel": "warning",
 }
+CPU_STATE_VALUES = {"retentionDays": 7, "maxStoredBytesPerKey": 1048576, "maxFileBytes": 65536, "batchConcurrency": 2}
 
 
 def _queries() -> dict[str, str]:
@@ -687,13 +876,15 @@ def _queries() -> dict[str, str]:
     return queries
 
 
-def test_every_queried_metric_is_exported(helm: ModuleType, model_dir: Callable[[str], Path]) -> None:
+def test_every_queried_metric_is_exported(helm: ModuleType, model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from tests.server_harness import running_server
 
-    # The chart's own rendering of every engine and server flag, minus the port (the harness picks one).
-    docs = render(helm, {"engine": CPU_ENGINE_VALUES, "server": CPU_SERVER_VALUES, "gpu": {"count": 0}})
+    # The chart's own rendering of every engine, server and stored-state flag, minus the port (the harness picks
+    # one); the state folder is a temporary one here, not the image's /data/ferry.
+    state = {**CPU_STATE_VALUES, "stateDir": str(tmp_path / "state")}
+    docs = render(helm, {"engine": CPU_ENGINE_VALUES, "server": CPU_SERVER_VALUES, "state": state, "gpu": {"count": 0}})
     assert {k for k in CPU_ENGINE_VALUES} == {_camel(name) for name in ENGINE_FIELDS if name not in NOT_ENGINE_FLAGS}
     args = [a for a in container_args(docs) if not a.startswith("--port=")]
 

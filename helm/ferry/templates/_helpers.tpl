@@ -141,3 +141,75 @@ leader's address in LWS_WORKER_INDEX and LWS_LEADER_ADDRESS (the leader's index 
 app.kubernetes.io/name: {{ include "ferry.name" . }}-epp
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
+
+{{/*
+Stored state (server/state/). The Secret and key FERRY_DATABASE_URL comes from: state.databaseUrl.existingSecret,
+the Secret the chart makes of state.databaseUrl.value, or the chart's PostgreSQL's; empty name: no database, the
+SQLite file in state.stateDir. Fails the render for a layout that would split the state: several pods (replicas,
+or the autoscaler) each with a SQLite file of its own would each answer only for what it stored itself.
+*/}}
+{{- define "ferry.databaseSecretName" -}}
+{{- $url := .Values.state.databaseUrl }}
+{{- if and .Values.postgresql.enabled (or $url.existingSecret $url.value) }}
+{{- fail "postgresql.enabled and state.databaseUrl both name a database: set one (the chart's PostgreSQL is for trying it; state.databaseUrl points at your own)" }}
+{{- end }}
+{{- $name := "" }}
+{{- if $url.existingSecret }}
+{{- $name = $url.existingSecret }}
+{{- else if $url.value }}
+{{- $name = printf "%s-database" (include "ferry.fullname" .) }}
+{{- else if .Values.postgresql.enabled }}
+{{- $name = include "ferry.postgresqlName" . }}
+{{- end }}
+{{- if and (not $name) (or (gt (int64 .Values.replicaCount) 1) .Values.autoscaling.enabled) }}
+{{- $why := ternary "autoscaling.enabled is true" (printf "replicaCount is %d" (int64 .Values.replicaCount)) .Values.autoscaling.enabled }}
+{{- fail (printf "%s but no database is set: stored responses, conversations, files and batches would be split across pods, each keeping its own SQLite file, so a client would see only what the pod it reached stored. Set state.databaseUrl.existingSecret (a Secret holding a postgresql:// URL; or state.databaseUrl.value), or postgresql.enabled=true (a one-pod PostgreSQL for trying it), or run one replica (replicaCount: 1, autoscaling.enabled: false)" $why) }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
+{{- define "ferry.databaseSecretKey" -}}
+{{- if or .Values.state.databaseUrl.existingSecret .Values.state.databaseUrl.value }}
+{{- .Values.state.databaseUrl.key }}
+{{- else }}database-url{{ end }}
+{{- end }}
+
+{{/* `ferry serve` flags of stored state; --state-dir only without a database (the SQLite file's folder). */}}
+{{- define "ferry.stateArgs" -}}
+{{- $state := .Values.state }}
+{{- if not (include "ferry.databaseSecretName" .) }}
+- {{ printf "--state-dir=%s" $state.stateDir | quote }}
+{{- end }}
+{{- with $state.apiKeysSecret.name }}
+- {{ printf "--api-keys-file=%s" (include "ferry.apiKeysFile" $) | quote }}
+{{- end }}
+{{- include "ferry.flags" (dict "storeRetentionDays" $state.retentionDays "maxStoredBytesPerKey" $state.maxStoredBytesPerKey "maxFileBytes" $state.maxFileBytes "batchConcurrency" $state.batchConcurrency) }}
+{{- end }}
+
+{{/* Where the keys of state.apiKeysSecret are mounted. */}}
+{{- define "ferry.apiKeysFile" -}}
+/etc/ferry/api-keys/{{ .Values.state.apiKeysSecret.key }}
+{{- end }}
+
+{{/* The chart's PostgreSQL: its StatefulSet, Service and Secret share the name (52 characters at most: a
+StatefulSet's pods get a controller-revision-hash label of its name and a hash). */}}
+{{- define "ferry.postgresqlName" -}}
+{{- printf "%s-postgresql" (include "ferry.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ferry.postgresqlHost" -}}
+{{- printf "%s.%s.svc" (include "ferry.postgresqlName" .) .Release.Namespace }}
+{{- end }}
+
+{{/* A name of their own, so that no selector of the model pods (Service, PDB, ServiceMonitor) matches them. */}}
+{{- define "ferry.postgresqlSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "ferry.name" . }}-postgresql
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "ferry.postgresqlLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "ferry.postgresqlSelectorLabels" . }}
+app.kubernetes.io/component: database
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}

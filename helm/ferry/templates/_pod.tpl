@@ -16,6 +16,12 @@ Called as (include "ferry.podTemplate" (dict "root" $ "role" "server")).
 {{- $modelVolume := ne $storage.type "none" }}
 {{- $serverFlags := omit $values.server "model" "port" "apiKey" }}
 {{- $serves := ne $role "worker" }}
+{{- /* Stored state is the serving pods' only: a worker runs its ranks, no HTTP and no database. */}}
+{{- $database := include "ferry.databaseSecretName" $root }}
+{{- $state := $values.state }}
+{{- $stateVolume := and $serves (not $database) }}
+{{- $apiKeys := and $serves $state.apiKeysSecret.name }}
+{{- $waitForDatabase := and $serves $values.postgresql.enabled }}
 metadata:
   labels:
     {{- include "ferry.selectorLabels" $root | nindent 4 }}
@@ -25,11 +31,15 @@ metadata:
     {{- with $values.podLabels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  {{- if or $values.server.apiKey.value (and $values.metrics.podAnnotations $serves) $values.podAnnotations }}
+  {{- $databaseUrlValue := and $serves $database $state.databaseUrl.value (not $state.databaseUrl.existingSecret) }}
+  {{- if or $values.server.apiKey.value $databaseUrlValue (and $values.metrics.podAnnotations $serves) $values.podAnnotations }}
   annotations:
     {{- if $values.server.apiKey.value }}
     # Roll the pods when the chart-managed API key changes.
     checksum/api-key: {{ $values.server.apiKey.value | sha256sum }}
+    {{- end }}
+    {{- if $databaseUrlValue }}
+    checksum/database-url: {{ $state.databaseUrl.value | sha256sum }}
     {{- end }}
     {{- if and $values.metrics.podAnnotations $serves }}
     prometheus.io/scrape: "true"
@@ -54,9 +64,37 @@ spec:
   securityContext:
     {{- toYaml $values.podSecurityContext | nindent 4 }}
   terminationGracePeriodSeconds: {{ include "ferry.terminationGracePeriodSeconds" $root }}
-  {{- with $storage.initContainers }}
+  {{- if or $storage.initContainers $waitForDatabase }}
   initContainers:
-    {{- range . }}
+    {{- if $waitForDatabase }}
+    # The server opens its database first thing at start-up and exits if it cannot: wait for the chart's
+    # PostgreSQL to take connections (its headless Service resolves once the pod is ready).
+    - name: wait-for-postgresql
+      image: {{ include "ferry.image" $root | quote }}
+      imagePullPolicy: {{ $values.image.pullPolicy }}
+      command:
+        - python
+        - -c
+        - |
+          import socket, sys, time
+          while True:
+              try:
+                  socket.create_connection((sys.argv[1], 5432), timeout=5).close()
+                  break
+              except OSError as error:
+                  print(f"waiting for {sys.argv[1]}:5432: {error}", flush=True)
+                  time.sleep(2)
+        - {{ include "ferry.postgresqlHost" $root | quote }}
+      resources:
+        requests:
+          cpu: 10m
+          memory: 32Mi
+        limits:
+          memory: 128Mi
+      securityContext:
+        {{- toYaml $values.securityContext | nindent 8 }}
+    {{- end }}
+    {{- range $storage.initContainers }}
     - name: {{ .name }}
       {{- toYaml (omit . "name" "volumeMounts") | nindent 6 }}
       volumeMounts:
@@ -86,10 +124,15 @@ spec:
         {{- with include "ferry.tensorParallelArgs" $root | trim }}
         {{- . | nindent 8 }}
         {{- end }}
+        {{- if $serves }}
+        {{- with include "ferry.stateArgs" $root | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- end }}
         {{- range $values.extraArgs }}
         - {{ . | quote }}
         {{- end }}
-      {{- if or (include "ferry.apiKeyEnabled" $root) $values.extraEnv }}
+      {{- if or (include "ferry.apiKeyEnabled" $root) (and $serves $database) $values.extraEnv }}
       env:
         {{- if include "ferry.apiKeyEnabled" $root }}
         - name: FERRY_API_KEY
@@ -97,6 +140,14 @@ spec:
             secretKeyRef:
               name: {{ include "ferry.apiKeySecretName" $root }}
               key: {{ $values.server.apiKey.secretKey }}
+        {{- end }}
+        {{- if and $serves $database }}
+        # The stored-state database (--database-url's fallback): the password stays out of the pod spec and `ps`.
+        - name: FERRY_DATABASE_URL
+          valueFrom:
+            secretKeyRef:
+              name: {{ $database }}
+              key: {{ include "ferry.databaseSecretKey" $root }}
         {{- end }}
         {{- with $values.extraEnv }}
         {{- toYaml . | nindent 8 }}
@@ -135,7 +186,7 @@ spec:
         {{- toYaml $resources | nindent 8 }}
       securityContext:
         {{- toYaml $values.securityContext | nindent 8 }}
-      {{- if or $modelVolume $values.shm.enabled $values.extraVolumeMounts }}
+      {{- if or $modelVolume $values.shm.enabled $stateVolume $apiKeys $values.extraVolumeMounts }}
       volumeMounts:
         {{- if $modelVolume }}
         - name: models
@@ -146,11 +197,20 @@ spec:
         - name: dshm
           mountPath: /dev/shm
         {{- end }}
+        {{- if $stateVolume }}
+        - name: state
+          mountPath: {{ $state.stateDir }}
+        {{- end }}
+        {{- if $apiKeys }}
+        - name: api-keys
+          mountPath: {{ dir (include "ferry.apiKeysFile" $root) }}
+          readOnly: true
+        {{- end }}
         {{- with $values.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
       {{- end }}
-  {{- if or $modelVolume $values.shm.enabled $values.extraVolumes }}
+  {{- if or $modelVolume $values.shm.enabled $stateVolume $apiKeys $values.extraVolumes }}
   volumes:
     {{- if eq $storage.type "pvc" }}
     - name: models
@@ -171,6 +231,25 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $values.shm.sizeLimit }}
+    {{- end }}
+    {{- if $stateVolume }}
+    # The SQLite database of stored state (one replica: several would each keep their own).
+    - name: state
+      {{- if $state.persistence.enabled }}
+      persistentVolumeClaim:
+        claimName: {{ default (printf "%s-state" (include "ferry.fullname" $root)) $state.persistence.existingClaim }}
+      {{- else }}
+      emptyDir: {}
+      {{- end }}
+    {{- end }}
+    {{- if $apiKeys }}
+    - name: api-keys
+      secret:
+        secretName: {{ $state.apiKeysSecret.name }}
+        items:
+          - key: {{ $state.apiKeysSecret.key }}
+            path: {{ $state.apiKeysSecret.key }}
+        defaultMode: 0440
     {{- end }}
     {{- with $values.extraVolumes }}
     {{- toYaml . | nindent 4 }}
