@@ -48,6 +48,9 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     """Lower runs first (only with the `priority` scheduling policy)."""
+    batch: bool = False
+    """A line of the Batch API: it waits behind every interactive request and is preempted before any of them,
+    under either scheduling policy, so batch work runs in the capacity interactive requests leave."""
     pooling: PoolingParams | None = None
     """Pool the prompt instead of generating (`params` is then not read): the model must pool (engine/pooling/)."""
     prediction: tuple[int, ...] = ()
@@ -178,6 +181,7 @@ class EngineLoop:
                 request.prompt_ids,
                 request.params,
                 request.priority,
+                batch=request.batch,
                 pooling=request.pooling,
                 prediction=request.prediction,
                 lora=request.lora,

@@ -214,13 +214,15 @@ class EngineCore:
         params: SamplingParams,
         priority: int = 0,
         *,
+        batch: bool = False,
         pooling: PoolingParams | None = None,
         prediction: tuple[int, ...] = (),
         lora: LoRARequest | None = None,
     ) -> bool:
         """Take a request, or raise RequestRejected / QueueFull. True when it joined the scheduler; False when it
         waits for its grammar to compile, and `settle_grammars` later tells whether it joined or was refused.
-        `priority` (lower runs first) needs the `priority` scheduling policy. `pooling`: pool the prompt instead
+        `priority` (lower runs first) needs the `priority` scheduling policy. `batch`: a line of the Batch API,
+        which waits behind every interactive request under either policy. `pooling`: pool the prompt instead
         of generating (`params` is not read then). `prediction`: the output the client expects, drafted from
         (OpenAI's Predicted Outputs). `lora`: the adapter to run with (--enable-lora)."""
         if not prompt_ids:
@@ -275,7 +277,13 @@ class EngineCore:
             raise QueueFull(f"{num_waiting} requests are already waiting")
         eos = frozenset(params.eos_token_ids) if params.eos_token_ids is not None else self.eos_token_ids
         request = Request(
-            request_id, list(prompt_ids), params, eos, generator_seed=self._seed_for(request_id), priority=priority
+            request_id,
+            list(prompt_ids),
+            params,
+            eos,
+            generator_seed=self._seed_for(request_id),
+            priority=priority,
+            batch=batch,
         )
         request.predicted_ids = tuple(prediction)
         if lora is not None:

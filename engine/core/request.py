@@ -287,6 +287,9 @@ class Request:
     generator_seed: int = 0
     priority: int = 0
     """Lower runs first under the `priority` scheduling policy."""
+    batch: bool = False
+    """A line of the Batch API: it waits behind every interactive request, under either scheduling policy, and
+    is preempted before any of them."""
     num_prompt_logprobs: int = 0
     """Prompt positions whose logprobs were already reported (a recompute after preemption repeats none)."""
     num_in_flight_tokens: int = 0

@@ -10,6 +10,10 @@ Memory pressure is handled by preemption with recompute: the newest running requ
 goes back to the front of the waiting queue, keeping its generated tokens; on resume it re-matches the prefix
 cache (its own pages are often still cached) and recomputes the rest.
 
+Batch requests (`Request.batch`: the Batch API's lines) are a class below interactive ones under both policies:
+every waiting interactive request is admitted before any waiting batch request, and a running batch request is
+preempted before any interactive one. Without batch requests the order is exactly the policy's own.
+
 Plans may run ahead of results by one step (async scheduling: step N+1 is planned while step N runs). A request
 then counts the tokens of planned steps not yet applied (`num_in_flight_tokens`) and the tokens those steps will
 sample for it (`num_pending_samples`): the next plan starts after them, and a decode of a token not yet known is
@@ -65,6 +69,9 @@ class RequestQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(self._items.values())
 
+    def __reversed__(self) -> Iterator[Request]:
+        return reversed(self._items.values())
+
     def __contains__(self, item: object) -> bool:
         if isinstance(item, Request):
             return self._items.get(item.request_id) is item
@@ -97,9 +104,58 @@ class RequestQueue:
         return self._items.pop(request_id, None)
 
 
-def priority_key(request: Request) -> tuple[int, float]:
-    """Order under the `priority` policy: lower priority value first, then earlier arrival."""
-    return (request.priority, request.arrival_time)
+class InteractiveFirstQueue:
+    """Waiting requests under the `fcfs` policy: the same interface as RequestQueue, where every interactive
+    request comes before every batch request and each class keeps RequestQueue's order (arrival, preempted ones
+    back at the front). Requests are routed by `Request.batch`, so a preempted batch request goes back to the
+    front of the batch requests, still behind every interactive one. Without batch requests it is RequestQueue."""
+
+    def __init__(self) -> None:
+        self._interactive = RequestQueue()
+        self._batch = RequestQueue()
+
+    def _queue(self, request: Request) -> RequestQueue:
+        return self._batch if request.batch else self._interactive
+
+    def __len__(self) -> int:
+        return len(self._interactive) + len(self._batch)
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain(self._interactive, self._batch)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._interactive or item in self._batch
+
+    def __repr__(self) -> str:
+        return f"InteractiveFirstQueue({[request.request_id for request in self]})"
+
+    def get(self, request_id: str) -> Request | None:
+        return self._interactive.get(request_id) or self._batch.get(request_id)
+
+    def first(self) -> Request:
+        return self._interactive.first() if self._interactive else self._batch.first()
+
+    def last(self) -> Request:
+        return self._batch.last() if self._batch else self._interactive.last()
+
+    def append(self, request: Request) -> None:
+        self._queue(request).append(request)
+
+    def appendleft(self, request: Request) -> None:
+        self._queue(request).appendleft(request)
+
+    def popleft(self) -> Request:
+        return self._interactive.popleft() if self._interactive else self._batch.popleft()
+
+    def remove(self, request_id: str) -> Request | None:
+        """Remove and return the request, or None if it is not here."""
+        return self._interactive.remove(request_id) or self._batch.remove(request_id)
+
+
+def priority_key(request: Request) -> tuple[bool, int, float]:
+    """Order under the `priority` policy: interactive before batch requests, then lower priority value first,
+    then earlier arrival."""
+    return (request.batch, request.priority, request.arrival_time)
 
 
 class PriorityRequestQueue:
@@ -108,7 +164,7 @@ class PriorityRequestQueue:
 
     def __init__(self) -> None:
         self._items: dict[str, Request] = {}
-        self._order: list[tuple[tuple[int, float], str]] = []
+        self._order: list[tuple[tuple[bool, int, float], str]] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -206,8 +262,8 @@ class _StepBuilder:
 class Scheduler:
     """Plans each step from the running and waiting requests (`schedule`) and applies its result (`update`).
 
-    `waiting` and `running` are RequestQueues (ordered, O(1) removal by id) rather than the deque and list
-    the interface names; they support the same len/iteration/`in` uses.
+    `waiting` and `running` are RequestQueues or queues of the same interface (ordered, O(1) removal by id)
+    rather than the deque and list the interface names; they support the same len/iteration/`in` uses.
     """
 
     def __init__(
@@ -219,12 +275,13 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self._by_priority = config.scheduling_policy == "priority"
-        self.waiting: RequestQueue | PriorityRequestQueue = (
-            PriorityRequestQueue() if self._by_priority else RequestQueue()
+        self.waiting: InteractiveFirstQueue | PriorityRequestQueue = (
+            PriorityRequestQueue() if self._by_priority else InteractiveFirstQueue()
         )
-        """Arrival order, preempted requests back at the front (`fcfs`); or by `priority_key` (`priority`)."""
+        """Interactive requests before batch ones; within each, arrival order with preempted requests back at the
+        front (`fcfs`); or by `priority_key` (`priority`), which puts batch requests last too."""
         self.running = RequestQueue()
-        """Admission order: the last one is the newest, the first to be preempted."""
+        """Admission order: the last one is the newest, the first to be preempted (after any batch request)."""
         self.num_preemptions = 0
         # Whole pages; rounded first so that float noise (0.07 * 100 = 7.000000000000001) does not add a page.
         self._margin_pages = math.ceil(round(config.safety_margin * kv_cache.num_pages, 6))
@@ -275,7 +332,7 @@ class Scheduler:
         requests with a step in flight not to plan ahead of its result (so that the next plan can give them drafts,
         which only a request with nothing in flight carries)."""
         builder = _StepBuilder(self.config.max_batch_tokens, self.config.max_num_seqs)
-        # Under the priority policy the most important running requests get the budget first.
+        # Under the priority policy the most important running requests get the budget first (batch ones last).
         running = sorted(self.running, key=priority_key) if self._by_priority else list(self.running)
         if self.config.scheduler_policy == "prefill_first":
             self._admit_waiting(builder)
@@ -546,17 +603,25 @@ class Scheduler:
 
     def _reserve_pages(self, request: Request, num_new: int, builder: _StepBuilder) -> PageTables | None:
         """Allocate pages for `num_new` more tokens after those in flight, preempting running requests until they
-        fit: the newest, or under the priority policy the lowest-priority one (the latest arrival among equals).
+        fit (see `_victim`).
 
         Returns None when the request had to preempt itself. Terminates: every failed try removes one request
         from `running`, and the request itself is in it.
         """
         while (grant := self.kv_cache.allocate(request, request.num_in_flight_tokens + num_new)) is None:
-            victim = max(self.running, key=priority_key) if self._by_priority else self.running.last()
+            victim = self._victim()
             self._preempt(victim, builder)
             if victim is request:
                 return None
         return grant
+
+    def _victim(self) -> Request:
+        """The running request to preempt next: a batch request before any interactive one, since batch work gives
+        way first; within a class, the newest (`fcfs`) or the lowest-priority one, the latest arrival among equals
+        (`priority`: the maximum of `priority_key`, whose first field is `batch`)."""
+        if self._by_priority:
+            return max(self.running, key=priority_key)
+        return next((request for request in reversed(self.running) if request.batch), self.running.last())
 
     def _preempt(self, request: Request, builder: _StepBuilder) -> None:
         self.kv_cache.free(request.request_id)
@@ -569,8 +634,8 @@ class Scheduler:
         if isinstance(self.waiting, PriorityRequestQueue):
             self.waiting.append(request)
         else:
-            # Front of the queue: it was admitted before everything still waiting. Victims are taken newest
-            # first, so several preempted in one step end up in their original admission order.
+            # Front of its class's queue: it was admitted before everything of its class still waiting. Victims of
+            # a class are taken newest first, so several preempted in one step end up in their admission order.
             self.waiting.appendleft(request)
         builder.preempt(request)
 

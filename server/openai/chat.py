@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from server.openai.choices import ChoiceState
-from server.openai.generation import Generation, ServingContext, start_generation
+from server.openai.generation import Generation, ServingContext, is_batch, start_generation
 from server.openai.logprobs import chat_logprobs
 from server.openai.schemas import (
     ChatChoice,
@@ -71,6 +71,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         if body.prediction is None
         else ctx.tokenizer.encode(body.prediction.text(), add_special_tokens=False),
         lora=lora,
+        batch=is_batch(request),
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from engine.core.request import TokenLogprob
 from server.openai.choices import ChoiceState
 from server.openai.errors import invalid_request
-from server.openai.generation import Generation, ServingContext, start_generation
+from server.openai.generation import Generation, ServingContext, is_batch, start_generation
 from server.openai.logprobs import completion_logprobs, echoed_prompt_logprobs, joined
 from server.openai.schemas import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.tokens import Tokenizer
@@ -42,6 +42,7 @@ async def serve_completion(ctx: ServingContext, body: CompletionRequest, request
         arrival=arrival,
         constraint=body.vllm_constraint(),
         lora=lora,
+        batch=is_batch(request),
     )
     if body.stream:
         return generation.stream_response(CompletionResponse, _chunk_choices(generation, body, ctx.tokenizer, echo))

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from engine.pooling.config import PoolingConfig
 from server.openai.errors import invalid_request
-from server.openai.generation import ServingContext
+from server.openai.generation import ServingContext, is_batch
 from server.openai.pooling import (
     InputLimit,
     PoolingInput,
@@ -42,7 +42,7 @@ async def serve_embeddings(ctx: ServingContext, body: EmbeddingRequest, request:
     limit = InputLimit.of(ctx)
     inputs = _inputs(ctx, body, prompt, limit)
     response_id = f"embd-{uuid.uuid4().hex}"
-    call = await start_pooling(ctx, response_id, inputs, arrival, "input")
+    call = await start_pooling(ctx, response_id, inputs, arrival, "input", batch=is_batch(request))
 
     def build(vectors: list[list[float]]) -> EmbeddingResponse:
         data = [

@@ -43,6 +43,17 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = 1
 """Suggested back-off after a 429: the waiting queue moves on within a few engine steps."""
 
+BATCH_SCOPE_KEY = "ferry_batch"
+"""The ASGI scope key that marks a call as a line of the Batch API (`True`): the batch runner calls the route
+functions (serve_chat_completion and the like) with a request whose scope carries it, and their engine requests
+are then batch requests, which the engine schedules behind every interactive one. An HTTP client cannot set a
+scope key (a header of that name is no scope key), so no client's call can pass for a batch line."""
+
+
+def is_batch(request: Request) -> bool:
+    """Whether the call is a line of the Batch API (see `BATCH_SCOPE_KEY`)."""
+    return request.scope.get(BATCH_SCOPE_KEY) is True
+
 
 class GenerationRequest(Protocol):
     """What the generation core reads of an endpoint's request (chat, completions, responses)."""
@@ -372,6 +383,7 @@ async def start_generation(
     reasoning_splitter: Callable[[], ReasoningSplitter] | None = None,
     prediction: list[int] | None = None,
     lora: LoRARequest | None = None,
+    batch: bool = False,
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
@@ -379,7 +391,8 @@ async def start_generation(
     the context length. `constraint` is enforced on every choice; `reasoning_splitter` makes each choice's splitter
     of reasoning from answer, `tool_reader` its reader of tool calls (None: no such stage). `prediction`: the
     tokens every choice's answer is predicted to be (Predicted Outputs). `lora`: the adapter every choice runs with
-    (check_request's answer).
+    (check_request's answer). `batch`: the call is a line of the Batch API (`is_batch`), whose engine requests
+    wait behind every interactive request.
     """
     structured_output = None
     if constraint is not None:
@@ -404,6 +417,7 @@ async def start_generation(
                     prompt,
                     params,
                     body.priority,
+                    batch=batch,
                     prediction=tuple(prediction or ()),
                     lora=lora,
                 )

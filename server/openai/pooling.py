@@ -213,10 +213,17 @@ class PoolingCall:
 
 
 async def start_pooling(
-    ctx: ServingContext, response_id: str, inputs: Sequence[PoolingInput], arrival: float, param: str
+    ctx: ServingContext,
+    response_id: str,
+    inputs: Sequence[PoolingInput],
+    arrival: float,
+    param: str,
+    *,
+    batch: bool = False,
 ) -> PoolingCall:
     """Submit one pooling request per input and wait until the engine took them all; `param` names the field the
-    inputs came from."""
+    inputs came from. `batch`: the call is a line of the Batch API (`is_batch`), whose engine requests wait behind
+    every interactive request."""
     if ctx.max_queue_size and len(inputs) > ctx.max_queue_size:
         # The engine would queue some and refuse the rest as a full queue: a 429 that no retry could ever pass.
         raise invalid_request(
@@ -230,6 +237,7 @@ async def start_pooling(
             f"{response_id}-{i}",
             pooling_input.token_ids,
             SamplingParams(max_new_tokens=1),
+            batch=batch,
             pooling=PoolingParams(tuple(pooling_input.token_type_ids)),
         )
         for i, pooling_input in enumerate(inputs)

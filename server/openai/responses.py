@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from server.openai.choices import ChoiceUpdate
 from server.openai.errors import APIError
-from server.openai.generation import Generation, ServingContext, start_generation
+from server.openai.generation import Generation, ServingContext, is_batch, start_generation
 from server.openai.responses_input import template_messages
 from server.openai.responses_schemas import (
     EchoedFunctionTool,
@@ -87,6 +87,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
         tool_reader=tool_use.reader_factory() if tool_use else None,
         lora=lora,
+        batch=is_batch(request),
     )
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, generation.model))
     if body.stream:
