@@ -233,7 +233,8 @@ class SchedulerConfig:
     """Order of the waiting queue and choice of preemption victims (vLLM's option). `fcfs`: arrival order, the
     newest running request is preempted first; `priority`: by each request's `priority` (lower runs first, ties in
     arrival order), running requests get the step's budget in that order, and the lowest-priority running request
-    is preempted first."""
+    is preempted first. Under either, the Batch API's requests wait behind every interactive one and are preempted
+    first."""
     safety_margin: float = field(default=0.0, metadata=_SCHEDULING)
     """Fraction of all pages kept free for running sequences to grow into: no new prefill is admitted below it."""
     max_queue_size: int = field(default=1024, metadata=_SCHEDULING)
