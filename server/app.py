@@ -33,10 +33,19 @@ from server.lifecycle import Lifecycle, Phase
 from server.lora import LoadLoRAAdapterRequest, ServedAdapter, UnloadLoRAAdapterRequest, startup_registry
 from server.metrics import ServerMetrics, rejection_reason
 from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from server.openai.batches import add_batch_routes
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
 from server.openai.embeddings import serve_embeddings
-from server.openai.errors import APIError, ErrorResponse, internal_error, invalid_request, service_unavailable
+from server.openai.errors import (
+    ERROR_RESPONSES,
+    APIError,
+    ErrorResponse,
+    internal_error,
+    invalid_request,
+    service_unavailable,
+)
+from server.openai.files import add_file_routes
 from server.openai.generation import ServingContext
 from server.openai.pooling_schemas import (
     EmbeddingRequest,
@@ -84,8 +93,7 @@ PROMETHEUS_TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """/metrics' format, named exactly: prometheus_client's CONTENT_TYPE_LATEST moved on to 1.0.0, which Prometheus
 servers before 3.0 do not know."""
 
-# Documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape).
-_ERRORS: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
+_ERRORS = ERROR_RESPONSES
 _UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse}}
 _JSON_ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
@@ -377,7 +385,14 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     )
     _add_error_handlers(app, state.metrics)
     # Starlette runs the last-added middleware first: the key check comes before reading any body.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes, metrics=state.metrics)
+    # An upload to /v1/files has a limit of its own: --max-file-bytes for the file (checked by the route), and a
+    # mebibyte for the multipart form around it.
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        metrics=state.metrics,
+        limits={("POST", "/v1/files"): settings.max_file_bytes + 2**20},
+    )
     api_keys = read_keys(settings.api_key, settings.api_keys_file)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys, metrics=state.metrics)
@@ -504,6 +519,9 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": ferry_version()}
+
+    add_file_routes(app, state.stored)
+    add_batch_routes(app, state.stored, state.get_serving, state.metrics)
 
     if settings.ui:
         mount_ui(app)

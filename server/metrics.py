@@ -48,6 +48,11 @@ SNAPSHOT_SAMPLES = (
 )
 
 
+BATCH_STATUSES = (
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+)  # fmt: skip
+
+
 class ServerMetrics:
     """The server's own registry (not the process-global one), so apps never collide on metric names."""
 
@@ -134,6 +139,15 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "ferry:iteration_tokens_total", "Tokens computed per engine step.", ITERATION_TOKEN_BUCKETS
         ).labels(model_name)
+        self._batch_requests = counter(
+            "ferry:batch_requests",
+            "Requests of the Batch API recorded, by outcome: completed (output file) or failed (error file).",
+            ("outcome",),
+        )
+        self._batches = Gauge(
+            "ferry:batches", "Batches stored, by status (every replica's: read from the database).",
+            [*model, "status"], registry=self.registry,
+        )  # fmt: skip
         self._request_rejected = counter(
             "ferry:request_rejected",
             "Requests refused, by reason: queue_full, timeout, invalid, unauthorized, unavailable.",
@@ -194,6 +208,14 @@ class ServerMetrics:
 
     def count_success(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
+
+    def count_batch_request(self, failed: bool) -> None:
+        self._batch_requests.labels(self._model_name, "failed" if failed else "completed").inc()
+
+    def set_batches(self, by_status: dict[str, int]) -> None:
+        """The gauge of batches by status; every status OpenAI names is present, 0 when none."""
+        for status in BATCH_STATUSES:
+            self._batches.labels(self._model_name, status).set(by_status.get(status, 0))
 
     def count_rejection(self, reason: RejectionReason) -> None:
         self._request_rejected.labels(self._model_name, reason).inc()

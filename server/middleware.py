@@ -98,18 +98,23 @@ class BodySizeLimitMiddleware:
     replay, `receive` goes back to the server so a handler can still hear the client disconnect.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics, limits: dict[tuple[str, str], int] | None = None
+    ) -> None:
+        """`limits`: other limits by (method, path), for routes that take larger bodies (an upload)."""
         self.app = app
         self.max_bytes = max_bytes
         self._metrics = metrics
+        self._limits = limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        max_bytes = self._limits.get((scope["method"], scope["path"]), self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await self._reject(scope, receive, send, max_bytes)
             return
         chunks: list[bytes] = []
         size = 0
@@ -119,8 +124,8 @@ class BodySizeLimitMiddleware:
                 return  # the client left before sending its request
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
-                await self._reject(scope, receive, send)
+            if size > max_bytes:
+                await self._reject(scope, receive, send, max_bytes)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -137,9 +142,9 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
         self._metrics.count_rejection("invalid")
         error = APIError(
-            413, f"The request body exceeds the server's limit of {self.max_bytes} bytes.", code="request_too_large"
+            413, f"The request body exceeds the server's limit of {max_bytes} bytes.", code="request_too_large"
         )
         await error.response()(scope, receive, send)

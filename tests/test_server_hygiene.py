@@ -241,9 +241,20 @@ OPERATIONS = [
     # Pooling: this server's model generates, so these reach their refusal (tests/test_server_pooling.py serves them).
     ("POST", "/v1/embeddings"), ("POST", "/v1/rerank"), ("POST", "/rerank"), ("POST", "/v2/rerank"),
     ("POST", "/v1/score"), ("POST", "/score"),
+    # Stored state: files and batches (tests/test_server_batches.py runs them end to end).
+    ("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/{file_id}"), ("DELETE", "/v1/files/{file_id}"),
+    ("GET", "/v1/files/{file_id}/content"), ("POST", "/v1/batches"), ("GET", "/v1/batches"),
+    ("GET", "/v1/batches/{batch_id}"), ("POST", "/v1/batches/{batch_id}/cancel"),
 ]  # fmt: skip
-WITH_INPUT = {operation for operation in OPERATIONS if operation[0] == "POST" or "{" in operation[1]}
-# Schema-violating input only where there is input: a body or a path parameter.
+# Any string is a valid stored object's id, so a path of only such an id has no input that violates its schema.
+_ANY_ID = {("GET", "/v1/files/{file_id}"), ("DELETE", "/v1/files/{file_id}"), ("GET", "/v1/files/{file_id}/content"),
+           ("GET", "/v1/batches/{batch_id}"), ("POST", "/v1/batches/{batch_id}/cancel")}  # fmt: skip
+WITH_INPUT = {
+    operation
+    for operation in OPERATIONS
+    if (operation[0] == "POST" or "{" in operation[1]) and operation not in _ANY_ID
+}
+# Schema-violating input only where there is input: a body or a constrained path parameter.
 FUZZ_RUNS = [(method, path, GenerationMode.POSITIVE) for method, path in OPERATIONS] + [
     (method, path, GenerationMode.NEGATIVE) for method, path in OPERATIONS if (method, path) in WITH_INPUT
 ]

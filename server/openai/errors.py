@@ -62,6 +62,11 @@ def unsupported_parameter(param: str, detail: str = "") -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
 
 
+def file_not_found(file_id: str, param: str | None = None) -> APIError:
+    """A stored file that does not exist, or is another key's (the same answer)."""
+    return APIError(404, f"No such File object: {file_id}", param=param, code="file_not_found")
+
+
 def service_unavailable(message: str, code: str) -> APIError:
     return APIError(503, message, type="service_unavailable_error", code=code)
 
@@ -73,3 +78,7 @@ def engine_failure(message: str) -> APIError:
 def internal_error() -> APIError:
     """What a client learns of a bug: nothing but that it happened (the log has the traceback)."""
     return APIError(500, "Internal server error.", type="server_error", code="internal_error")
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
+"""A route's documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape)."""

@@ -1,0 +1,352 @@
+"""/v1/batches: OpenAI's Batch API, and the runner that works through batches in the background.
+
+A batch's input is a stored file of requests (`custom_id`, `method`, `url`, `body`), checked when uploaded. Any
+replica's runner takes a runnable batch by a lease (server/state/batches.py), runs its requests through the same
+serving code as the HTTP routes, marked as batch requests (the engine schedules them behind every interactive
+request), at most --batch-concurrency at once, and records each result once by its `custom_id`. When every
+request has a result, it writes the output file (successes) and the error file (failures), in input order. A
+replica that stops releases its lease; one that dies lets it run out; either way the batch resumes where its
+results stop: a request in flight at a crash runs again, but only its first result is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pydantic
+from fastapi import FastAPI, Query, Request
+from pydantic import BaseModel, ConfigDict
+from starlette.responses import Response
+
+from server.metrics import ServerMetrics
+from server.openai.chat import serve_chat_completion
+from server.openai.completions import serve_completion
+from server.openai.embeddings import serve_embeddings
+from server.openai.errors import ERROR_RESPONSES, APIError, file_not_found, invalid_request
+from server.openai.generation import BATCH_SCOPE_KEY, ServingContext
+from server.openai.pooling_schemas import EmbeddingRequest
+from server.openai.responses import serve_response
+from server.openai.responses_schemas import ResponsesRequest
+from server.openai.schemas import ChatCompletionRequest, CompletionRequest
+from server.state import batches, files
+from server.state.keys import OWNER_SCOPE_KEY, request_owner
+from server.state.stored import LEASE_SECONDS, StoredState, now
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUESTS = 50_000
+"""Requests in one batch's input file at most (OpenAI's limit)."""
+POLL_SECONDS = 1.0
+"""How often an idle runner looks for a batch to take, and a running one for a cancel."""
+
+_ENDPOINTS: dict[str, tuple[type[BaseModel], Callable[[ServingContext, Any, Request], Awaitable[Response]]]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, serve_chat_completion),
+    "/v1/completions": (CompletionRequest, serve_completion),
+    "/v1/embeddings": (EmbeddingRequest, serve_embeddings),
+    "/v1/responses": (ResponsesRequest, serve_response),
+}
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One line of a batch's input file."""
+
+    line: int
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+
+def read_requests(content: bytes) -> list[BatchRequest]:
+    """A batch input file's requests; a 400 naming the first line that is not one (or a repeated custom_id)."""
+    requests: list[BatchRequest] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(content.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError as exc:
+            raise invalid_request(f"Line {number} of the batch file is not JSON ({exc}).", "file") from None
+        problem = _problem(line, seen)
+        if problem:
+            raise invalid_request(f"Line {number} of the batch file: {problem}.", "file")
+        seen.add(line["custom_id"])
+        requests.append(BatchRequest(number, line["custom_id"], line["url"], line["body"]))
+        if len(requests) > MAX_REQUESTS:
+            raise invalid_request(f"A batch file holds at most {MAX_REQUESTS} requests.", "file")
+    if not requests:
+        raise invalid_request("The batch file holds no request.", "file")
+    return requests
+
+
+def _problem(line: Any, seen: set[str]) -> str | None:
+    if not isinstance(line, dict):
+        return "a request is a JSON object"
+    if not isinstance(line.get("custom_id"), str) or not line["custom_id"]:
+        return "`custom_id` must be a non-empty string"
+    if line["custom_id"] in seen:
+        return f"the custom_id {line['custom_id']!r} is used by an earlier line"
+    if line.get("method") != "POST":
+        return "`method` must be POST"
+    if line.get("url") not in _ENDPOINTS:
+        return f"`url` must be one of {', '.join(_ENDPOINTS)}"
+    if not isinstance(line.get("body"), dict):
+        return "`body` must be a JSON object"
+    return None
+
+
+class CreateBatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = None
+
+
+def batch_not_found(batch_id: str) -> APIError:
+    return APIError(404, f"No batch found with id '{batch_id}'.", code="batch_not_found")
+
+
+def add_batch_routes(
+    app: FastAPI, stored: StoredState, serving: Callable[[], ServingContext], metrics: ServerMetrics
+) -> None:
+    runner = BatchRunner(stored, serving, metrics)
+    stored.jobs.append(runner.run)
+    stored.on_shutdown.append(runner.release)
+
+    @app.post("/v1/batches", responses=ERROR_RESPONSES)
+    async def create_batch(body: CreateBatchRequest, request: Request) -> dict[str, Any]:
+        """Run the requests of an uploaded `batch` file in the background, at a lower priority than interactive
+        requests; their answers come back as the batch's output and error files."""
+        owner = request_owner(request)
+        async with stored.db().transaction() as connection:
+            row = await files.get(connection, owner, body.input_file_id)
+            if row is None:
+                raise file_not_found(body.input_file_id, "input_file_id")
+            if row.purpose != "batch":
+                raise invalid_request(f"The file {body.input_file_id} was not uploaded for `batch`.", "input_file_id")
+            content = await files.content(connection, owner, body.input_file_id)
+            assert content is not None
+            wrong = [r.line for r in read_requests(content) if r.url != body.endpoint]
+            if wrong:
+                raise invalid_request(
+                    f"Line {wrong[0]} of the batch file is for another endpoint than {body.endpoint}.", "endpoint"
+                )
+            batch = batches.new_batch(owner, body.endpoint, body.input_file_id, body.metadata)
+            await batches.add(connection, owner, batch)
+        return batch
+
+    @app.get("/v1/batches/{batch_id}", responses=ERROR_RESPONSES)
+    async def retrieve_batch(batch_id: str, request: Request) -> dict[str, Any]:
+        async with stored.db().transaction() as connection:
+            batch = await batches.get(connection, request_owner(request), batch_id)
+        if batch is None:
+            raise batch_not_found(batch_id)
+        return batch
+
+    @app.get("/v1/batches", responses=ERROR_RESPONSES)
+    async def list_batches(
+        request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+    ) -> dict[str, Any]:
+        async with stored.db().transaction() as connection:
+            data, more = await batches.listed(connection, request_owner(request), after, limit)
+        return {
+            "object": "list", "data": data, "has_more": more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+        }  # fmt: skip
+
+    @app.post("/v1/batches/{batch_id}/cancel", responses=ERROR_RESPONSES)
+    async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
+        """Stop starting the batch's requests; those running finish, and the files hold what was done."""
+        async with stored.db().transaction() as connection:
+            batch = await batches.get(connection, request_owner(request), batch_id)
+            if batch is None:
+                raise batch_not_found(batch_id)
+            if batch["status"] not in ("validating", "in_progress", "finalizing"):
+                raise APIError(409, f"A batch that is {batch['status']} cannot be cancelled.", code="invalid_state")
+            batch.update(status="cancelling", cancelling_at=now())
+            await batches.save(connection, batch)
+        return batch
+
+
+class BatchRunner:
+    """This replica's worker of batches: one batch at a time, its requests `batch_concurrency` at a time."""
+
+    def __init__(self, stored: StoredState, serving: Callable[[], ServingContext], metrics: ServerMetrics) -> None:
+        self.stored = stored
+        self.serving = serving
+        self.metrics = metrics
+
+    async def run(self) -> None:
+        while True:
+            try:
+                async with self.stored.db().transaction() as connection:
+                    self.metrics.set_batches(await batches.statuses(connection))
+                    batch_id = await batches.claim(connection, self.stored.worker) if self._ready() else None
+                if batch_id is None:
+                    await asyncio.sleep(POLL_SECONDS)
+                    continue
+                await self._work(batch_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a database that went away for a moment: try again, never stop the loop
+                logger.exception("The batch runner failed; retrying")
+                await asyncio.sleep(POLL_SECONDS)
+
+    async def release(self) -> None:
+        async with self.stored.db().transaction() as connection:
+            await batches.release(connection, self.stored.worker)
+
+    def _ready(self) -> bool:
+        try:
+            self.serving()
+        except APIError:
+            return False  # the engine is still loading
+        return True
+
+    async def _work(self, batch_id: str) -> None:
+        db = self.stored.db()
+        async with db.transaction() as connection:
+            batch = await batches.get(connection, None, batch_id)
+            owner = await batches.owner_of(connection, batch_id)
+            content = await files.content(connection, owner, batch["input_file_id"])
+            done = await batches.recorded_lines(connection, batch_id)
+        if content is None:
+            await self._end(batch, "failed", errors=[("input_file_missing", "The input file was deleted.")])
+            return
+        requests = read_requests(content)
+        if batch["status"] == "validating":
+            batch.update(status="in_progress", in_progress_at=now())
+            batch["request_counts"]["total"] = len(requests)
+            async with db.transaction() as connection:
+                await batches.save(connection, batch)
+        pending = [request for request in requests if request.line not in done]
+        stop = asyncio.Event()
+        keeper = asyncio.create_task(self._keep(batch, stop))
+        slots = asyncio.Semaphore(self.stored.settings.batch_concurrency)
+
+        async def one(request: BatchRequest) -> None:
+            async with slots:
+                if stop.is_set():
+                    return
+                async with db.transaction() as connection:  # a cancel stops the very next request
+                    if await batches.status(connection, batch_id) == "cancelling":
+                        stop.set()
+                        return
+                error, result = await self._answer(owner, request)
+                async with db.transaction() as connection:
+                    first = await batches.record(connection, batch_id, request.line, request.custom_id, error, result)
+                if first:
+                    self.metrics.count_batch_request(error)
+
+        try:
+            await asyncio.gather(*(one(request) for request in pending))
+        finally:
+            stop.set()
+            keeper.cancel()
+        async with db.transaction() as connection:
+            status = await batches.status(connection, batch_id)
+            batch = await batches.get(connection, None, batch_id)
+        if status == "cancelling":
+            await self._end(batch, "cancelled")
+        elif now() >= batch["expires_at"]:
+            await self._end(batch, "expired", unrun=[r for r in requests if r.line not in done], owner=owner)
+        else:
+            await self._end(batch, "completed")
+
+    async def _keep(self, batch: dict[str, Any], stop: asyncio.Event) -> None:
+        """Renew the lease, and stop starting requests once the batch is cancelled or past its window."""
+        renewed = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(POLL_SECONDS)
+            async with self.stored.db().transaction() as connection:
+                if time.monotonic() - renewed > LEASE_SECONDS / 3:
+                    await batches.renew(connection, self.stored.worker, batch["id"])
+                    renewed = time.monotonic()
+                if await batches.status(connection, batch["id"]) == "cancelling" or now() >= batch["expires_at"]:
+                    stop.set()
+                completed, failed = await batches.counts(connection, batch["id"])
+                current = await batches.get(connection, None, batch["id"])
+                current["request_counts"].update(completed=completed, failed=failed)
+                await batches.save(connection, current)
+
+    async def _answer(self, owner: str, request: BatchRequest) -> tuple[bool, dict[str, Any]]:
+        """(failed, the output or error file's line) of one request, run as the route would run it."""
+        request_id = f"batch_req_{uuid.uuid4().hex}"
+        model, serve = _ENDPOINTS[request.url]
+        try:
+            body = model.model_validate({**request.body, "stream": False} if "stream" in model.model_fields
+                                        else request.body)  # fmt: skip
+            response = await serve(self.serving(), body, _batch_request(request.url, owner))
+        except pydantic.ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error.get("loc", ()))
+            response = invalid_request(f"Invalid value for '{where}': {error.get('msg')}.", where or None).response()
+        except APIError as exc:
+            response = exc.response()
+        answer = {"status_code": response.status_code, "request_id": request_id, "body": json.loads(response.body)}
+        line = {"id": request_id, "custom_id": request.custom_id, "response": answer, "error": None}
+        return response.status_code >= 400, line
+
+    async def _end(
+        self,
+        batch: dict[str, Any],
+        status: str,
+        errors: list[tuple[str, str]] | None = None,
+        unrun: list[BatchRequest] | None = None,
+        owner: str | None = None,
+    ) -> None:
+        """Write the output and error files of what was recorded, and close the batch as `status`."""
+        db = self.stored.db()
+        async with db.transaction() as connection:
+            owner = owner or await batches.owner_of(connection, batch["id"])
+            for request in unrun or ():
+                expired = {"code": "batch_expired", "message": "The batch's completion window ended first."}
+                line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id, "response": None,
+                        "error": expired}  # fmt: skip
+                await batches.record(connection, batch["id"], request.line, request.custom_id, True, line)
+            results = await batches.results(connection, batch["id"])
+            completed, failed = await batches.counts(connection, batch["id"])
+            batch = await batches.get(connection, None, batch["id"])
+            batch["request_counts"].update(completed=completed, failed=failed)
+            batch.update(status="finalizing", finalizing_at=batch["finalizing_at"] or now())
+            outputs = [json.dumps(result) for error, result in results if not error]
+            failures = [json.dumps(result) for error, result in results if error]
+            name = batch["id"]
+            if outputs:
+                output = await files.add(connection, owner, "batch_output", f"{name}_output.jsonl",
+                                         ("\n".join(outputs) + "\n").encode())  # fmt: skip
+                batch["output_file_id"] = output["id"]
+            if failures:
+                error_file = await files.add(connection, owner, "batch_output", f"{name}_error.jsonl",
+                                             ("\n".join(failures) + "\n").encode())  # fmt: skip
+                batch["error_file_id"] = error_file["id"]
+            if errors:
+                batch["errors"] = {"object": "list", "data": [{"code": c, "message": m} for c, m in errors]}
+            batch.update(status=status, **{f"{status}_at": now()})
+            await batches.save(connection, batch, release=True)
+
+
+def _batch_request(path: str, owner: str) -> Request:
+    """The request a batch's line runs as: marked a batch request, owned by the batch's owner, never disconnected
+    (nobody waits on a connection for it)."""
+    scope = {
+        "type": "http", "method": "POST", "path": path, "headers": [], "query_string": b"",
+        BATCH_SCOPE_KEY: True, OWNER_SCOPE_KEY: owner,
+    }  # fmt: skip
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    return Request(scope, receive)

@@ -1,0 +1,213 @@
+"""The Files and Batch APIs end to end: the official OpenAI SDK against a real `ferry serve`, its state in SQLite
+and in a real PostgreSQL server. A batch's answers equal the same requests sent directly (greedy); bad lines land
+in the error file and never stop it; a server killed mid-batch resumes it on restart with every request's result
+recorded once; two keys never see each other's files or batches."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.postgres_server import PostgresServer
+from tests.server_harness import ServerProcess, metric, metric_samples, server_process
+
+MODEL = "tiny"
+KEY_A, KEY_B = "key-a", "key-b"
+MAX_FILE_BYTES = 200_000
+PROMPTS = [f"The number {i} is" for i in range(200)]
+
+
+def _lines(url: str, bodies: list[dict[str, Any]]) -> bytes:
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body} for i, body in enumerate(bodies)]
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _completion(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+
+
+def _serve(model: Path, keys: Path, *extra: str) -> Any:
+    return server_process(
+        model, "--served-model-name", MODEL, "--api-keys-file", str(keys), "--max-file-bytes", str(MAX_FILE_BYTES),
+        "--batch-concurrency", "4", "--max-num-seqs", "4", "--log-level", "warning", *extra,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys"
+    path.write_text(f"# two teams\n{KEY_A}\n{KEY_B}\n")
+    return path
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def server(request: pytest.FixtureRequest, model_dir: Callable[[str], Path], keys: Path) -> Iterator[ServerProcess]:
+    extra: tuple[str, ...] = ()
+    if request.param == "postgresql":
+        postgres: PostgresServer = request.getfixturevalue("postgres")
+        extra = ("--database-url", postgres.new_database())
+    with _serve(model_dir("llama"), keys, *extra) as running:
+        yield running
+
+
+def _client(server: ServerProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+
+
+def _wait(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.2)
+    raise TimeoutError(f"batch {batch_id} is still {batch.status}")
+
+
+def _jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [] if file_id is None else [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_answers_as_the_requests_sent_directly(server: ServerProcess) -> None:
+    client = _client(server, KEY_A)
+    bodies = [_completion(prompt) for prompt in PROMPTS]
+    uploaded = client.files.create(
+        file=("requests.jsonl", io.BytesIO(_lines("/v1/completions", bodies))), purpose="batch"
+    )
+    assert (uploaded.purpose, uploaded.filename, uploaded.status) == ("batch", "requests.jsonl", "processed")
+    assert client.files.retrieve(uploaded.id).bytes == uploaded.bytes
+    assert uploaded.id in [f.id for f in client.files.list(purpose="batch")]
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h", metadata={"run": "one"}
+    )
+    assert batch.status == "validating" and batch.metadata == {"run": "one"}
+    assert batch.id in [b.id for b in client.batches.list()]
+    done = _wait(client, batch.id, ("completed", "failed"))
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (200, 200, 0)
+    assert done.error_file_id is None and done.in_progress_at and done.completed_at
+    output = _jsonl(client, done.output_file_id)
+    assert [line["custom_id"] for line in output] == [f"req-{i}" for i in range(200)]  # the input's order
+    direct = [client.completions.create(**body) for body in bodies]
+    for line, answer in zip(output, direct, strict=True):
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        assert line["response"]["body"]["choices"][0]["text"] == answer.choices[0].text
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    with httpx.Client(base_url=server.base_url) as http:
+        samples = metric_samples(http)
+    assert metric(samples, "ferry:batch_requests_total", model_name=MODEL, outcome="completed") >= 200
+    assert metric(samples, "ferry:batches", model_name=MODEL, status="completed") >= 1
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_bad_lines_land_in_the_error_file_and_never_stop_the_batch(server: ServerProcess) -> None:
+    client = _client(server, KEY_A)
+    bodies = [_completion("one"), _completion("two", max_tokens=-1), _completion("three", no_such_field=1),
+              _completion("four")]  # fmt: skip
+    uploaded = client.files.create(file=("mixed.jsonl", _lines("/v1/completions", bodies)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    done = _wait(client, batch.id, ("completed", "failed"))
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 2)
+    assert [line["custom_id"] for line in _jsonl(client, done.output_file_id)] == ["req-0", "req-3"]
+    errors = _jsonl(client, done.error_file_id)
+    assert [line["custom_id"] for line in errors] == ["req-1", "req-2"]
+    assert all(line["response"]["status_code"] == 400 for line in errors)
+    assert "max_tokens" in json.dumps(errors[0]) and "no_such_field" in json.dumps(errors[1])
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\nnot json\n', "Line 2"),
+        (b'{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\n', "Line 1.*method"),
+        (_lines("/v1/completions", [{}]) + _lines("/v1/completions", [{}]), "Line 2.*custom_id 'req-0'"),
+    ],
+)
+def test_a_malformed_batch_file_is_refused_naming_its_line(server: ServerProcess, content: bytes, match: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=match):
+        _client(server, KEY_A).files.create(file=("bad.jsonl", content), purpose="batch")
+
+
+def test_limits_and_a_batch_for_another_endpoint(server: ServerProcess) -> None:
+    client = _client(server, KEY_A)
+    with pytest.raises(openai.APIStatusError) as too_large:
+        client.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES + 1)), purpose="batch")
+    assert too_large.value.status_code == 413
+    uploaded = client.files.create(file=("c.jsonl", _lines("/v1/completions", [_completion("x")])), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="another endpoint"):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def test_two_keys_never_see_each_others_files_or_batches(server: ServerProcess) -> None:
+    a, b = _client(server, KEY_A), _client(server, KEY_B)
+    uploaded = a.files.create(file=("mine.jsonl", _lines("/v1/completions", [_completion("x")])), purpose="batch")
+    batch = a.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    for read in (lambda: b.files.retrieve(uploaded.id), lambda: b.files.content(uploaded.id),
+                 lambda: b.files.delete(uploaded.id), lambda: b.batches.retrieve(batch.id),
+                 lambda: b.batches.cancel(batch.id),
+                 lambda: b.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                          completion_window="24h")):  # fmt: skip
+        with pytest.raises(openai.NotFoundError):
+            read()
+    assert uploaded.id not in [f.id for f in b.files.list()] and batch.id not in [x.id for x in b.batches.list()]
+    assert a.files.retrieve(uploaded.id).id == uploaded.id
+    _wait(a, batch.id, ("completed",))
+
+
+def test_a_cancelled_batch_keeps_what_it_did(server: ServerProcess) -> None:
+    client = _client(server, KEY_A)
+    bodies = [_completion(prompt, max_tokens=16) for prompt in PROMPTS]
+    uploaded = client.files.create(file=("many.jsonl", _lines("/v1/completions", bodies)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    _wait(client, batch.id, ("in_progress",))
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    done = _wait(client, batch.id, ("cancelled",))
+    assert done.cancelled_at and done.request_counts.completed < 200
+    assert len(_jsonl(client, done.output_file_id)) == done.request_counts.completed
+    with pytest.raises(openai.APIStatusError) as again:
+        client.batches.cancel(batch.id)
+    assert again.value.status_code == 409
+
+
+def test_a_server_killed_mid_batch_resumes_it_and_records_each_result_once(
+    model_dir: Callable[[str], Path], keys: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    bodies = [_completion(prompt, max_tokens=8) for prompt in PROMPTS]
+    with _serve(model_dir("llama"), keys, "--state-dir", str(state)) as first:
+        client = _client(first, KEY_A)
+        uploaded = client.files.create(file=("r.jsonl", _lines("/v1/completions", bodies)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while client.batches.retrieve(batch.id).request_counts.completed < 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        first.process.send_signal(signal.SIGKILL)  # no shutdown: its lease must run out
+        first.process.wait()
+    with sqlite3.connect(state / "ferry.db") as database:
+        recorded = database.execute("SELECT count(*) FROM batch_results WHERE batch_id = ?", (batch.id,)).fetchone()
+    assert 20 <= recorded[0] < 200, "killed mid-batch"
+    with _serve(model_dir("llama"), keys, "--state-dir", str(state)) as second:
+        client = _client(second, KEY_A)
+        done = _wait(client, batch.id, ("completed", "failed"), timeout=180)
+        assert done.status == "completed" and done.request_counts.completed == 200
+        output = _jsonl(client, done.output_file_id)
+        direct = [client.completions.create(**body).choices[0].text for body in bodies[:5]]
+    assert [line["custom_id"] for line in output] == [f"req-{i}" for i in range(200)]
+    assert [line["response"]["body"]["choices"][0]["text"] for line in output[:5]] == direct
+    with sqlite3.connect(state / "ferry.db") as database:
+        rows = database.execute("SELECT custom_id FROM batch_results WHERE batch_id = ?", (batch.id,)).fetchall()
+    assert len(rows) == 200 and len(set(rows)) == 200
