@@ -68,6 +68,7 @@ from server.openai.schemas import (
     ModelPooling,
 )
 from server.openai.scoring import serve_rerank, serve_score
+from server.openai.stored_responses import add_stored_response_routes
 from server.openai.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -216,6 +217,7 @@ class ServerState:
             max_batch_tokens=self.engine_config.scheduler.max_batch_tokens,
             max_queue_size=self.engine_config.scheduler.max_queue_size,
             reranker_template=self.engine_config.model.reranker_template,
+            stored=self.stored,
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -409,7 +411,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
 
     @app.post("/v1/responses", response_model=ResponseObject, responses=_RESPONSES_STREAM)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        """The Responses API, stateless: the whole conversation comes in `input` every time."""
+        """The Responses API: stored by default, and continued by `previous_response_id`."""
         return await serve_response(state.get_serving(), body, request)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
@@ -520,6 +522,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
     async def version() -> dict[str, str]:
         return {"version": ferry_version()}
 
+    add_stored_response_routes(app, state.stored)
     add_file_routes(app, state.stored)
     add_batch_routes(app, state.stored, state.get_serving, state.metrics)
 

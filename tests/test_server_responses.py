@@ -250,8 +250,7 @@ def test_reasoning_effort_reaches_the_template(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("fields", "status", "param", "code"),
     [
-        ({"store": True}, 400, "store", "unsupported_parameter"),
-        ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "unsupported_parameter"),
+        ({"previous_response_id": "resp_1"}, 404, "previous_response_id", "previous_response_not_found"),
         ({"conversation": "conv_1"}, 400, "conversation", "unsupported_parameter"),
         ({"background": True}, 400, "background", "unsupported_parameter"),
         ({"include": ["reasoning.encrypted_content"]}, 400, "include", "unsupported_parameter"),
@@ -286,8 +285,8 @@ def test_what_the_server_cannot_honour_is_refused_by_name(
 
 def test_the_sdk_raises_the_refusal(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=MODEL, input=PLAIN, store=True)
-    assert info.value.code == "unsupported_parameter" and "keeps no responses" in info.value.message
+        client.responses.create(model=MODEL, input=PLAIN, conversation="conv_1")
+    assert info.value.code == "unsupported_parameter" and "Conversations API" in info.value.message
 
 
 def test_openapi_describes_the_endpoint(http: httpx.Client) -> None:

@@ -36,6 +36,7 @@ from server.openai.tool_parsers.base import ToolCallReader
 from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode, ToolUse, resolve_tool_use
 from server.reasoning import ReasoningParser, ReasoningSplitter
 from server.sse import SSE_DONE, SSEResponse, sse_data
+from server.state.stored import StoredState
 from server.tokens import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class ServingContext:
     """Requests the engine keeps waiting at most (--max-queue-size; 0: no limit)."""
     reranker_template: str = ""
     """The prompt a yes/no reranker scores, `{query}` and `{document}` filled in (--reranker-template)."""
+    stored: StoredState | None = None
+    """Where stored responses are kept (server/state/); None: nothing is stored (an app without a database)."""
 
     def tool_use(
         self,

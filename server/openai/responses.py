@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pydantic_core
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import TypeAdapter
 
 from server.openai.choices import ChoiceUpdate
-from server.openai.errors import APIError
+from server.openai.errors import APIError, invalid_request
 from server.openai.generation import Generation, ServingContext, is_batch, start_generation
 from server.openai.responses_input import template_messages
 from server.openai.responses_schemas import (
@@ -33,6 +34,7 @@ from server.openai.responses_schemas import (
     FunctionCallOutput,
     FunctionToolChoice,
     IncompleteDetails,
+    InputItem,
     InputTokensDetails,
     OutputItem,
     OutputMessage,
@@ -49,6 +51,9 @@ from server.openai.responses_schemas import (
 from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
 from server.sse import sse_event
+from server.state.keys import request_owner
+from server.state.responses import conversation as stored_conversation
+from server.state.responses import save as save_response
 
 Event = dict[str, Any]
 """One stream event: its `type`, `sequence_number` and fields, JSON-ready."""
@@ -62,7 +67,10 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     )
     format_constraint = body.format_constraint()
     constraint = tool_use.constraint(format_constraint) if tool_use else format_constraint
-    messages = template_messages(body.instructions, body.input)
+    owner = request_owner(request)
+    turn = _turn_items(body.input)
+    earlier = [] if body.previous_response_id is None else await _conversation(ctx, owner, body.previous_response_id)
+    messages = template_messages(body.instructions, [*earlier, *turn] if earlier else body.input)
     prompt_text = render_conversation(
         ctx.tokenizer,
         messages,
@@ -89,27 +97,75 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         lora=lora,
         batch=is_batch(request),
     )
+    stored = ctx.stored if body.store is not False else None
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, generation.model))
+
+    async def keep() -> None:
+        """Store the finished response with its turn's input (each item with an id, as OpenAI lists them)."""
+        if stored is not None:
+            dumps = [_as_listed(item.model_dump(mode="json", exclude_none=True)) for item in turn]
+            items = [{"id": f"msg_{uuid.uuid4().hex}", **dump} for dump in dumps]
+            await save_response(stored, owner, assembler.response.model_dump(mode="json"), items)
+
     if body.stream:
-        return generation.event_stream(_stream(generation, assembler), lambda error: _frames(assembler.fail(error)))
+        return generation.event_stream(
+            _stream(generation, assembler, keep), lambda error: _frames(assembler.fail(error))
+        )
 
     async def build() -> ResponseObject:
         async for _, update in generation.updates():
             assembler.feed(update)
         assembler.finish(generation.choices[0].finish_reason, _usage(generation))
+        await keep()
         return assembler.response
 
     return await generation.whole_response(request, build)
 
 
-async def _stream(generation: Generation, assembler: ResponseAssembler) -> AsyncIterator[bytes]:
+async def _stream(
+    generation: Generation, assembler: ResponseAssembler, keep: Callable[[], Awaitable[None]]
+) -> AsyncIterator[bytes]:
     for frame in _frames(assembler.start()):
         yield frame
     async for _, update in generation.updates():
         for frame in _frames(assembler.feed(update)):
             yield frame
-    for frame in _frames(assembler.finish(generation.choices[0].finish_reason, _usage(generation))):
+    last = _frames(assembler.finish(generation.choices[0].finish_reason, _usage(generation)))
+    await keep()  # stored before the last event: a client that reads it can retrieve the response at once
+    for frame in last:
         yield frame
+
+
+_ITEMS = TypeAdapter(list[InputItem])
+
+
+def _as_listed(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists it back: a message's text content as one text part."""
+    if item.get("type", "message") == "message" and isinstance(item.get("content"), str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        item = {**item, "type": "message", "content": [{"type": kind, "text": item["content"]}]}
+    return item
+
+
+def _turn_items(input: str | list[InputItem]) -> list[InputItem]:
+    """This turn's input as items (a text input is a user message)."""
+    if isinstance(input, str):
+        return _ITEMS.validate_python([{"type": "message", "role": "user", "content": input}])
+    return input
+
+
+async def _conversation(ctx: ServingContext, owner: str, response_id: str) -> list[InputItem]:
+    """The items of the stored chain ending at `response_id` (each turn's input and output), oldest first."""
+    if ctx.stored is None:
+        raise invalid_request("This server stores no responses.", "previous_response_id")
+    async with ctx.stored.db().transaction() as connection:
+        items = await stored_conversation(connection, owner, response_id)
+    if items is None:
+        raise APIError(
+            404, f"Previous response with id '{response_id}' not found.", param="previous_response_id",
+            code="previous_response_not_found",
+        )  # fmt: skip
+    return _ITEMS.validate_python(items)
 
 
 def _frames(events: list[Event]) -> list[bytes]:
@@ -131,6 +187,8 @@ def _in_progress(body: ResponsesRequest, response_id: str, created: int, model: 
         id=response_id,
         created_at=created,
         status="in_progress",
+        previous_response_id=body.previous_response_id,
+        store=body.store is not False,
         instructions=body.instructions,
         max_output_tokens=body.max_output_tokens,
         model=model,

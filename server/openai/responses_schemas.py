@@ -1,8 +1,9 @@
 """The Responses API's shapes (`POST /v1/responses`): the request, its input items, and the response object.
 
-Requests are validated as strictly as chat's. The server is stateless: it keeps no response, so `store: true`,
-`previous_response_id`, `conversation`, `background` and item references are refused by `check_supported()`,
-as is every field whose meaning it cannot honour (hosted tools, images, logprobs, reasoning summaries, ...).
+Requests are validated as strictly as chat's. Responses are stored (`store`, server/state/responses.py) and
+chained by `previous_response_id`; `conversation`, `background` and item references are refused by
+`check_supported()`, as is every field whose meaning it cannot honour (hosted tools, images, logprobs, reasoning
+summaries, ...).
 Input items, content parts, tools and formats of kinds the server does not support parse into `UnsupportedKind`,
 so that the refusal names the field and the kind rather than failing validation in a way that hides why.
 """
@@ -257,7 +258,9 @@ class ResponsesRequest(_RequestModel):
     reasoning: ReasoningConfig | None = None
     stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
-    store: bool | None = Field(None, description="Only false (or absent): this server keeps no responses.")
+    store: bool | None = Field(
+        None, description="Keep the response for retrieval and `previous_response_id` (default true, as OpenAI's)."
+    )
     # Extras, as in vLLM's chat and completions.
     min_tokens: int | None = Field(0, ge=0, description="Tokens to generate before EOS or a stop token may end it.")
     stop_token_ids: list[NonNegativeInt] | None = Field(None, description="Token ids that end the answer.")
@@ -280,8 +283,10 @@ class ResponsesRequest(_RequestModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: str | None = None
+    previous_response_id: str | None = Field(
+        None, description="A stored response this one continues: its conversation comes before `input`."
+    )
     # Known to OpenAI but not honoured here: refused by check_supported() unless empty.
-    previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     include: list[str] | None = None
@@ -309,12 +314,10 @@ class ResponsesRequest(_RequestModel):
 
     def check_supported(self, template_options: Collection[str] = ()) -> None:
         """Raise a 400 naming the first field whose meaning the server cannot honour."""
-        if self.store:
-            raise unsupported_parameter("store", "this server keeps no responses; send the conversation in 'input'.")
-        stateful = {"previous_response_id": self.previous_response_id, "conversation": self.conversation}
-        for name, value in stateful.items():
-            if value is not None:
-                raise unsupported_parameter(name, "this server keeps no responses; send the conversation in 'input'.")
+        if self.conversation is not None:
+            raise unsupported_parameter(
+                "conversation", "the Conversations API is not served yet; chain turns with 'previous_response_id'."
+            )
         unsupported = {
             "background": bool(self.background),
             "include": bool(self.include),
@@ -490,9 +493,9 @@ class ResponseObject(BaseModel):
     model: str
     output: list[OutputItem]
     parallel_tool_calls: bool
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: EchoedReasoning
-    store: Literal[False] = False
+    store: bool = True
     temperature: float
     text: EchoedTextConfig
     tool_choice: str | dict[str, Any]
