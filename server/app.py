@@ -36,6 +36,7 @@ from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, Request
 from server.openai.batches import add_batch_routes
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
+from server.openai.conversations import add_conversation_routes
 from server.openai.embeddings import serve_embeddings
 from server.openai.errors import (
     ERROR_RESPONSES,
@@ -523,6 +524,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         return {"version": ferry_version()}
 
     add_stored_response_routes(app, state.stored)
+    add_conversation_routes(app, state.stored)
     add_file_routes(app, state.stored)
     add_batch_routes(app, state.stored, state.get_serving, state.metrics)
 

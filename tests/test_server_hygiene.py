@@ -241,15 +241,25 @@ OPERATIONS = [
     # Pooling: this server's model generates, so these reach their refusal (tests/test_server_pooling.py serves them).
     ("POST", "/v1/embeddings"), ("POST", "/v1/rerank"), ("POST", "/rerank"), ("POST", "/v2/rerank"),
     ("POST", "/v1/score"), ("POST", "/score"),
-    # Stored state: responses, files and batches (test_server_stored_responses.py, test_server_batches.py).
+    # Stored state: responses, conversations, files and batches (test_server_stored_responses.py,
+    # test_server_batches.py).
     ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
-    ("GET", "/v1/responses/{response_id}/input_items"),
+    ("GET", "/v1/responses/{response_id}/input_items"), ("POST", "/v1/responses/{response_id}/cancel"),
+    ("POST", "/v1/conversations"), ("GET", "/v1/conversations/{conversation_id}"),
+    ("POST", "/v1/conversations/{conversation_id}"), ("DELETE", "/v1/conversations/{conversation_id}"),
+    ("POST", "/v1/conversations/{conversation_id}/items"), ("GET", "/v1/conversations/{conversation_id}/items"),
+    ("GET", "/v1/conversations/{conversation_id}/items/{item_id}"),
+    ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}"),
     ("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/{file_id}"), ("DELETE", "/v1/files/{file_id}"),
     ("GET", "/v1/files/{file_id}/content"), ("POST", "/v1/batches"), ("GET", "/v1/batches"),
     ("GET", "/v1/batches/{batch_id}"), ("POST", "/v1/batches/{batch_id}/cancel"),
 ]  # fmt: skip
 # Any string is a valid stored object's id, so a path of only such an id has no input that violates its schema.
 _ANY_ID = {("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+           ("POST", "/v1/responses/{response_id}/cancel"), ("GET", "/v1/conversations/{conversation_id}"),
+           ("DELETE", "/v1/conversations/{conversation_id}"),
+           ("GET", "/v1/conversations/{conversation_id}/items/{item_id}"),
+           ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}"),
            ("GET", "/v1/files/{file_id}"), ("DELETE", "/v1/files/{file_id}"), ("GET", "/v1/files/{file_id}/content"),
            ("GET", "/v1/batches/{batch_id}"), ("POST", "/v1/batches/{batch_id}/cancel")}  # fmt: skip
 WITH_INPUT = {

@@ -1,6 +1,7 @@
 """End to end: the Responses API (`POST /v1/responses`) through the official OpenAI SDK, against a real `ferry serve`
 of the scripted chat model (tests/scripted_chat.py): text, reasoning, function calls and their results, structured
-text, the token limit, stream events, and the refusals of a stateless server."""
+text, the token limit, stream events, and the refusals of what the server cannot honour (stored state:
+test_server_stored_responses.py)."""
 
 from __future__ import annotations
 
@@ -251,8 +252,11 @@ def test_reasoning_effort_reaches_the_template(client: openai.OpenAI) -> None:
     ("fields", "status", "param", "code"),
     [
         ({"previous_response_id": "resp_1"}, 404, "previous_response_id", "previous_response_not_found"),
-        ({"conversation": "conv_1"}, 400, "conversation", "unsupported_parameter"),
-        ({"background": True}, 400, "background", "unsupported_parameter"),
+        ({"conversation": "conv_1"}, 404, "conversation", "not_found"),
+        ({"conversation": "conv_1", "previous_response_id": "resp_1"}, 400, "conversation",
+         "mutually_exclusive_parameters"),
+        ({"background": True, "store": False}, 400, "background", "invalid_value"),
+        ({"background": True, "stream": True}, 400, "stream", "unsupported_parameter"),
         ({"include": ["reasoning.encrypted_content"]}, 400, "include", "unsupported_parameter"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "unsupported_parameter"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
@@ -285,8 +289,8 @@ def test_what_the_server_cannot_honour_is_refused_by_name(
 
 def test_the_sdk_raises_the_refusal(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=MODEL, input=PLAIN, conversation="conv_1")
-    assert info.value.code == "unsupported_parameter" and "Conversations API" in info.value.message
+        client.responses.create(model=MODEL, input=PLAIN, background=True, store=False)
+    assert info.value.param == "background" and "needs 'store'" in info.value.message
 
 
 def test_openapi_describes_the_endpoint(http: httpx.Client) -> None:

@@ -37,7 +37,7 @@ from server.openai.responses_schemas import ResponsesRequest
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import batches, files
 from server.state.keys import OWNER_SCOPE_KEY, request_owner
-from server.state.stored import LEASE_SECONDS, StoredState, now
+from server.state.stored import LEASE_SECONDS, StoredState, list_page, now
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +159,7 @@ def add_batch_routes(
     ) -> dict[str, Any]:
         async with stored.db().transaction() as connection:
             data, more = await batches.listed(connection, request_owner(request), after, limit)
-        return {
-            "object": "list", "data": data, "has_more": more,
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
-        }  # fmt: skip
+        return list_page(data, more)
 
     @app.post("/v1/batches/{batch_id}/cancel", responses=ERROR_RESPONSES)
     async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:

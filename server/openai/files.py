@@ -13,7 +13,7 @@ from server.openai.batches import read_requests
 from server.openai.errors import ERROR_RESPONSES, APIError, file_not_found, invalid_request
 from server.state import files
 from server.state.keys import request_owner
-from server.state.stored import StoredState
+from server.state.stored import StoredState, list_page
 
 UPLOAD_PURPOSES = ("batch", "user_data")
 """What a client may upload a file for (`batch_output` files are the server's own)."""
@@ -51,11 +51,7 @@ def add_file_routes(app: FastAPI, stored: StoredState) -> None:
     ) -> dict[str, Any]:
         async with stored.db().transaction() as connection:
             rows, more = await files.listed(connection, request_owner(request), purpose, after, limit, order == "asc")
-        data = [files.file_object(row._mapping) for row in rows]
-        return {
-            "object": "list", "data": data, "has_more": more,
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
-        }  # fmt: skip
+        return list_page([files.file_object(row._mapping) for row in rows], more)
 
     @app.get("/v1/files/{file_id}", responses=ERROR_RESPONSES)
     async def retrieve_file(file_id: str, request: Request) -> dict[str, Any]:

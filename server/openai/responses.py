@@ -9,13 +9,24 @@ its text or arguments in deltas (`response.reasoning_text.delta`, `response.outp
 last `response.completed` (`response.incomplete` when the token limit cut the answer short) with the whole
 response. A non-streaming request gets that last event's response, built by the same code, so the two agree. A
 failure after the stream started is an `error` event, then `response.failed`. There is no `[DONE]`.
+
+State (server/state/): a response is stored (`store`, the default) when it ends, with its turn's input items:
+completed or incomplete, failed after its stream started, or its stream cut off by the client leaving (kept as far
+as it got, `incomplete`); one whose id no client saw (a non-streaming request that failed, or whose client left)
+is not. `previous_response_id` renders the stored chain before the input; `conversation` renders the
+conversation's items before it, and a response that came to its end (completed, or cut by the token limit) adds
+its input and output items to the conversation. `background` answers at once, `queued`, and generates in a task of
+this replica (server/openai/stored_responses.py), its row updated as it runs and when it ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic_core
@@ -24,9 +35,10 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter
 
 from server.openai.choices import ChoiceUpdate
-from server.openai.errors import APIError, invalid_request
+from server.openai.conversations import conversation_not_found
+from server.openai.errors import APIError, internal_error, invalid_request, unsupported_parameter
 from server.openai.generation import Generation, ServingContext, is_batch, start_generation
-from server.openai.responses_input import template_messages
+from server.openai.responses_input import stored_items, template_messages
 from server.openai.responses_schemas import (
     EchoedFunctionTool,
     EchoedReasoning,
@@ -42,21 +54,28 @@ from server.openai.responses_schemas import (
     OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
+    ResponseConversation,
     ResponseError,
     ResponseObject,
     ResponsesFunctionTool,
     ResponsesRequest,
     ResponseUsage,
 )
+from server.openai.stored_responses import background_runner
 from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
 from server.sse import sse_event
+from server.state import conversations, responses
 from server.state.keys import request_owner
-from server.state.responses import conversation as stored_conversation
-from server.state.responses import save as save_response
+from server.state.stored import StoredState
+
+logger = logging.getLogger(__name__)
 
 Event = dict[str, Any]
 """One stream event: its `type`, `sequence_number` and fields, JSON-ready."""
+
+_DETACHED: set[asyncio.Task[None]] = set()
+"""Stores of streams cut short, running on after their stream's task was cancelled (held here until done)."""
 
 
 async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: Request) -> Response:
@@ -65,11 +84,13 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     tool_use = ctx.tool_use(
         body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, parameters_field="parameters"
     )
+    if body.background and is_batch(request):
+        raise unsupported_parameter("background", "a batch's requests are run in the background already.")
     format_constraint = body.format_constraint()
     constraint = tool_use.constraint(format_constraint) if tool_use else format_constraint
     owner = request_owner(request)
     turn = _turn_items(body.input)
-    earlier = [] if body.previous_response_id is None else await _conversation(ctx, owner, body.previous_response_id)
+    earlier = await _earlier_items(ctx, owner, body)
     messages = template_messages(body.instructions, [*earlier, *turn] if earlier else body.input)
     prompt_text = render_conversation(
         ctx.tokenizer,
@@ -97,54 +118,155 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         lora=lora,
         batch=is_batch(request),
     )
-    stored = ctx.stored if body.store is not False else None
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, generation.model))
-
-    async def keep() -> None:
-        """Store the finished response with its turn's input (each item with an id, as OpenAI lists them)."""
-        if stored is not None:
-            dumps = [_as_listed(item.model_dump(mode="json", exclude_none=True)) for item in turn]
-            items = [{"id": f"msg_{uuid.uuid4().hex}", **dump} for dump in dumps]
-            await save_response(stored, owner, assembler.response.model_dump(mode="json"), items)
-
+    record = _Record(ctx.stored, owner, body.store is not False, body.conversation_id, bool(body.background), turn)
+    if body.background:
+        return await _start_background(record, generation, assembler)
     if body.stream:
         return generation.event_stream(
-            _stream(generation, assembler, keep), lambda error: _frames(assembler.fail(error))
+            _stream(generation, assembler, record), lambda error: _frames(assembler.fail(error))
         )
 
     async def build() -> ResponseObject:
         async for _, update in generation.updates():
             assembler.feed(update)
         assembler.finish(generation.choices[0].finish_reason, _usage(generation))
-        await keep()
+        await record.ended(assembler.response)
         return assembler.response
 
     return await generation.whole_response(request, build)
 
 
-async def _stream(
-    generation: Generation, assembler: ResponseAssembler, keep: Callable[[], Awaitable[None]]
-) -> AsyncIterator[bytes]:
-    for frame in _frames(assembler.start()):
-        yield frame
-    async for _, update in generation.updates():
-        for frame in _frames(assembler.feed(update)):
+@dataclass
+class _Record:
+    """Where a response is recorded: its row (`store`, or always in the background) and its conversation."""
+
+    stored: StoredState | None
+    owner: str
+    store: bool
+    conversation_id: str | None
+    background: bool
+    turn: list[InputItem]
+    input_items: list[dict[str, Any]] = field(init=False)
+    """This turn's input as stored: the response's input_items, and what its conversation gets."""
+
+    def __post_init__(self) -> None:
+        self.input_items = stored_items(self.turn)
+
+    async def created(self, response: ResponseObject) -> None:
+        """A background response's row, leased to this replica, before it runs (its owner's quota checked)."""
+        assert self.stored is not None
+        async with self.stored.db().transaction() as connection:
+            await responses.add(connection, self.stored, self.owner, response.model_dump(mode="json"),
+                                self.input_items, worker=self.stored.worker)  # fmt: skip
+
+    async def progressed(self, response: ResponseObject) -> None:
+        """A background response's new status, for those who poll it."""
+        assert self.stored is not None
+        async with self.stored.db().transaction() as connection:
+            await responses.update_running(connection, response.model_dump(mode="json"))
+
+    async def ended(self, response: ResponseObject) -> None:
+        """Record how the response ended; one that came to its end (completed, or cut by the token limit) adds its
+        input and output items to its conversation, in the same transaction."""
+        if self.stored is None or not (self.store or self.conversation_id):
+            return
+        dumped = response.model_dump(mode="json")
+        async with self.stored.db().transaction() as connection:
+            if self.background:
+                if not await responses.update_running(connection, dumped):
+                    return  # cancelled or deleted meanwhile: that stands
+            elif self.store:
+                await responses.add(connection, self.stored, self.owner, dumped, self.input_items)
+            answered = response.status == "completed" or response.incomplete_details is not None
+            if self.conversation_id is None or not answered:
+                return
+            # A conversation deleted while the response ran has nothing to add to.
+            if await conversations.get(connection, self.owner, self.conversation_id) is not None:
+                await conversations.append(connection, self.stored, self.owner, self.conversation_id,
+                                           [*self.input_items, *dumped["output"]])  # fmt: skip
+
+    def ended_later(self, assembler: ResponseAssembler) -> None:
+        """Record a stream that ended short, from a task of its own: its stream's task is being cancelled (the
+        client left), or is about to fail the response (event_stream's handler runs `fail` before this task). Only
+        a stored response has anything to record: its conversation takes only responses that came to their end."""
+        if not self.store:
+            return
+
+        async def record() -> None:
+            if assembler.response.status == "in_progress":  # not failed: the client left
+                assembler.cut_off()
+            await self.ended(assembler.response)
+
+        task = asyncio.get_running_loop().create_task(record())
+        _DETACHED.add(task)
+        task.add_done_callback(_detached_done)
+
+
+def _detached_done(task: asyncio.Task[None]) -> None:
+    _DETACHED.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("Storing a response cut short failed", exc_info=task.exception())
+
+
+async def _start_background(record: _Record, generation: Generation, assembler: ResponseAssembler) -> Response:
+    """Store the response `queued`, answer with it, and generate it in a task of this replica."""
+    response = assembler.response
+    response.status = "queued"
+    assert record.stored is not None  # the app's serving context always has its stored state
+    try:
+        await record.created(response)
+    except BaseException:
+        generation.close()
+        raise
+    answer = Response(response.model_dump_json(), media_type="application/json")
+    background_runner(record.stored).launch(response.id, _background(record, generation, assembler))
+    return answer
+
+
+async def _background(record: _Record, generation: Generation, assembler: ResponseAssembler) -> None:
+    """Generate a background response and record how it ended; cancelled (by a cancel, a delete, the server
+    stopping), it records nothing: whoever cancelled it has."""
+    try:
+        async for _, update in generation.updates():
+            if assembler.response.status == "queued":
+                assembler.response.status = "in_progress"
+                await record.progressed(assembler.response)
+            assembler.feed(update)
+        assembler.finish(generation.choices[0].finish_reason, _usage(generation))
+    except APIError as error:
+        assembler.fail(error)
+    except Exception:
+        logger.exception("Background response %s failed", assembler.response.id)
+        assembler.fail(internal_error())
+    finally:
+        generation.close()
+    try:
+        await record.ended(assembler.response)
+    except APIError as error:  # its turn would take the owner past the quota: recorded failed instead, saying so
+        assembler.fail(error)
+        await record.ended(assembler.response)
+
+
+async def _stream(generation: Generation, assembler: ResponseAssembler, record: _Record) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        for frame in _frames(assembler.start()):
             yield frame
-    last = _frames(assembler.finish(generation.choices[0].finish_reason, _usage(generation)))
-    await keep()  # stored before the last event: a client that reads it can retrieve the response at once
-    for frame in last:
-        yield frame
+        async for _, update in generation.updates():
+            for frame in _frames(assembler.feed(update)):
+                yield frame
+        last = _frames(assembler.finish(generation.choices[0].finish_reason, _usage(generation)))
+        finished = True
+        await record.ended(assembler.response)  # before the last event: a client that reads it can retrieve it
+        for frame in last:
+            yield frame
+    finally:
+        if not finished:
+            record.ended_later(assembler)
 
 
 _ITEMS = TypeAdapter(list[InputItem])
-
-
-def _as_listed(item: dict[str, Any]) -> dict[str, Any]:
-    """An input item as OpenAI lists it back: a message's text content as one text part."""
-    if item.get("type", "message") == "message" and isinstance(item.get("content"), str):
-        kind = "output_text" if item.get("role") == "assistant" else "input_text"
-        item = {**item, "type": "message", "content": [{"type": kind, "text": item["content"]}]}
-    return item
 
 
 def _turn_items(input: str | list[InputItem]) -> list[InputItem]:
@@ -154,17 +276,26 @@ def _turn_items(input: str | list[InputItem]) -> list[InputItem]:
     return input
 
 
-async def _conversation(ctx: ServingContext, owner: str, response_id: str) -> list[InputItem]:
-    """The items of the stored chain ending at `response_id` (each turn's input and output), oldest first."""
+async def _earlier_items(ctx: ServingContext, owner: str, body: ResponsesRequest) -> list[InputItem]:
+    """What comes before this turn's input: the stored chain ending at `previous_response_id` (each turn's input
+    and output), or the conversation's items; oldest first."""
+    previous, conversation_id = body.previous_response_id, body.conversation_id
+    if previous is None and conversation_id is None:
+        return []
+    param = "previous_response_id" if previous is not None else "conversation"
     if ctx.stored is None:
-        raise invalid_request("This server stores no responses.", "previous_response_id")
+        raise invalid_request("This server stores no responses nor conversations.", param)
     async with ctx.stored.db().transaction() as connection:
-        items = await stored_conversation(connection, owner, response_id)
-    if items is None:
-        raise APIError(
-            404, f"Previous response with id '{response_id}' not found.", param="previous_response_id",
-            code="previous_response_not_found",
-        )  # fmt: skip
+        if previous is not None:
+            items = await responses.conversation(connection, owner, previous)
+            if items is None:
+                raise APIError(404, f"Previous response with id '{previous}' not found.", param=param,
+                               code="previous_response_not_found")  # fmt: skip
+        else:
+            assert conversation_id is not None
+            if await conversations.get(connection, owner, conversation_id) is None:
+                raise conversation_not_found(conversation_id, param)
+            items = await conversations.items(connection, owner, conversation_id)
     return _ITEMS.validate_python(items)
 
 
@@ -189,6 +320,8 @@ def _in_progress(body: ResponsesRequest, response_id: str, created: int, model: 
         status="in_progress",
         previous_response_id=body.previous_response_id,
         store=body.store is not False,
+        background=bool(body.background),
+        conversation=None if body.conversation_id is None else ResponseConversation(id=body.conversation_id),
         instructions=body.instructions,
         max_output_tokens=body.max_output_tokens,
         model=model,
@@ -270,6 +403,11 @@ class ResponseAssembler:
         response.completed_at = int(time.time())
         kind = "response.incomplete" if cut_short else "response.completed"
         return [*events, self._event(kind, response=response.model_dump(mode="json"))]
+
+    def cut_off(self) -> None:
+        """The client left mid-stream: the response as far as it got, `incomplete` (nobody reads its events)."""
+        self._close("incomplete")
+        self.response.status = "incomplete"
 
     def fail(self, error: APIError) -> list[Event]:
         """The generation failed after the stream started: the error, then the response as far as it got."""

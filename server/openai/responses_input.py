@@ -8,14 +8,18 @@ The items are a conversation as the API spells it; templates know chat messages,
 - A `reasoning` item is the `reasoning_content` of the assistant turn that follows it (templates that show past
   reasoning read that field; the others leave it out, as they do for chat).
 Item kinds and content parts the server cannot render (images, files, hosted tools' items, references to stored
-items) are refused by name.
+items) are refused by name. An earlier response's output items are input items too: a stored chain
+(`previous_response_id`) or conversation renders through here as if the client had sent it whole.
+
+`stored_items` gives input items the shape they are stored and listed back in.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
-from server.openai.errors import invalid_request, unsupported_parameter
+from server.openai.errors import APIError, invalid_request, unsupported_parameter
 from server.openai.responses_schemas import (
     ContentPart,
     FunctionCallItem,
@@ -30,6 +34,8 @@ from server.openai.responses_schemas import (
 from server.openai.tools import template_tool_call
 
 STORED_ITEM_TYPES = ("item_reference",)
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+"""The ids OpenAI gives stored items, by type."""
 
 
 def template_messages(instructions: str | None, items: str | list[InputItem]) -> list[dict[str, Any]]:
@@ -76,14 +82,49 @@ def template_messages(instructions: str | None, items: str | list[InputItem]) ->
             else:
                 messages.append({"role": "system" if item.role == "developer" else item.role, "content": content})
         else:
-            detail = "this server keeps no items." if item.type in STORED_ITEM_TYPES else f"'{item.type}' items."
-            raise unsupported_parameter(f"{where}.type", detail)
+            raise _unsupported_kind(item, where)
         if reasoning is not None and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"] = reasoning
             reasoning = None
     if reasoning is not None:
         raise invalid_request("A 'reasoning' item must be followed by the assistant turn it belongs to.", "input")
     return messages
+
+
+def check_storable(items: list[InputItem], param: str) -> None:
+    """Refuse (400, by name) items that could not be rendered when a response reads them back: the checks
+    `template_messages` makes of each item on its own."""
+    for i, item in enumerate(items):
+        where = f"{param}[{i}]"
+        if isinstance(item, ReasoningInputItem) and item.encrypted_content is not None:
+            raise unsupported_parameter(f"{where}.encrypted_content", "this server cannot read it.")
+        if isinstance(item, MessageItem) and not isinstance(item.content, str):
+            _text(item.content, f"{where}.content")
+        elif isinstance(item, FunctionCallOutputItem) and not isinstance(item.output, str):
+            _text(item.output, f"{where}.output")
+        elif not isinstance(item, MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem):
+            raise _unsupported_kind(item, where)
+
+
+def stored_items(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Items as a response's input_items and a conversation's items hold them, as OpenAI lists them back: each with
+    an id of its own (a client's is not kept: ids are unique among stored items), a status, and a message's text as
+    one content part."""
+    stored = []
+    for item in items:
+        fields = item.model_dump(mode="json", exclude_none=True, by_alias=True)
+        kind = fields.get("type", "message")
+        if kind == "message" and isinstance(fields["content"], str):
+            part = "output_text" if fields["role"] == "assistant" else "input_text"
+            fields["content"] = [{"type": part, "text": fields["content"]}]
+        stored.append({**fields, "id": f"{ITEM_ID_PREFIXES[kind]}_{uuid.uuid4().hex}", "type": kind,
+                       "status": fields.get("status", "completed")})  # fmt: skip
+    return stored
+
+
+def _unsupported_kind(item: InputItem, where: str) -> APIError:
+    detail = "send the items themselves." if item.type in STORED_ITEM_TYPES else f"'{item.type}' items."
+    return unsupported_parameter(f"{where}.type", detail)
 
 
 def _is_assistant_turn(item: InputItem) -> bool:

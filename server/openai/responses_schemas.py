@@ -1,9 +1,9 @@
 """The Responses API's shapes (`POST /v1/responses`): the request, its input items, and the response object.
 
-Requests are validated as strictly as chat's. Responses are stored (`store`, server/state/responses.py) and
-chained by `previous_response_id`; `conversation`, `background` and item references are refused by
-`check_supported()`, as is every field whose meaning it cannot honour (hosted tools, images, logprobs, reasoning
-summaries, ...).
+Requests are validated as strictly as chat's. Responses are stored (`store`, server/state/responses.py), chained
+by `previous_response_id` or kept in a `conversation` (server/state/conversations.py), and run in the `background`
+if asked; item references are refused by `check_supported()`, as is every field whose meaning it cannot honour
+(hosted tools, images, logprobs, reasoning summaries, ...).
 Input items, content parts, tools and formats of kinds the server does not support parse into `UnsupportedKind`,
 so that the refusal names the field and the kind rather than failing validation in a way that hides why.
 """
@@ -237,6 +237,10 @@ class ResponsesStreamOptions(_RequestModel):
     include_obfuscation: bool | None = None
 
 
+class ConversationParam(_RequestModel):
+    id: str = Field(description="conv_...")
+
+
 # ------------------------------------------------------------------------------------------------ request
 
 
@@ -286,9 +290,17 @@ class ResponsesRequest(_RequestModel):
     previous_response_id: str | None = Field(
         None, description="A stored response this one continues: its conversation comes before `input`."
     )
+    conversation: str | ConversationParam | None = Field(
+        None,
+        description="A conversation (its id): its items come before `input`, and this turn's input and output items "
+        "are added to it when the response ends. Not with `previous_response_id`.",
+    )
+    background: bool | None = Field(
+        None,
+        description="Answer at once with the response `queued`, generate it in the background: poll GET "
+        "/v1/responses/{id}, cancel by POST /v1/responses/{id}/cancel. Needs `store`; not with `stream`.",
+    )
     # Known to OpenAI but not honoured here: refused by check_supported() unless empty.
-    conversation: str | dict[str, Any] | None = None
-    background: bool | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_tool_calls: int | None = None
@@ -299,6 +311,10 @@ class ResponsesRequest(_RequestModel):
     @property
     def num_choices(self) -> int:
         return 1
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationParam) else self.conversation
 
     @property
     def stop_strings(self) -> list[str]:
@@ -314,12 +330,17 @@ class ResponsesRequest(_RequestModel):
 
     def check_supported(self, template_options: Collection[str] = ()) -> None:
         """Raise a 400 naming the first field whose meaning the server cannot honour."""
-        if self.conversation is not None:
-            raise unsupported_parameter(
-                "conversation", "the Conversations API is not served yet; chain turns with 'previous_response_id'."
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise invalid_request(
+                "Mutually exclusive parameters: provide either 'previous_response_id' or 'conversation', not both.",
+                "conversation",
+                code="mutually_exclusive_parameters",
             )
+        if self.background and self.store is False:
+            raise invalid_request("A background response is stored: 'background' needs 'store' true.", "background")
+        if self.background and self.stream:
+            raise unsupported_parameter("stream", "a background response is polled (GET /v1/responses/{id}).")
         unsupported = {
-            "background": bool(self.background),
             "include": bool(self.include),
             "top_logprobs": bool(self.top_logprobs),
             "max_tool_calls": self.max_tool_calls is not None,
@@ -461,6 +482,10 @@ class ResponseError(BaseModel):
     message: str
 
 
+class ResponseConversation(BaseModel):
+    id: str = Field(description="The conversation the response's input and output items were added to.")
+
+
 class EchoedFunctionTool(BaseModel):
     type: Literal["function"] = "function"
     name: str
@@ -482,7 +507,7 @@ class ResponseObject(BaseModel):
     id: str = Field(description="resp_...")
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     completed_at: int | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = Field(
@@ -505,4 +530,5 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
-    background: Literal[False] = False
+    background: bool = False
+    conversation: ResponseConversation | None = None

@@ -1,49 +1,78 @@
 """Stored responses (`store: true`, OpenAI's default): each response with the input of its own turn, so that a
-later `previous_response_id` renders the whole conversation from the chain of earlier turns."""
+later `previous_response_id` renders the whole conversation from the chain of earlier turns.
+
+A response is written once it ends (completed, incomplete, failed, or a stream cut off), except a background one:
+its row is written when it is created (`queued`, leased by the replica that runs it) and updated when it ends.
+Its lease (`worker`, `lease_until`) is renewed while it runs; a row whose lease ran out belonged to a replica that
+died, and any replica's sweep records it failed. A cancel from any replica writes `cancelled` (and
+`cancel_requested`, which the running replica polls): the runner's own last write only lands on a row still running,
+so a cancelled response stays cancelled.
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
-from sqlalchemy import delete, insert, or_, select
+from sqlalchemy import ColumnElement, delete, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from server.state import tables
-from server.state.stored import StoredState, now
+from server.state.stored import LEASE_SECONDS, StoredState, now
 
 MAX_CHAIN = 1_000
 """Turns a `previous_response_id` chain is followed back at most (a guard against a cycle no code makes)."""
+RUNNING = ("queued", "in_progress")
+"""The statuses of a background response not yet ended."""
+
+_responses = tables.responses
 
 
-def _live(owner: str) -> Any:
-    responses = tables.responses
-    return (responses.c.owner == owner) & or_(responses.c.expires_at.is_(None), responses.c.expires_at > now())
+def _live(owner: str) -> ColumnElement[bool]:
+    """The owner's rows not past their retention: an expired row reads as missing before the sweep deletes it."""
+    return (_responses.c.owner == owner) & or_(_responses.c.expires_at.is_(None), _responses.c.expires_at > now())
 
 
-async def save(stored: StoredState, owner: str, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
-    """Store a finished response and its turn's input (the quota checked in the same transaction)."""
+def _size(response: dict[str, Any], input_items: list[dict[str, Any]]) -> int:
+    """What the row counts against its owner's quota: its stored JSON."""
+    return len(json.dumps(response)) + len(json.dumps(input_items))
+
+
+async def add(
+    connection: AsyncConnection,
+    stored: StoredState,
+    owner: str,
+    response: dict[str, Any],
+    input_items: list[dict[str, Any]],
+    *,
+    worker: str | None = None,
+) -> None:
+    """Store a response and its turn's input, its owner's quota checked in the same transaction. `worker`: the
+    replica running it in the background, leased to it from now."""
     days = stored.settings.store_retention_days
-    size = len(json.dumps(response)) + len(json.dumps(input_items))
-    async with stored.db().transaction() as connection:
-        await stored.check_quota(connection, owner, size)
-        await connection.execute(
-            insert(tables.responses).values(
-                id=response["id"], owner=owner, created_at=response["created_at"],
-                expires_at=response["created_at"] + int(days * 86400) if days else None, status=response["status"],
-                previous_response_id=response.get("previous_response_id"), conversation_id=None,
-                input_items=input_items, response=response, background=False, worker=None, lease_until=None,
-                cancel_requested=False, bytes=size,
-            )
-        )  # fmt: skip
+    size = _size(response, input_items)
+    await stored.check_quota(connection, owner, size)
+    conversation = response.get("conversation")
+    await connection.execute(
+        insert(_responses).values(
+            id=response["id"], owner=owner, created_at=response["created_at"],
+            expires_at=response["created_at"] + int(days * 86400) if days else None, status=response["status"],
+            previous_response_id=response.get("previous_response_id"),
+            conversation_id=conversation["id"] if conversation else None, input_items=input_items,
+            response=response, background=bool(response.get("background")), worker=worker,
+            lease_until=None if worker is None else time.time() + LEASE_SECONDS, cancel_requested=False, bytes=size,
+        )
+    )  # fmt: skip
 
 
 async def get(connection: AsyncConnection, owner: str, response_id: str) -> Any | None:
-    """The row (response, input_items, previous_response_id), or None: missing, expired, or another owner's."""
-    responses = tables.responses
-    query = select(responses.c.response, responses.c.input_items, responses.c.previous_response_id).where(
-        responses.c.id == response_id, _live(owner)
-    )
+    """The row (response, input_items, previous_response_id, status, background), or None: missing, expired, or
+    another owner's."""
+    query = select(
+        _responses.c.response, _responses.c.input_items, _responses.c.previous_response_id, _responses.c.status,
+        _responses.c.background,
+    ).where(_responses.c.id == response_id, _live(owner))  # fmt: skip
     return (await connection.execute(query)).first()
 
 
@@ -62,13 +91,71 @@ async def conversation(connection: AsyncConnection, owner: str, response_id: str
 
 
 async def remove(connection: AsyncConnection, owner: str, response_id: str) -> bool:
-    responses = tables.responses
-    result = await connection.execute(delete(responses).where(responses.c.id == response_id, _live(owner)))
+    result = await connection.execute(delete(_responses).where(_responses.c.id == response_id, _live(owner)))
     return result.rowcount == 1
 
 
 async def remove_expired(connection: AsyncConnection) -> int:
     """Delete every response past its retention: how many went."""
-    responses = tables.responses
-    expired = (responses.c.expires_at.is_not(None)) & (responses.c.expires_at <= now())
-    return (await connection.execute(delete(responses).where(expired))).rowcount
+    expired = _responses.c.expires_at.is_not(None) & (_responses.c.expires_at <= now())
+    return (await connection.execute(delete(_responses).where(expired))).rowcount
+
+
+# ------------------------------------------------------------------------------------------------ background
+
+
+async def update_running(connection: AsyncConnection, response: dict[str, Any]) -> bool:
+    """Write a background response's new state (`in_progress`, or how it ended) if it is still running; False if
+    it is not (cancelled meanwhile, or recorded failed): that state stays. An ended response leaves its lease."""
+    ended = response["status"] not in RUNNING
+    values: dict[str, Any] = dict(status=response["status"], response=response)
+    if ended:
+        # Its output counts against the quota from now on; the quota was checked when it was created.
+        input_items = await connection.scalar(select(_responses.c.input_items).where(_responses.c.id == response["id"]))
+        values.update(worker=None, lease_until=None, bytes=_size(response, input_items or []))
+    query = update(_responses).where(_responses.c.id == response["id"], _responses.c.status.in_(RUNNING))
+    return (await connection.execute(query.values(**values))).rowcount == 1
+
+
+async def cancel(connection: AsyncConnection, owner: str, response_id: str) -> dict[str, Any] | None:
+    """Record a running background response cancelled (and ask its replica to stop it); the response as it now
+    stands, or None if it is not running (the caller reads why)."""
+    row = await get(connection, owner, response_id)
+    if row is None or not row.background or row.status not in RUNNING:
+        return None
+    response = {**row.response, "status": "cancelled"}
+    query = update(_responses).where(_responses.c.id == response_id, _responses.c.status.in_(RUNNING))
+    values = dict(status="cancelled", response=response, cancel_requested=True, worker=None, lease_until=None)
+    if (await connection.execute(query.values(**values))).rowcount != 1:
+        return None  # it ended in the meantime
+    return response
+
+
+async def running(connection: AsyncConnection, response_ids: list[str]) -> set[str]:
+    """Which of these background responses are still running: the others were cancelled or deleted (from whichever
+    replica), or recorded failed, and their generation stops."""
+    query = select(_responses.c.id).where(
+        _responses.c.id.in_(response_ids), _responses.c.status.in_(RUNNING), ~_responses.c.cancel_requested
+    )
+    return set((await connection.execute(query)).scalars())
+
+
+async def renew(connection: AsyncConnection, worker: str, response_ids: list[str]) -> None:
+    """Extend `worker`'s lease on the background responses it is running."""
+    query = update(_responses).where(
+        _responses.c.id.in_(response_ids), _responses.c.worker == worker, _responses.c.status.in_(RUNNING)
+    )
+    await connection.execute(query.values(lease_until=time.time() + LEASE_SECONDS))
+
+
+async def fail_running(connection: AsyncConnection, message: str, worker: str | None = None) -> list[str]:
+    """Record failed, saying `message`, the background responses still running that `worker` holds (it is
+    stopping), or, with no `worker`, those whose lease ran out (their replica died); their ids."""
+    held = _responses.c.worker == worker if worker is not None else _responses.c.lease_until < time.time()
+    query = select(_responses.c.id, _responses.c.response).where(_responses.c.status.in_(RUNNING), held)
+    failed = []
+    for row in await connection.execute(query):
+        response = {**row.response, "status": "failed", "error": {"code": "server_error", "message": message}}
+        if await update_running(connection, response):
+            failed.append(row.id)
+    return failed

@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -24,6 +25,12 @@ renews its claims every third of it; work whose claim ran out belonged to a repl
 def new_id(prefix: str) -> str:
     """An id no client can guess: 192 random bits after OpenAI's prefix (`resp`, `conv`, `file`, `batch`...)."""
     return f"{prefix}_{secrets.token_hex(24)}"
+
+
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's paged list object: the page, whether more follow, and the ids a next page starts `after`."""
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more}
 
 
 def now() -> int:
