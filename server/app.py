@@ -394,7 +394,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         BodySizeLimitMiddleware,
         max_bytes=settings.max_request_bytes,
         metrics=state.metrics,
-        limits={("POST", "/v1/files"): settings.max_file_bytes + 2**20},
+        uploads={("POST", "/v1/files"): settings.max_file_bytes + 2**20},
     )
     api_keys = read_keys(settings.api_key, settings.api_keys_file)
     if api_keys:

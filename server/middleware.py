@@ -95,26 +95,31 @@ class BodySizeLimitMiddleware:
     """Refuse request bodies over `max_bytes` with 413, whether or not they declare a Content-Length.
 
     The body is read here (up to the limit) and replayed to the app, which reads it whole anyway; after the
-    replay, `receive` goes back to the server so a handler can still hear the client disconnect.
+    replay, `receive` goes back to the server so a handler can still hear the client disconnect. An upload route
+    (`uploads`: its own limit by method and path) is not buffered: its body streams through, counted, to a route
+    that spools it to disk as it parses it; past the limit the client gets the 413 and the route a disconnect.
     """
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics, limits: dict[tuple[str, str], int] | None = None
+        self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics, uploads: dict[tuple[str, str], int] | None = None
     ) -> None:
-        """`limits`: other limits by (method, path), for routes that take larger bodies (an upload)."""
         self.app = app
         self.max_bytes = max_bytes
         self._metrics = metrics
-        self._limits = limits or {}
+        self._uploads = uploads or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        max_bytes = self._limits.get((scope["method"], scope["path"]), self.max_bytes)
+        upload_limit = self._uploads.get((scope["method"], scope["path"]))
+        max_bytes = self.max_bytes if upload_limit is None else upload_limit
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             await self._reject(scope, receive, send, max_bytes)
+            return
+        if upload_limit is not None:
+            await self._stream(scope, receive, send, upload_limit)
             return
         chunks: list[bytes] = []
         size = 0
@@ -141,6 +146,31 @@ class BodySizeLimitMiddleware:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+    async def _stream(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
+        size = 0
+        rejected = started = False
+
+        async def counted() -> Message:
+            nonlocal size, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size <= max_bytes:
+                return message
+            rejected = True
+            if not started:
+                await self._reject(scope, receive, send, max_bytes)
+            return {"type": "http.disconnect"}  # the route stops reading; what it answers is dropped
+
+        async def unless_rejected(message: Message) -> None:
+            nonlocal started
+            if not rejected:
+                started = True
+                await send(message)
+
+        await self.app(scope, counted, unless_rejected)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, max_bytes: int) -> None:
         self._metrics.count_rejection("invalid")

@@ -1,23 +1,42 @@
 """The Files and Batch APIs end to end: the official OpenAI SDK against a real `ferry serve`, its state in SQLite
 and in a real PostgreSQL server. A batch's answers equal the same requests sent directly (greedy); bad lines land
-in the error file and never stop it; a server killed mid-batch resumes it on restart with every request's result
-recorded once; two keys never see each other's files or batches."""
+in the error file and never stop it; a server stopped (at once resumed) or killed (once its lease runs out)
+mid-batch resumes it on restart with every request's result recorded once, even by replicas racing to record it;
+a line the server turns away (full queue, stopping) is no failure; two keys never see each other's files or
+batches."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import itertools
 import json
 import signal
 import sqlite3
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from sqlalchemy.exc import IntegrityError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
+from server.metrics import ServerMetrics
+from server.openai import batches as batches_api
+from server.openai.errors import APIError, service_unavailable
+from server.openai.generation import is_batch
+from server.openai.schemas import CompletionRequest
+from server.settings import ServerSettings
+from server.state import batches, files
+from server.state.database import Database, database_url
+from server.state.keys import request_owner
+from server.state.stored import StoredState
 from tests.postgres_server import PostgresServer
 from tests.server_harness import ServerProcess, metric, metric_samples, server_process
 
@@ -146,6 +165,12 @@ def test_limits_and_a_batch_for_another_endpoint(server: ServerProcess) -> None:
     with pytest.raises(openai.APIStatusError) as too_large:
         client.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES + 1)), purpose="batch")
     assert too_large.value.status_code == 413
+    # Past the form's limit (the file's and a mebibyte) the upload is cut off as it streams in, unbuffered.
+    part = b'--b\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'
+    chunks = itertools.chain([part], (b"x" * 2**16 for _ in range((MAX_FILE_BYTES + 2**20) // 2**16 + 2)))
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {KEY_A}"}) as http:
+        streamed = http.post("/v1/files", content=chunks, headers={"Content-Type": "multipart/form-data; boundary=b"})
+    assert (streamed.status_code, streamed.json()["error"]["code"]) == (413, "request_too_large")
     uploaded = client.files.create(file=("c.jsonl", _lines("/v1/completions", [_completion("x")])), purpose="batch")
     with pytest.raises(openai.BadRequestError, match="another endpoint"):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -182,35 +207,152 @@ def test_a_cancelled_batch_keeps_what_it_did(server: ServerProcess) -> None:
     assert again.value.status_code == 409
 
 
-def _recorded(state: Path, batch_id: str) -> int:
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_result_is_recorded_once_when_two_replicas_race_to_record_it(
+    dialect: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    if dialect == "sqlite":
+        url = database_url(None, str(tmp_path))
+    else:
+        url = database_url(request.getfixturevalue("postgres").new_database(), None)
+
+    async def race() -> None:
+        database = await Database.open(url)
+        batch = batches.new_batch("owner", "/v1/completions", "file_x", None)
+        async with database.transaction() as connection:
+            await batches.add(connection, "owner", batch)
+
+        async def record(replica: int) -> bool:
+            try:
+                async with database.transaction() as connection:
+                    return await batches.record(connection, batch["id"], 1, "same", False, {"replica": replica})
+            except IntegrityError:  # the insert that lost the race (both found no row first)
+                return False
+
+        assert sorted(await asyncio.gather(*(record(replica) for replica in range(8)))) == [False] * 7 + [True]
+        with pytest.raises(RuntimeError):  # a rolled-back transaction records nothing, however it recorded it
+            async with database.transaction() as connection:
+                assert await batches.record(connection, batch["id"], 2, "other", True, {})
+                raise RuntimeError
+        async with database.transaction() as connection:
+            assert await batches.recorded_lines(connection, batch["id"]) == {1}
+        await database.close()
+
+    asyncio.run(race())
+
+
+def test_a_line_the_server_turns_away_runs_again_later_and_is_no_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, the runner over a stand-in endpoint: a full queue (429) is retried, a server that stops
+    taking requests (503) leaves the batch to resume, lease given back; neither is recorded as the line's result."""
+    calls: Counter[str] = Counter()
+    stopping = True
+
+    async def serve(ctx: Any, body: CompletionRequest, request: Request) -> JSONResponse:
+        assert is_batch(request) and request_owner(request) == "owner" and body.stream is False
+        calls[body.prompt] += 1
+        if body.prompt == "busy" and calls["busy"] <= 2:
+            raise APIError(429, "The queue is full.", code="queue_full", headers={"Retry-After": "0"})
+        if body.prompt == "stopping" and stopping:
+            raise service_unavailable("The server is shutting down.", "draining")
+        return JSONResponse({"text": body.prompt})
+
+    monkeypatch.setitem(batches_api._ENDPOINTS, "/v1/completions", (CompletionRequest, serve))
+    serving = SimpleNamespace(lifecycle=SimpleNamespace(check_accepting=lambda: None))
+    stored = StoredState(ServerSettings(batch_concurrency=1))
+    runner = batches_api.BatchRunner(stored, lambda: serving, ServerMetrics(MODEL))  # type: ignore[arg-type]
+
+    async def run(prompts: list[str]) -> tuple[bool, dict[str, Any], list[bool]]:
+        """Upload a batch of `prompts`, claim it and work it once: (closed, the batch, its results' errors)."""
+        async with stored.db().transaction() as connection:
+            content = _lines("/v1/completions", [_completion(prompt, stream=True) for prompt in prompts])
+            uploaded = await files.add(connection, "owner", "batch", "in.jsonl", content)
+            batch = batches.new_batch("owner", "/v1/completions", uploaded["id"], None)
+            await batches.add(connection, "owner", batch)
+        async with stored.db().transaction() as connection:
+            assert await batches.claim(connection, stored.worker) == batch["id"]
+        closed = await runner._work(batch["id"])
+        async with stored.db().transaction() as connection:
+            results = [error for error, _ in await batches.results(connection, batch["id"])]
+            return closed, await batches.get(connection, None, batch["id"]), results
+
+    async def scenario() -> None:
+        nonlocal stopping
+        stored.database = await Database.open(database_url(None, str(tmp_path)))
+        closed, busy, results = await run(["a", "busy", "c"])
+        assert closed and busy["status"] == "completed" and results == [False] * 3 and calls["busy"] == 3
+        closed, left, results = await run(["x", "stopping", "y"])
+        assert not closed and left["status"] == "in_progress" and results == [False]  # "x" only
+        async with stored.db().transaction() as connection:
+            assert await batches.claim(connection, "another_replica") == left["id"]  # its lease was given back
+            await batches.release(connection, "another_replica")
+            assert await batches.claim(connection, stored.worker) == left["id"]
+        stopping = False
+        assert await runner._work(left["id"])
+        async with stored.db().transaction() as connection:
+            resumed = await batches.get(connection, None, left["id"])
+            output = (await files.content(connection, "owner", resumed["output_file_id"]) or b"").splitlines()
+        assert resumed["status"] == "completed" and resumed["request_counts"]["completed"] == 3
+        assert [json.loads(line)["response"]["body"]["text"] for line in output] == ["x", "stopping", "y"]
+        assert calls["x"] == 1  # recorded before the stop: not run again
+        await stored.db().close()
+
+    asyncio.run(scenario())
+
+
+def _recorded(state: Path, batch_id: str) -> list[tuple[str, bool]]:
+    """The batch's result rows as the database holds them: (custom_id, error)."""
     with sqlite3.connect(state / "ferry.db", timeout=10) as database:
-        return database.execute("SELECT count(*) FROM batch_results WHERE batch_id = ?", (batch_id,)).fetchone()[0]
+        query = "SELECT custom_id, error FROM batch_results WHERE batch_id = ?"
+        return [(custom_id, bool(error)) for custom_id, error in database.execute(query, (batch_id,)).fetchall()]
 
 
-def test_a_server_killed_mid_batch_resumes_it_and_records_each_result_once(
+def _wait_recorded(state: Path, batch_id: str, rows: int, timeout: float) -> None:
+    """Until the batch has `rows` results recorded (the rows themselves: the batch's counts lag up to a second)."""
+    deadline = time.monotonic() + timeout
+    while len(_recorded(state, batch_id)) < rows:
+        assert time.monotonic() < deadline, f"fewer than {rows} results after {timeout}s"
+        time.sleep(0.02)
+
+
+def test_a_server_stopped_or_killed_mid_batch_resumes_it_and_records_each_result_once(
     model_dir: Callable[[str], Path], keys: Path, tmp_path: Path
 ) -> None:
     state = tmp_path / "state"
+    restartable = ("--state-dir", str(state))
     bodies = [_completion(prompt, max_tokens=16) for prompt in PROMPTS]
-    with _serve(model_dir("llama"), keys, "--state-dir", str(state)) as first:
+    with _serve(model_dir("llama"), keys, *restartable) as first:
         client = _client(first, KEY_A)
         uploaded = client.files.create(file=("r.jsonl", _lines("/v1/completions", bodies)), purpose="batch")
         batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
-        deadline = time.monotonic() + 120
-        while _recorded(state, batch.id) < 20:  # the rows themselves: the batch's counts lag up to a second
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        first.process.send_signal(signal.SIGKILL)  # no shutdown: its lease must run out
-        first.process.wait()
-    assert 20 <= _recorded(state, batch.id) < 200, "killed mid-batch"
-    with _serve(model_dir("llama"), keys, "--state-dir", str(state)) as second:
+        _wait_recorded(state, batch.id, 20, timeout=120)
+        assert first.stop() == 0  # SIGTERM: the lines in flight finish, the next ones wait for the restart
+    stopped = _recorded(state, batch.id)
+    assert 20 <= len(stopped) < 200, "stopped mid-batch"
+    assert not any(error for _, error in stopped), "a line the draining server turned away is no failure"
+    with _serve(model_dir("llama"), keys, *restartable) as second:
+        # The stopped server gave its lease back: the batch resumes at once, not when the lease would run out.
+        _wait_recorded(state, batch.id, len(stopped) + 20, timeout=10)
         client = _client(second, KEY_A)
+        late = client.files.create(file=("late.jsonl", _lines("/v1/completions", bodies[:3])), purpose="batch")
+        queued = client.batches.create(input_file_id=late.id, endpoint="/v1/completions", completion_window="24h")
+        second.process.send_signal(signal.SIGKILL)  # no shutdown: its lease must run out
+        second.process.wait()
+    killed = len(_recorded(state, batch.id))
+    assert killed < 200, "killed mid-batch"
+    with sqlite3.connect(state / "ferry.db") as database:  # the queued batch's 24 hours are over
+        database.execute("UPDATE batches SET batch = json_set(batch, '$.expires_at', 0) WHERE id = ?", (queued.id,))
+    with _serve(model_dir("llama"), keys, *restartable) as third:
+        client = _client(third, KEY_A)
         done = _wait(client, batch.id, ("completed", "failed"), timeout=180)
         assert done.status == "completed" and done.request_counts.completed == 200
         output = _jsonl(client, done.output_file_id)
         direct = [client.completions.create(**body).choices[0].text for body in bodies[:5]]
+        expired = _wait(client, queued.id, ("expired",))
+        assert expired.expired_at and (expired.request_counts.total, expired.request_counts.failed) == (3, 3)
+        assert [line["error"]["code"] for line in _jsonl(client, expired.error_file_id)] == ["batch_expired"] * 3
     assert [line["custom_id"] for line in output] == [f"req-{i}" for i in range(200)]
     assert [line["response"]["body"]["choices"][0]["text"] for line in output[:5]] == direct
-    with sqlite3.connect(state / "ferry.db") as database:
-        rows = database.execute("SELECT custom_id FROM batch_results WHERE batch_id = ?", (batch.id,)).fetchall()
+    rows = _recorded(state, batch.id)
     assert len(rows) == 200 and len(set(rows)) == 200

@@ -23,13 +23,15 @@ from typing import Any, Literal
 import pydantic
 from fastapi import FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
 from starlette.responses import Response
 
 from server.metrics import ServerMetrics
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
 from server.openai.embeddings import serve_embeddings
-from server.openai.errors import ERROR_RESPONSES, APIError, file_not_found, invalid_request
+from server.openai.errors import ERROR_RESPONSES, APIError, file_not_found, internal_error, invalid_request
 from server.openai.generation import BATCH_SCOPE_KEY, ServingContext
 from server.openai.pooling_schemas import EmbeddingRequest
 from server.openai.responses import serve_response
@@ -163,16 +165,35 @@ def add_batch_routes(
 
     @app.post("/v1/batches/{batch_id}/cancel", responses=ERROR_RESPONSES)
     async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
-        """Stop starting the batch's requests; those running finish, and the files hold what was done."""
+        """Stop starting the batch's requests; those running finish, and the files hold what was done. A batch
+        already cancelling is returned as it is (a retried cancel); one that ended is a 409."""
         async with stored.db().transaction() as connection:
-            batch = await batches.get(connection, request_owner(request), batch_id)
-            if batch is None:
-                raise batch_not_found(batch_id)
-            if batch["status"] not in ("validating", "in_progress", "finalizing"):
-                raise APIError(409, f"A batch that is {batch['status']} cannot be cancelled.", code="invalid_state")
-            batch.update(status="cancelling", cancelling_at=now())
-            await batches.save(connection, batch)
-        return batch
+            while True:  # until the cancel is written, or the runner closed the batch between the read and it
+                batch = await batches.get(connection, request_owner(request), batch_id)
+                if batch is None:
+                    raise batch_not_found(batch_id)
+                seen = batch["status"]
+                if seen == "cancelling":
+                    return batch
+                if seen not in batches.RUNNABLE:
+                    raise APIError(409, f"A batch that is {seen} cannot be cancelled.", code="invalid_state")
+                batch.update(status="cancelling", cancelling_at=now())
+                if await batches.save(connection, batch, seen):
+                    return batch
+
+
+class _NotNow(Exception):
+    """The server could not take a line now (429 `queue_full`; 503: loading, draining, its engine gone): no
+    answer to record, the line runs again later. `retry_after`: seconds to wait (a full queue), None: stop the
+    batch here and leave it to resume (a 503)."""
+
+    def __init__(self, retry_after: float | None) -> None:
+        super().__init__()
+        self.retry_after = retry_after
+
+
+class _Changed(Exception):
+    """The batch's status changed (a cancel) while it was being closed: close it again, as it now is."""
 
 
 class BatchRunner:
@@ -189,10 +210,8 @@ class BatchRunner:
                 async with self.stored.db().transaction() as connection:
                     self.metrics.set_batches(await batches.statuses(connection))
                     batch_id = await batches.claim(connection, self.stored.worker) if self._ready() else None
-                if batch_id is None:
+                if batch_id is None or not await self._work(batch_id):
                     await asyncio.sleep(POLL_SECONDS)
-                    continue
-                await self._work(batch_id)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a database that went away for a moment: try again, never stop the loop
@@ -204,13 +223,16 @@ class BatchRunner:
             await batches.release(connection, self.stored.worker)
 
     def _ready(self) -> bool:
+        """Whether the server takes requests (not loading, draining or dead): no batch is taken before."""
         try:
-            self.serving()
+            self.serving().lifecycle.check_accepting()
         except APIError:
-            return False  # the engine is still loading
+            return False
         return True
 
-    async def _work(self, batch_id: str) -> None:
+    async def _work(self, batch_id: str) -> bool:
+        """Run the batch's requests that have no result yet, then close it. False: it was left to resume (the
+        server stopped taking requests, or another replica took the batch over), its lease given back."""
         db = self.stored.db()
         async with db.transaction() as connection:
             batch = await batches.get(connection, None, batch_id)
@@ -218,66 +240,99 @@ class BatchRunner:
             content = await files.content(connection, owner, batch["input_file_id"])
             done = await batches.recorded_lines(connection, batch_id)
         if content is None:
-            await self._end(batch, "failed", errors=[("input_file_missing", "The input file was deleted.")])
-            return
-        requests = read_requests(content)
+            await self._end(batch_id, "failed", errors=[("input_file_missing", "The input file was deleted.")])
+            return True
+        try:
+            requests = read_requests(content)
+        except APIError as exc:  # checked at upload: only a file an older Ferry took fails here
+            await self._end(batch_id, "failed", errors=[("invalid_input_file", exc.info.message)])
+            return True
         if batch["status"] == "validating":
-            batch.update(status="in_progress", in_progress_at=now())
-            batch["request_counts"]["total"] = len(requests)
+            counts = {"total": len(requests), "completed": 0, "failed": 0}
+            started = {**batch, "status": "in_progress", "in_progress_at": now(), "request_counts": counts}
             async with db.transaction() as connection:
-                await batches.save(connection, batch)
-        pending = [request for request in requests if request.line not in done]
-        stop = asyncio.Event()
-        keeper = asyncio.create_task(self._keep(batch, stop))
-        slots = asyncio.Semaphore(self.stored.settings.batch_concurrency)
+                await batches.save(connection, started, "validating")  # lost to a cancel: the first line sees it
+        pending = iter([request for request in requests if request.line not in done])
+        stop, left = asyncio.Event(), asyncio.Event()
+        if now() >= batch["expires_at"]:
+            stop.set()
 
-        async def one(request: BatchRequest) -> None:
-            async with slots:
+        async def lines() -> None:
+            for request in pending:  # one iterator for every worker: each request is taken once
                 if stop.is_set():
                     return
-                async with db.transaction() as connection:  # a cancel stops the very next request
-                    if await batches.status(connection, batch_id) == "cancelling":
-                        stop.set()
-                        return
-                error, result = await self._answer(owner, request)
-                async with db.transaction() as connection:
-                    first = await batches.record(connection, batch_id, request.line, request.custom_id, error, result)
-                if first:
-                    self.metrics.count_batch_request(error)
+                await self._line(batch_id, owner, request, stop, left)
 
+        keeper = asyncio.create_task(self._keep(batch_id, batch["expires_at"], stop, left))
         try:
-            await asyncio.gather(*(one(request) for request in pending))
+            async with asyncio.TaskGroup() as group:
+                for _ in range(self.stored.settings.batch_concurrency):
+                    group.create_task(lines())
         finally:
             stop.set()
             keeper.cancel()
-        async with db.transaction() as connection:
-            status = await batches.status(connection, batch_id)
-            batch = await batches.get(connection, None, batch_id)
-        if status == "cancelling":
-            await self._end(batch, "cancelled")
-        elif now() >= batch["expires_at"]:
-            await self._end(batch, "expired", unrun=[r for r in requests if r.line not in done], owner=owner)
-        else:
-            await self._end(batch, "completed")
+            await asyncio.wait([keeper])  # its last write of the counts lands before the batch is closed
+        if left.is_set():
+            async with db.transaction() as connection:
+                await batches.release(connection, self.stored.worker, batch_id)
+            return False
+        await self._end(batch_id, "expired" if now() >= batch["expires_at"] else "completed", requests)
+        return True
 
-    async def _keep(self, batch: dict[str, Any], stop: asyncio.Event) -> None:
-        """Renew the lease, and stop starting requests once the batch is cancelled or past its window."""
+    async def _line(
+        self, batch_id: str, owner: str, request: BatchRequest, stop: asyncio.Event, left: asyncio.Event
+    ) -> None:
+        """Run one request and record its result, unless the batch is cancelled first (a cancel stops the very
+        next request) or the server cannot take it (`left`)."""
+        while not stop.is_set():
+            async with self.stored.db().transaction() as connection:
+                if await batches.status(connection, batch_id) == "cancelling":
+                    stop.set()
+                    return
+            try:
+                error, result = await self._answer(owner, request)
+            except _NotNow as not_now:
+                if not_now.retry_after is None:
+                    left.set()
+                    stop.set()
+                    return
+                await asyncio.sleep(not_now.retry_after)
+                continue
+            try:
+                async with self.stored.db().transaction() as connection:
+                    first = await batches.record(connection, batch_id, request.line, request.custom_id, error, result)
+            except IntegrityError:  # another replica recorded it first (see batches.record)
+                first = False
+            if first:
+                self.metrics.count_batch_request(error)
+            return
+
+    async def _keep(self, batch_id: str, expires_at: int, stop: asyncio.Event, left: asyncio.Event) -> None:
+        """Every POLL_SECONDS: renew the lease (every third of it), publish the counts, and stop starting requests
+        once the batch is cancelled, past its window, or (a lease lost while this replica stalled) another's."""
         renewed = time.monotonic()
         while not stop.is_set():
             await asyncio.sleep(POLL_SECONDS)
-            async with self.stored.db().transaction() as connection:
-                if time.monotonic() - renewed > LEASE_SECONDS / 3:
-                    await batches.renew(connection, self.stored.worker, batch["id"])
-                    renewed = time.monotonic()
-                if await batches.status(connection, batch["id"]) == "cancelling" or now() >= batch["expires_at"]:
-                    stop.set()
-                completed, failed = await batches.counts(connection, batch["id"])
-                current = await batches.get(connection, None, batch["id"])
-                current["request_counts"].update(completed=completed, failed=failed)
-                await batches.save(connection, current)
+            try:
+                async with self.stored.db().transaction() as connection:
+                    if time.monotonic() - renewed > LEASE_SECONDS / 3:
+                        if not await batches.renew(connection, self.stored.worker, batch_id):
+                            left.set()
+                            stop.set()
+                            return
+                        renewed = time.monotonic()
+                    current = await batches.get(connection, None, batch_id)
+                    if current["status"] == "cancelling" or now() >= expires_at:
+                        stop.set()
+                    completed, failed = await batches.counts(connection, batch_id)
+                    current["request_counts"].update(completed=completed, failed=failed)
+                    await batches.save(connection, current, current["status"])  # lost to a cancel: next time
+                    self.metrics.set_batches(await batches.statuses(connection))
+            except Exception:  # a database that went away for a moment: the next tick tries again
+                logger.exception("Keeping batch %s failed; retrying", batch_id)
 
     async def _answer(self, owner: str, request: BatchRequest) -> tuple[bool, dict[str, Any]]:
-        """(failed, the output or error file's line) of one request, run as the route would run it."""
+        """(failed, the output or error file's line) of one request, answered as the route would answer it."""
         request_id = f"batch_req_{uuid.uuid4().hex}"
         model, serve = _ENDPOINTS[request.url]
         try:
@@ -289,48 +344,92 @@ class BatchRunner:
             where = ".".join(str(part) for part in error.get("loc", ()))
             response = invalid_request(f"Invalid value for '{where}': {error.get('msg')}.", where or None).response()
         except APIError as exc:
+            if exc.info.code == "queue_full":  # (not every 429: a key over its storage quota stays over it)
+                raise _NotNow(float(exc.headers.get("Retry-After", POLL_SECONDS))) from exc
+            if exc.status_code == 503 or (exc.status_code >= 500 and not self._ready()):
+                raise _NotNow(None) from exc  # the server's state (its engine died under the line), not an answer
             response = exc.response()
+        except Exception:  # a bug: the route's own answer to one (a 500 that says nothing), and the line goes on
+            logger.exception("A batch request failed (%s)", request.custom_id)
+            response = internal_error().response()
         answer = {"status_code": response.status_code, "request_id": request_id, "body": json.loads(response.body)}
         line = {"id": request_id, "custom_id": request.custom_id, "response": answer, "error": None}
         return response.status_code >= 400, line
 
     async def _end(
         self,
-        batch: dict[str, Any],
+        batch_id: str,
         status: str,
+        requests: list[BatchRequest] | None = None,
         errors: list[tuple[str, str]] | None = None,
-        unrun: list[BatchRequest] | None = None,
-        owner: str | None = None,
     ) -> None:
-        """Write the output and error files of what was recorded, and close the batch as `status`."""
-        db = self.stored.db()
-        async with db.transaction() as connection:
-            owner = owner or await batches.owner_of(connection, batch["id"])
-            for request in unrun or ():
-                expired = {"code": "batch_expired", "message": "The batch's completion window ended first."}
-                line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id, "response": None,
-                        "error": expired}  # fmt: skip
-                await batches.record(connection, batch["id"], request.line, request.custom_id, True, line)
-            results = await batches.results(connection, batch["id"])
-            completed, failed = await batches.counts(connection, batch["id"])
-            batch = await batches.get(connection, None, batch["id"])
-            batch["request_counts"].update(completed=completed, failed=failed)
-            batch.update(status="finalizing", finalizing_at=batch["finalizing_at"] or now())
-            outputs = [json.dumps(result) for error, result in results if not error]
-            failures = [json.dumps(result) for error, result in results if error]
-            name = batch["id"]
-            if outputs:
-                output = await files.add(connection, owner, "batch_output", f"{name}_output.jsonl",
-                                         ("\n".join(outputs) + "\n").encode())  # fmt: skip
-                batch["output_file_id"] = output["id"]
-            if failures:
-                error_file = await files.add(connection, owner, "batch_output", f"{name}_error.jsonl",
-                                             ("\n".join(failures) + "\n").encode())  # fmt: skip
-                batch["error_file_id"] = error_file["id"]
-            if errors:
-                batch["errors"] = {"object": "list", "data": [{"code": c, "message": m} for c, m in errors]}
-            batch.update(status=status, **{f"{status}_at": now()})
-            await batches.save(connection, batch, release=True)
+        """Close the batch as `status` (or cancelled, if a cancel came first) with its output and error files;
+        `requests`: the input's (an expired batch records those without a result as expired)."""
+        if status != "failed":  # shown while the files are written (one transaction, long for a large batch)
+            async with self.stored.db().transaction() as connection:
+                batch = await batches.get(connection, None, batch_id)
+                finalizing = {**batch, "status": "finalizing", "finalizing_at": now()}
+                await batches.save(connection, finalizing, "in_progress")  # lost to a cancel: closed as cancelled
+        while True:
+            try:
+                async with self.stored.db().transaction() as connection:
+                    expired = await self._close(connection, batch_id, status, requests or [], errors)
+            except _Changed:
+                continue
+            for _ in range(expired):
+                self.metrics.count_batch_request(True)
+            return
+
+    async def _close(
+        self,
+        connection: AsyncConnection,
+        batch_id: str,
+        status: str,
+        requests: list[BatchRequest],
+        errors: list[tuple[str, str]] | None,
+    ) -> int:
+        """`_end` in one transaction (the files and the status together, or neither): the number of requests
+        recorded as expired. Raises _Changed, rolling it all back, if the batch's status changed meanwhile."""
+        batch = await batches.get(connection, None, batch_id)
+        seen = batch["status"]
+        if seen not in batches.RUNNABLE:
+            return 0  # closed already, by a replica that took it over
+        if seen == "cancelling" and status != "failed":
+            status = "cancelled"
+        owner = await batches.owner_of(connection, batch_id)
+        expired = 0
+        if status == "expired":
+            recorded = await batches.recorded_lines(connection, batch_id)
+            for request in requests:
+                if request.line not in recorded:
+                    reason = {"code": "batch_expired", "message": "The batch's completion window ended first."}
+                    line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id,
+                            "response": None, "error": reason}  # fmt: skip
+                    await batches.record(connection, batch_id, request.line, request.custom_id, True, line)
+                    expired += 1
+            if not expired:
+                status = "completed"  # its last requests finished just as its window ended
+        results = await batches.results(connection, batch_id)
+        completed, failed = await batches.counts(connection, batch_id)
+        batch["request_counts"].update(completed=completed, failed=failed)
+        if requests:  # (a cancel before the batch started left its total unset)
+            batch["request_counts"]["total"] = len(requests)
+        for failures, kind in ((False, "output"), (True, "error")):
+            lines = [json.dumps(result) for error, result in results if error == failures]
+            if lines:
+                content = ("\n".join(lines) + "\n").encode()
+                added = await files.add(connection, owner, "batch_output", f"{batch_id}_{kind}.jsonl", content)
+                batch[f"{kind}_file_id"] = added["id"]
+        if errors:
+            data = [{"code": code, "message": message, "param": None, "line": None} for code, message in errors]
+            batch["errors"] = {"object": "list", "data": data}
+        closed = now()
+        if status != "failed":
+            batch["finalizing_at"] = batch["finalizing_at"] or closed
+        batch.update(status=status, **{f"{status}_at": closed})
+        if not await batches.save(connection, batch, seen, release=True):
+            raise _Changed
+        return expired
 
 
 def _batch_request(path: str, owner: str) -> Request:

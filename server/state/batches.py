@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from sqlalchemy import func, insert, or_, select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from server.state import tables
@@ -83,14 +82,17 @@ async def listed(
     return rows[:limit], len(rows) > limit
 
 
-async def save(connection: AsyncConnection, batch: dict[str, Any], release: bool = False) -> None:
-    """Write the batch object back (its status column follows it); `release`: it ended, so nobody holds it."""
+async def save(connection: AsyncConnection, batch: dict[str, Any], expected: str, release: bool = False) -> bool:
+    """Write the batch object back (its status column follows it) if its status is still `expected`: whether it
+    was. The condition is what keeps a cancel and the runner from overwriting each other (read, then write, with
+    the other's write in between): the loser reads the batch again. `release`: it ended, so nobody holds it."""
     lease = {"worker": None, "lease_until": None} if release else {}
-    await connection.execute(
+    written = await connection.execute(
         update(tables.batches)
-        .where(tables.batches.c.id == batch["id"])
+        .where(tables.batches.c.id == batch["id"], tables.batches.c.status == expected)
         .values(status=batch["status"], batch=batch, **lease)
     )
+    return written.rowcount == 1
 
 
 async def claim(connection: AsyncConnection, worker: str) -> str | None:
@@ -110,19 +112,24 @@ async def claim(connection: AsyncConnection, worker: str) -> str | None:
     return None
 
 
-async def renew(connection: AsyncConnection, worker: str, batch_id: str) -> None:
-    await connection.execute(
+async def renew(connection: AsyncConnection, worker: str, batch_id: str) -> bool:
+    """Extend this replica's lease: False if it no longer holds it (it stalled past the lease, and another
+    replica took the batch over)."""
+    renewed = await connection.execute(
         update(tables.batches)
         .where(tables.batches.c.id == batch_id, tables.batches.c.worker == worker)
         .values(lease_until=time.time() + LEASE_SECONDS)
     )
+    return renewed.rowcount == 1
 
 
-async def release(connection: AsyncConnection, worker: str) -> None:
-    """Give up this replica's leases (it is stopping): a restart, or another replica, resumes them at once."""
-    await connection.execute(
-        update(tables.batches).where(tables.batches.c.worker == worker).values(worker=None, lease_until=None)
-    )
+async def release(connection: AsyncConnection, worker: str, batch_id: str | None = None) -> None:
+    """Give up this replica's leases (it is stopping), or its lease on `batch_id` (it left the batch to resume):
+    a restart, or another replica, takes them up at once."""
+    query = update(tables.batches).where(tables.batches.c.worker == worker)
+    if batch_id is not None:
+        query = query.where(tables.batches.c.id == batch_id)
+    await connection.execute(query.values(worker=None, lease_until=None))
 
 
 async def status(connection: AsyncConnection, batch_id: str) -> str:
@@ -137,17 +144,18 @@ async def recorded_lines(connection: AsyncConnection, batch_id: str) -> set[int]
 async def record(
     connection: AsyncConnection, batch_id: str, line: int, custom_id: str, error: bool, result: dict[str, Any]
 ) -> bool:
-    """Record a request's result unless one is already there (a line rerun after a crash): whether this was
-    the first. Its own transaction: a duplicate rolls back nothing else."""
-    try:
-        async with connection.begin_nested():
-            await connection.execute(
-                insert(tables.batch_results).values(
-                    batch_id=batch_id, line=line, custom_id=custom_id, error=error, result=result
-                )
-            )
-    except IntegrityError:
+    """Record a request's result unless one is already there (a line rerun after a crash): whether this was the
+    first. Two replicas recording the same line at once both find none, and the second's INSERT then breaks the
+    UNIQUE constraint: an IntegrityError, which rolls back its transaction (PostgreSQL allows nothing more in
+    it), so the caller keeps that transaction to this and takes the error as "not the first". No savepoint: with
+    the SQLite driver's own transaction handling, releasing one commits the enclosing transaction."""
+    results = tables.batch_results
+    query = select(results.c.line).where(results.c.batch_id == batch_id, results.c.custom_id == custom_id)
+    if await connection.scalar(query) is not None:
         return False
+    await connection.execute(
+        insert(results).values(batch_id=batch_id, line=line, custom_id=custom_id, error=error, result=result)
+    )
     return True
 
 
