@@ -166,6 +166,7 @@ class ServerState:
             engine_config,
             log_level=settings.log_level,
             log_format=settings.log_format,
+            step_log=settings.step_log,
             on_stats=self.metrics.observe_engine_stats,
             on_death=lifecycle.fail,
         )

@@ -131,6 +131,7 @@ class EngineClient:
         *,
         log_level: str = "info",
         log_format: LogFormat = "text",
+        step_log: str | None = None,
         on_stats: StatsCallback | None = None,
         on_death: Callable[[], None] | None = None,
     ) -> None:
@@ -138,6 +139,7 @@ class EngineClient:
         self.info: EngineReady | None = None
         self._log_level = log_level
         self._log_format = log_format
+        self._step_log = step_log
         self._on_stats = on_stats
         self._on_death = on_death
         self._routes: dict[str, RequestGroup] = {}
@@ -165,7 +167,15 @@ class EngineClient:
         # spawned the child exits, so a short-lived worker thread must not do this.
         self._process = context.Process(
             target=run_engine_process,
-            args=(self.config, request_reader, output_writer, os.getpid(), self._log_level, self._log_format),
+            args=(
+                self.config,
+                request_reader,
+                output_writer,
+                os.getpid(),
+                self._log_level,
+                self._log_format,
+                self._step_log,
+            ),
             name="ferry-engine",
         )
         self._process.start()

@@ -16,9 +16,11 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.driver import EngineInput, EngineLoop, Shutdown
+from engine.core.step_log import StepLog
 from engine.distributed.lifetime import die_with_parent
 from server.ipc import EngineFailed, EngineReady
 from server.logs import configure_logging
@@ -34,8 +36,9 @@ def run_engine_process(
     parent_pid: int,
     log_level: str,
     log_format: LogFormat,
+    step_log: str | None,
 ) -> None:
-    """Entry point of the spawned process."""
+    """Entry point of the spawned process; `step_log`: a file for engine.core.step_log's lines."""
     die_with_parent(parent_pid)
     # Ctrl-C and a SIGTERM sent to the whole process group (systemd, `kill -- -pgid`) are the front end's to
     # handle: it drains in-flight requests and then shuts the engine down. Until then the engine keeps going.
@@ -45,7 +48,7 @@ def run_engine_process(
     try:
         from engine.core.engine_core import EngineCore  # imported here: the front end never needs torch for this module
 
-        engine = EngineCore(config)
+        engine = EngineCore(config, observers=[StepLog(Path(step_log))] if step_log else ())
     except Exception:
         logger.exception("Engine failed to start")
         _report_failure(outputs)

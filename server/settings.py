@@ -106,6 +106,10 @@ class ServerSettings:
     log_format: LogFormat = field(default="text", metadata=_SERVER)
     """`text`: one readable line per record; `json`: one JSON object per line (time, level, logger, message,
     request_id) for log shippers. Either way a request's records carry its X-Request-Id."""
+    step_log: str | None = field(default=None, metadata=_SERVER)
+    """Append one JSON line per engine step to this file: the waiting queue the step was planned from, the
+    requests it scheduled (and so admitted), those preempted and finished, its phase times. For reading the
+    scheduler's decisions after the fact; it costs a copy of the waiting queue each step."""
     lora_modules: tuple[LoRAModule, ...] | None = field(default=None, metadata={**_LORA, "repeatable": True})
     """LoRA adapters served from the start (with --enable-lora): each `name=path`, or a JSON object `{"name": ...,
     "path": ..., "base_model_name": ...}` (its `parent` in /v1/models, by default the first served name); several

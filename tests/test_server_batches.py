@@ -1,6 +1,7 @@
 """The Files and Batch APIs end to end: the official OpenAI SDK against a real `ferry serve`, its state in SQLite
 and in a real PostgreSQL server. A batch's answers equal the same requests sent directly (greedy); bad lines land
-in the error file and never stop it; a server stopped (at once resumed) or killed (once its lease runs out)
+in the error file and never stop it; interactive requests are admitted ahead of a running batch's (read from
+the engine's step log, in scheduling order); a server stopped (at once resumed) or killed (once its lease runs out)
 mid-batch resumes it on restart with every request's result recorded once, even by replicas racing to record it;
 a line the server turns away (full queue, stopping) is no failure; two keys never see each other's files or
 batches."""
@@ -16,6 +17,7 @@ import sqlite3
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -205,6 +207,51 @@ def test_a_cancelled_batch_keeps_what_it_did(server: ServerProcess) -> None:
     with pytest.raises(openai.APIStatusError) as again:
         client.batches.cancel(batch.id)
     assert again.value.status_code == 409
+
+
+def test_interactive_requests_are_scheduled_ahead_of_a_running_batch(
+    model_dir: Callable[[str], Path], keys: Path, tmp_path: Path
+) -> None:
+    """Read from the engine's step log: the waiting queue each step was planned from, and whom it admitted. Two
+    sequences a step and eight batch requests in flight keep six of them waiting throughout; each interactive
+    request sent meanwhile must be admitted while batch requests that came before it still wait, and no step
+    may admit a batch request while an interactive one is left waiting."""
+    steps_path = tmp_path / "steps.jsonl"
+    server_flags = ("--max-num-seqs", "2", "--batch-concurrency", "8", "--step-log", str(steps_path))
+    with _serve(model_dir("llama"), keys, *server_flags) as server:
+        client = _client(server, KEY_A)
+        bodies = [_completion(prompt, max_tokens=24) for prompt in PROMPTS]
+        uploaded = client.files.create(file=("long.jsonl", _lines("/v1/completions", bodies)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while not _batch_requests_waiting(steps_path):
+            assert time.monotonic() < deadline, "the batch did not start"
+            time.sleep(0.05)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda body: client.completions.create(**body), bodies[:4]))
+        assert all(answer.choices[0].text for answer in answers)
+        done = _wait(client, batch.id, ("completed",))
+        assert done.request_counts.completed == len(bodies)
+    steps = [json.loads(line) for line in steps_path.read_text().splitlines()]
+    waited: set[str] = set()  # interactive requests seen waiting
+    ahead: set[str] = set()  # ... and admitted while batch requests stayed in the queue
+    for step in steps:
+        scheduled = {request_id for request_id, _, _ in step["scheduled"]}
+        admitted = [(request_id, batch) for request_id, batch in step["queue"] if request_id in scheduled]
+        left = [(request_id, batch) for request_id, batch in step["queue"] if request_id not in scheduled]
+        waited |= {request_id for request_id, batch in step["queue"] if not batch}
+        if any(batch for _, batch in admitted):
+            assert all(batch for _, batch in left), f"a batch request admitted before an interactive one: {step}"
+        if any(batch for _, batch in left):
+            ahead |= {request_id for request_id, batch in admitted if not batch}
+    assert len(waited) == 4 and ahead == waited, (waited, ahead)
+    assert sum(batch for step in steps for _, batch in step["queue"]) > 0
+
+
+def _batch_requests_waiting(steps_path: Path) -> bool:
+    """Whether the engine's last step was planned with batch requests waiting (the log's last whole line)."""
+    lines = steps_path.read_text().splitlines() if steps_path.exists() else []
+    return len(lines) > 1 and any(batch for _, batch in json.loads(lines[-2])["queue"])
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])

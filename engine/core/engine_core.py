@@ -24,13 +24,14 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
 from engine.config import EngineConfig, EngineStartupError, SpeculativeConfig
 from engine.core.kv_cache import KVCacheManager
-from engine.core.observer import StepObserver, StepRecord
+from engine.core.observer import QueuedRequest, StepObserver, StepRecord
 from engine.core.page_pool import PagePool
 from engine.core.request import (
     LoRARequest,
@@ -166,8 +167,8 @@ class EngineCore:
             self._runner_thread = ThreadPoolExecutor(
                 1, "ferry-runner", initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
             )
-        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput], float] | None = None
-        """The step the runner's thread executes now (async scheduling), with the time it was planned."""
+        self._in_flight: tuple[_Planned, Future[ModelRunnerOutput]] | None = None
+        """The step the runner's thread executes now (async scheduling)."""
         logger.info(
             "engine ready: %s (%s, %s, %s backend, tensor-parallel size %d), %d pages of %d tokens, max_model_len %d",
             self.model_name,
@@ -417,24 +418,28 @@ class EngineCore:
         if self._runner_thread is not None:
             outputs = self._step_ahead(self._runner_thread)
         else:
-            plan = self._schedule()
-            scheduled = time.perf_counter()
-            result = self._execute(plan)
-            outputs = self._apply(plan, result, scheduled - started, time.perf_counter())
+            planned = self._schedule()
+            result = self._execute(planned.plan)
+            outputs = self._apply(planned, result, time.perf_counter())
         if self.speculator.active and self._last_step_tokens:
             # The whole step as the engine's loop lives it (planning, drafting, the forward pass, applying): what a
             # token made by a draft saves.
             self.speculator.cost.record(self._last_step_tokens, time.perf_counter() - started)
         return outputs
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self) -> _Planned:
         """The next plan, with the drafts the speculator proposes for its decodes."""
+        started = time.perf_counter()
+        # What the plan chose from, for observers only: copying the queue each step costs O(waiting).
+        queue = tuple(QueuedRequest(r.request_id, r.batch) for r in self.scheduler.waiting) if self.observers else ()
         speculator = self.speculator
         running = self.scheduler.running
         if not speculator.active or not running:
-            return self.scheduler.schedule()
-        drafts = speculator.propose(running)
-        return self.scheduler.schedule(drafts, speculator.hold(running) if self._runner_thread is not None else ())
+            plan = self.scheduler.schedule()
+        else:
+            drafts = speculator.propose(running)
+            plan = self.scheduler.schedule(drafts, speculator.hold(running) if self._runner_thread is not None else ())
+        return _Planned(plan, queue, time.perf_counter() - started)
 
     def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """The plan to every tensor-parallel rank, then this rank's part (on the runner's thread when async)."""
@@ -448,21 +453,18 @@ class EngineCore:
 
     def _step_ahead(self, runner_thread: ThreadPoolExecutor) -> list[StepOutput]:
         if self._in_flight is None:
-            started = time.perf_counter()
-            plan = self._schedule()
-            self._in_flight = (plan, runner_thread.submit(self._ahead(plan)), time.perf_counter() - started)
-        plan, running, schedule_seconds = self._in_flight
-        started = time.perf_counter()
+            first = self._schedule()
+            self._in_flight = (first, runner_thread.submit(self._ahead(first.plan)))
+        planned, running = self._in_flight
         following = self._schedule()
-        planned = time.perf_counter() - started
-        execute_following = self._ahead(following)
-        outputs = self._apply(plan, running.result(), schedule_seconds, time.perf_counter())
+        execute_following = self._ahead(following.plan)
+        outputs = self._apply(planned, running.result(), time.perf_counter())
         if self.scheduler.has_unfinished:
-            self._in_flight = (following, runner_thread.submit(execute_following), planned)
+            self._in_flight = (following, runner_thread.submit(execute_following))
         else:
             # Every request is done, and whatever `following` computes is for requests that stopped after it was
             # planned: it runs here and now, its tokens dropped, so that the engine rests with no step in flight.
-            outputs += self.scheduler.update(following, execute_following())
+            outputs += self.scheduler.update(following.plan, execute_following())
             self._in_flight = None
         return outputs
 
@@ -473,9 +475,8 @@ class EngineCore:
             return functools.partial(self._execute, plan)
         return functools.partial(self.runner.run, self.runner.prepare(plan))
 
-    def _apply(
-        self, plan: SchedulerOutput, result: ModelRunnerOutput, schedule_seconds: float, executed: float
-    ) -> list[StepOutput]:
+    def _apply(self, planned: _Planned, result: ModelRunnerOutput, executed: float) -> list[StepOutput]:
+        plan = planned.plan
         outputs = self.scheduler.update(plan, result)
         if self.speculator.active:
             self.speculator.observe(plan, result)
@@ -483,7 +484,8 @@ class EngineCore:
         self._last_step_tokens = plan.num_tokens
         self._num_steps += bool(plan.request_ids)
         if self.observers:
-            record = StepRecord(plan, result, outputs, schedule_seconds, time.perf_counter() - executed)
+            update_seconds = time.perf_counter() - executed
+            record = StepRecord(plan, result, outputs, planned.queue, planned.seconds, update_seconds)
             for observer in self.observers:
                 observer.on_step(record)
         return outputs
@@ -502,9 +504,9 @@ class EngineCore:
         instead."""
         if self._runner_thread is not None:
             if self._in_flight is not None:
-                plan, running, _ = self._in_flight
+                planned, running = self._in_flight
                 self._in_flight = None
-                self.scheduler.update(plan, running.result())
+                self.scheduler.update(planned.plan, running.result())
             self._runner_thread.shutdown()
             self._runner_thread = None
         tp = self.tensor_parallel
@@ -570,6 +572,17 @@ class EngineCore:
 
 
 _IDLE_PLAN = SchedulerOutput()
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A plan, with the waiting queue it chose from (observers only) and the seconds planning took."""
+
+    plan: SchedulerOutput
+    queue: tuple[QueuedRequest, ...]
+    seconds: float
+
+
 KEEP_ALIVE_INTERVAL_S = 0.25
 """An idle engine's ranks hear from it this often at most: its loop passes every few milliseconds while a grammar
 compiles, and each empty plan costs a broadcast on every rank."""

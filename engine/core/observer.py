@@ -14,12 +14,24 @@ from engine.core.step import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """A request waiting to be admitted, as a step's plan saw it."""
+
+    request_id: str
+    batch: bool
+    """A batch request (the Batch API): every waiting interactive request is admitted before it."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One step as it happened: the plan, what the runner produced, what the step emitted, and its phase times."""
 
     plan: SchedulerOutput
     result: ModelRunnerOutput
     outputs: list[StepOutput]
+    queue: tuple[QueuedRequest, ...]
+    """The waiting queue the plan chose from, in the scheduler's order (preempted requests included): those of
+    them in `plan.request_ids` were admitted by this step."""
     schedule_seconds: float
     update_seconds: float
     """Applying the result: token appends, stop rules, page commits, output deltas."""
