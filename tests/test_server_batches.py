@@ -147,6 +147,9 @@ def test_bad_lines_land_in_the_error_file_and_never_stop_the_batch(server: Serve
     assert [line["custom_id"] for line in errors] == ["req-1", "req-2"]
     assert all(line["response"]["status_code"] == 400 for line in errors)
     assert "max_tokens" in json.dumps(errors[0]) and "no_such_field" in json.dumps(errors[1])
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {KEY_A}"}) as http:
+        for line, body in zip(errors, bodies[1:3], strict=True):  # the very 400 the route answers the same body
+            assert line["response"]["body"] == http.post("/v1/completions", json=body).json()
 
 
 @pytest.mark.parametrize(

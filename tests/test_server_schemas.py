@@ -9,8 +9,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from server.app import validation_error
-from server.openai.errors import APIError
+from server.openai.errors import APIError, validation_error
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from server.openai.tool_parsers.hermes import call_tags
 from server.openai.tools import ForcedFunction, FunctionTool, resolve_tool_use

@@ -31,7 +31,14 @@ from server.metrics import ServerMetrics
 from server.openai.chat import serve_chat_completion
 from server.openai.completions import serve_completion
 from server.openai.embeddings import serve_embeddings
-from server.openai.errors import ERROR_RESPONSES, APIError, file_not_found, internal_error, invalid_request
+from server.openai.errors import (
+    ERROR_RESPONSES,
+    APIError,
+    file_not_found,
+    internal_error,
+    invalid_request,
+    validation_error,
+)
 from server.openai.generation import BATCH_SCOPE_KEY, ServingContext
 from server.openai.pooling_schemas import EmbeddingRequest
 from server.openai.responses import serve_response
@@ -339,10 +346,8 @@ class BatchRunner:
             body = model.model_validate({**request.body, "stream": False} if "stream" in model.model_fields
                                         else request.body)  # fmt: skip
             response = await serve(self.serving(), body, _batch_request(request.url, owner))
-        except pydantic.ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(part) for part in error.get("loc", ()))
-            response = invalid_request(f"Invalid value for '{where}': {error.get('msg')}.", where or None).response()
+        except pydantic.ValidationError as exc:  # the body a route would have refused, with the route's 400
+            response = validation_error(exc.errors()).response()
         except APIError as exc:
             if exc.info.code == "queue_full":  # (not every 429: a key over its storage quota stays over it)
                 raise _NotNow(float(exc.headers.get("Retry-After", POLL_SECONDS))) from exc

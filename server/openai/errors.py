@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -82,3 +84,39 @@ def internal_error() -> APIError:
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorResponse}, "5XX": {"model": ErrorResponse}}
 """A route's documented error responses: OpenAI's error object (FastAPI would otherwise advertise its 422 shape)."""
+
+
+# Segments of a pydantic error location that name a union member (`str`, `list[int]`, `ContentPart`) rather
+# than a field: left out of the `param` reported to the client.
+_FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(location: Sequence[int | str]) -> str | None:
+    param = ""
+    for part in location:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif _FIELD_NAME.match(part) and part not in _TYPE_NAMES:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """FastAPI's validation errors as OpenAI's 400 (never FastAPI's 422 shape)."""
+    error = errors[0]
+    location = list(error.get("loc", ()))
+    if location[:1] == ["body"]:
+        location = location[1:]
+    param = _param(location)
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        detail = (error.get("ctx") or {}).get("error", "invalid JSON")
+        return invalid_request(f"We could not parse the JSON body of your request ({detail}).", code="invalid_json")
+    if kind == "extra_forbidden":
+        return invalid_request(f"Unrecognized request argument supplied: {param}", param, code="unknown_parameter")
+    if kind == "missing":
+        return invalid_request(f"Missing required parameter: '{param}'.", param, code="missing_required_parameter")
+    if param is None:
+        return invalid_request(f"Invalid request body: {error.get('msg', 'invalid')}.", code="invalid_request_body")
+    return invalid_request(f"Invalid value for '{param}': {error.get('msg', 'invalid')}.", param, code="invalid_value")
