@@ -1,18 +1,19 @@
 """The database under stored state (server/state/): the migrations build exactly the schema the code reads, on
 SQLite and on a real PostgreSQL server; replicas starting together migrate once; API keys and their owners; the
-quota; a database the server cannot open stops it, saying why."""
+quota; `previous_response_id` chains read in one query; a database the server cannot open stops it, saying why."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import insert, text
+from sqlalchemy import insert, text, update
 from sqlalchemy.engine import Connection
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -24,7 +25,7 @@ from server.metrics import ServerMetrics
 from server.middleware import APIKeyMiddleware
 from server.openai.errors import APIError
 from server.settings import ServerSettings
-from server.state import tables
+from server.state import responses, tables
 from server.state.database import Database, StateConfigError, database_url
 from server.state.keys import ANONYMOUS, owner_of, read_keys, request_owner
 from server.state.stored import StoredState, new_id
@@ -160,6 +161,52 @@ def test_the_quota_counts_what_an_owner_stores_everywhere(tmp_path: Path) -> Non
                 await stored.check_quota(connection, "a", 101)
         assert refused.value.status_code == 429 and refused.value.info.code == "insufficient_quota"
         assert "900 in use" in refused.value.info.message
+        await stored.db().close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_chain_of_turns_is_read_in_order_and_a_broken_one_is_missing(
+    dialect: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """`previous_response_id` chains (one recursive query): oldest turn first, each turn's input then output;
+    a chain with a turn deleted, expired or another owner's reads as missing; a cycle stops at MAX_CHAIN."""
+    if dialect == "sqlite":
+        url = database_url(None, str(tmp_path))
+    else:
+        postgres: PostgresServer = request.getfixturevalue("postgres")
+        url = database_url(postgres.new_database(), None)
+
+    def turn(number: int, previous: int | None) -> dict[str, object]:
+        return {"id": f"resp_{number}", "created_at": int(time.time()), "status": "completed",
+                "previous_response_id": None if previous is None else f"resp_{previous}",
+                "output": [{"type": "message", "text": f"answer {number}"}]}  # fmt: skip
+
+    async def scenario() -> None:
+        stored = StoredState(ServerSettings(), database=await Database.open(url))
+        async with stored.db().transaction() as connection:
+            for number in range(60):
+                previous = number - 1 if number else None
+                await responses.add(connection, stored, "a", turn(number, previous), [{"text": f"ask {number}"}])
+            await responses.add(connection, stored, "b", turn(100, 59), [{"text": "ask 100"}])  # onto a's chain
+            await responses.add(connection, stored, "a", turn(101, 102), [{"text": "ask 101"}])  # a cycle
+            await responses.add(connection, stored, "a", turn(102, 101), [{"text": "ask 102"}])
+        async with stored.db().transaction() as connection:
+            items = await responses.conversation(connection, "a", "resp_59")
+            assert items == [item for n in range(60) for item in ({"text": f"ask {n}"},
+                             {"type": "message", "text": f"answer {n}"})]  # fmt: skip
+            assert await responses.conversation(connection, "a", "resp_0") == items[:2]
+            assert await responses.conversation(connection, "b", "resp_59") is None  # another owner's
+            assert await responses.conversation(connection, "b", "resp_100") is None  # its earlier turns are a's
+            assert await responses.conversation(connection, "a", "resp_nope") is None
+            assert len(await responses.conversation(connection, "a", "resp_101") or []) == 2 * responses.MAX_CHAIN
+            await connection.execute(update(tables.responses).where(tables.responses.c.id == "resp_3")
+                                     .values(expires_at=1))  # fmt: skip
+            assert await responses.conversation(connection, "a", "resp_59") is None  # expired mid-chain
+            assert await responses.conversation(connection, "a", "resp_2") is not None
+            assert await responses.remove(connection, "a", "resp_1")
+            assert await responses.conversation(connection, "a", "resp_2") is None  # deleted mid-chain
         await stored.db().close()
 
     asyncio.run(scenario())

@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any
 
-from sqlalchemy import ColumnElement, delete, insert, or_, select, update
+from sqlalchemy import ColumnElement, delete, insert, literal, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from server.state import tables
@@ -29,9 +29,9 @@ RUNNING = ("queued", "in_progress")
 _responses = tables.responses
 
 
-def _live(owner: str) -> ColumnElement[bool]:
+def _live(owner: str, table: Any = _responses) -> ColumnElement[bool]:
     """The owner's rows not past their retention: an expired row reads as missing before the sweep deletes it."""
-    return (_responses.c.owner == owner) & or_(_responses.c.expires_at.is_(None), _responses.c.expires_at > now())
+    return (table.c.owner == owner) & or_(table.c.expires_at.is_(None), table.c.expires_at > now())
 
 
 def _size(response: dict[str, Any], input_items: list[dict[str, Any]]) -> int:
@@ -78,16 +78,28 @@ async def get(connection: AsyncConnection, owner: str, response_id: str) -> Any 
 
 async def conversation(connection: AsyncConnection, owner: str, response_id: str) -> list[dict[str, Any]] | None:
     """Every item of the chain ending at `response_id`, oldest first: each turn's input, then its output; None
-    if a response of the chain is missing (expired, deleted, another owner's)."""
-    turns: list[list[dict[str, Any]]] = []
-    current: str | None = response_id
-    while current is not None and len(turns) < MAX_CHAIN:
-        row = await get(connection, owner, current)
-        if row is None:
-            return None
-        turns.append([*row.input_items, *row.response["output"]])
-        current = row.previous_response_id
-    return [item for turn in reversed(turns) for item in turn]
+    if a response of the chain is missing (expired, deleted, another owner's). One recursive query, however long
+    the chain (an agent's hundredth turn is one round trip to the database, not a hundred)."""
+    chain = (
+        select(_responses.c.id, _responses.c.previous_response_id, literal(0).label("depth"))
+        .where(_responses.c.id == response_id, _live(owner))
+        .cte("chain", recursive=True)
+    )
+    earlier = _responses.alias("earlier")
+    chain = chain.union_all(
+        select(earlier.c.id, earlier.c.previous_response_id, chain.c.depth + 1).where(
+            earlier.c.id == chain.c.previous_response_id, _live(owner, earlier), chain.c.depth < MAX_CHAIN - 1
+        )
+    )
+    query = (
+        select(_responses.c.input_items, _responses.c.response, chain.c.previous_response_id, chain.c.depth)
+        .join(chain, _responses.c.id == chain.c.id)
+        .order_by(chain.c.depth.desc())
+    )
+    rows = (await connection.execute(query)).all()
+    if not rows or (rows[0].previous_response_id is not None and rows[0].depth < MAX_CHAIN - 1):
+        return None  # the chain breaks before its first turn
+    return [item for row in rows for item in (*row.input_items, *row.response["output"])]
 
 
 async def remove(connection: AsyncConnection, owner: str, response_id: str) -> bool:
