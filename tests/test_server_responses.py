@@ -256,7 +256,6 @@ def test_reasoning_effort_reaches_the_template(client: openai.OpenAI) -> None:
         ({"conversation": "conv_1", "previous_response_id": "resp_1"}, 400, "conversation",
          "mutually_exclusive_parameters"),
         ({"background": True, "store": False}, 400, "background", "invalid_value"),
-        ({"background": True, "stream": True}, 400, "stream", "unsupported_parameter"),
         ({"include": ["reasoning.encrypted_content"]}, 400, "include", "unsupported_parameter"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "unsupported_parameter"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,

@@ -2,7 +2,8 @@
 (tests/scripted_chat.py), its state in SQLite and in a real PostgreSQL server: stored responses (retrieve, the input
 items paged, `previous_response_id` chains, a tool call and its result included, rendered as the whole conversation
 sent at once would be, delete, a stream cut short), background responses (polled, cancelled here and from another
-replica, failed when their server stops or their replica dies), the Conversations API and responses in a
+replica, failed when their server stops or their replica dies, their streams picked up again here or on another
+replica), the Conversations API and responses in a
 conversation, retention, quota, and two keys that never see each other's state.
 
 The module's servers run one sequence at a time (--max-num-seqs 1): long background responses queue behind each
@@ -32,7 +33,7 @@ from tests.scripted_chat import AFTER_TOOL_ANSWER, CALL, CALL_NAME, PLAIN, TOOL_
 from tests.server_harness import ServerProcess, engine_idle, metric, metric_samples, server_process, wait_until
 
 MODEL = "scripted"
-KEY_A, KEY_B = "key-a", "key-b"
+KEY_A, KEY_B, KEY_C = "key-a", "key-b", "key-c"
 WEATHER = {
     "type": "function",
     "name": CALL_NAME,
@@ -50,12 +51,14 @@ class Served:
     process: ServerProcess
     database: str
     """The SQLAlchemy URL of its state database, for the tests to look into."""
+    database_flags: tuple[str, ...]
+    """The flags that point a server at that database (another replica's)."""
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("keys") / "keys"
-    path.write_text(f"{KEY_A}\n{KEY_B}\n")
+    path.write_text(f"{KEY_A}\n{KEY_B}\n{KEY_C}\n")
     return path
 
 
@@ -78,7 +81,7 @@ def served(
         state = tmp_path_factory.mktemp("state")
         extra, database = ("--state-dir", str(state)), database_url(None, str(state))
     with _serve(scripted_chat_model, keys, "--max-num-seqs", "1", *extra) as running:
-        yield Served(running, database)
+        yield Served(running, database, extra)
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +275,59 @@ def test_background_responses_are_cancelled_here_and_from_another_replica(served
         _client(served.process, KEY_B).responses.cancel(blockers[1].id)
 
 
+def _text_of(events: list[Any]) -> str:
+    return "".join(event.delta for event in events if event.type == "response.output_text.delta")
+
+
+def test_a_background_stream_goes_on_without_its_client_and_is_picked_up_again(
+    served: Served, scripted_chat_model: Path, keys: Path
+) -> None:
+    """The stream of a background response created with `stream`: its client leaves mid-way, the response runs
+    on, and GET ?stream=true&starting_after=N picks the stream up where it left, here while it runs, from
+    another replica (reading the shared database) while it runs, and again once it ended."""
+    client = _client(served.process)
+    with _serve(scripted_chat_model, keys, *served.database_flags) as other:
+        stream = client.responses.create(**LONG, background=True, stream=True)
+        first = []
+        for event in stream:
+            first.append(event)
+            if event.type == "response.output_text.delta":
+                break
+        stream.close()  # the client leaves; the response runs on
+        response_id, left_at = first[0].response.id, first[-1].sequence_number
+        there = _client(other).responses.retrieve(response_id, stream=True, starting_after=left_at + 1)
+        elsewhere = list(there)
+    assert [event.type for event in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert [event.sequence_number for event in first] == list(range(left_at + 1))
+    assert first[0].response.background and first[0].response.status == "queued"
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=left_at))
+    assert [event.sequence_number for event in rest] == list(range(left_at + 1, left_at + 1 + len(rest)))
+    assert len(rest) > 2 and [event.model_dump() for event in elsewhere] == [event.model_dump() for event in rest[1:]]
+    assert rest[-1].type == "response.incomplete"  # its LONG_TOKENS tokens: the token limit
+    done = client.responses.retrieve(response_id)
+    assert done.status == "incomplete" and _text_of(first + rest) == done.output_text
+    assert rest[-1].response.output_text == done.output_text
+    replay = list(client.responses.retrieve(response_id, stream=True))
+    assert [event.model_dump() for event in replay] == [event.model_dump() for event in first + rest]
+    polled = client.responses.create(model=MODEL, input=PLAIN, temperature=0, background=True)
+    _until_ended(client, polled.id)
+    with pytest.raises(openai.BadRequestError, match="created with 'stream'"):
+        list(client.responses.retrieve(polled.id, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        list(_client(served.process, KEY_B).responses.retrieve(response_id, stream=True))
+
+
+def test_a_cancelled_background_stream_ends(server: ServerProcess) -> None:
+    client = _client(server)
+    blocker = client.responses.create(**LONG, background=True)
+    stream = client.responses.create(**LONG, background=True, stream=True)
+    created = next(iter(stream))
+    assert client.responses.cancel(created.response.id).status == "cancelled"
+    assert [event.type for event in stream] == ["response.queued"]  # it never ran; its stream ends, no hang
+    assert list(client.responses.retrieve(created.response.id, stream=True, starting_after=1)) == []
+    _until_ended(client, blocker.id)
+
+
 def test_a_replica_that_died_leaves_its_background_responses_failed(served: Served) -> None:
     client = _client(served.process)
     done = client.responses.create(model=MODEL, input=PLAIN, temperature=0, background=True)
@@ -291,6 +347,12 @@ def test_a_replica_that_died_leaves_its_background_responses_failed(served: Serv
     assert _in_database(served.database, orphaned) == [orphan]
     failed = client.responses.retrieve(orphan)
     assert failed.status == "failed" and failed.error is not None and "lease ran out" in failed.error.message
+    # Had it been streamed, its stream would end saying it failed (its own events never got that far).
+    created = {"type": "response.created", "sequence_number": 0, "response": failed.model_dump(mode="json")}
+    _in_database(served.database, lambda connection: responses.add_events(connection, orphan, [created]))
+    events = list(client.responses.retrieve(orphan, stream=True))
+    assert [event.type for event in events] == ["response.created", "response.failed"]
+    assert events[-1].response.error is not None and "lease ran out" in events[-1].response.error.message
 
 
 # ------------------------------------------------------------------------------------------------ conversations
@@ -419,6 +481,15 @@ def test_quota_a_stop_mid_response_and_retention(scripted_chat_model: Path, keys
                 client.responses.create(model=MODEL, input=PLAIN, temperature=0)
         with pytest.raises(openai.RateLimitError, match="quota"):
             client.conversations.create(items=[{"role": "user", "content": "x" * 6000}])
+        # A background response is checked again when it ends: what it keeps then (its output, and the stream's
+        # events, each snapshot of the response echoing its instructions) would not fit.
+        third = _client(first, KEY_C)
+        events = list(third.responses.create(model=MODEL, input=PLAIN, instructions="Answer. " * 40,
+                                             max_output_tokens=100, background=True, stream=True))  # fmt: skip
+        over = third.responses.retrieve(events[0].response.id)
+        assert events[-1].type == "response.failed" and events[-2].type == "error"
+        assert over.status == "failed" and over.output == []
+        assert over.error is not None and "quota" in over.error.message
         running = [_client(first, KEY_B).responses.create(**LONG, background=True) for _ in range(2)]
     with _serve(scripted_chat_model, keys, "--state-dir", str(state), "--store-retention-days", "0.00003") as second:
         client = _client(second, KEY_B)

@@ -61,10 +61,10 @@ from server.openai.responses_schemas import (
     ResponsesRequest,
     ResponseUsage,
 )
-from server.openai.stored_responses import background_runner
+from server.openai.stored_responses import FLUSH_SECONDS, EventLog, background_runner
 from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
-from server.sse import sse_event
+from server.sse import SSEResponse, sse_event
 from server.state import conversations, responses
 from server.state.keys import request_owner
 from server.state.stored import StoredState
@@ -121,7 +121,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, generation.model))
     record = _Record(ctx.stored, owner, body.store is not False, body.conversation_id, bool(body.background), turn)
     if body.background:
-        return await _start_background(record, generation, assembler)
+        return await _start_background(record, generation, assembler, bool(body.stream))
     if body.stream:
         return generation.event_stream(
             _stream(generation, assembler, record), lambda error: _frames(assembler.fail(error))
@@ -153,28 +153,33 @@ class _Record:
     def __post_init__(self) -> None:
         self.input_items = stored_items(self.turn)
 
-    async def created(self, response: ResponseObject) -> None:
-        """A background response's row, leased to this replica, before it runs (its owner's quota checked)."""
+    async def created(self, response: ResponseObject, events: list[Event]) -> None:
+        """A background response's row, leased to this replica, before it runs (its owner's quota checked), with
+        its first stream `events` (created with `stream`)."""
         assert self.stored is not None
         async with self.stored.db().transaction() as connection:
             await responses.add(connection, self.stored, self.owner, response.model_dump(mode="json"),
                                 self.input_items, worker=self.stored.worker)  # fmt: skip
+            await responses.add_events(connection, response.id, events)
 
-    async def progressed(self, response: ResponseObject) -> None:
-        """A background response's new status, for those who poll it."""
+    async def progressed(self, response: ResponseObject, events: list[Event]) -> None:
+        """A background response as it stands, with its stream events since the last write, for those who poll
+        or stream it."""
         assert self.stored is not None
         async with self.stored.db().transaction() as connection:
-            await responses.update_running(connection, response.model_dump(mode="json"))
+            await responses.update_running(connection, response.model_dump(mode="json"), events)
 
-    async def ended(self, response: ResponseObject) -> None:
-        """Record how the response ended; one that came to its end (completed, or cut by the token limit) adds its
+    async def ended(self, response: ResponseObject, events: list[Event] | None = None, quota: bool = True) -> None:
+        """Record how the response ended (a background one with its last stream `events`, its owner's quota
+        checked unless not `quota`); one that came to its end (completed, or cut by the token limit) adds its
         input and output items to its conversation, in the same transaction."""
         if self.stored is None or not (self.store or self.conversation_id):
             return
         dumped = response.model_dump(mode="json")
         async with self.stored.db().transaction() as connection:
             if self.background:
-                if not await responses.update_running(connection, dumped):
+                checked = self.stored if quota else None
+                if not await responses.update_running(connection, dumped, events, checked):
                     return  # cancelled or deleted meanwhile: that stands
             elif self.store:
                 await responses.add(connection, self.stored, self.owner, dumped, self.input_items)
@@ -209,43 +214,78 @@ def _detached_done(task: asyncio.Task[None]) -> None:
         logger.error("Storing a response cut short failed", exc_info=task.exception())
 
 
-async def _start_background(record: _Record, generation: Generation, assembler: ResponseAssembler) -> Response:
-    """Store the response `queued`, answer with it, and generate it in a task of this replica."""
+async def _start_background(
+    record: _Record, generation: Generation, assembler: ResponseAssembler, stream: bool
+) -> Response:
+    """Store the response `queued`, answer with it (`stream`: with its event stream, which goes on without the
+    client), and generate it in a task of this replica."""
     response = assembler.response
     response.status = "queued"
     assert record.stored is not None  # the app's serving context always has its stored state
+    log = EventLog() if stream else None
+    first = assembler.queued() if stream else []
     try:
-        await record.created(response)
+        await record.created(response, first)
     except BaseException:
         generation.close()
         raise
     answer = Response(response.model_dump_json(), media_type="application/json")
-    background_runner(record.stored).launch(response.id, _background(record, generation, assembler))
-    return answer
+    runner = background_runner(record.stored)
+    runner.launch(response.id, _background(record, generation, assembler, log), log)
+    if log is None:
+        return answer
+    log.add(first)
+    return SSEResponse(
+        runner.follow(record.owner, response.id, -1), on_close=lambda: None, ping_interval=generation.ctx.sse_ping
+    )
 
 
-async def _background(record: _Record, generation: Generation, assembler: ResponseAssembler) -> None:
+async def _background(
+    record: _Record, generation: Generation, assembler: ResponseAssembler, log: EventLog | None
+) -> None:
     """Generate a background response and record how it ended; cancelled (by a cancel, a delete, the server
-    stopping), it records nothing: whoever cancelled it has."""
+    stopping), it records nothing: whoever cancelled it has. `log`: its stream events (created with `stream`),
+    written to the database every FLUSH_SECONDS and at its end."""
+    unwritten: list[Event] = []
+    written = time.monotonic()
+    streamed = log is not None
+
+    def keep(events: list[Event]) -> None:
+        if log is not None:
+            log.add(events)
+            unwritten.extend(events)
+
     try:
-        async for _, update in generation.updates():
-            if assembler.response.status == "queued":
-                assembler.response.status = "in_progress"
-                await record.progressed(assembler.response)
-            assembler.feed(update)
-        assembler.finish(generation.choices[0].finish_reason, _usage(generation))
-    except APIError as error:
-        assembler.fail(error)
-    except Exception:
-        logger.exception("Background response %s failed", assembler.response.id)
-        assembler.fail(internal_error())
+        try:
+            async for _, update in generation.updates():
+                if assembler.response.status == "queued":
+                    assembler.response.status = "in_progress"
+                    keep(assembler.running())
+                    written = 0.0  # its new status, at once
+                keep(assembler.feed(update))
+                if time.monotonic() - written >= FLUSH_SECONDS:
+                    await record.progressed(assembler.response, unwritten)
+                    unwritten = []
+                    written = time.monotonic()
+            last = assembler.finish(generation.choices[0].finish_reason, _usage(generation))
+        except APIError as error:
+            last = assembler.fail(error)
+        except Exception:
+            logger.exception("Background response %s failed", assembler.response.id)
+            last = assembler.fail(internal_error())
+        finally:
+            generation.close()
+        # Its last events are sent only once they are recorded: a response the quota refuses ends failed instead.
+        try:
+            await record.ended(assembler.response, [*unwritten, *last] if streamed else [])
+        except APIError as error:  # its output would take the owner past the quota: failed, its output not kept
+            assembler.response.output = []
+            last = assembler.fail(error)
+            await record.ended(assembler.response, [*unwritten, *last] if streamed else [], quota=False)
+        keep(last)
     finally:
-        generation.close()
-    try:
-        await record.ended(assembler.response)
-    except APIError as error:  # its turn would take the owner past the quota: recorded failed instead, saying so
-        assembler.fail(error)
-        await record.ended(assembler.response)
+        if log is not None:
+            log.end()
 
 
 async def _stream(generation: Generation, assembler: ResponseAssembler, record: _Record) -> AsyncIterator[bytes]:
@@ -377,6 +417,17 @@ class ResponseAssembler:
             self._event("response.created", response=snapshot),
             self._event("response.in_progress", response=snapshot),
         ]
+
+    def queued(self) -> list[Event]:
+        """A background response's first events: created, and queued; `running` follows when it starts."""
+        snapshot = self.response.model_dump(mode="json")
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.queued", response=snapshot),
+        ]
+
+    def running(self) -> list[Event]:
+        return [self._event("response.in_progress", response=self.response.model_dump(mode="json"))]
 
     def feed(self, update: ChoiceUpdate) -> list[Event]:
         events = []

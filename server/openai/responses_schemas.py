@@ -298,7 +298,9 @@ class ResponsesRequest(_RequestModel):
     background: bool | None = Field(
         None,
         description="Answer at once with the response `queued`, generate it in the background: poll GET "
-        "/v1/responses/{id}, cancel by POST /v1/responses/{id}/cancel. Needs `store`; not with `stream`.",
+        "/v1/responses/{id}, cancel by POST /v1/responses/{id}/cancel. Needs `store`. With `stream`, the answer is "
+        "its event stream, which goes on without a client, and GET /v1/responses/{id}?stream=true&starting_after=N "
+        "picks it up again from any replica.",
     )
     # Known to OpenAI but not honoured here: refused by check_supported() unless empty.
     include: list[str] | None = None
@@ -338,8 +340,6 @@ class ResponsesRequest(_RequestModel):
             )
         if self.background and self.store is False:
             raise invalid_request("A background response is stored: 'background' needs 'store' true.", "background")
-        if self.background and self.stream:
-            raise unsupported_parameter("stream", "a background response is polled (GET /v1/responses/{id}).")
         unsupported = {
             "include": bool(self.include),
             "top_logprobs": bool(self.top_logprobs),

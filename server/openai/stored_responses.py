@@ -6,20 +6,29 @@ which holds a lease on its row (server/state/responses.py). Every POLL_SECONDS t
 tasks whose rows a cancel or a delete (from any replica) reached, and every third of a lease renews the leases of
 the others and records failed the responses of replicas that died (their leases ran out). When the server stops,
 what still runs is recorded failed, saying so.
+
+A background response created with `stream` keeps its stream events: in an EventLog here while it runs (the
+streams that follow it from this replica read them as they come) and in the database, written every
+FLUSH_SECONDS with the response as it stands and at its end with how it ended. GET /v1/responses/{id}?stream=true
+(&starting_after=N) replays them and follows the rest: from the log where the response runs here, from the
+database (polled) where it runs elsewhere or has ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 import weakref
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from fastapi import FastAPI, Query, Request
 
 from server.openai.errors import ERROR_RESPONSES, APIError, invalid_request
+from server.sse import SSEResponse, sse_event
 from server.state import responses
 from server.state.keys import request_owner
 from server.state.stored import LEASE_SECONDS, StoredState, list_page
@@ -31,6 +40,11 @@ SWEEP_SECONDS = 60.0
 retention shorter than that sweeps as often as it lasts."""
 POLL_SECONDS = 1.0
 """How soon a cancel from another replica stops the generation of a background response running here."""
+FLUSH_SECONDS = 0.2
+"""How often a streamed background response writes its new events (and itself as it stands) to the database."""
+FOLLOW_SECONDS = 0.1
+"""How often a stream that follows a response from the database polls it for new events."""
+_TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 SHUTDOWN_MESSAGE = "The server shut down before the response finished."
 ABANDONED_MESSAGE = "The server running this response stopped (its lease ran out) before the response finished."
 
@@ -42,22 +56,94 @@ def response_not_found(response_id: str) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
 
 
+class EventLog:
+    """The stream events of a background response running here, every one from its first (in order of sequence
+    number, which may skip: events a failure replaced were never sent), and a wake-up for the streams that follow
+    it when more come. `end()` comes after the last events are in the database."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.ended = False
+        self._changed = asyncio.Event()
+
+    def add(self, events: list[dict[str, Any]]) -> None:
+        if events:
+            self.events += events
+            self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    async def wait(self, seen: int) -> None:
+        """Until there are more than `seen` events, or the log ended."""
+        if len(self.events) == seen and not self.ended:
+            await self._changed.wait()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
 class BackgroundResponses:
-    """This replica's background responses: their tasks by response id, the watcher of their rows, and their end
-    when the server stops."""
+    """This replica's background responses: their tasks and event logs by response id, the watcher of their
+    rows, the streams that follow them, and their end when the server stops."""
 
     def __init__(self, stored: StoredState) -> None:
         self.stored = stored
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.logs: dict[str, EventLog] = {}
 
-    def launch(self, response_id: str, work: Coroutine[Any, Any, None]) -> None:
-        """Run `work` (the response's generation, which records how it ended) as this replica's task."""
+    def launch(self, response_id: str, work: Coroutine[Any, Any, None], log: EventLog | None = None) -> None:
+        """Run `work` (the response's generation, which records how it ended) as this replica's task; `log`: the
+        events it streams, followed from here while it runs."""
         task = asyncio.get_running_loop().create_task(work)
         self.tasks[response_id] = task
+        if log is not None:
+            self.logs[response_id] = log
         task.add_done_callback(lambda done: self._ended(response_id, done))
+
+    async def follow(self, owner: str, response_id: str, after: int) -> AsyncIterator[bytes]:
+        """The response's stream events numbered above `after`, as SSE frames, until it ends: from its log while
+        it runs here, then (or where it runs elsewhere) from the database. A response that ended failed without
+        saying so in its events (its server stopped under it) ends with `response.failed`; a cancelled one just
+        ends."""
+        last, last_type = after, None
+        log = self.logs.get(response_id)
+        if log is not None:
+            sent = bisect.bisect_right(log.events, after, key=lambda event: event["sequence_number"])
+            while True:
+                seen = len(log.events)
+                if seen > sent:
+                    fresh = log.events[sent:seen]
+                    sent, last, last_type = seen, fresh[-1]["sequence_number"], fresh[-1]["type"]
+                    yield _frames(fresh)
+                elif log.ended:
+                    break  # every event is in the database by now
+                else:
+                    await log.wait(seen)
+        while True:
+            async with self.stored.db().transaction() as connection:
+                row = await responses.get(connection, owner, response_id)  # first: its events were written with it
+                fresh = await responses.events_after(connection, response_id, last)
+            if fresh:
+                last, last_type = fresh[-1]["sequence_number"], fresh[-1]["type"]
+                yield _frames(fresh)
+            if row is None:
+                return  # deleted
+            if row.status not in responses.RUNNING:
+                if row.status == "failed" and last_type not in _TERMINAL_EVENTS:
+                    failed = {"type": "response.failed", "sequence_number": last + 1, "response": row.response}
+                    yield _frames([failed])
+                return
+            if not fresh:
+                await asyncio.sleep(FOLLOW_SECONDS)
 
     def _ended(self, response_id: str, task: asyncio.Task[None]) -> None:
         self.tasks.pop(response_id, None)
+        log = self.logs.pop(response_id, None)
+        if log is not None:
+            log.end()  # (the task ends it itself once its events are written; this covers one that never ran)
         if not task.cancelled() and task.exception() is not None:
             logger.error("Background response %s failed", response_id, exc_info=task.exception())
 
@@ -100,6 +186,10 @@ class BackgroundResponses:
             logger.exception("Recording the background responses still running failed")
 
 
+def _frames(events: list[dict[str, Any]]) -> bytes:
+    return b"".join(sse_event(event["type"], pydantic_core.to_json(event).decode()) for event in events)
+
+
 def background_runner(stored: StoredState) -> BackgroundResponses:
     return _RUNNERS[stored.worker]
 
@@ -124,13 +214,31 @@ def add_stored_response_routes(app: FastAPI, stored: StoredState) -> None:
     stored.jobs.append(sweep)
 
     @app.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
-    async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
-        """A stored response; a background one as it stands (`queued`, `in_progress`, or how it ended)."""
+    async def retrieve_response(
+        response_id: str,
+        request: Request,
+        stream: bool = False,
+        starting_after: int = Query(-1, ge=-1),
+        include: Annotated[list[str] | None, Query(description="Accepted; returned whole.")] = None,
+    ) -> Any:
+        """A stored response; a background one as it stands (`queued`, `in_progress`, or how it ended). `stream`
+        (a background response created with `stream`): its stream events numbered above `starting_after`, then
+        the rest as they come, until it ends."""
+        owner = request_owner(request)
         async with stored.db().transaction() as connection:
-            row = await responses.get(connection, request_owner(request), response_id)
+            row = await responses.get(connection, owner, response_id)
+            streamed = row is not None and stream and await responses.streamed(connection, response_id)
         if row is None:
             raise response_not_found(response_id)
-        return row.response
+        if not stream:
+            return row.response
+        if not streamed:
+            raise invalid_request(
+                "Only a background response created with 'stream' true can be streamed; retrieve this one whole.",
+                "stream",
+            )
+        events = runner.follow(owner, response_id, starting_after)
+        return SSEResponse(events, on_close=lambda: None, ping_interval=stored.settings.sse_ping_interval)
 
     @app.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:

@@ -27,6 +27,7 @@ RUNNING = ("queued", "in_progress")
 """The statuses of a background response not yet ended."""
 
 _responses = tables.responses
+_events = tables.response_events
 
 
 def _live(owner: str, table: Any = _responses) -> ColumnElement[bool]:
@@ -104,29 +105,77 @@ async def conversation(connection: AsyncConnection, owner: str, response_id: str
 
 async def remove(connection: AsyncConnection, owner: str, response_id: str) -> bool:
     result = await connection.execute(delete(_responses).where(_responses.c.id == response_id, _live(owner)))
-    return result.rowcount == 1
+    if result.rowcount != 1:
+        return False
+    await connection.execute(delete(_events).where(_events.c.response_id == response_id))
+    return True
 
 
 async def remove_expired(connection: AsyncConnection) -> int:
-    """Delete every response past its retention: how many went."""
+    """Delete every response past its retention, with its events: how many went."""
     expired = _responses.c.expires_at.is_not(None) & (_responses.c.expires_at <= now())
+    await connection.execute(delete(_events).where(_events.c.response_id.in_(select(_responses.c.id).where(expired))))
     return (await connection.execute(delete(_responses).where(expired))).rowcount
+
+
+# ---------------------------------------------------------------------------------------------------- events
+
+
+async def add_events(connection: AsyncConnection, response_id: str, events: list[dict[str, Any]]) -> None:
+    """Keep stream events of a background response created with `stream`, for those who stream it again."""
+    if events:
+        rows = [{"response_id": response_id, "sequence_number": e["sequence_number"], "event": e} for e in events]
+        await connection.execute(insert(_events), rows)
+
+
+async def events_after(connection: AsyncConnection, response_id: str, after: int) -> list[dict[str, Any]]:
+    """The response's kept events whose sequence_number is above `after`, in order."""
+    query = (
+        select(_events.c.event)
+        .where(_events.c.response_id == response_id, _events.c.sequence_number > after)
+        .order_by(_events.c.sequence_number)
+    )
+    return list((await connection.execute(query)).scalars())
+
+
+async def streamed(connection: AsyncConnection, response_id: str) -> bool:
+    """Whether the response keeps stream events (a background response created with `stream`)."""
+    query = select(_events.c.sequence_number).where(_events.c.response_id == response_id).limit(1)
+    return await connection.scalar(query) is not None
 
 
 # ------------------------------------------------------------------------------------------------ background
 
 
-async def update_running(connection: AsyncConnection, response: dict[str, Any]) -> bool:
-    """Write a background response's new state (`in_progress`, or how it ended) if it is still running; False if
-    it is not (cancelled meanwhile, or recorded failed): that state stays. An ended response leaves its lease."""
-    ended = response["status"] not in RUNNING
+async def update_running(
+    connection: AsyncConnection,
+    response: dict[str, Any],
+    events: list[dict[str, Any]] | None = None,
+    quota: StoredState | None = None,
+) -> bool:
+    """Write a background response's new state (`in_progress`, or how it ended), with its stream `events` since
+    the last write, if it is still running; False if it is not (cancelled meanwhile, or recorded failed): that
+    state stays. An ended response leaves its lease, and from then on counts against its owner's quota what it
+    keeps (its output and events); `quota`: refuse (APIError, nothing written) an end that would take the owner
+    past it."""
+    query = select(_responses.c.input_items, _responses.c.owner, _responses.c.bytes).where(
+        _responses.c.id == response["id"], _responses.c.status.in_(RUNNING)
+    )
+    row = (await connection.execute(query)).first()
+    if row is None:
+        return False
     values: dict[str, Any] = dict(status=response["status"], response=response)
-    if ended:
-        # Its output counts against the quota from now on; the quota was checked when it was created.
-        input_items = await connection.scalar(select(_responses.c.input_items).where(_responses.c.id == response["id"]))
-        values.update(worker=None, lease_until=None, bytes=_size(response, input_items or []))
-    query = update(_responses).where(_responses.c.id == response["id"], _responses.c.status.in_(RUNNING))
-    return (await connection.execute(query.values(**values))).rowcount == 1
+    if response["status"] not in RUNNING:
+        kept = await events_after(connection, response["id"], -1)
+        size = _size(response, row.input_items) + sum(len(json.dumps(event)) for event in [*kept, *(events or ())])
+        if quota is not None:
+            await quota.check_quota(connection, row.owner, size - row.bytes)
+        values.update(worker=None, lease_until=None, bytes=size)
+    written = update(_responses).where(_responses.c.id == response["id"], _responses.c.status.in_(RUNNING))
+    if (await connection.execute(written.values(**values))).rowcount != 1:
+        return False
+    await add_events(connection, response["id"], events or [])
+    return True
 
 
 async def cancel(connection: AsyncConnection, owner: str, response_id: str) -> dict[str, Any] | None:

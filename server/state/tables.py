@@ -61,6 +61,16 @@ conversations = Table(
     Index("conversations_owner", "owner"),
 )
 
+response_events = Table(
+    "response_events",
+    metadata,
+    # The stream events of a background response created with `stream` (what GET ?stream=true replays), deleted
+    # with their response.
+    Column("response_id", String(64), primary_key=True),
+    Column("sequence_number", Integer, primary_key=True),
+    Column("event", JSON, nullable=False),
+)
+
 conversation_items = Table(
     "conversation_items",
     metadata,
