@@ -1,5 +1,6 @@
-"""Where a model's files are: a local directory, or a Hugging Face Hub repository resolved to one snapshot of the
-local Hugging Face cache, downloaded into it when the Hub can be reached (as vLLM does with `--model org/name`).
+"""Where a model's files are: a local directory, a GGUF file (turned into one), or a Hugging Face Hub repository
+resolved to one snapshot of the local Hugging Face cache, downloaded into it when the Hub can be reached (as vLLM
+does with `--model org/name`).
 
 The front end resolves once and hands the engine process the snapshot's path, so the engine and the tokenizer read
 the same commit. Only what Ferry reads is fetched: config, tokenizer and chat-template files, then the weights: the
@@ -8,6 +9,7 @@ shards the safetensors index lists, or every `*.safetensors` file when there is 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import huggingface_hub
@@ -15,6 +17,7 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
 from engine.models.checkpoint import checkpoint_files, indexed_shards
+from engine.models.gguf import GGUFError, is_gguf, materialize
 
 METADATA_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 """Config, generation config, tokenizer and chat-template files: everything but the weights."""
@@ -22,6 +25,15 @@ METADATA_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 class ModelSourceError(ValueError):
     """The model (or tokenizer) named cannot be found or fetched; the message says why."""
+
+
+def ferry_cache_dir() -> Path:
+    """Where Ferry keeps what it derives from models (a GGUF file's directory): $FERRY_CACHE_DIR, else
+    $XDG_CACHE_HOME/ferry (~/.cache/ferry)."""
+    configured = os.environ.get("FERRY_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "ferry"
 
 
 def is_hub_id(spec: str) -> bool:
@@ -49,8 +61,16 @@ def resolve(
     offline: bool,
     weights: bool,
 ) -> Path:
-    """The local directory of `spec`: itself when it is a directory, else its Hub snapshot (with the weights when
-    `weights`); `flag` names the option it came from, for messages."""
+    """The local directory of `spec`: itself when it is a directory, the directory made from it when it is a GGUF
+    file (engine/models/gguf.py: under `download_dir`, else the Ferry cache), else its Hub snapshot (with the
+    weights when `weights`); `flag` names the option it came from, for messages."""
+    if is_gguf(spec):
+        if revision is not None:
+            raise ModelSourceError(f"{flag} {spec} is a local file: a revision applies to Hub ids only")
+        try:
+            return materialize(Path(spec), Path(download_dir) if download_dir else ferry_cache_dir())
+        except GGUFError as exc:
+            raise ModelSourceError(f"{flag} {exc}") from exc
     if not is_hub_id(spec):
         path = Path(spec).expanduser()
         if not path.is_dir() or (weights and not (path / "config.json").is_file()):

@@ -38,6 +38,7 @@ from engine.layers.linear_method import (
 from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
 from engine.models.encoder import TransformersEncoder
+from engine.models.gguf import gguf_tensors, source_file
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
@@ -139,7 +140,13 @@ def _eos_ids(model_dir: str, hf_config: PretrainedConfig) -> frozenset[int]:
 
 def _checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors one at a time, each read from disk only when it is asked for; what loading the last
-    one freed goes back to the system before the next is read."""
+    one freed goes back to the system before the next is read. A directory made from a GGUF file reads that file."""
+    gguf_file = source_file(model_dir)
+    if gguf_file is not None:
+        for name, tensor in gguf_tensors(gguf_file):
+            yield name, tensor
+            _release_freed_memory()
+        return
     for path, names in checkpoint_files(model_dir).items():
         with safe_open(path, framework="pt") as f:
             for name in f.keys() if names is None else names:

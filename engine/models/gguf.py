@@ -1,0 +1,209 @@
+"""GGUF files (llama.cpp's format; what llama.cpp and Ollama users download) as Ferry model directories.
+
+`--model model.gguf` is turned once into a directory of the files the rest of Ferry reads (`materialize`):
+config.json, generation_config.json and the tokenizer with its chat template, all from the file's metadata
+(transformers' GGUF readers), and `gguf.json`, which names the file. The weights stay in the file: the loader reads
+them from it one tensor at a time (`gguf_tensors`), under the checkpoint names the native modules load, each
+dequantized to float32 as it is read and converted to the model's dtype as it is copied into its parameter.
+
+llama.cpp's converter reorders the rows of a Llama model's Q and K projections (its rotary pairs adjacent rows
+where transformers pairs the two halves of a head); they are put back as they were. Qwen2 and Qwen3 files are
+written unpermuted. Other architectures are refused by name.
+
+The front end imports this module (torch-free until a tensor is read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_FILE = "gguf.json"
+"""In a materialized directory: which GGUF file holds the weights."""
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""GGUF `general.architecture` -> the transformers architecture whose native modules run it."""
+
+DENSE_TYPES = ("F32", "F16", "BF16")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_MODEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class GGUFError(ValueError):
+    """A GGUF file Ferry cannot serve; the message names the file and why."""
+
+
+def is_gguf(spec: str) -> bool:
+    return spec.endswith(".gguf") and Path(spec).expanduser().is_file()
+
+
+def checkpoint_name(gguf_name: str) -> str | None:
+    """The transformers checkpoint name of a GGUF tensor (None: one Ferry does not read, such as rotary tables)."""
+    if gguf_name in _MODEL_NAMES:
+        return _MODEL_NAMES[gguf_name]
+    match = _LAYER.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+
+
+def _reader(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # a truncated or foreign file: numpy and struct errors, not ours to list
+        raise GGUFError(f"{path}: not a GGUF file Ferry can read ({exc})") from exc
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def materialize(path: Path, cache_dir: Path) -> Path:
+    """The model directory of the GGUF file `path`, made under `cache_dir` the first time (keyed by the file's
+    path, size and modification time, so a changed file is read again); raises GGUFError for a file Ferry cannot
+    serve. Logs a warning naming the quantized types it dequantizes as they load."""
+    path = path.expanduser().resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    directory = cache_dir / "gguf" / f"{path.stem}-{key}"
+    reader = _reader(path)
+    architecture = _field(reader, "general.architecture")
+    if architecture not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path.name}: a GGUF file of architecture {architecture!r}; Ferry reads GGUF files of "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
+    types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
+    quantized = {name: count for name, count in types.items() if name not in DENSE_TYPES}
+    if quantized:
+        listed = ", ".join(f"{name} ({count} tensors)" for name, count in sorted(quantized.items()))
+        logger.warning(
+            "%s: %s dequantized as they load: Ferry has no kernel that reads these types quantized yet",
+            path.name,
+            listed,
+        )
+    if (directory / SOURCE_FILE).is_file():
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    try:
+        _write_directory(path, architecture, types, staging)
+        try:
+            os.rename(staging, directory)
+        except OSError:  # another process made it first: theirs is the same
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory
+
+
+def _write_directory(path: Path, architecture: str, types: Counter[str], directory: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # transformers' GGUF readers raise whatever their parsing meets
+        raise GGUFError(f"{path.name}: its config or tokenizer could not be read ({exc})") from exc
+    config.architectures = [ARCHITECTURES[architecture]]
+    # transformers' GGUF reader leaves head_dim at the config class's default (Qwen3's 128) whatever the file says.
+    head_dim = _field(_reader(path), f"{architecture}.attention.key_length")
+    if head_dim is not None:
+        config.head_dim = int(head_dim)
+    # Stored in one dense dtype: load in it (the loader's `auto`); quantized types dequantize to float32.
+    dense = {name for name in types if name in DENSE_TYPES and name != "F32"}
+    if dense == {"BF16"} and set(types) <= {"BF16", "F32"}:
+        config.dtype = "bfloat16"
+    config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(directory)
+    stat = path.stat()
+    source = {"file": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "architecture": architecture}
+    (directory / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+
+
+def source_file(model_dir: str) -> Path | None:
+    """The GGUF file a materialized directory's weights are in (None: not such a directory); raises GGUFError when
+    the file changed or went since the directory was made."""
+    marker = Path(model_dir) / SOURCE_FILE
+    if not marker.is_file():
+        return None
+    source = json.loads(marker.read_text())
+    path = Path(source["file"])
+    if not path.is_file():
+        raise GGUFError(f"{path}: the GGUF file {model_dir} was made from is gone")
+    stat = path.stat()
+    if (stat.st_size, stat.st_mtime_ns) != (source["size"], source["mtime_ns"]):
+        raise GGUFError(f"{path}: the GGUF file changed since {model_dir} was made from it; pass the file again")
+    return path
+
+
+def gguf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors under their transformers checkpoint names, one at a time, dequantized to float32 (a
+    Llama file's Q and K rows back in transformers' order)."""
+    import numpy as np
+    import torch
+    from gguf import quants
+
+    reader = _reader(path)
+    architecture = _field(reader, "general.architecture")
+    heads = _field(reader, f"{architecture}.attention.head_count")
+    kv_heads = _field(reader, f"{architecture}.attention.head_count_kv") or heads
+    for tensor in reader.tensors:
+        name = checkpoint_name(tensor.name)
+        if name is None:
+            continue
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists dimensions innermost first
+        values = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        weight = torch.from_numpy(values)
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            weight = _unpermute(weight, heads if "q_proj" in name else kv_heads)
+        yield name, weight
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo the converter's row order for rotary pairs: per head, its rows were interleaved from the two halves
+    (`reshape(heads, 2, d/2, ...).swapaxes(1, 2)`)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
