@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
+from engine.models.gguf import DENSE_TYPES, source_info
 from engine.pooling.config import PoolingConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
@@ -64,6 +65,7 @@ from server.openai.schemas import (
     CompletionRequest,
     CompletionResponse,
     ModelCard,
+    ModelGGUF,
     ModelList,
     ModelPooling,
 )
@@ -312,6 +314,15 @@ def _served_tasks(pooling: PoolingConfig | None) -> str:
     return pools[pooling.kind] + (" and generates" if pooling.generates else "")
 
 
+def _model_gguf(source: dict[str, Any] | None) -> ModelGGUF | None:
+    """The card's account of the GGUF file the model came from (None, so absent, for a model directory)."""
+    if source is None:
+        return None
+    types: dict[str, int] = source["tensor_types"]
+    dequantized = sorted(name for name in types if name not in DENSE_TYPES)
+    return ModelGGUF(file=Path(source["file"]).name, tensor_types=types, dequantized=dequantized)
+
+
 def _model_pooling(pooling: PoolingConfig | None) -> ModelPooling | None:
     """The card's account of what the model pools (None, so absent, for a model that only generates)."""
     if pooling is None:
@@ -433,6 +444,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         """vLLM's score: one text against many, or two lists pairwise."""
         return await serve_score(state.get_serving(), body, request)
 
+    gguf_card = _model_gguf(source_info(engine_config.model.path))
+
     def model_card(name: str, adapter: ServedAdapter | None = None) -> ModelCard:
         """The base model's card under `name`, or an adapter's: the base's numbers (it runs on them), with its
         directory as `root` and the model it adapts as `parent`, as vLLM's cards have them."""
@@ -451,6 +464,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             weight_bytes=info.weight_bytes,
             kv_cache_dtype=info.kv_cache_dtype,
             pooling=None if adapter else _model_pooling(info.pooling),
+            gguf=None if adapter else gguf_card,
         )
 
     # A field left None (tensor_parallel_size on one device) is left out, as OpenAI's cards carry no nulls.

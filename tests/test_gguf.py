@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -146,6 +147,25 @@ def test_a_changed_file_is_read_again(cache: Path, tmp_path: Path) -> None:
     assert materialize(copy, cache) != first
 
 
+def test_two_ranks_compute_what_one_does(cache: Path) -> None:
+    """Tensor parallelism shards a GGUF file's dequantized weights as any checkpoint's (Q/K rows unpermuted first)."""
+    from engine.api import generate_batch
+    from engine.core.engine_core import EngineCore
+    from engine.core.request import SamplingParams
+
+    model_dir = str(materialize(FIXTURES / "llama-q4_0.gguf", cache))
+    params = SamplingParams(max_new_tokens=6, min_new_tokens=6)
+    outputs = []
+    for ranks in (1, 2):
+        engine = EngineCore(EngineConfig.of(model=model_dir, num_pages=64, cpu_threads=1, tensor_parallel_size=ranks))
+        try:
+            results = generate_batch(PROMPTS, params=params, engine=engine)
+        finally:
+            engine.close()
+        outputs.append([results[f"req_{i}"].generated_ids for i in range(len(PROMPTS))])
+    assert outputs[0] == outputs[1]
+
+
 def test_ferry_serve_takes_a_gguf_file(tmp_path: Path) -> None:
     with server_process(
         None, "--model", str(FIXTURES / "llama-q8_0.gguf"), env={"FERRY_CACHE_DIR": str(tmp_path)}
@@ -153,6 +173,10 @@ def test_ferry_serve_takes_a_gguf_file(tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0)
         (model,) = client.models.list().data
         assert model.id == "llama-q8_0.gguf"
+        card = httpx.get(f"{s.base_url}/v1/models").json()["data"][0]
+        reader = gguf.GGUFReader(FIXTURES / "llama-q8_0.gguf")
+        types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
+        assert card["gguf"] == {"file": "llama-q8_0.gguf", "tensor_types": dict(types), "dequantized": ["Q8_0"]}
         chat = client.chat.completions.create(
             model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
         )
@@ -185,6 +209,9 @@ def test_greedy_tokens_equal_llama_server_on_the_same_file(name: str, cache: Pat
                 pass
             assert time.monotonic() < deadline, "llama-server did not start"
             time.sleep(0.2)
+        text = "héllo wörld, ferry boats carry passengers 🙂 across the river"
+        tokenized = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"content": text}).json()["tokens"]
+        assert AutoTokenizer.from_pretrained(materialize(FIXTURES / name, cache)).encode(text) == tokenized
         theirs = []
         for prompt in PROMPTS:
             body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_tokens": True, "ignore_eos": True}

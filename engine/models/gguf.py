@@ -39,6 +39,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 """GGUF `general.architecture` -> the transformers architecture whose native modules run it."""
 
 DENSE_TYPES = ("F32", "F16", "BF16")
+LAYOUT = 1
+"""What a materialized directory holds; a new value makes every file's directory again."""
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -102,7 +104,8 @@ def materialize(path: Path, cache_dir: Path) -> Path:
     serve. Logs a warning naming the quantized types it dequantizes as they load."""
     path = path.expanduser().resolve()
     stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    identity = f"{LAYOUT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     directory = cache_dir / "gguf" / f"{path.stem}-{key}"
     reader = _reader(path)
     architecture = _field(reader, "general.architecture")
@@ -159,17 +162,29 @@ def _write_directory(path: Path, architecture: str, types: Counter[str], directo
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(directory)
     stat = path.stat()
-    source = {"file": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "architecture": architecture}
+    source = {
+        "file": str(path),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "architecture": architecture,
+        "tensor_types": dict(sorted(types.items())),
+    }
     (directory / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+
+
+def source_info(model_dir: str) -> dict[str, Any] | None:
+    """What a materialized directory says of its GGUF file (file, size, mtime_ns, architecture, tensor_types: the
+    number of tensors of each type); None for any other directory."""
+    marker = Path(model_dir) / SOURCE_FILE
+    return json.loads(marker.read_text()) if marker.is_file() else None
 
 
 def source_file(model_dir: str) -> Path | None:
     """The GGUF file a materialized directory's weights are in (None: not such a directory); raises GGUFError when
     the file changed or went since the directory was made."""
-    marker = Path(model_dir) / SOURCE_FILE
-    if not marker.is_file():
+    source = source_info(model_dir)
+    if source is None:
         return None
-    source = json.loads(marker.read_text())
     path = Path(source["file"])
     if not path.is_file():
         raise GGUFError(f"{path}: the GGUF file {model_dir} was made from is gone")

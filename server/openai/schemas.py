@@ -729,6 +729,14 @@ class ModelPooling(BaseModel):
     generates: bool = Field(description="The model also serves chat, completions and responses.")
 
 
+class ModelGGUF(BaseModel):
+    """The GGUF file a model was read from, on its card."""
+
+    file: str = Field(description="The file's name.")
+    tensor_types: dict[str, int] = Field(description="How many of its tensors are of each GGML type.")
+    dequantized: list[str] = Field(description="Its quantized types, dequantized as they loaded.")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -750,6 +758,8 @@ class ModelCard(BaseModel):
     """What the KV cache stores K and V in (`float8_e4m3fn` under --kv-cache-dtype fp8, else the model's dtype)."""
     pooling: ModelPooling | None = None
     """What the model pools (the field is absent for a model that only generates)."""
+    gguf: ModelGGUF | None = None
+    """The GGUF file the model was read from (the field is absent for a model directory)."""
 
 
 class ModelList(BaseModel):
