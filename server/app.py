@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
-from engine.models.gguf import DENSE_TYPES, source_info
+from engine.models.gguf import DENSE_TYPES, KEPT_AS_INT4, Q4_0_BLOCK, keeps_int4, source_info
 from engine.pooling.config import PoolingConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
@@ -314,13 +314,15 @@ def _served_tasks(pooling: PoolingConfig | None) -> str:
     return pools[pooling.kind] + (" and generates" if pooling.generates else "")
 
 
-def _model_gguf(source: dict[str, Any] | None) -> ModelGGUF | None:
-    """The card's account of the GGUF file the model came from (None, so absent, for a model directory)."""
+def _model_gguf(source: dict[str, Any] | None, keeps_q4_0: bool) -> ModelGGUF | None:
+    """The card's account of the GGUF file the model came from (None, so absent, for a model directory);
+    `keeps_q4_0`: its Q4_0 linears run as int4 (engine/quantization/gguf.py), the rest of its types dequantized."""
     if source is None:
         return None
     types: dict[str, int] = source["tensor_types"]
-    dequantized = sorted(name for name in types if name not in DENSE_TYPES)
-    return ModelGGUF(file=Path(source["file"]).name, tensor_types=types, dequantized=dequantized)
+    kept = [KEPT_AS_INT4] if keeps_q4_0 else []
+    dequantized = sorted(name for name in types if name not in DENSE_TYPES and name not in kept)
+    return ModelGGUF(file=Path(source["file"]).name, tensor_types=types, dequantized=dequantized, kept=kept)
 
 
 def _model_pooling(pooling: PoolingConfig | None) -> ModelPooling | None:
@@ -444,7 +446,9 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         """vLLM's score: one text against many, or two lists pairwise."""
         return await serve_score(state.get_serving(), body, request)
 
-    gguf_card = _model_gguf(source_info(engine_config.model.path))
+    model_config = engine_config.model
+    kept = model_config.quantization == "int4" and model_config.quantization_group_size == Q4_0_BLOCK
+    gguf_card = _model_gguf(source_info(model_config.path), kept and keeps_int4(model_config.path))
 
     def model_card(name: str, adapter: ServedAdapter | None = None) -> ModelCard:
         """The base model's card under `name`, or an adapter's: the base's numbers (it runs on them), with its

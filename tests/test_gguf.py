@@ -25,7 +25,10 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine.config import EngineConfig
+from engine.kernels import quant_linear
+from engine.layers.linear import LinearBase
 from engine.models.gguf import GGUFError, _unpermute, checkpoint_name, materialize, source_file
+from engine.quantization.gguf import GGUFQ4_0Method, q4_0_blocks
 from server.model_source import ModelSourceError, resolve
 from tests.server_harness import free_port, server_process
 
@@ -147,6 +150,53 @@ def test_a_changed_file_is_read_again(cache: Path, tmp_path: Path) -> None:
     assert materialize(copy, cache) != first
 
 
+def test_q4_0_blocks_are_read_back_from_their_dequantized_weights() -> None:
+    """The blocks llama.cpp's Q4_0 quantizer makes (the gguf package's port of it), dequantized as the loader does,
+    come back as int4 codes whose weights differ from the file's by the bfloat16 rounding of each block's scale."""
+    weights = np.random.default_rng(0).normal(size=(48, 256)).astype(np.float32)
+    kind = gguf.GGMLQuantizationType.Q4_0
+    dequantized = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weights, kind), kind).reshape(48, 256))
+    blocks = q4_0_blocks(dequantized)
+    assert blocks is not None
+    codes, scales, mins = blocks
+    d = dequantized.view(48, 8, 32).abs().amax(-1) / 8
+    assert bool((codes <= 15).all()) and torch.equal(scales, d.to(torch.bfloat16).float())
+    run = quant_linear.dequantize_int4(quant_linear.pack_int4(codes, scales, mins), 48, 256).view(48, 8, 32)
+    assert ((run - dequantized.view(48, 8, 32)).abs() <= 15 * 2**-8 * d[..., None]).all()
+    assert q4_0_blocks(torch.from_numpy(weights)) is None, "weights not on a Q4_0 grid are not taken for blocks"
+
+
+def test_a_q4_0_file_runs_on_the_int4_kernel_with_its_own_codes(cache: Path) -> None:
+    from engine.api import generate_batch
+    from engine.core.engine_core import EngineCore
+    from engine.core.request import SamplingParams
+
+    model_dir = materialize(FIXTURES / "llama-q4_0.gguf", cache)
+    config = EngineConfig.of(
+        model=str(model_dir), dtype="float32", num_pages=64, quantization="int4", quantization_group_size=32
+    )
+    engine = EngineCore(config)
+    methods = {type(m.method) for m in engine.runner.model.modules() if isinstance(m, LinearBase)}
+    assert GGUFQ4_0Method in methods
+    params = SamplingParams(max_new_tokens=8, min_new_tokens=8, logprobs=True)
+    results = generate_batch(PROMPTS, params=params, engine=engine)
+    reference = AutoModelForCausalLM.from_pretrained(
+        FIXTURES, gguf_file="llama-q4_0.gguf", config=AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+    ).eval()
+    for i, prompt in enumerate(PROMPTS):
+        tokens = results[f"req_{i}"].generated_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, dim=-1)
+        chosen = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        logprobs = torch.tensor([entry.logprob for entry in results[f"req_{i}"].logprobs or []])
+        # The scales' bfloat16 rounding, and the Q8_0 head requantized per row as every int4 model's head is.
+        torch.testing.assert_close(logprobs, chosen, atol=0.1, rtol=0)
+        best, second = expected.topk(2, dim=-1).values.unbind(-1)
+        clear = (best - second) > 0.2
+        assert torch.equal(torch.tensor(tokens)[clear], expected.argmax(-1)[clear])
+
+
 def test_two_ranks_compute_what_one_does(cache: Path) -> None:
     """Tensor parallelism shards a GGUF file's dequantized weights as any checkpoint's (Q/K rows unpermuted first)."""
     from engine.api import generate_batch
@@ -167,20 +217,20 @@ def test_two_ranks_compute_what_one_does(cache: Path) -> None:
 
 
 def test_ferry_serve_takes_a_gguf_file(tmp_path: Path) -> None:
-    with server_process(
-        None, "--model", str(FIXTURES / "llama-q8_0.gguf"), env={"FERRY_CACHE_DIR": str(tmp_path)}
-    ) as s:
+    """A Q4_0 file served at its defaults: its linears run as int4 on the file's own codes (its card says so)."""
+    name = "llama-q4_0.gguf"
+    with server_process(None, "--model", str(FIXTURES / name), env={"FERRY_CACHE_DIR": str(tmp_path)}) as s:
         client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0)
         (model,) = client.models.list().data
-        assert model.id == "llama-q8_0.gguf"
+        assert model.id == name
         card = httpx.get(f"{s.base_url}/v1/models").json()["data"][0]
-        reader = gguf.GGUFReader(FIXTURES / "llama-q8_0.gguf")
-        types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
-        assert card["gguf"] == {"file": "llama-q8_0.gguf", "tensor_types": dict(types), "dequantized": ["Q8_0"]}
+        types = Counter(tensor.tensor_type.name for tensor in gguf.GGUFReader(FIXTURES / name).tensors)
+        assert card["quantization"] == "int4"
+        assert card["gguf"] == {"file": name, "tensor_types": dict(types), "dequantized": ["Q8_0"], "kept": ["Q4_0"]}
         chat = client.chat.completions.create(
             model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
         )
-        rendered = AutoTokenizer.from_pretrained(FIXTURES, gguf_file="llama-q8_0.gguf").apply_chat_template(
+        rendered = AutoTokenizer.from_pretrained(FIXTURES, gguf_file=name).apply_chat_template(
             [{"role": "user", "content": "hi"}], add_generation_prompt=True
         )
         assert chat.usage is not None and chat.usage.prompt_tokens == len(rendered["input_ids"])

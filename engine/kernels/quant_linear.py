@@ -167,6 +167,23 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
     return Int4Weights(codes, scales, mins)
 
 
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Weights:
+    """int4 codes `[out, in]` (uint8, 0..15) with each (row, group)'s scale and minimum `[out, groups]`, quantized
+    elsewhere (a GGUF file's blocks), in `int4_linear`'s layout; scales and minimums are stored in bfloat16."""
+    out_features, in_features = codes.shape
+    groups = scales.shape[1]
+    if in_features % 8 or in_features // groups not in INT4_GROUP_SIZES or scales.shape != mins.shape:
+        raise ValueError(f"int4 codes {tuple(codes.shape)} with {groups} groups a row")
+    packed = torch.empty(_blocks(out_features), in_features // 8, BLOCK, 4, dtype=torch.uint8)
+    blocked_scales = torch.empty(_blocks(out_features), groups, BLOCK, dtype=torch.bfloat16)
+    blocked_mins = torch.empty_like(blocked_scales)
+    q = codes.view(out_features, in_features // 8, 2, 4)  # [out, in / 8, low / high, bytes]
+    _put_rows(packed, 0, q[:, :, 0] | q[:, :, 1] << 4)
+    _put_rows(blocked_scales, 0, scales.to(torch.bfloat16))
+    _put_rows(blocked_mins, 0, mins.to(torch.bfloat16))
+    return Int4Weights(packed, blocked_scales, blocked_mins)
+
+
 def int8_rows(w: Int8Weights, ids: torch.Tensor, in_features: int) -> torch.Tensor:
     """Rows `ids` of the float32 `[out, in]` weight `int8_linear` multiplies by, `[N, in]` for `ids` `[N]`: a tied
     embedding's lookup in an int8 LM head, in either layout."""

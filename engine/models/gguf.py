@@ -4,7 +4,9 @@
 config.json, generation_config.json and the tokenizer with its chat template, all from the file's metadata
 (transformers' GGUF readers), and `gguf.json`, which names the file. The weights stay in the file: the loader reads
 them from it one tensor at a time (`gguf_tensors`), under the checkpoint names the native modules load, each
-dequantized to float32 as it is read and converted to the model's dtype as it is copied into its parameter.
+dequantized to float32 as it is read and converted to the model's dtype as it is copied into its parameter; a
+file whose linears are all Q4_0 runs them on the int4 kernel with its own codes (`keeps_int4`,
+engine/quantization/gguf.py).
 
 llama.cpp's converter reorders the rows of a Llama model's Q and K projections (its rotary pairs adjacent rows
 where transformers pairs the two halves of a head); they are put back as they were. Qwen2 and Qwen3 files are
@@ -39,7 +41,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 """GGUF `general.architecture` -> the transformers architecture whose native modules run it."""
 
 DENSE_TYPES = ("F32", "F16", "BF16")
-LAYOUT = 1
+LAYOUT = 2
 """What a materialized directory holds; a new value makes every file's directory again."""
 
 _LAYER_NAMES = {
@@ -64,6 +66,14 @@ _MODEL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+_LINEAR_WEIGHTS = tuple(
+    f".{name}.weight" for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+)
+"""The decoder's linears (what a `--quantization` method takes), by their GGUF names' ends."""
+KEPT_AS_INT4 = "Q4_0"
+"""The type whose linears keep the file's codes on the int4 kernel (engine/quantization/gguf.py)."""
+Q4_0_BLOCK = 32
+"""Inputs a Q4_0 block (one scale) covers: the int4 groups its linears run in."""
 
 
 class GGUFError(ValueError):
@@ -115,9 +125,11 @@ def materialize(path: Path, cache_dir: Path) -> Path:
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
-    quantized = {name: count for name, count in types.items() if name not in DENSE_TYPES}
-    if quantized:
-        listed = ", ".join(f"{name} ({count} tensors)" for name, count in sorted(quantized.items()))
+    linear_types = {tensor.tensor_type.name for tensor in reader.tensors if tensor.name.endswith(_LINEAR_WEIGHTS)}
+    kept = {KEPT_AS_INT4} if linear_types == {KEPT_AS_INT4} else set()
+    dequantized = {name: count for name, count in types.items() if name not in DENSE_TYPES and name not in kept}
+    if dequantized:
+        listed = ", ".join(f"{name} ({count} tensors)" for name, count in sorted(dequantized.items()))
         logger.warning(
             "%s: %s dequantized as they load: Ferry has no kernel that reads these types quantized yet",
             path.name,
@@ -128,7 +140,7 @@ def materialize(path: Path, cache_dir: Path) -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
-        _write_directory(path, architecture, types, staging)
+        _write_directory(path, architecture, types, linear_types, staging)
         try:
             os.rename(staging, directory)
         except OSError:  # another process made it first: theirs is the same
@@ -139,7 +151,9 @@ def materialize(path: Path, cache_dir: Path) -> Path:
     return directory
 
 
-def _write_directory(path: Path, architecture: str, types: Counter[str], directory: Path) -> None:
+def _write_directory(
+    path: Path, architecture: str, types: Counter[str], linear_types: set[str], directory: Path
+) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:
@@ -168,6 +182,7 @@ def _write_directory(path: Path, architecture: str, types: Counter[str], directo
         "mtime_ns": stat.st_mtime_ns,
         "architecture": architecture,
         "tensor_types": dict(sorted(types.items())),
+        "linear_types": sorted(linear_types),
     }
     (directory / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
 
@@ -177,6 +192,13 @@ def source_info(model_dir: str) -> dict[str, Any] | None:
     number of tensors of each type); None for any other directory."""
     marker = Path(model_dir) / SOURCE_FILE
     return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def keeps_int4(model_dir: str) -> bool:
+    """Whether the directory's GGUF file has every decoder linear in Q4_0: `ferry serve` then runs it as int4 in
+    groups of 32 with the file's own codes."""
+    source = source_info(model_dir)
+    return source is not None and source.get("linear_types") == [KEPT_AS_INT4]
 
 
 def source_file(model_dir: str) -> Path | None:
@@ -211,7 +233,7 @@ def gguf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists dimensions innermost first
         values = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        weight = torch.from_numpy(values)
+        weight = torch.from_numpy(values if values.flags.writeable else values.copy())  # (F32: the file's map)
         if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = _unpermute(weight, heads if "q_proj" in name else kv_heads)
         yield name, weight

@@ -734,7 +734,8 @@ class ModelGGUF(BaseModel):
 
     file: str = Field(description="The file's name.")
     tensor_types: dict[str, int] = Field(description="How many of its tensors are of each GGML type.")
-    dequantized: list[str] = Field(description="Its quantized types, dequantized as they loaded.")
+    dequantized: list[str] = Field(description="Its quantized types dequantized as they loaded.")
+    kept: list[str] = Field(description="Its quantized types a kernel runs as they are (Q4_0 as int4).")
 
 
 class ModelCard(BaseModel):
