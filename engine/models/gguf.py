@@ -158,9 +158,14 @@ def _write_directory(
 
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:  # transformers' GGUF readers raise whatever their parsing meets
-        raise GGUFError(f"{path.name}: its config or tokenizer could not be read ({exc})") from exc
+        raise GGUFError(f"{path.name}: its config could not be read ({exc})") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:
+        # The weights still serve, with another tokenizer: without one the server stops at start, saying so.
+        logger.warning("%s: its tokenizer could not be read (%r): serve it with --tokenizer", path.name, exc)
+        tokenizer = None
     config.architectures = [ARCHITECTURES[architecture]]
     # transformers' GGUF reader leaves head_dim at the config class's default (Qwen3's 128) whatever the file says.
     head_dim = _field(_reader(path), f"{architecture}.attention.key_length")
@@ -171,7 +176,8 @@ def _write_directory(
     if dense == {"BF16"} and set(types) <= {"BF16", "F32"}:
         config.dtype = "bfloat16"
     config.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(directory)
