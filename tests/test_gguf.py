@@ -140,6 +140,44 @@ def test_what_ferry_cannot_serve_is_refused_by_name(cache: Path, tmp_path: Path)
         resolve(str(FIXTURES / FILES[0]), flag="--model", revision="v1", download_dir=None, offline=True, weights=True)
 
 
+def _without_tokenizer(source: Path, target: Path) -> Path:
+    """`source` written again without its `tokenizer.*` metadata (as gguf's own gguf_new_metadata.py copies)."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, arch=reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "tokenizer.", "general.architecture")):
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor_info(
+            tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in reader.tensors:
+        writer.write_tensor_data(tensor.data)
+    writer.close()
+    return target
+
+
+def test_a_file_without_a_tokenizer_serves_with_another(
+    cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stripped = _without_tokenizer(FIXTURES / "llama-f16.gguf", tmp_path / "bare.gguf")
+    with caplog.at_level("WARNING"):
+        model_dir = materialize(stripped, cache)
+    assert "its tokenizer could not be read" in caplog.text and not (model_dir / "tokenizer.json").exists()
+    tokenizer_dir = materialize(FIXTURES / "llama-f16.gguf", cache)
+    assert _ferry(model_dir) == _ferry(tokenizer_dir)  # the same weights: the tokenizer was all it lacked
+    env = {"FERRY_CACHE_DIR": str(tmp_path / "serve-cache")}
+    with server_process(None, "--model", str(stripped), "--tokenizer", str(tokenizer_dir), env=env) as s:
+        client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0)
+        answer = client.completions.create(model="bare.gguf", prompt="hello", max_tokens=3, temperature=0)
+        assert answer.usage is not None and answer.usage.completion_tokens == 3
+
+
 def test_a_changed_file_is_read_again(cache: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy.gguf"
     shutil.copy(FIXTURES / "llama-q8_0.gguf", copy)
