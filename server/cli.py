@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from engine.config import PART_CLASSES, EngineConfig
-from engine.models.gguf import Q4_0_BLOCK, keeps_int4
+from engine.models.gguf import Q4_0_BLOCK, has_tokenizer, keeps_int4
 from server.flags import add_flags, flag_values
 from server.settings import ServerSettings
 
@@ -149,6 +149,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config = build_engine_config(args)
     _check_parallel_layout(args, engine_config)
     settings = resolve_tokenizer(args, build_settings(args))
+    if settings.tokenizer is None and not has_tokenizer(engine_config.model.path):
+        args.parser.error(f"--model {_model_spec(args)}: its tokenizer could not be read; pass --tokenizer")
     configure_logging(settings.log_level, settings.log_format)
     if engine_config.parallel.node_rank > 0:
         # Another node of a multi-node tensor-parallel run: its ranks only, no HTTP; node 0 serves.

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,7 +31,7 @@ from engine.layers.linear import LinearBase
 from engine.models.gguf import GGUFError, _unpermute, checkpoint_name, materialize, source_file
 from engine.quantization.gguf import GGUFQ4_0Method, q4_0_blocks
 from server.model_source import ModelSourceError, resolve
-from tests.server_harness import free_port, server_process
+from tests.server_harness import REPO_ROOT, free_port, server_process
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 FILES = sorted(path.name for path in FIXTURES.glob("*.gguf"))
@@ -172,6 +173,15 @@ def test_a_file_without_a_tokenizer_serves_with_another(
     tokenizer_dir = materialize(FIXTURES / "llama-f16.gguf", cache)
     assert _ferry(model_dir) == _ferry(tokenizer_dir)  # the same weights: the tokenizer was all it lacked
     env = {"FERRY_CACHE_DIR": str(tmp_path / "serve-cache")}
+    refused = subprocess.run(
+        [sys.executable, "-m", "ferry", "serve", "--model", str(stripped)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "its tokenizer could not be read; pass --tokenizer" in refused.stderr
     with server_process(None, "--model", str(stripped), "--tokenizer", str(tokenizer_dir), env=env) as s:
         client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0)
         answer = client.completions.create(model="bare.gguf", prompt="hello", max_tokens=3, temperature=0)

@@ -41,7 +41,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 """GGUF `general.architecture` -> the transformers architecture whose native modules run it."""
 
 DENSE_TYPES = ("F32", "F16", "BF16")
-LAYOUT = 2
+LAYOUT = 3
 """What a materialized directory holds; a new value makes every file's directory again."""
 
 _LAYER_NAMES = {
@@ -163,7 +163,7 @@ def _write_directory(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:
-        # The weights still serve, with another tokenizer: without one the server stops at start, saying so.
+        # The weights still serve, with another tokenizer (`has_tokenizer`: `ferry serve` asks for --tokenizer).
         logger.warning("%s: its tokenizer could not be read (%r): serve it with --tokenizer", path.name, exc)
         tokenizer = None
     config.architectures = [ARCHITECTURES[architecture]]
@@ -189,6 +189,7 @@ def _write_directory(
         "architecture": architecture,
         "tensor_types": dict(sorted(types.items())),
         "linear_types": sorted(linear_types),
+        "tokenizer": tokenizer is not None,
     }
     (directory / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
 
@@ -198,6 +199,12 @@ def source_info(model_dir: str) -> dict[str, Any] | None:
     number of tensors of each type); None for any other directory."""
     marker = Path(model_dir) / SOURCE_FILE
     return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """False for a directory made from a GGUF file whose tokenizer could not be read (it needs --tokenizer)."""
+    source = source_info(model_dir)
+    return source is None or bool(source.get("tokenizer", True))
 
 
 def keeps_int4(model_dir: str) -> bool:
