@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
-from engine.models.gguf import DENSE_TYPES, KEPT_AS_INT4, Q4_0_BLOCK, keeps_int4, source_info
+from engine.models.gguf import DENSE_TYPES, KEPT_AS_INT4, runs_file_codes, source_info
 from engine.pooling.config import PoolingConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
@@ -446,9 +446,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         """vLLM's score: one text against many, or two lists pairwise."""
         return await serve_score(state.get_serving(), body, request)
 
-    model_config = engine_config.model
-    kept = model_config.quantization == "int4" and model_config.quantization_group_size == Q4_0_BLOCK
-    gguf_card = _model_gguf(source_info(model_config.path), kept and keeps_int4(model_config.path))
+    gguf_card = _model_gguf(source_info(engine_config.model.path), runs_file_codes(engine_config.model))
 
     def model_card(name: str, adapter: ServedAdapter | None = None) -> ModelCard:
         """The base model's card under `name`, or an adapter's: the base's numbers (it runs on them), with its

@@ -8,7 +8,9 @@ Keep-alive pings are comment frames, `: ping\\n\\n`, which SSE clients skip.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
+import pydantic_core
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import AppStatus
 from starlette.types import Receive, Scope, Send
@@ -27,6 +29,11 @@ def sse_data(payload: str) -> bytes:
 def sse_event(name: str, payload: str) -> bytes:
     """A named event; `payload` is one line of JSON (pydantic's JSON never holds a raw newline)."""
     return b"event: " + name.encode() + b"\ndata: " + payload.encode() + b"\n\n"
+
+
+def sse_typed_events(events: list[dict[str, Any]]) -> bytes:
+    """Responses API events (each a JSON-ready dict with its `type`) as named events, in one chunk."""
+    return b"".join(sse_event(event["type"], pydantic_core.to_json(event).decode()) for event in events)
 
 
 def _ping() -> ServerSentEvent:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from engine.config import ModelConfig
+
 logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "gguf.json"
@@ -140,7 +142,7 @@ def materialize(path: Path, cache_dir: Path) -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
-        _write_directory(path, architecture, types, linear_types, staging)
+        _write_directory(path, reader, architecture, types, linear_types, staging)
         try:
             os.rename(staging, directory)
         except OSError:  # another process made it first: theirs is the same
@@ -152,7 +154,7 @@ def materialize(path: Path, cache_dir: Path) -> Path:
 
 
 def _write_directory(
-    path: Path, architecture: str, types: Counter[str], linear_types: set[str], directory: Path
+    path: Path, reader: Any, architecture: str, types: Counter[str], linear_types: set[str], directory: Path
 ) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -168,7 +170,7 @@ def _write_directory(
         tokenizer = None
     config.architectures = [ARCHITECTURES[architecture]]
     # transformers' GGUF reader leaves head_dim at the config class's default (Qwen3's 128) whatever the file says.
-    head_dim = _field(_reader(path), f"{architecture}.attention.key_length")
+    head_dim = _field(reader, f"{architecture}.attention.key_length")
     if head_dim is not None:
         config.head_dim = int(head_dim)
     # Stored in one dense dtype: load in it (the loader's `auto`); quantized types dequantize to float32.
@@ -212,6 +214,12 @@ def keeps_int4(model_dir: str) -> bool:
     groups of 32 with the file's own codes."""
     source = source_info(model_dir)
     return source is not None and source.get("linear_types") == [KEPT_AS_INT4]
+
+
+def runs_file_codes(model: ModelConfig) -> bool:
+    """Whether the model's linears run on their GGUF file's own Q4_0 codes: `--quantization int4` in groups of
+    Q4_0_BLOCK (what `ferry serve` picks for such a file) over a file whose linears are all Q4_0."""
+    return model.quantization == "int4" and model.quantization_group_size == Q4_0_BLOCK and keeps_int4(model.path)
 
 
 def source_file(model_dir: str) -> Path | None:

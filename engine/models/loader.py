@@ -38,7 +38,7 @@ from engine.layers.linear_method import (
 from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
 from engine.models.encoder import TransformersEncoder
-from engine.models.gguf import Q4_0_BLOCK, gguf_tensors, keeps_int4, source_file
+from engine.models.gguf import gguf_tensors, runs_file_codes, source_file
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
@@ -54,7 +54,6 @@ from engine.quantization import (
 )
 from engine.quantization.base import CheckpointQuantizedMethod
 from engine.quantization.gguf import GGUFQ4_0Method
-from engine.quantization.int4 import Int4LinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +265,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
     method = select_linear_method(device, dtype)
     quantized = quantized_linear_method(config.model, device)
-    if isinstance(quantized, Int4LinearMethod) and quantized.group_size == Q4_0_BLOCK and keeps_int4(config.model.path):
+    if runs_file_codes(config.model):
         quantized = GGUFQ4_0Method()  # the file's own codes, not codes made again from its dequantized weights
     if quantized is not None and not native:
         raise UnsupportedQuantization(

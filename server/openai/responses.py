@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import pydantic_core
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import TypeAdapter
@@ -64,7 +63,7 @@ from server.openai.responses_schemas import (
 from server.openai.stored_responses import FLUSH_SECONDS, EventLog, background_runner
 from server.openai.template import render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
-from server.sse import SSEResponse, sse_event
+from server.sse import SSEResponse, sse_typed_events
 from server.state import conversations, responses
 from server.state.keys import request_owner
 from server.state.stored import StoredState
@@ -343,7 +342,7 @@ def _frames(events: list[Event]) -> list[bytes]:
     """The events of one update as one chunk: each chunk costs the SSE response a send (BENCHMARKS.md)."""
     if not events:
         return []
-    return [b"".join(sse_event(event["type"], pydantic_core.to_json(event).decode()) for event in events)]
+    return [sse_typed_events(events)]
 
 
 def _in_progress(body: ResponsesRequest, response_id: str, created: int, model: str) -> ResponseObject:

@@ -24,11 +24,10 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine
 from typing import Annotated, Any, Literal
 
-import pydantic_core
 from fastapi import FastAPI, Query, Request
 
 from server.openai.errors import ERROR_RESPONSES, APIError, invalid_request
-from server.sse import SSEResponse, sse_event
+from server.sse import SSEResponse, sse_typed_events
 from server.state import responses
 from server.state.keys import request_owner
 from server.state.stored import LEASE_SECONDS, StoredState, list_page
@@ -117,7 +116,7 @@ class BackgroundResponses:
                 if seen > sent:
                     fresh = log.events[sent:seen]
                     sent, last, last_type = seen, fresh[-1]["sequence_number"], fresh[-1]["type"]
-                    yield _frames(fresh)
+                    yield sse_typed_events(fresh)
                 elif log.ended:
                     break  # every event is in the database by now
                 else:
@@ -128,13 +127,13 @@ class BackgroundResponses:
                 fresh = await responses.events_after(connection, response_id, last)
             if fresh:
                 last, last_type = fresh[-1]["sequence_number"], fresh[-1]["type"]
-                yield _frames(fresh)
+                yield sse_typed_events(fresh)
             if row is None:
                 return  # deleted
             if row.status not in responses.RUNNING:
                 if row.status == "failed" and last_type not in _TERMINAL_EVENTS:
                     failed = {"type": "response.failed", "sequence_number": last + 1, "response": row.response}
-                    yield _frames([failed])
+                    yield sse_typed_events([failed])
                 return
             if not fresh:
                 await asyncio.sleep(FOLLOW_SECONDS)
@@ -184,10 +183,6 @@ class BackgroundResponses:
                 await responses.fail_running(connection, SHUTDOWN_MESSAGE, worker=self.stored.worker)
         except Exception:  # the rest of the shutdown must run; their leases run out and another replica fails them
             logger.exception("Recording the background responses still running failed")
-
-
-def _frames(events: list[dict[str, Any]]) -> bytes:
-    return b"".join(sse_event(event["type"], pydantic_core.to_json(event).decode()) for event in events)
 
 
 def background_runner(stored: StoredState) -> BackgroundResponses:

@@ -158,14 +158,15 @@ async def update_running(
     state stays. An ended response leaves its lease, and from then on counts against its owner's quota what it
     keeps (its output and events); `quota`: refuse (APIError, nothing written) an end that would take the owner
     past it."""
-    query = select(_responses.c.input_items, _responses.c.owner, _responses.c.bytes).where(
-        _responses.c.id == response["id"], _responses.c.status.in_(RUNNING)
-    )
-    row = (await connection.execute(query)).first()
-    if row is None:
-        return False
     values: dict[str, Any] = dict(status=response["status"], response=response)
     if response["status"] not in RUNNING:
+        # Only an end reads the row (its size and quota); a progress write is the conditional UPDATE alone.
+        query = select(_responses.c.input_items, _responses.c.owner, _responses.c.bytes).where(
+            _responses.c.id == response["id"], _responses.c.status.in_(RUNNING)
+        )
+        row = (await connection.execute(query)).first()
+        if row is None:
+            return False
         kept = await events_after(connection, response["id"], -1)
         size = _size(response, row.input_items) + sum(len(json.dumps(event)) for event in [*kept, *(events or ())])
         if quota is not None:
