@@ -28,6 +28,8 @@ from starlette.types import ASGIApp
 from engine.config import EngineConfig
 from engine.models.gguf import DENSE_TYPES, KEPT_AS_INT4, runs_file_codes, source_info
 from engine.pooling.config import PoolingConfig
+from engine.quantization import UnsupportedQuantization
+from engine.quantization.checkpoints import CheckpointQuantization, read_checkpoint_quantization
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.lora import LoadLoRAAdapterRequest, ServedAdapter, UnloadLoRAAdapterRequest, startup_registry
@@ -65,6 +67,7 @@ from server.openai.schemas import (
     CompletionRequest,
     CompletionResponse,
     ModelCard,
+    ModelCheckpointQuantization,
     ModelGGUF,
     ModelList,
     ModelPooling,
@@ -156,10 +159,15 @@ class ServerState:
         self.model_name = self.model_names[0]
         self.adapters = startup_registry(engine_config, settings, self.model_names)
         lora = engine_config.lora
+        self.stored_quantization = _stored_quantization(engine_config)
+        self.quantization = (
+            engine_config.model.quantization if self.stored_quantization is None else self.stored_quantization.runs_as
+        )
+        """The scheme whose kernels run the linear weights: `--quantization`'s, or the quantized checkpoint's."""
         self.metrics = ServerMetrics(
             self.model_name,
             engine_config.parallel.tensor_parallel_size,
-            engine_config.model.quantization,
+            self.quantization,
             max_loras=lora.max_loras if lora.enable_lora else None,
         )
         self.created = int(time.time())
@@ -314,6 +322,15 @@ def _served_tasks(pooling: PoolingConfig | None) -> str:
     return pools[pooling.kind] + (" and generates" if pooling.generates else "")
 
 
+def _stored_quantization(engine_config: EngineConfig) -> CheckpointQuantization | None:
+    """The model directory's quantized-checkpoint format (None for one in floats, and for one the engine refuses:
+    its start-up reports why)."""
+    try:
+        return read_checkpoint_quantization(engine_config.model.path, engine_config.parallel.tensor_parallel_size)
+    except UnsupportedQuantization:
+        return None
+
+
 def _model_gguf(source: dict[str, Any] | None, keeps_q4_0: bool) -> ModelGGUF | None:
     """The card's account of the GGUF file the model came from (None, so absent, for a model directory);
     `keeps_q4_0`: its Q4_0 linears run as int4 (engine/quantization/gguf.py), the rest of its types dequantized."""
@@ -447,6 +464,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         return await serve_score(state.get_serving(), body, request)
 
     gguf_card = _model_gguf(source_info(engine_config.model.path), runs_file_codes(engine_config.model))
+    stored = state.stored_quantization
 
     def model_card(name: str, adapter: ServedAdapter | None = None) -> ModelCard:
         """The base model's card under `name`, or an adapter's: the base's numbers (it runs on them), with its
@@ -462,7 +480,10 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             parent=adapter.parent if adapter else None,
             max_model_len=serving.max_model_len,
             tensor_parallel_size=tensor_parallel_size if tensor_parallel_size > 1 else None,
-            quantization=engine_config.model.quantization,
+            quantization=state.quantization,
+            checkpoint_quantization=None
+            if stored is None
+            else ModelCheckpointQuantization(format=stored.format, weights=stored.description),
             weight_bytes=info.weight_bytes,
             kv_cache_dtype=info.kv_cache_dtype,
             pooling=None if adapter else _model_pooling(info.pooling),

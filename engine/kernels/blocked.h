@@ -48,6 +48,9 @@ inline Acc load(const at::BFloat16* p) {
 inline Acc load(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
+inline Acc load(const at::Half* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
 inline Acc splat(float x) { return {_mm512_set1_ps(x)}; }
 inline Acc operator+(const Acc& a, const Acc& b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Acc operator-(const Acc& a, const Acc& b) { return {_mm512_sub_ps(a.v, b.v)}; }
@@ -76,6 +79,8 @@ inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline Acc load(const int8_t* p) { return {widen8(p), widen8(p + 8)}; }
+inline __m256 widen8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Acc load(const at::Half* p) { return {widen8(p), widen8(p + 8)}; }
 inline Acc splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Acc operator+(const Acc& a, const Acc& b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline Acc operator-(const Acc& a, const Acc& b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
@@ -102,6 +107,11 @@ inline Acc load(const at::BFloat16* p) {
   return a;
 }
 inline Acc load(const int8_t* p) {
+  Acc a;
+  for (int64_t j = 0; j < kBlock; ++j) a.v[j] = static_cast<float>(p[j]);
+  return a;
+}
+inline Acc load(const at::Half* p) {
   Acc a;
   for (int64_t j = 0; j < kBlock; ++j) a.v[j] = static_cast<float>(p[j]);
   return a;

@@ -20,10 +20,13 @@
 // - int4, weight only, asymmetric in groups of `group` (32, 64, 128) along k (`int4_linear`): w = min + scale * q,
 //   q in 0..15. codes [ceil(out / 16), in / 8, 16, 4] uint8: for 8 k a block's row j has 4 bytes, one
 //   little-endian 32-bit word; byte c holds the code of k = 8o + c in its low 4 bits, that of 8o + 4 + c in its
-//   high 4 (o: which 8). scales, mins: [ceil(out / 16), in / group, 16] bfloat16. A code is widened with no
-//   conversion: OR-ed into the mantissa of 1.0 it is f = 1 + q / 16 (a shift and one `vpternlogd`), and since
-//   w = 16 scale f + (min - 16 scale), a group's sum is 16 scale * sum_k x_k f_k + (min - 16 scale) * sum_k x_k,
-//   the last sum taken once a row.
+//   high 4 (o: which 8). scales, mins: [ceil(out / 16), in / group, 16] bfloat16, or float16 (a checkpoint's own
+//   float16 scales, GPTQ's and GGUF's, kept exactly). A code is widened with no conversion: OR-ed into the mantissa
+//   of 1.0 it is f = 1 + q / 16 (a shift and one `vpternlogd`), and since w = 16 scale f + (min - 16 scale), a
+//   group's sum is 16 scale * sum_k x_k f_k + (min - 16 scale) * sum_k x_k, the last sum taken once a row.
+// - int8 in groups (`int8_group_linear`): the same with 8-bit codes, q in 0..255 (a checkpoint's signed codes plus
+//   128, its minimum -128 scale), 4 k a word (byte c: k = 4o + c), f = 1 + q / 256: GGUF's Q8_0, GPTQ's 8 bits,
+//   compressed-tensors' int8 by group.
 //   Measured slower on a Xeon with AVX512-BF16, VNNI and AMX: f in bfloat16 pairs for `vdpbf16ps` (at every row
 //   count: it takes 2 cycles and 13 of latency where an FMA takes half a cycle and 4), and int8's planes with the
 //   low and high 4 bits as bytes for `vpdpbusd` (faster only out of cache and up to 2 rows: out of DRAM a row's
@@ -57,25 +60,38 @@ namespace {
 
 using namespace ferry::blocked;
 
-// ---- int4, weight only (int8's blocked layout takes blocked.h's tiles) ----
+// ---- codes in groups, weight only: int4, and int8 with a scale per group (int8 by row takes blocked.h's tiles) ----
 
-// f = 1 + q / 16 in float32: the code OR-ed into the top of the mantissa of 1.0 (bits 19..22).
-constexpr uint32_t kOne = 0x3F800000, kCodeBits = 0xFu << 19;
+// A code of Bits bits OR-ed into the top of the mantissa of 1.0 (bits 23 - Bits .. 22) is f = 1 + q / 2^Bits.
+constexpr uint32_t kOne = 0x3F800000;
+template <int Bits>
+constexpr uint32_t code_mask() {
+  return ((1u << Bits) - 1) << (23 - Bits);
+}
+template <int Bits>
+constexpr int codes_per_word() {
+  return 32 / Bits;
+}
 
-// Bit position, in a row's 32-bit word, of the code of k = 8o + n: byte n % 4's low 4 bits, then its high 4.
-constexpr int code_bit(int n) { return 8 * (n % 4) + 4 * (n / 4); }
+// Bit position, in a row's 32-bit word, of the word's n-th code (in k order): int4, byte n % 4's low 4 bits, then
+// its high 4; int8, byte n.
+template <int Bits>
+constexpr int code_bit(int n) {
+  return Bits == 4 ? 8 * (n % 4) + 4 * (n / 4) : 8 * n;
+}
 
-// One block's words for 8 k (16 x 32 bits), and `unpack<Bit>`: each row's code at bit Bit as f = 1 + q / 16.
+// One block's words for a few k (16 x 32 bits), and `unpack<Bits, Bit>`: each row's code at bit Bit as f.
 #if defined(__AVX512F__)
 struct Words {
   __m512i v;
 };
 inline Words load_words(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
-template <int Bit>
+template <int Bits, int Bit>
 inline Acc unpack(const Words& w) {
-  const __m512i at = Bit <= 19 ? _mm512_slli_epi32(w.v, 19 - Bit) : _mm512_srli_epi32(w.v, Bit - 19);
-  return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(at, _mm512_set1_epi32(kCodeBits), _mm512_set1_epi32(kOne),
-                                                        0xEA))};  // (at & bits) | one
+  constexpr int To = 23 - Bits;
+  const __m512i at = Bit <= To ? _mm512_slli_epi32(w.v, To - Bit) : _mm512_srli_epi32(w.v, Bit - To);
+  return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(at, _mm512_set1_epi32(code_mask<Bits>()),
+                                                        _mm512_set1_epi32(kOne), 0xEA))};  // (at & bits) | one
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Words {
@@ -85,15 +101,16 @@ inline Words load_words(const uint8_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
 }
-template <int Bit>
+template <int Bits, int Bit>
 inline __m256 unpack8(__m256i v) {
-  const __m256i at = Bit <= 19 ? _mm256_slli_epi32(v, 19 - Bit) : _mm256_srli_epi32(v, Bit - 19);
+  constexpr int To = 23 - Bits;
+  const __m256i at = Bit <= To ? _mm256_slli_epi32(v, To - Bit) : _mm256_srli_epi32(v, Bit - To);
   return _mm256_castsi256_ps(
-      _mm256_or_si256(_mm256_and_si256(at, _mm256_set1_epi32(kCodeBits)), _mm256_set1_epi32(kOne)));
+      _mm256_or_si256(_mm256_and_si256(at, _mm256_set1_epi32(code_mask<Bits>())), _mm256_set1_epi32(kOne)));
 }
-template <int Bit>
+template <int Bits, int Bit>
 inline Acc unpack(const Words& w) {
-  return {unpack8<Bit>(w.lo), unpack8<Bit>(w.hi)};
+  return {unpack8<Bits, Bit>(w.lo), unpack8<Bits, Bit>(w.hi)};
 }
 #else
 struct Words {
@@ -104,10 +121,10 @@ inline Words load_words(const uint8_t* p) {
   std::memcpy(w.v, p, sizeof w.v);
   return w;
 }
-template <int Bit>
+template <int Bits, int Bit>
 inline Acc unpack(const Words& w) {
   return lanewise([&](int64_t j) {
-    const uint32_t bits = (((w.v[j] >> Bit) & 0xFu) << 19) | kOne;
+    const uint32_t bits = (((w.v[j] >> Bit) & ((1u << Bits) - 1)) << (23 - Bits)) | kOne;
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
@@ -115,48 +132,54 @@ inline Acc unpack(const Words& w) {
 }
 #endif
 
-// How far ahead (in 64-byte words of 8 k) a tile asks for the codes it will read. A row's decode spends as long
+// How far ahead (in 64-byte words) a tile asks for the codes it will read. A row's decode spends as long
 // unpacking the codes as waiting for them: without it the core asks for too few at once to stream them out of DRAM
-// at its full rate (measured on a Xeon, one row of an 8192 x 2048 layer from DRAM: 1450 us without, 880 with).
+// at its full rate (measured on a Xeon, one row of an 8192 x 2048 int4 layer from DRAM: 1450 us without, 880 with).
 constexpr int64_t kPrefetchWords = 32;
 
-// Where the group's codes are and what to add at its end, for one block.
-struct Int4Block {
-  const uint8_t* codes;  // [k / 8, 16, 4]
-  const at::BFloat16* scales;  // [groups, 16]
-  const at::BFloat16* mins;  // [groups, 16]
+// Where a block's codes are and what to add at each group's end; Scale: bfloat16, or float16 (a checkpoint's own
+// scales, kept as they are).
+template <typename Scale>
+struct GroupedBlock {
+  const uint8_t* codes;  // [k / codes a word, 16, 4]
+  const Scale* scales;  // [groups, 16]
+  const Scale* mins;  // [groups, 16]
   int64_t groups, group;
 };
 
-// A group's sums of x f (`acc`) into the row's total: 16 scale * acc + (min - 16 scale) * sum of the group's x.
-inline Acc add_group(const Int4Block& w, int64_t g, const Acc& acc, float x_sum, const Acc& total) {
-  const Acc scale16 = load(w.scales + g * kBlock) * splat(16.0f);
-  const Acc offset = load(w.mins + g * kBlock) - scale16;
-  return fmadd(offset, splat(x_sum), fmadd(scale16, acc, total));
+// A group's sums of x f (`acc`) into the row's total: 2^Bits scale * acc + (min - 2^Bits scale) * the group's sum
+// of x.
+template <int Bits, typename Scale>
+inline Acc add_group(const GroupedBlock<Scale>& w, int64_t g, const Acc& acc, float x_sum, const Acc& total) {
+  const Acc scale_n = load(w.scales + g * kBlock) * splat(static_cast<float>(1 << Bits));
+  const Acc offset = load(w.mins + g * kBlock) - scale_n;
+  return fmadd(offset, splat(x_sum), fmadd(scale_n, acc, total));
 }
 
-// Rows [0, Rows) of float32 x times one int4 block; `x_sums` [Rows, groups]: each row's sum of x over each group.
-template <int Rows, int... N>
-inline void int4_tile(const float* x, int64_t ldx, const Int4Block& w, const float* x_sums, const float* bias,
-                      int64_t valid, float* out, int64_t ldo, std::integer_sequence<int, N...>) {
+// Rows [0, Rows) of float32 x times one block of grouped codes; `x_sums` [Rows, groups]: each row's sum of x over
+// each group.
+template <int Bits, typename Scale, int Rows, int... N>
+inline void grouped_tile(const float* x, int64_t ldx, const GroupedBlock<Scale>& w, const float* x_sums,
+                         const float* bias, int64_t valid, float* out, int64_t ldo, std::integer_sequence<int, N...>) {
   constexpr int Split = split<Rows>();
+  constexpr int kPerWord = codes_per_word<Bits>();
   Acc total[Rows];
-  const int64_t octets = w.group / 8;
+  const int64_t words_a_group = w.group / kPerWord;
   for (int64_t g = 0; g < w.groups; ++g) {
     Acc acc[Rows][Split];
-    for (int64_t o = g * octets; o < (g + 1) * octets; ++o) {
+    for (int64_t o = g * words_a_group; o < (g + 1) * words_a_group; ++o) {
       _mm_prefetch(reinterpret_cast<const char*>(w.codes + (o + kPrefetchWords) * 4 * kBlock), _MM_HINT_T0);
       const Words words = load_words(w.codes + o * 4 * kBlock);
       const auto term = [&](auto n) {
-        const Acc f = unpack<code_bit(decltype(n)::value)>(words);
-        for (int r = 0; r < Rows; ++r) acc[r][decltype(n)::value % Split].fma(x[r * ldx + 8 * o + n], f);
+        const Acc f = unpack<Bits, code_bit<Bits>(decltype(n)::value)>(words);
+        for (int r = 0; r < Rows; ++r) acc[r][decltype(n)::value % Split].fma(x[r * ldx + kPerWord * o + n], f);
       };
       (term(std::integral_constant<int, N>{}), ...);
     }
     for (int r = 0; r < Rows; ++r) {
       Acc sum = acc[r][0];
       for (int s = 1; s < Split; ++s) sum = sum + acc[r][s];
-      total[r] = add_group(w, g, sum, x_sums[r * w.groups + g], total[r]);
+      total[r] = add_group<Bits>(w, g, sum, x_sums[r * w.groups + g], total[r]);
     }
   }
   for (int r = 0; r < Rows; ++r) {
@@ -554,45 +577,70 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return shaped(out, x, out_features);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor& mins, int64_t out_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.dim() == 4 && codes.size(3) == 4 && codes.scalar_type() == at::kByte,
-              "ferry_kernels.int4_linear takes uint8 codes [blocks, in / 8, 16, 4]");
-  check_blocks("int4_linear", x, codes, out_features);
-  const int64_t k_size = x.size(-1), num_blocks = codes.size(0);
-  TORCH_CHECK(codes.size(1) * 8 == k_size, "input has ", k_size, " features, the weight ", codes.size(1) * 8);
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == num_blocks && scales.size(2) == kBlock &&
-                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && mins.sizes() == scales.sizes() &&
-                  mins.scalar_type() == at::kBFloat16 && mins.is_contiguous(),
-              "scales and mins: [blocks, in / group, 16] bfloat16");
-  const int64_t groups = scales.size(1);
-  TORCH_CHECK(k_size % groups == 0 && (k_size / groups) % 8 == 0, k_size, " features do not go in ", groups,
-              " groups of a multiple of 8");
-  const int64_t group = k_size / groups;
-  const std::optional<at::Tensor> wide_bias = float_bias(bias, out_features);
-  const float* bias_data = data_or_null(wide_bias);
-  auto [rows, out] = rows_and_output(x, at::kFloat, out_features);
-  const int64_t m_size = rows.size(0);
-  // [m, groups]: each row's sum of x over each group, for the groups' offsets.
-  const at::Tensor x_sums = at::sum(rows.view({m_size, groups, group}), -1, false, at::kFloat);
+template <int Bits, typename Scale>
+void run_grouped(const at::Tensor& rows, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                 const at::Tensor& x_sums, const float* bias_data, int64_t out_features, at::Tensor& out) {
+  const int64_t m_size = rows.size(0), k_size = rows.size(1), num_blocks = codes.size(0);
+  const int64_t groups = scales.size(1), group = k_size / groups;
   const float* sums = x_sums.data_ptr<float>();
   const float* x_data = rows.data_ptr<float>();
   float* out_data = out.data_ptr<float>();
   for_blocks(m_size, k_size, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {
-    const Int4Block w{codes.data_ptr<uint8_t>() + b * k_size / 8 * 4 * kBlock,
-                      scales.data_ptr<at::BFloat16>() + b * groups * kBlock,
-                      mins.data_ptr<at::BFloat16>() + b * groups * kBlock, groups, group};
+    const GroupedBlock<Scale> w{codes.data_ptr<uint8_t>() + b * k_size / codes_per_word<Bits>() * 4 * kBlock,
+                                scales.data_ptr<Scale>() + b * groups * kBlock,
+                                mins.data_ptr<Scale>() + b * groups * kBlock, groups, group};
     const int64_t n0 = b * kBlock, valid = std::min(kBlock, out_features - n0);
     const float* block_bias = bias_data == nullptr ? nullptr : bias_data + n0;
     for (int64_t m = m0; m < m1; m += kTileRows) {
       with_rows(std::min<int64_t>(kTileRows, m1 - m), [&](auto n) {
-        int4_tile<decltype(n)::value>(x_data + m * k_size, k_size, w, sums + m * groups, block_bias, valid,
-                                      out_data + m * out_features + n0, out_features,
-                                      std::make_integer_sequence<int, 8>{});
+        grouped_tile<Bits, Scale, decltype(n)::value>(
+            x_data + m * k_size, k_size, w, sums + m * groups, block_bias, valid, out_data + m * out_features + n0,
+            out_features, std::make_integer_sequence<int, codes_per_word<Bits>()>{});
       });
     }
   });
+}
+
+// int4 (Bits 4) and int8 in groups (Bits 8): codes [blocks, in / (32 / Bits), 16, 4] uint8, scales and mins
+// [blocks, in / group, 16] bfloat16 or float16 (both the same).
+template <int Bits>
+at::Tensor grouped_linear(const char* name, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& mins, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  constexpr int kPerWord = codes_per_word<Bits>();
+  TORCH_CHECK(codes.dim() == 4 && codes.size(3) == 4 && codes.scalar_type() == at::kByte, name,
+              " takes uint8 codes [blocks, in / ", kPerWord, ", 16, 4]");
+  check_blocks(name, x, codes, out_features);
+  const int64_t k_size = x.size(-1), num_blocks = codes.size(0);
+  TORCH_CHECK(codes.size(1) * kPerWord == k_size, "input has ", k_size, " features, the weight ",
+              codes.size(1) * kPerWord);
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == num_blocks && scales.size(2) == kBlock &&
+                  (half || scales.scalar_type() == at::kBFloat16) && scales.is_contiguous() &&
+                  mins.sizes() == scales.sizes() && mins.scalar_type() == scales.scalar_type() && mins.is_contiguous(),
+              "scales and mins: [blocks, in / group, 16] bfloat16 or float16");
+  const int64_t groups = scales.size(1);
+  TORCH_CHECK(k_size % groups == 0 && (k_size / groups) % kPerWord == 0, k_size, " features do not go in ", groups,
+              " groups of a multiple of ", kPerWord);
+  const std::optional<at::Tensor> wide_bias = float_bias(bias, out_features);
+  auto [rows, out] = rows_and_output(x, at::kFloat, out_features);
+  // [m, groups]: each row's sum of x over each group, for the groups' offsets.
+  const at::Tensor x_sums = at::sum(rows.view({rows.size(0), groups, k_size / groups}), -1, false, at::kFloat);
+  if (half) {
+    run_grouped<Bits, at::Half>(rows, codes, scales, mins, x_sums, data_or_null(wide_bias), out_features, out);
+  } else {
+    run_grouped<Bits, at::BFloat16>(rows, codes, scales, mins, x_sums, data_or_null(wide_bias), out_features, out);
+  }
   return shaped(out, x, out_features);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  return grouped_linear<4>("ferry_kernels.int4_linear", x, codes, scales, mins, out_features, bias);
+}
+
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& mins, int64_t out_features, const std::optional<at::Tensor>& bias) {
+  return grouped_linear<8>("ferry_kernels.int8_group_linear", x, codes, scales, mins, out_features, bias);
 }
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -643,6 +691,8 @@ TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, Tensor code_sums, int out_features, Tensor? bias) -> "
         "Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int out_features, Tensor? bias) -> Tensor");
+  m.def("int8_group_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int out_features, Tensor? bias) -> "
+        "Tensor");
   m.def("w8a8_linear(Tensor x, Tensor codes, Tensor scales, Tensor code_sums, int out_features, Tensor? bias) -> "
         "Tensor");
 }
@@ -650,5 +700,6 @@ TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
 TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8_group_linear", &int8_group_linear);
   m.impl("w8a8_linear", &w8a8_linear);
 }

@@ -1,9 +1,10 @@
 """Quantized linear layers on the CPU: weights quantized once at load, multiplied by `cpu_quant_linear.cpp`'s kernels
-(`torch.ops.ferry_kernels.int8_linear`, `int4_linear`, `w8a8_linear`, in engine/kernels/library.py's extension),
+(`torch.ops.ferry_kernels.int8_linear`, `int4_linear`, `int8_group_linear`, `w8a8_linear`, in
+engine/kernels/library.py's extension),
 or where that cannot be built by torch ops of the same arithmetic (slower: Ferry never refuses to run for lack of a
 kernel).
 
-Three schemes, each a `NamedTuple` of the tensors its layout needs, a quantizer (or a packer of codes quantized
+Four schemes, each a `NamedTuple` of the tensors its layout needs, a quantizer (or a packer of codes quantized
 elsewhere) and a dequantizer that gives back the float32 `[out, in]` weights the kernel multiplies by:
 
 - **int8** (`quantize_int8` / `pack_int8`, `int8_linear`): weight-only, symmetric per output row, `scale =
@@ -14,6 +15,10 @@ elsewhere) and a dequantizer that gives back the float32 `[out, in]` weights the
   `w = min + scale * q`, q in 0..15, a bfloat16 scale and min per (output row, group) (scale rounded up and min
   down to bfloat16, so the group's range is still covered: |w - dequantized| <= scale / 2). `in` must be a multiple
   of the group.
+- **int8 in groups** (`pack_int8_groups`, `int8_group_linear`): weight-only 8-bit codes of a quantized checkpoint
+  (GGUF Q8_0, GPTQ 8-bit, compressed-tensors int8 by group): `w = min + scale * q`, q in 0..255, a scale and min per
+  (output row, group of a multiple of 4 columns). int4 and these keep scales and minimums in bfloat16 or in
+  float16, a checkpoint's own float16 scales (GPTQ's, GGUF's) exactly.
 - **W8A8** (`quantize_w8a8` / `pack_w8a8`, `w8a8_linear`): int8 weights as int8's, and the activations quantized
   per row as they come (`quantize_activations`: symmetric int8, scale = max |x| / 127): int8 x int8 products summed
   exactly in int32, rescaled by both scales. Any `in`.
@@ -89,6 +94,16 @@ class Int4Weights(NamedTuple):
     """[ceil(out / 16), in / group, 16] bfloat16: block b's g-th 16 are rows 16b .. 16b + 15's scales of group g."""
     mins: torch.Tensor
     """[ceil(out / 16), in / group, 16] bfloat16: the groups' minimums (the value of code 0), laid out as `scales`."""
+
+
+class Int8GroupWeights(NamedTuple):
+    codes: torch.Tensor
+    """[ceil(out / 16), in / 4, 16, 4] uint8: for columns 4o .. 4o + 3 of row 16b + j, 4 bytes, byte c the code of
+    column 4o + c."""
+    scales: torch.Tensor
+    """[ceil(out / 16), in / group, 16] bfloat16 or float16, laid out as `Int4Weights.scales`."""
+    mins: torch.Tensor
+    """[ceil(out / 16), in / group, 16], `scales`' dtype: the value of code 0."""
 
 
 class W8A8Weights(NamedTuple):
@@ -167,21 +182,71 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weights:
     return Int4Weights(codes, scales, mins)
 
 
-def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Int4Weights:
+def pack_int4(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> Int4Weights:
     """int4 codes `[out, in]` (uint8, 0..15) with each (row, group)'s scale and minimum `[out, groups]`, quantized
-    elsewhere (a GGUF file's blocks), in `int4_linear`'s layout; scales and minimums are stored in bfloat16."""
+    elsewhere (a checkpoint's, a GGUF file's blocks), in `int4_linear`'s layout; scales and minimums are stored in
+    `dtype`, bfloat16 or float16 (a checkpoint's float16 scales exactly)."""
     out_features, in_features = codes.shape
     groups = scales.shape[1]
     if in_features % 8 or in_features // groups not in INT4_GROUP_SIZES or scales.shape != mins.shape:
         raise ValueError(f"int4 codes {tuple(codes.shape)} with {groups} groups a row")
-    packed = torch.empty(_blocks(out_features), in_features // 8, BLOCK, 4, dtype=torch.uint8)
-    blocked_scales = torch.empty(_blocks(out_features), groups, BLOCK, dtype=torch.bfloat16)
-    blocked_mins = torch.empty_like(blocked_scales)
     q = codes.view(out_features, in_features // 8, 2, 4)  # [out, in / 8, low / high, bytes]
-    _put_rows(packed, 0, q[:, :, 0] | q[:, :, 1] << 4)
-    _put_rows(blocked_scales, 0, scales.to(torch.bfloat16))
-    _put_rows(blocked_mins, 0, mins.to(torch.bfloat16))
-    return Int4Weights(packed, blocked_scales, blocked_mins)
+    return Int4Weights(_blocked_codes(q[:, :, 0] | q[:, :, 1] << 4), *_blocked_scales(scales, mins, dtype))
+
+
+def pack_int8_groups(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> Int8GroupWeights:
+    """8-bit codes `[out, in]` (uint8, 0..255) with each (row, group)'s scale and minimum `[out, groups]` (groups of
+    a multiple of 4 columns), in `int8_group_linear`'s layout; scales and minimums stored in `dtype`."""
+    out_features, in_features = codes.shape
+    groups = scales.shape[1]
+    if in_features % groups or (in_features // groups) % 4 or scales.shape != mins.shape:
+        raise ValueError(f"8-bit codes {tuple(codes.shape)} with {groups} groups a row")
+    return Int8GroupWeights(_blocked_codes(codes.view(out_features, in_features // 4, 4)), *_blocked_scales(
+        scales, mins, dtype
+    ))  # fmt: skip
+
+
+def _blocked_codes(words: torch.Tensor) -> torch.Tensor:
+    """`[out, words, 4]` uint8 -> `[ceil(out / 16), words, 16, 4]`, rows past `out` zero."""
+    out_features, count, _ = words.shape
+    blocked = torch.empty(_blocks(out_features), count, BLOCK, 4, dtype=torch.uint8)
+    _put_rows(blocked, 0, words)
+    return blocked
+
+
+def _blocked_scales(scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"scales are kept in bfloat16 or float16, not {dtype}")
+    out_features, groups = scales.shape
+    blocked_scales = torch.empty(_blocks(out_features), groups, BLOCK, dtype=dtype)
+    blocked_mins = torch.empty_like(blocked_scales)
+    _put_rows(blocked_scales, 0, scales.to(dtype))
+    _put_rows(blocked_mins, 0, mins.to(dtype))
+    return blocked_scales, blocked_mins
+
+
+def int8_group_linear(
+    x: torch.Tensor, w: Int8GroupWeights, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x `[..., in]` @ the grouped int8 weight's `[out, in]`.T (+ bias): `[..., out]` in x's dtype."""
+    in_features = w.codes.shape[1] * 4
+    _check_input(x, w.codes, codes_a_word=4)
+    if cpu_kernels_take(x):
+        return torch.ops.ferry_kernels.int8_group_linear(x, w.codes, w.scales, w.mins, out_features, bias)
+    return _finish(F.linear(x.float(), dequantize_int8_groups(w, out_features, in_features)), bias, x.dtype)
+
+
+def dequantize_int8_groups(w: Int8GroupWeights, out_features: int, in_features: int) -> torch.Tensor:
+    """The float32 `[out, in]` weight `int8_group_linear` multiplies by: min + scale * q of each (row, group)."""
+    q = _rows(w.codes, out_features).reshape(out_features, in_features)
+    group_size = in_features // w.scales.shape[1]
+    scales = _rows(w.scales, out_features).float().repeat_interleave(group_size, dim=1)
+    mins = _rows(w.mins, out_features).float().repeat_interleave(group_size, dim=1)
+    return mins + scales * q.float()
 
 
 def int8_rows(w: Int8Weights, ids: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -287,12 +352,12 @@ def _check_weight(weight: torch.Tensor) -> tuple[int, int]:
     return weight.shape[0], weight.shape[1]
 
 
-def _check_input(x: torch.Tensor, codes: torch.Tensor) -> None:
-    """x's last dimension against the input features `codes` hold: in / 8 (int4), ceil(in / 4) (in groups of 4) or
-    in (int8's blocked layout)."""
+def _check_input(x: torch.Tensor, codes: torch.Tensor, codes_a_word: int = 8) -> None:
+    """x's last dimension against the input features `codes` hold: in / 8 (int4), in / 4 (int8 in groups: uint8
+    codes, `codes_a_word` 4), ceil(in / 4) (in groups of 4) or in (int8's blocked layout)."""
     width = x.shape[-1] if x.dim() else 0
     if codes.dtype == torch.uint8:
-        fits = width == 8 * codes.shape[1]
+        fits = width == codes_a_word * codes.shape[1]
     else:
         fits = -(-width // 4) == codes.shape[1] if codes.dim() == 4 else width == codes.shape[1]
     if not fits or width == 0:

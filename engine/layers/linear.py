@@ -79,8 +79,11 @@ class LinearBase(nn.Module):
         self.shard = shard
         self.method = method
         method.create_weights(self, input_size, output_size, bias, dtype or torch.get_default_dtype())
-        self._pending = {(name, part) for part in shard_ids for name in (("weight", "bias") if bias else ("weight",))}
-        """The (parameter, shard id) pieces not loaded yet: the method processes the weights when none is left."""
+        needed, self._optional = method.checkpoint_names(bias)
+        self._pending = {(name, part) for part in shard_ids for name in needed}
+        """The (checkpoint tensor, shard id) pieces not loaded yet: the method processes the weights when none is
+        left."""
+        self._inputs_loaded: set[str] = set()
         self.lora: AdapterSlots | None = None
         """Its LoRA adapter slots (engine/lora/), with --enable-lora on an adapted projection."""
 
@@ -112,17 +115,39 @@ class LinearBase(nn.Module):
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy this rank's slice of checkpoint tensor `loaded` (parameter `name`, "weight" or "bias"; `shard_id`
         for a part of a fused layer) into place; the last piece hands the weights to the method."""
-        if (name, shard_id) not in self._pending:
+        pending = (name, shard_id) in self._pending
+        if not pending and name not in self._optional:
             raise ValueError(f"{type(self).__name__} has no pending {name!r} of shard {shard_id!r}")
         # A quantizing method turns the whole checkpoint tensor into its parameters (codes, scales) before any
         # slicing, so each rank keeps its slice of what one rank would hold: the same scales at every TP size.
         for param_name, tensor in self.method.checkpoint_tensors(name, loaded):
-            target, source = self._placement(param_name, getattr(self, param_name), tensor, shard_id)
+            param = getattr(self, param_name)
+            if param_name in self.method.input_parameters:
+                self._load_input_vector(param_name, param, tensor)
+                continue
+            if tensor.numel() == 1 and param.dim() == 1 and param_name != "bias":
+                first, rows = self.part_rows(shard_id)  # a per-tensor scale: the same for each row of its part
+                param[first : first + rows] = tensor
+                continue
+            target, source = self._placement(param_name, param, tensor, shard_id)
             target.copy_(source)
             del target, source  # a slice may be a copy (a row-parallel bias): not kept while the method repacks
         self._pending.discard((name, shard_id))
-        if not self._pending:
+        if pending and not self._pending:  # an optional tensor (one that adds nothing) may come after the last
             self.method.process_weights_after_loading(self)
+
+    def _load_input_vector(self, name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        """Parameter `name`, one value per input: a fused layer's parts read the same inputs, so each part's must
+        be the same (GPTQ's activation order follows the inputs' statistics, which the parts share)."""
+        source = self._input_columns(loaded)
+        if name in self._inputs_loaded and not torch.equal(param, source.to(param.dtype)):
+            raise ValueError(f"the parts of a fused {type(self).__name__} differ in their {name}")
+        param.copy_(source)
+        self._inputs_loaded.add(name)
+
+    def _input_columns(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a tensor along the input: all of it (the layer's input is whole on every rank)."""
+        return loaded
 
     def finish_loading(self) -> None:
         """Weights were written in place (dummy weights): process them as if each shard had been loaded."""
@@ -293,6 +318,9 @@ class RowParallelLinear(LinearBase):
         # The LoRA products join the partial sums before the all-reduce: one reduction adds both up.
         out = self._with_adapters(x, self.method.apply(self, x, self.bias))
         return out if self.all_reduce is None else self.all_reduce(out)
+
+    def _input_columns(self, loaded: torch.Tensor) -> torch.Tensor:
+        return loaded.narrow(0, self.shard.rank * self.input_size, self.input_size)
 
     def lora_factors(self, a: torch.Tensor, b: torch.Tensor, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
         columns = torch.empty(a.shape[0], self.input_size, device="meta")

@@ -58,6 +58,9 @@ class LinearMethod:
 
     plain_layout: bool = True
     """Whether `apply` reads the `[out, in]` `weight` parameter as loaded (so another module may share it)."""
+    input_parameters: frozenset[str] = frozenset()
+    """Parameters laid along the input rather than the output (a GPTQ checkpoint's `g_idx`): whole on a
+    column-parallel rank, the rank's columns on a row-parallel one, and the same for every part of a fused layer."""
     embeds_rows: bool = True
     """Whether `embed_rows` reads rows of the matrix from the layout the method keeps (a tied LM head's method must:
     the embedding then looks its rows up there, and the matrix is stored once)."""
@@ -70,10 +73,17 @@ class LinearMethod:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
 
+    def checkpoint_names(self, bias: bool) -> tuple[frozenset[str], frozenset[str]]:
+        """The checkpoint tensors (names after the layer's, as `weight` in `q_proj.weight`) a layer loads: those it
+        needs, and those it takes when the checkpoint has them. A quantized checkpoint's layer has its format's
+        (engine/quantization/checkpoints.py)."""
+        return frozenset(("weight", "bias") if bias else ("weight",)), frozenset()
+
     def checkpoint_tensors(self, name: str, loaded: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """The parameters (name, tensor) checkpoint tensor `name` ("weight" or "bias") loads into, whole, before the
-        layer takes its rank's slice of each: the tensor itself, under its own name, unless the method quantizes
-        it (engine/quantization/)."""
+        """The parameters (name, tensor) checkpoint tensor `name` (one of `checkpoint_names`) loads into, whole,
+        before the layer takes its rank's slice of each: the tensor itself, under its own name, unless the method
+        quantizes it or reads a quantized checkpoint's layout (engine/quantization/). A parameter of one element
+        a part is a per-tensor scale: the layer spreads it over the part's rows."""
         yield name, loaded
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

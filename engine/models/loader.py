@@ -48,11 +48,13 @@ from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooli
 from engine.pooling.pooler import Pooler
 from engine.quantization import (
     UnsupportedQuantization,
+    check_device,
     check_layers,
     quantized_head_method,
     quantized_linear_method,
 )
-from engine.quantization.base import CheckpointQuantizedMethod
+from engine.quantization.base import QuantizedLinearMethod
+from engine.quantization.checkpoints import read_checkpoint_quantization
 from engine.quantization.gguf import GGUFQ4_0Method
 
 logger = logging.getLogger(__name__)
@@ -267,6 +269,16 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     quantized = quantized_linear_method(config.model, device)
     if runs_file_codes(config.model):
         quantized = GGUFQ4_0Method()  # the file's own codes, not codes made again from its dequantized weights
+    stored = read_checkpoint_quantization(config.model.path, config.parallel.tensor_parallel_size)
+    if stored is not None:
+        if quantized is not None:
+            raise UnsupportedQuantization(
+                config.model.quantization,
+                f"this checkpoint is quantized already ({stored.format}: {stored.description}); leave --quantization "
+                "out to serve it as stored",
+            )
+        check_device(stored.runs_as, device)
+        quantized = stored.method()
     if quantized is not None and not native:
         raise UnsupportedQuantization(
             quantized.scheme,
@@ -442,10 +454,10 @@ def _init_dummy(model: nn.Module) -> None:
     quantized = [
         module
         for module in model.modules()
-        if isinstance(module, LinearBase) and isinstance(module.method, CheckpointQuantizedMethod)
+        if isinstance(module, LinearBase)
+        and isinstance(module.method, QuantizedLinearMethod)
+        and module.method.init_dummy(module)
     ]
-    for layer in quantized:
-        layer.method.init_dummy(layer)
     codes = {id(param) for layer in quantized for name, param in layer.named_parameters() if name != "bias"}
     for name, param in model.named_parameters():
         if id(param) in codes:

@@ -58,11 +58,15 @@ _REFUSED: tuple[_Check, ...] = (
 )
 """Features no path implements."""
 
-_REFUSED_NATIVE: tuple[_Check, ...] = (
-    _activation,
-    _flag("quantization_config", "quantized weights"),
-)
+_REFUSED_NATIVE: tuple[_Check, ...] = (_activation,)
 """Features the native modules lack (the transformers adapter may run them)."""
+
+_REFUSED_ADAPTER: tuple[_Check, ...] = (
+    # transformers would load it through a quantization library of its own, dequantizing or not: quantized
+    # checkpoints run on the native modules, on Ferry's kernels (engine/quantization/checkpoints.py).
+    _flag("quantization_config", "a quantized checkpoint on the transformers adapter"),
+)
+"""Features the transformers adapter does not run."""
 
 
 def unsupported_feature(config: PretrainedConfig, native: bool) -> str | None:
@@ -70,7 +74,7 @@ def unsupported_feature(config: PretrainedConfig, native: bool) -> str | None:
     (whether native modules exist for it at all, the registry says: engine/models/registry.py)."""
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return "no causal language-model class in transformers"
-    for check in _REFUSED + (_REFUSED_NATIVE if native else ()):
+    for check in _REFUSED + (_REFUSED_NATIVE if native else _REFUSED_ADAPTER):
         feature = check(config)
         if feature is not None:
             return feature

@@ -14,6 +14,10 @@ step reads a few of its rows); a tied one reads its rows from the int8 head. fp8
 dtype, as vLLM does. Weights are quantized as they load (engine/quantization/base.py), so a model too big for memory
 in bfloat16 loads in int4. What cannot be served quantized is refused at start-up by name
 (`UnsupportedQuantization`).
+
+A checkpoint quantized by its publisher (compressed-tensors, GPTQ, AWQ: engine/quantization/checkpoints.py) runs on
+the same kernels from its own codes and scales, with no `--quantization` (its LM head stays in the model's dtype,
+as the tools store it).
 """
 
 from __future__ import annotations
@@ -46,12 +50,7 @@ def quantized_linear_method(model: ModelConfig, device: torch.device) -> Quantiz
     scheme = model.quantization
     if scheme == "none":
         return None
-    if scheme in CPU_ONLY and device.type != "cpu":
-        raise UnsupportedQuantization(scheme, f"its kernels run on CPU, not {device.type}; on a GPU use fp8")
-    if scheme == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
-        raise UnsupportedQuantization(
-            scheme, f"this GPU ({torch.cuda.get_device_name(device)}) has no fp8 tensor cores (compute capability 8.9+)"
-        )
+    check_device(scheme, device)
     if scheme == "fp8":
         return Fp8LinearMethod()
     from engine.quantization.int4 import Int4LinearMethod
@@ -62,6 +61,16 @@ def quantized_linear_method(model: ModelConfig, device: torch.device) -> Quantiz
     if scheme == "int8-dynamic":
         return W8A8LinearMethod()
     return Int4LinearMethod(model.quantization_group_size)
+
+
+def check_device(scheme: str, device: torch.device) -> None:
+    """Raise `UnsupportedQuantization` where `scheme`'s kernels cannot run on `device`."""
+    if scheme in CPU_ONLY and device.type != "cpu":
+        raise UnsupportedQuantization(scheme, f"its kernels run on CPU, not {device.type}; on a GPU use fp8")
+    if scheme == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        raise UnsupportedQuantization(
+            scheme, f"this GPU ({torch.cuda.get_device_name(device)}) has no fp8 tensor cores (compute capability 8.9+)"
+        )
 
 
 def quantized_head_method(model: ModelConfig) -> QuantizedLinearMethod | None:
@@ -89,6 +98,7 @@ def check_layers(model: nn.Module) -> None:
 __all__ = [
     "QuantizedLinearMethod",
     "UnsupportedQuantization",
+    "check_device",
     "check_layers",
     "quantized_head_method",
     "quantized_linear_method",

@@ -42,6 +42,11 @@ class QuantizedLinearMethod(LinearMethod):
         must see the weight itself."""
         raise NotImplementedError
 
+    def init_dummy(self, layer: nn.Module) -> bool:
+        """Random weights of a trained model's scale in the layer's parameters, where they hold codes rather than a
+        float weight quantized once loaded (`--load-format dummy`); whether it did."""
+        return False
+
 
 class CheckpointQuantizedMethod(QuantizedLinearMethod):
     """A quantized method whose codes and scales are taken from whole checkpoint tensors as they load (see the
@@ -69,13 +74,14 @@ class CheckpointQuantizedMethod(QuantizedLinearMethod):
             yield name, loaded
 
     @torch.no_grad()
-    def init_dummy(self, layer: nn.Module) -> None:
-        """Random weights of a trained model's scale, quantized into the layer's parameters (`--load-format
-        dummy`); the layer's shape is already this rank's."""
+    def init_dummy(self, layer: nn.Module) -> bool:
+        """Random weights of a trained model's scale, quantized into the layer's parameters; the layer's shape is
+        already this rank's."""
         device = next(layer.parameters()).device  # on a GPU, a 4B model's dummy weights quantize in seconds
         weight = torch.randn(layer.output_size, layer.input_size, device=device) * 0.02
         for name, tensor in self.quantize(weight).items():
             getattr(layer, name).copy_(tensor)
+        return True
 
 
 def drop_parameters(layer: nn.Module, names: list[str]) -> None:

@@ -738,6 +738,13 @@ class ModelGGUF(BaseModel):
     kept: list[str] = Field(description="Its quantized types a kernel runs as they are (Q4_0 as int4).")
 
 
+class ModelCheckpointQuantization(BaseModel):
+    """How a quantized checkpoint stores its weights, on its card."""
+
+    format: str = Field(description="The checkpoint's `quant_method`: compressed-tensors, gptq or awq.")
+    weights: str = Field(description="What it holds, in words (bits, groups, symmetry, activations).")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -751,8 +758,10 @@ class ModelCard(BaseModel):
     tensor_parallel_size: int | None = None
     """Ranks the model is sharded over, when it is (the field is absent for a model on one device)."""
     quantization: str
-    """The `--quantization` scheme of the decoder's linear weights (`none`, `int8`, `int8-dynamic`, `int4`,
-    `fp8`)."""
+    """The scheme whose kernels run the decoder's linear weights (`none`, `int8`, `int8-dynamic`, `int4`, `fp8`):
+    `--quantization`'s, or a quantized checkpoint's."""
+    checkpoint_quantization: ModelCheckpointQuantization | None = None
+    """The quantized checkpoint's format (the field is absent for weights stored in floats)."""
     weight_bytes: int
     """Bytes of the weights as stored (quantized codes and scales included), on each rank."""
     kv_cache_dtype: str

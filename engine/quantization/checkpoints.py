@@ -1,0 +1,107 @@
+"""Quantized checkpoints: what `config.json`'s `quantization_config` says, and the linear method that keeps the
+checkpoint's weights as they are stored (engine/quantization/compressed_tensors.py, gptq.py, awq.py).
+
+A checkpoint is served on the kernels of `--quantization`'s schemes where one takes its layout exactly, and refused
+by name otherwise (`UnsupportedQuantization`): never dequantized, never quantized again. Its LM head and embedding
+are stored in the model's dtype by every tool here, and stay so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.quantization import UnsupportedQuantization
+from engine.quantization.awq import AWQLayout
+from engine.quantization.base import QuantizedLinearMethod
+from engine.quantization.compressed_tensors import FORMAT as COMPRESSED_TENSORS
+from engine.quantization.compressed_tensors import scheme as compressed_tensors_scheme
+from engine.quantization.gptq import GPTQLayout
+from engine.quantization.grouped import GroupedIntMethod
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """How a quantized checkpoint is stored and what runs it."""
+
+    format: str
+    """`quant_method`: compressed-tensors, gptq, awq."""
+    description: str
+    """Its weights (and activations), in words: the model card's and the start-up log's."""
+    runs_as: str
+    """The `--quantization` scheme whose kernels run it."""
+    method: Callable[[], QuantizedLinearMethod]
+    """A new linear method for the decoder's linears."""
+
+
+def _refusal(quant_method: str) -> Callable[[str], UnsupportedQuantization]:
+    return lambda why: UnsupportedQuantization(quant_method, f"this checkpoint's {why} cannot be served")
+
+
+def checkpoint_quantization(
+    hf_quantization: dict[str, Any] | None, tensor_parallel_size: int = 1
+) -> CheckpointQuantization | None:
+    """`quantization_config` (None: a checkpoint in plain floats) -> how Ferry serves it; raises
+    `UnsupportedQuantization`, naming the format and the feature, for what it cannot serve exactly."""
+    if not hf_quantization:
+        return None
+    quant_method = str(hf_quantization.get("quant_method", "unknown"))
+    refuse = _refusal(quant_method)
+    if quant_method == COMPRESSED_TENSORS:
+        chosen = compressed_tensors_scheme(hf_quantization, refuse)
+        return CheckpointQuantization(quant_method, chosen.description, chosen.runs_as, chosen.method)
+    if quant_method in ("gptq", "awq"):
+        return _int4_groups(quant_method, hf_quantization, tensor_parallel_size, refuse)
+    raise UnsupportedQuantization(
+        quant_method, "Ferry serves compressed-tensors, GPTQ and AWQ checkpoints (and GGUF files), not this format"
+    )
+
+
+def _int4_groups(
+    quant_method: str,
+    config: dict[str, Any],
+    tensor_parallel_size: int,
+    refuse: Callable[[str], UnsupportedQuantization],
+) -> CheckpointQuantization:
+    bits = config.get("bits", config.get("w_bit"))
+    if bits not in (4, 8) or (quant_method == "awq" and bits != 4):
+        raise refuse(f"{bits}-bit weights (Ferry's kernels take 4-bit {quant_method} weights, and 8-bit GPTQ ones)")
+    group_size = config.get("group_size", config.get("q_group_size", 128))
+    group = None if group_size == -1 else int(group_size)
+    if config.get("lm_head"):
+        raise refuse("quantized lm_head")
+    where = "a scale per output row" if group is None else f"groups of {group}"
+    if quant_method == "awq":
+        layout_format = str(config.get("version", config.get("format", "gemm"))).lower()
+        if layout_format != "gemm":
+            raise refuse(f"{layout_format!r} layout (Ferry reads AutoAWQ's GEMM layout)")
+        if not config.get("zero_point", True):
+            raise refuse("symmetric AWQ (zero_point false)")
+        return CheckpointQuantization(
+            quant_method, f"int4 weights, asymmetric, {where}", "int4", lambda: GroupedIntMethod(AWQLayout(group))
+        )
+    layout_format = str(config.get("checkpoint_format", config.get("format", "gptq"))).lower()
+    if layout_format not in ("gptq", "gptq_v2"):
+        raise refuse(f"{layout_format!r} layout (Ferry reads the gptq and gptq_v2 layouts)")
+    act_order = bool(config.get("desc_act"))
+    if act_order and tensor_parallel_size > 1:
+        # Activation order scatters a group's inputs over every rank's columns of a row-parallel layer.
+        raise refuse(f"activation order (desc_act) over --tensor-parallel-size {tensor_parallel_size}")
+    layout = GPTQLayout(bits, group, act_order, zeros_minus_one=layout_format == "gptq")
+    side = "symmetric" if config.get("sym", True) else "asymmetric"
+    order = ", in activation order" if act_order else ""
+    return CheckpointQuantization(
+        quant_method, f"int{bits} weights, {side}, {where}{order}", f"int{bits}", lambda: GroupedIntMethod(layout)
+    )
+
+
+def read_checkpoint_quantization(model_dir: str, tensor_parallel_size: int = 1) -> CheckpointQuantization | None:
+    """`checkpoint_quantization` of the model directory's config.json (None where it has none)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return checkpoint_quantization(json.load(f).get("quantization_config"), tensor_parallel_size)
