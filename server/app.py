@@ -26,10 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
-from engine.models.gguf import DENSE_TYPES, KEPT_AS_INT4, runs_file_codes, source_info
+from engine.models.gguf import DENSE_TYPES, source_info
 from engine.pooling.config import PoolingConfig
 from engine.quantization import UnsupportedQuantization
-from engine.quantization.checkpoints import CheckpointQuantization, read_checkpoint_quantization
+from engine.quantization.checkpoints import CheckpointQuantization, stored_quantization
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.lora import LoadLoRAAdapterRequest, ServedAdapter, UnloadLoRAAdapterRequest, startup_registry
@@ -323,22 +323,25 @@ def _served_tasks(pooling: PoolingConfig | None) -> str:
 
 
 def _stored_quantization(engine_config: EngineConfig) -> CheckpointQuantization | None:
-    """The model directory's quantized-checkpoint format (None for one in floats, and for one the engine refuses:
-    its start-up reports why)."""
+    """How the model's weights are stored quantized (None for floats, and for what the engine refuses: its
+    start-up reports why)."""
     try:
-        return read_checkpoint_quantization(engine_config.model.path, engine_config.parallel.tensor_parallel_size)
+        return stored_quantization(engine_config.model, engine_config.parallel.tensor_parallel_size)
     except UnsupportedQuantization:
         return None
 
 
-def _model_gguf(source: dict[str, Any] | None, keeps_q4_0: bool) -> ModelGGUF | None:
-    """The card's account of the GGUF file the model came from (None, so absent, for a model directory);
-    `keeps_q4_0`: its Q4_0 linears run as int4 (engine/quantization/gguf.py), the rest of its types dequantized."""
+def _model_gguf(source: dict[str, Any] | None, stored: CheckpointQuantization | None) -> ModelGGUF | None:
+    """The card's account of the GGUF file the model came from (None, so absent, for a model directory): which of
+    its quantized types run as stored (`stored`: the file's codes kept, engine/quantization/gguf.py), which were
+    dequantized as they loaded."""
     if source is None:
         return None
     types: dict[str, int] = source["tensor_types"]
-    kept = [KEPT_AS_INT4] if keeps_q4_0 else []
-    dequantized = sorted(name for name in types if name not in DENSE_TYPES and name not in kept)
+    quantized = sorted(name for name in types if name not in DENSE_TYPES)
+    if stored is None or stored.format != "gguf":
+        return ModelGGUF(file=Path(source["file"]).name, tensor_types=types, dequantized=quantized, kept=[])
+    kept, dequantized = source["kept_types"], source["dequantized_types"]
     return ModelGGUF(file=Path(source["file"]).name, tensor_types=types, dequantized=dequantized, kept=kept)
 
 
@@ -463,8 +466,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         """vLLM's score: one text against many, or two lists pairwise."""
         return await serve_score(state.get_serving(), body, request)
 
-    gguf_card = _model_gguf(source_info(engine_config.model.path), runs_file_codes(engine_config.model))
     stored = state.stored_quantization
+    gguf_card = _model_gguf(source_info(engine_config.model.path), stored)
 
     def model_card(name: str, adapter: ServedAdapter | None = None) -> ModelCard:
         """The base model's card under `name`, or an adapter's: the base's numbers (it runs on them), with its

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from engine.config import PART_CLASSES, EngineConfig
-from engine.models.gguf import Q4_0_BLOCK, has_tokenizer, keeps_int4
+from engine.models.gguf import has_tokenizer
 from server.flags import add_flags, flag_values
 from server.settings import ServerSettings
 
@@ -93,10 +93,6 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
         # The draft model is found as --model is: a directory, or a Hub id's snapshot.
         draft_dir = _resolve(args, "--speculative-config's model", speculative.model, None, weights=True)
         values["speculative_config"] = dataclasses.replace(speculative, model=draft_dir)
-    if values["quantization"] == "none" and keeps_int4(model_dir):
-        # A Q4_0 file runs quantized, on its own codes, as its user expects of it (not four times its size).
-        logger.info("%s: its linears are Q4_0: serving them as int4 in groups of 32", _model_spec(args))
-        values.update(quantization="int4", quantization_group_size=Q4_0_BLOCK)
     try:
         return EngineConfig.of(model=model_dir, **values)
     except ValueError as exc:

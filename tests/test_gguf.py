@@ -29,7 +29,14 @@ from engine.config import EngineConfig
 from engine.kernels import quant_linear
 from engine.layers.linear import LinearBase
 from engine.models.gguf import GGUFError, _unpermute, checkpoint_name, materialize, source_file
-from engine.quantization.gguf import GGUFQ4_0Method, q4_0_blocks
+from engine.quantization.gguf import (
+    GGUFQ4_0Method,
+    GGUFQ8_0Method,
+    q4_0_blocks,
+    q8_0_blocks,
+    quantize_q4_0,
+    quantize_q8_0,
+)
 from server.model_source import ModelSourceError, resolve
 from tests.server_harness import REPO_ROOT, free_port, server_process
 
@@ -198,51 +205,36 @@ def test_a_changed_file_is_read_again(cache: Path, tmp_path: Path) -> None:
     assert materialize(copy, cache) != first
 
 
-def test_q4_0_blocks_are_read_back_from_their_dequantized_weights() -> None:
-    """The blocks llama.cpp's Q4_0 quantizer makes (the gguf package's port of it), dequantized as the loader does,
-    come back as int4 codes whose weights differ from the file's by the bfloat16 rounding of each block's scale."""
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+def test_blocks_are_read_back_from_their_dequantized_weights(kind: str) -> None:
+    """The blocks llama.cpp's quantizers make (the gguf package's ports of them), dequantized as the loader does,
+    come back as the grouped kernels' codes, float16 scales and minimums: the file's weights exactly; and where
+    weights are not on such a grid, quantizing them as llama.cpp does gives its blocks."""
     weights = np.random.default_rng(0).normal(size=(48, 256)).astype(np.float32)
-    kind = gguf.GGMLQuantizationType.Q4_0
-    dequantized = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weights, kind), kind).reshape(48, 256))
-    blocks = q4_0_blocks(dequantized)
+    ggml_type = gguf.GGMLQuantizationType[kind]
+    dequantized = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weights, ggml_type), ggml_type))
+    dequantized = dequantized.reshape(48, 256)
+    read_back, requantize = (q4_0_blocks, quantize_q4_0) if kind == "Q4_0" else (q8_0_blocks, quantize_q8_0)
+    blocks = read_back(dequantized)
     assert blocks is not None
-    codes, scales, mins = blocks
-    d = dequantized.view(48, 8, 32).abs().amax(-1) / 8
-    assert bool((codes <= 15).all()) and torch.equal(scales, d.to(torch.bfloat16).float())
-    run = quant_linear.dequantize_int4(quant_linear.pack_int4(codes, scales, mins), 48, 256).view(48, 8, 32)
-    assert ((run - dequantized.view(48, 8, 32)).abs() <= 15 * 2**-8 * d[..., None]).all()
-    assert q4_0_blocks(torch.from_numpy(weights)) is None, "weights not on a Q4_0 grid are not taken for blocks"
+    pack = quant_linear.pack_int4 if kind == "Q4_0" else quant_linear.pack_int8_groups
+    dequantize = quant_linear.dequantize_int4 if kind == "Q4_0" else quant_linear.dequantize_int8_groups
+    assert torch.equal(dequantize(pack(*blocks, torch.float16), 48, 256), dequantized)
+    assert read_back(torch.from_numpy(weights)) is None, "weights not on the grid are not taken for blocks"
+    again = dequantize(pack(*requantize(torch.from_numpy(weights)), torch.float16), 48, 256)
+    assert torch.equal(again, dequantized)
 
 
-def test_a_q4_0_file_runs_on_the_int4_kernel_with_its_own_codes(cache: Path) -> None:
-    from engine.api import generate_batch
-    from engine.core.engine_core import EngineCore
-    from engine.core.request import SamplingParams
+@pytest.mark.parametrize(("name", "method"), [("llama-q4_0.gguf", GGUFQ4_0Method), ("qwen2-q8_0.gguf", GGUFQ8_0Method)])
+def test_kept_types_run_on_the_files_own_codes(name: str, method: type, cache: Path) -> None:
+    """Q4_0 and Q8_0 linears on the int4 and grouped int8 kernels, the Q8_0 head too (a tied one: the embedding
+    reads its rows back from it): the same weights as transformers dequantizing the file."""
+    from engine.models.loader import load_model
 
-    model_dir = materialize(FIXTURES / "llama-q4_0.gguf", cache)
-    config = EngineConfig.of(
-        model=str(model_dir), dtype="float32", num_pages=64, quantization="int4", quantization_group_size=32
-    )
-    engine = EngineCore(config)
-    methods = {type(m.method) for m in engine.runner.model.modules() if isinstance(m, LinearBase)}
-    assert GGUFQ4_0Method in methods
-    params = SamplingParams(max_new_tokens=8, min_new_tokens=8, logprobs=True)
-    results = generate_batch(PROMPTS, params=params, engine=engine)
-    reference = AutoModelForCausalLM.from_pretrained(
-        FIXTURES, gguf_file="llama-q4_0.gguf", config=AutoConfig.from_pretrained(model_dir), dtype=torch.float32
-    ).eval()
-    for i, prompt in enumerate(PROMPTS):
-        tokens = results[f"req_{i}"].generated_ids
-        with torch.no_grad():
-            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-        expected = torch.log_softmax(logits, dim=-1)
-        chosen = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        logprobs = torch.tensor([entry.logprob for entry in results[f"req_{i}"].logprobs or []])
-        # The scales' bfloat16 rounding, and the Q8_0 head requantized per row as every int4 model's head is.
-        torch.testing.assert_close(logprobs, chosen, atol=0.1, rtol=0)
-        best, second = expected.topk(2, dim=-1).values.unbind(-1)
-        clear = (best - second) > 0.2
-        assert torch.equal(torch.tensor(tokens)[clear], expected.argmax(-1)[clear])
+    model = load_model(EngineConfig.of(model=str(materialize(FIXTURES / name, cache)), dtype="float32")).model
+    methods = {type(m.method) for m in model.modules() if isinstance(m, LinearBase)}
+    assert methods == {method, GGUFQ8_0Method}
+    assert type(model.lm_head.method) is GGUFQ8_0Method
 
 
 def test_two_ranks_compute_what_one_does(cache: Path) -> None:
@@ -265,7 +257,8 @@ def test_two_ranks_compute_what_one_does(cache: Path) -> None:
 
 
 def test_ferry_serve_takes_a_gguf_file(tmp_path: Path) -> None:
-    """A Q4_0 file served at its defaults: its linears run as int4 on the file's own codes (its card says so)."""
+    """A Q4_0 file served at its defaults: its linears run as int4 on the file's own codes, its Q8_0 head as int8 in
+    groups (its card says so; its Q4_0 embedding is looked up dequantized)."""
     name = "llama-q4_0.gguf"
     with server_process(None, "--model", str(FIXTURES / name), env={"FERRY_CACHE_DIR": str(tmp_path)}) as s:
         client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0)
@@ -274,7 +267,13 @@ def test_ferry_serve_takes_a_gguf_file(tmp_path: Path) -> None:
         card = httpx.get(f"{s.base_url}/v1/models").json()["data"][0]
         types = Counter(tensor.tensor_type.name for tensor in gguf.GGUFReader(FIXTURES / name).tensors)
         assert card["quantization"] == "int4"
-        assert card["gguf"] == {"file": name, "tensor_types": dict(types), "dequantized": ["Q8_0"], "kept": ["Q4_0"]}
+        assert card["gguf"] == {
+            "file": name,
+            "tensor_types": dict(types),
+            "dequantized": ["Q4_0"],
+            "kept": ["Q4_0", "Q8_0"],
+        }
+        assert card["checkpoint_quantization"]["format"] == "gguf"
         chat = client.chat.completions.create(
             model=model.id, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
         )

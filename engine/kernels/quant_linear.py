@@ -229,6 +229,16 @@ def _blocked_scales(scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
     return blocked_scales, blocked_mins
 
 
+def int8_group_rows(w: Int8GroupWeights, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows `ids` of the float32 `[out, in]` weight `int8_group_linear` multiplies by, `[N, in]` for `ids` `[N]`: a
+    tied embedding's lookup in a grouped int8 LM head."""
+    codes = w.codes[ids // BLOCK, :, ids % BLOCK].reshape(len(ids), in_features).float()  # [N, in]
+    group_size = in_features // w.scales.shape[1]
+    scales = w.scales[ids // BLOCK, :, ids % BLOCK].float().repeat_interleave(group_size, dim=1)
+    mins = w.mins[ids // BLOCK, :, ids % BLOCK].float().repeat_interleave(group_size, dim=1)
+    return mins + scales * codes
+
+
 def int8_group_linear(
     x: torch.Tensor, w: Int8GroupWeights, out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:

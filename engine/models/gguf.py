@@ -5,8 +5,8 @@ config.json, generation_config.json and the tokenizer with its chat template, al
 (transformers' GGUF readers), and `gguf.json`, which names the file. The weights stay in the file: the loader reads
 them from it one tensor at a time (`gguf_tensors`), under the checkpoint names the native modules load, each
 dequantized to float32 as it is read and converted to the model's dtype as it is copied into its parameter; a
-file whose linears are all Q4_0 runs them on the int4 kernel with its own codes (`keeps_int4`,
-engine/quantization/gguf.py).
+file whose linears are all Q4_0 or all Q8_0 runs them on the int4 or grouped int8 kernel with its own codes, and a
+Q8_0 LM head too (`kept_types`, engine/quantization/gguf.py).
 
 llama.cpp's converter reorders the rows of a Llama model's Q and K projections (its rotary pairs adjacent rows
 where transformers pairs the two halves of a head); they are put back as they were. Qwen2 and Qwen3 files are
@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from engine.config import ModelConfig
-
 logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "gguf.json"
@@ -43,7 +41,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 """GGUF `general.architecture` -> the transformers architecture whose native modules run it."""
 
 DENSE_TYPES = ("F32", "F16", "BF16")
-LAYOUT = 3
+LAYOUT = 4
 """What a materialized directory holds; a new value makes every file's directory again."""
 
 _LAYER_NAMES = {
@@ -72,10 +70,11 @@ _LINEAR_WEIGHTS = tuple(
     f".{name}.weight" for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 )
 """The decoder's linears (what a `--quantization` method takes), by their GGUF names' ends."""
-KEPT_AS_INT4 = "Q4_0"
-"""The type whose linears keep the file's codes on the int4 kernel (engine/quantization/gguf.py)."""
-Q4_0_BLOCK = 32
-"""Inputs a Q4_0 block (one scale) covers: the int4 groups its linears run in."""
+KEPT_TYPES = ("Q4_0", "Q8_0")
+"""The types whose linears keep the file's codes: Q4_0 on the int4 kernel, Q8_0 on the grouped int8 one
+(engine/quantization/gguf.py)."""
+BLOCK = 32
+"""Inputs a Q4_0 or Q8_0 block (one scale) covers: the groups its linears run in."""
 
 
 class GGUFError(ValueError):
@@ -128,12 +127,19 @@ def materialize(path: Path, cache_dir: Path) -> Path:
         )
     types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     linear_types = {tensor.tensor_type.name for tensor in reader.tensors if tensor.name.endswith(_LINEAR_WEIGHTS)}
-    kept = {KEPT_AS_INT4} if linear_types == {KEPT_AS_INT4} else set()
-    dequantized = {name: count for name, count in types.items() if name not in DENSE_TYPES and name not in kept}
+    tensor_types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    head_type = tensor_types.get("output.weight", tensor_types.get("token_embd.weight"))
+    kept = _kept(linear_types, head_type)
+    dequantized = Counter(
+        kind
+        for name, kind in tensor_types.items()
+        if kind not in DENSE_TYPES and not _keeps(name, kind, kept, tied="output.weight" not in tensor_types)
+    )
     if dequantized:
         listed = ", ".join(f"{name} ({count} tensors)" for name, count in sorted(dequantized.items()))
         logger.warning(
-            "%s: %s dequantized as they load: Ferry has no kernel that reads these types quantized yet",
+            "%s: %s dequantized as they load (Ferry's kernels read Q4_0 and Q8_0 linears and a Q8_0 LM head as "
+            "stored; an untied embedding's rows are looked up in the model's dtype)",
             path.name,
             listed,
         )
@@ -142,7 +148,7 @@ def materialize(path: Path, cache_dir: Path) -> Path:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
-        _write_directory(path, reader, architecture, types, linear_types, staging)
+        _write_directory(path, reader, architecture, types, linear_types, head_type, dequantized, staging)
         try:
             os.rename(staging, directory)
         except OSError:  # another process made it first: theirs is the same
@@ -153,8 +159,30 @@ def materialize(path: Path, cache_dir: Path) -> Path:
     return directory
 
 
+def _kept(linear_types: set[str], head_type: str | None) -> list[str]:
+    """The types the file's linears (and LM head) run on as they are stored."""
+    kept = sorted(linear_types) if len(linear_types) == 1 and linear_types <= set(KEPT_TYPES) else []
+    if head_type == "Q8_0" and kept and head_type not in kept:
+        kept.append(head_type)
+    return kept
+
+
+def _keeps(name: str, kind: str, kept: list[str], tied: bool) -> bool:
+    """Whether tensor `name` of type `kind` runs on its codes: a kept linear, or the kept head (a tied embedding
+    reads its rows from the head)."""
+    head = name == "output.weight" or (tied and name == "token_embd.weight")
+    return kind in kept and (name.endswith(_LINEAR_WEIGHTS) or head)
+
+
 def _write_directory(
-    path: Path, reader: Any, architecture: str, types: Counter[str], linear_types: set[str], directory: Path
+    path: Path,
+    reader: Any,
+    architecture: str,
+    types: Counter[str],
+    linear_types: set[str],
+    head_type: str | None,
+    dequantized: Counter[str],
+    directory: Path,
 ) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -191,6 +219,9 @@ def _write_directory(
         "architecture": architecture,
         "tensor_types": dict(sorted(types.items())),
         "linear_types": sorted(linear_types),
+        "head_type": head_type,
+        "kept_types": _kept(linear_types, head_type),
+        "dequantized_types": sorted(dequantized),
         "tokenizer": tokenizer is not None,
     }
     (directory / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
@@ -198,7 +229,9 @@ def _write_directory(
 
 def source_info(model_dir: str) -> dict[str, Any] | None:
     """What a materialized directory says of its GGUF file (file, size, mtime_ns, architecture, tensor_types: the
-    number of tensors of each type); None for any other directory."""
+    number of tensors of each type, linear_types and head_type, kept_types and dequantized_types: the types some of
+    whose tensors run on their codes or are dequantized as they load, where the codes are kept); None for any other
+    directory."""
     marker = Path(model_dir) / SOURCE_FILE
     return json.loads(marker.read_text()) if marker.is_file() else None
 
@@ -209,17 +242,18 @@ def has_tokenizer(model_dir: str) -> bool:
     return source is None or bool(source.get("tokenizer", True))
 
 
-def keeps_int4(model_dir: str) -> bool:
-    """Whether the directory's GGUF file has every decoder linear in Q4_0: `ferry serve` then runs it as int4 in
-    groups of 32 with the file's own codes."""
+def kept_types(model_dir: str) -> tuple[str | None, str | None]:
+    """(the type every decoder linear of the directory's GGUF file keeps its codes in, that of its LM head), each
+    None where it is dequantized as it loads: linears all Q4_0 or all Q8_0 keep theirs, and then a Q8_0 head too
+    (engine/quantization/gguf.py)."""
     source = source_info(model_dir)
-    return source is not None and source.get("linear_types") == [KEPT_AS_INT4]
-
-
-def runs_file_codes(model: ModelConfig) -> bool:
-    """Whether the model's linears run on their GGUF file's own Q4_0 codes: `--quantization int4` in groups of
-    Q4_0_BLOCK (what `ferry serve` picks for such a file) over a file whose linears are all Q4_0."""
-    return model.quantization == "int4" and model.quantization_group_size == Q4_0_BLOCK and keeps_int4(model.path)
+    if source is None:
+        return None, None
+    linear_types, head_type = set(source.get("linear_types", [])), source.get("head_type")
+    kept = _kept(linear_types, head_type)
+    if not kept:
+        return None, None
+    return kept[0], head_type if head_type in kept else None
 
 
 def source_file(model_dir: str) -> Path | None:

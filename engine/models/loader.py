@@ -38,7 +38,7 @@ from engine.layers.linear_method import (
 from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
 from engine.models.encoder import TransformersEncoder
-from engine.models.gguf import gguf_tensors, runs_file_codes, source_file
+from engine.models.gguf import gguf_tensors, source_file
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
@@ -54,8 +54,7 @@ from engine.quantization import (
     quantized_linear_method,
 )
 from engine.quantization.base import QuantizedLinearMethod
-from engine.quantization.checkpoints import read_checkpoint_quantization
-from engine.quantization.gguf import GGUFQ4_0Method
+from engine.quantization.checkpoints import stored_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -267,17 +266,10 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     # parameter, so the peak is the model in its own dtype plus one tensor, never a float32 copy of the model.
     method = select_linear_method(device, dtype)
     quantized = quantized_linear_method(config.model, device)
-    if runs_file_codes(config.model):
-        quantized = GGUFQ4_0Method()  # the file's own codes, not codes made again from its dequantized weights
-    stored = read_checkpoint_quantization(config.model.path, config.parallel.tensor_parallel_size)
+    stored = stored_quantization(config.model, config.parallel.tensor_parallel_size)
     if stored is not None:
-        if quantized is not None:
-            raise UnsupportedQuantization(
-                config.model.quantization,
-                f"this checkpoint is quantized already ({stored.format}: {stored.description}); leave --quantization "
-                "out to serve it as stored",
-            )
         check_device(stored.runs_as, device)
+        logger.info("weights stored quantized (%s: %s): run as %s", stored.format, stored.description, stored.runs_as)
         quantized = stored.method()
     if quantized is not None and not native:
         raise UnsupportedQuantization(
@@ -295,6 +287,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         # the matrix is stored once (see `_tied_head_method`). The CPU schemes quantize the head (int8), fp8 keeps it
         # in the model's dtype.
         head_method = quantized_head_method(config.model)
+        if stored is not None and stored.head is not None:
+            head_method = stored.head()
         if head_method is None and getattr(hf_config, "tie_word_embeddings", False):
             head_method = _tied_head_method(device, dtype)
         elif head_method is None and quantized is not None:

@@ -1,9 +1,12 @@
-"""Quantized checkpoints: what `config.json`'s `quantization_config` says, and the linear method that keeps the
-checkpoint's weights as they are stored (engine/quantization/compressed_tensors.py, gptq.py, awq.py).
+"""Quantized checkpoints: what `config.json`'s `quantization_config` says (or a GGUF file's types), and the linear
+method that keeps the checkpoint's weights as they are stored (engine/quantization/compressed_tensors.py, gptq.py,
+awq.py, gguf.py).
 
 A checkpoint is served on the kernels of `--quantization`'s schemes where one takes its layout exactly, and refused
 by name otherwise (`UnsupportedQuantization`): never dequantized, never quantized again. Its LM head and embedding
-are stored in the model's dtype by every tool here, and stay so.
+are stored in the model's dtype by every tool here, and stay so; a GGUF file's Q8_0 head keeps its codes too. A
+GGUF file is read dequantized in any case (engine/models/gguf.py), so `--quantization` may quantize it anew
+instead; a checkpoint with `quantization_config` takes no `--quantization`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import ModelConfig
+from engine.models.gguf import kept_types
 from engine.quantization import UnsupportedQuantization
 from engine.quantization.awq import AWQLayout
 from engine.quantization.base import QuantizedLinearMethod
@@ -35,6 +40,9 @@ class CheckpointQuantization:
     """The `--quantization` scheme whose kernels run it."""
     method: Callable[[], QuantizedLinearMethod]
     """A new linear method for the decoder's linears."""
+    head: Callable[[], QuantizedLinearMethod] | None = None
+    """A new method for the LM head, where its codes are kept too (a GGUF file's Q8_0 head); None: the model's
+    dtype."""
 
 
 def _refusal(quant_method: str) -> Callable[[str], UnsupportedQuantization]:
@@ -98,10 +106,39 @@ def _int4_groups(
     )
 
 
-def read_checkpoint_quantization(model_dir: str, tensor_parallel_size: int = 1) -> CheckpointQuantization | None:
-    """`checkpoint_quantization` of the model directory's config.json (None where it has none)."""
-    path = os.path.join(model_dir, "config.json")
+def stored_quantization(model: ModelConfig, tensor_parallel_size: int = 1) -> CheckpointQuantization | None:
+    """How the model directory's weights are stored quantized and run so: its config.json's `quantization_config`,
+    or the GGUF file it was made from (None: stored in floats, or a GGUF file that `--quantization` quantizes
+    anew); raises `UnsupportedQuantization` for what Ferry cannot serve, and for `--quantization` over a quantized
+    checkpoint."""
+    linear_type, head_type = kept_types(model.path)
+    if linear_type is not None:
+        return None if model.quantization != "none" else _gguf(linear_type, head_type)
+    path = os.path.join(model.path, "config.json")
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:
-        return checkpoint_quantization(json.load(f).get("quantization_config"), tensor_parallel_size)
+        stored = checkpoint_quantization(json.load(f).get("quantization_config"), tensor_parallel_size)
+    if stored is not None and model.quantization != "none":
+        raise UnsupportedQuantization(
+            model.quantization,
+            f"this checkpoint is quantized already ({stored.format}: {stored.description}); leave --quantization "
+            "out to serve it as stored",
+        )
+    return stored
+
+
+def _gguf(linear_type: str, head_type: str | None) -> CheckpointQuantization:
+    from engine.quantization.gguf import GGUFQ4_0Method, GGUFQ8_0Method
+    from engine.quantization.int8 import Int8HeadMethod
+
+    if linear_type == "Q4_0":
+        linears = "int4", GGUFQ4_0Method, "Q4_0: 4-bit codes in blocks of 32, a float16 scale each"
+    else:
+        linears = "int8", GGUFQ8_0Method, "Q8_0: 8-bit codes in blocks of 32, a float16 scale each"
+    runs_as, method, description = linears
+    # A head of another type (a K-quant) is dequantized as it loads: int8 per row then, as `--quantization`'s CPU
+    # schemes keep theirs (on a small model the head is a large part of a step's reads).
+    head = GGUFQ8_0Method if head_type == "Q8_0" else Int8HeadMethod
+    head_words = "its Q8_0 LM head too" if head_type == "Q8_0" else "the LM head in int8 by row"
+    return CheckpointQuantization("gguf", f"{description}; {head_words}", runs_as, method, head)

@@ -734,8 +734,13 @@ class ModelGGUF(BaseModel):
 
     file: str = Field(description="The file's name.")
     tensor_types: dict[str, int] = Field(description="How many of its tensors are of each GGML type.")
-    dequantized: list[str] = Field(description="Its quantized types dequantized as they loaded.")
-    kept: list[str] = Field(description="Its quantized types a kernel runs as they are (Q4_0 as int4).")
+    dequantized: list[str] = Field(
+        description="Its quantized types dequantized as they loaded (some of their tensors)."
+    )
+    kept: list[str] = Field(
+        description="Its quantized types a kernel runs as they are (some of their tensors): Q4_0 as int4, Q8_0 as int8 "
+        "in groups."
+    )
 
 
 class ModelCheckpointQuantization(BaseModel):
