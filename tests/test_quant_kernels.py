@@ -31,6 +31,7 @@ from engine.kernels import build
 from engine.kernels import quant_linear as ql
 from engine.kernels.build import KernelUnavailable
 from engine.kernels.library import load_cpu_kernels
+from engine.quantization.gguf import quantize_q4_0, quantize_q8_0
 
 try:
     load_cpu_kernels()
@@ -41,13 +42,17 @@ needs_kernel = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"the CPU kernels do
 
 ROWS = (1, 3, 17, 70)
 """One row (decode), a short tile, more than two tiles, more than a chunk of 48 rows."""
-SCHEMES = ("int8", "int8-blocked", "int4", "w8a8")
-"""int8-blocked: int8 in the layout of CPUs without int8 dot products, whatever this one has."""
+SCHEMES = ("int8", "int8-blocked", "int4", "w8a8", "int4-f16", "int8-groups", "int8-groups-bf16")
+"""int8-blocked: int8 in the layout of CPUs without int8 dot products, whatever this one has; int4-f16, int8-groups:
+a GGUF file's Q4_0 and Q8_0 blocks (float16 scales), int8-groups-bf16 the latter with bfloat16 scales."""
 SHAPES = {
     "int8": [(37, 19), (100, 256), (16, 3)],
     "int8-blocked": [(37, 19), (100, 256), (16, 3)],
     "w8a8": [(37, 19), (100, 256), (16, 3)],
     "int4": [(37, 64), (100, 256), (21, 128)],
+    "int4-f16": [(37, 64), (100, 256), (21, 128)],
+    "int8-groups": [(37, 64), (100, 256), (21, 128)],
+    "int8-groups-bf16": [(37, 64), (100, 256), (21, 128)],
 }
 """(out, in) of each scheme: out not a multiple of 16 (a short last block), odd in where the scheme takes it."""
 GROUPS = {64: 32, 256: 128, 128: 64}
@@ -61,6 +66,11 @@ def _quantize(scheme: str, weight: torch.Tensor) -> tuple:
         return ql.quantize_int8(weight, dot_products=False), ql.int8_linear, ql.dequantize_int8
     if scheme == "int4":
         return ql.quantize_int4(weight, GROUPS[weight.shape[1]]), ql.int4_linear, ql.dequantize_int4
+    if scheme == "int4-f16":
+        return ql.pack_int4(*quantize_q4_0(weight), torch.float16), ql.int4_linear, ql.dequantize_int4
+    if scheme.startswith("int8-groups"):
+        dtype = torch.bfloat16 if scheme.endswith("bf16") else torch.float16
+        return ql.pack_int8_groups(*quantize_q8_0(weight), dtype), ql.int8_group_linear, ql.dequantize_int8_groups
     return ql.quantize_w8a8(weight), ql.w8a8_linear, ql.dequantize_w8a8
 
 
@@ -158,14 +168,16 @@ def test_int8_dot_products_sum_exactly_what_a_row_holds(dtype: torch.dtype) -> N
 
 @needs_kernel
 def test_the_ops_have_shapes_for_torch_compile() -> None:
-    """Schemas, fake (meta) shapes and dynamic-shape tracing of the three ops (torch.library.opcheck)."""
+    """Schemas, fake (meta) shapes and dynamic-shape tracing of the four ops (torch.library.opcheck)."""
     weight = torch.randn(20, 64)
     x = torch.randn(3, 64)
     w8, w4, wa = ql.quantize_int8(weight), ql.quantize_int4(weight, 32), ql.quantize_w8a8(weight)
+    wg = ql.pack_int8_groups(*quantize_q8_0(weight), torch.float16)
     ops = torch.ops.ferry_kernels
     for op, args in [
         (ops.int8_linear.default, (x, w8.codes, w8.scales, w8.code_sums, 20, None)),
         (ops.int4_linear.default, (x, w4.codes, w4.scales, w4.mins, 20, torch.randn(20))),
+        (ops.int8_group_linear.default, (x, wg.codes, wg.scales, wg.mins, 20, torch.randn(20))),
         (ops.w8a8_linear.default, (x.view(1, 3, 64), wa.codes, wa.scales, wa.code_sums, 20, None)),
     ]:
         torch.library.opcheck(op, args)

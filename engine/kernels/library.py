@@ -61,7 +61,8 @@ def _load() -> KernelUnavailable | None:
         return error
     torch.library.register_fake("ferry_kernels::linear")(_linear_shape)
     torch.library.register_fake("ferry_kernels::int8_linear")(_int8_linear_shape)
-    torch.library.register_fake("ferry_kernels::int4_linear")(_int4_linear_shape)
+    torch.library.register_fake("ferry_kernels::int4_linear")(_grouped_linear_shape)
+    torch.library.register_fake("ferry_kernels::int8_group_linear")(_grouped_linear_shape)
     torch.library.register_fake("ferry_kernels::w8a8_linear")(_int8_linear_shape)
     torch.library.register_fake("ferry_kernels::rms_norm")(_norm_shape)
     torch.library.register_fake("ferry_kernels::rotary")(_rotary_shape)
@@ -84,7 +85,7 @@ def _int8_linear_shape(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _int4_linear_shape(
+def _grouped_linear_shape(
     x: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
