@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from pathlib import Path
 
@@ -16,8 +15,6 @@ from engine.config import PART_CLASSES, EngineConfig
 from engine.models.gguf import has_tokenizer
 from server.flags import add_flags, flag_values
 from server.settings import ServerSettings
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 # After a drain, connections still open are idle keep-alives or finishing an error: they get this long.

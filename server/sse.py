@@ -22,13 +22,23 @@ SSE_DONE = b"data: [DONE]\n\n"
 AppStatus.disable_automatic_graceful_drain()
 
 
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+"""Characters JSON may hold raw that Python's `str.splitlines` (and so httpx's `aiter_lines`, which many SSE
+clients read streams with) takes for line ends: escaped, a line of JSON stays one line for every client. (JSON
+escapes every control character below 0x20 itself.)"""
+
+
+def _one_line(payload: str) -> bytes:
+    return payload.translate(_LINE_BREAKS).encode()
+
+
 def sse_data(payload: str) -> bytes:
-    return b"data: " + payload.encode() + b"\n\n"
+    return b"data: " + _one_line(payload) + b"\n\n"
 
 
 def sse_event(name: str, payload: str) -> bytes:
     """A named event; `payload` is one line of JSON (pydantic's JSON never holds a raw newline)."""
-    return b"event: " + name.encode() + b"\ndata: " + payload.encode() + b"\n\n"
+    return b"event: " + name.encode() + b"\ndata: " + _one_line(payload) + b"\n\n"
 
 
 def sse_typed_events(events: list[dict[str, Any]]) -> bytes:

@@ -332,3 +332,38 @@ def test_ferry_serve_takes_a_gptq_checkpoint_and_names_its_format() -> None:
 
 def test_engine_startup_errors_are_engine_startup_errors() -> None:
     assert issubclass(UnsupportedQuantization, EngineStartupError)
+
+
+@given(st.lists(st.integers(0, 15), min_size=8, max_size=8), st.sampled_from([4, 8]))
+def test_v1_zero_points_come_back_with_their_borrows(zeros: list[int], bits: int) -> None:
+    """GPTQ's v1 writers subtract 0x11111111 (0x01010101) from each whole word: a zero point of 0 borrows from the
+    next one, which adding the constant back to the word undoes."""
+    from engine.quantization.gptq import add_one_to_each_code
+
+    codes = [z % (1 << bits) for z in zeros[: 32 // bits]]
+    word = sum(code << (bits * i) for i, code in enumerate(codes))
+    ones = sum(1 << shift for shift in range(0, 32, bits))
+    stored = (word - ones) % (1 << 32)
+    signed = torch.tensor([[stored - (1 << 32) if stored >= 1 << 31 else stored]], dtype=torch.int32)
+    restored = add_one_to_each_code(signed, bits)
+    assert unpack_words(restored, bits, 1)[0].tolist() == codes
+
+
+def test_an_older_gptq_checkpoint_keeps_its_settings_beside_the_config(tmp_path: Path) -> None:
+    """AutoGPTQ's checkpoints before transformers' integration: quantize_config.json, no quantization_config."""
+    model_dir = tmp_path / "gptq-int4-llama"
+    shutil.copytree(FIXTURES / "gptq-int4-llama", model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
+    (model_dir / "config.json").write_text(json.dumps(config))
+    from engine.api import generate_batch
+    from engine.core.engine_core import EngineCore
+    from engine.core.request import SamplingParams
+
+    engine = EngineCore(EngineConfig.of(model=str(model_dir), dtype="float32", num_pages=64, cpu_threads=1))
+    try:
+        params = SamplingParams(max_new_tokens=6, min_new_tokens=6, logprobs=True)
+        results = generate_batch(PROMPTS, params=params, engine=engine)
+    finally:
+        engine.close()
+    assert [list(results[f"req_{i}"].generated_ids) for i in range(3)] == [t for t, _ in _ferry("gptq-int4-llama")]

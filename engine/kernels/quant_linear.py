@@ -13,8 +13,8 @@ elsewhere) and a dequantizer that gives back the float32 `[out, in]` weights the
   rounded once (x exact to 2^-31 of that largest); elsewhere float32 multiply-adds of x as it is. Any `in`.
 - **int4** (`quantize_int4`, `int4_linear`): weight-only, asymmetric in groups of 32, 64 or 128 along `in`:
   `w = min + scale * q`, q in 0..15, a bfloat16 scale and min per (output row, group) (scale rounded up and min
-  down to bfloat16, so the group's range is still covered: |w - dequantized| <= scale / 2). `in` must be a multiple
-  of the group.
+  down to bfloat16, so the group's range is still covered: |w - dequantized| <= scale / 2); a checkpoint's codes
+  (`pack_int4`) may keep float16 ones. `in` must be a multiple of the group.
 - **int8 in groups** (`pack_int8_groups`, `int8_group_linear`): weight-only 8-bit codes of a quantized checkpoint
   (GGUF Q8_0, GPTQ 8-bit, compressed-tensors int8 by group): `w = min + scale * q`, q in 0..255, a scale and min per
   (output row, group of a multiple of 4 columns). int4 and these keep scales and minimums in bfloat16 or in
@@ -91,9 +91,11 @@ class Int4Weights(NamedTuple):
     """[ceil(out / 16), in / 8, 16, 4] uint8: for columns 8o .. 8o + 7 of row 16b + j, 4 bytes: byte c holds the
     code of column 8o + c in its low 4 bits, that of column 8o + 4 + c in its high 4."""
     scales: torch.Tensor
-    """[ceil(out / 16), in / group, 16] bfloat16: block b's g-th 16 are rows 16b .. 16b + 15's scales of group g."""
+    """[ceil(out / 16), in / group, 16] bfloat16 (float16: a checkpoint's, `pack_int4`): block b's g-th 16 are rows
+    16b .. 16b + 15's scales of group g."""
     mins: torch.Tensor
-    """[ceil(out / 16), in / group, 16] bfloat16: the groups' minimums (the value of code 0), laid out as `scales`."""
+    """[ceil(out / 16), in / group, 16], `scales`' dtype: the groups' minimums (the value of code 0), laid out as
+    `scales`."""
 
 
 class Int8GroupWeights(NamedTuple):

@@ -113,8 +113,9 @@ class LinearBase(nn.Module):
 
     @torch.no_grad()
     def weight_loader(self, name: str, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        """Copy this rank's slice of checkpoint tensor `loaded` (parameter `name`, "weight" or "bias"; `shard_id`
-        for a part of a fused layer) into place; the last piece hands the weights to the method."""
+        """Copy this rank's slice of checkpoint tensor `loaded` (`name`, one of the method's `checkpoint_names`:
+        "weight" or "bias", or a quantized checkpoint's; `shard_id` for a part of a fused layer) into place; the last
+        needed piece hands the weights to the method."""
         pending = (name, shard_id) in self._pending
         if not pending and name not in self._optional:
             raise ValueError(f"{type(self).__name__} has no pending {name!r} of shard {shard_id!r}")

@@ -171,7 +171,7 @@ def _keeps(name: str, kind: str, kept: list[str], tied: bool) -> bool:
     """Whether tensor `name` of type `kind` runs on its codes: a kept linear, or the kept head (a tied embedding
     reads its rows from the head)."""
     head = name == "output.weight" or (tied and name == "token_embd.weight")
-    return kind in kept and (name.endswith(_LINEAR_WEIGHTS) or head)
+    return kind in kept and (name.endswith(_LINEAR_WEIGHTS) or (head and kind == "Q8_0"))
 
 
 def _write_directory(
@@ -253,7 +253,7 @@ def kept_types(model_dir: str) -> tuple[str | None, str | None]:
     kept = _kept(linear_types, head_type)
     if not kept:
         return None, None
-    return kept[0], head_type if head_type in kept else None
+    return kept[0], head_type if head_type == "Q8_0" else None
 
 
 def source_file(model_dir: str) -> Path | None:

@@ -232,6 +232,7 @@ def _check_encoder(config: EngineConfig, hf_config: PretrainedConfig) -> None:
     refused = [
         (config.parallel.tensor_parallel_size > 1, f"--tensor-parallel-size {config.parallel.tensor_parallel_size}"),
         (config.model.quantization != "none", f"--quantization {config.model.quantization}"),
+        (bool(getattr(hf_config, "quantization_config", None)), "a quantized checkpoint (quantization_config)"),
         (config.model.model_impl == "native", "--model-impl native"),
         (config.execution.compile != "none", f"--compile {config.execution.compile}"),
     ]
@@ -267,6 +268,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     method = select_linear_method(device, dtype)
     quantized = quantized_linear_method(config.model, device)
     stored = stored_quantization(config.model, config.parallel.tensor_parallel_size)
+    if stored is not None and stored.format == "gguf" and device.type != "cpu":
+        stored = None  # the grouped kernels are CPU kernels: on a GPU a GGUF file's weights serve dequantized
     if stored is not None:
         check_device(stored.runs_as, device)
         logger.info("weights stored quantized (%s: %s): run as %s", stored.format, stored.description, stored.runs_as)

@@ -12,6 +12,7 @@ instead; a checkpoint with `quantization_config` takes no `--quantization`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from engine.quantization.compressed_tensors import FORMAT as COMPRESSED_TENSORS
 from engine.quantization.compressed_tensors import scheme as compressed_tensors_scheme
 from engine.quantization.gptq import GPTQLayout
 from engine.quantization.grouped import GroupedIntMethod
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,13 +65,13 @@ def checkpoint_quantization(
         chosen = compressed_tensors_scheme(hf_quantization, refuse)
         return CheckpointQuantization(quant_method, chosen.description, chosen.runs_as, chosen.method)
     if quant_method in ("gptq", "awq"):
-        return _int4_groups(quant_method, hf_quantization, tensor_parallel_size, refuse)
+        return _grouped(quant_method, hf_quantization, tensor_parallel_size, refuse)
     raise UnsupportedQuantization(
         quant_method, "Ferry serves compressed-tensors, GPTQ and AWQ checkpoints (and GGUF files), not this format"
     )
 
 
-def _int4_groups(
+def _grouped(
     quant_method: str,
     config: dict[str, Any],
     tensor_parallel_size: int,
@@ -81,6 +84,12 @@ def _int4_groups(
     group = None if group_size == -1 else int(group_size)
     if config.get("lm_head"):
         raise refuse("quantized lm_head")
+    if config.get("dynamic"):
+        raise refuse("per-module overrides (dynamic)")
+    if config.get("modules_to_not_convert"):
+        raise refuse(f"linears left unquantized (modules_to_not_convert: {config['modules_to_not_convert']})")
+    if str(config.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise refuse(f"codes packed in {config['pack_dtype']} words (Ferry reads int32 words)")
     where = "a scale per output row" if group is None else f"groups of {group}"
     if quant_method == "awq":
         layout_format = str(config.get("version", config.get("format", "gemm"))).lower()
@@ -112,13 +121,17 @@ def stored_quantization(model: ModelConfig, tensor_parallel_size: int = 1) -> Ch
     anew); raises `UnsupportedQuantization` for what Ferry cannot serve, and for `--quantization` over a quantized
     checkpoint."""
     linear_type, head_type = kept_types(model.path)
-    if linear_type is not None:
-        return None if model.quantization != "none" else _gguf(linear_type, head_type)
-    path = os.path.join(model.path, "config.json")
-    if not os.path.isfile(path):
+    if linear_type is not None and model.quantization != "none":
+        logger.warning(
+            "--quantization %s: the GGUF file's %s linears are quantized anew from their dequantized weights (leave "
+            "--quantization out to run the file's own codes)",
+            model.quantization,
+            linear_type,
+        )
         return None
-    with open(path, encoding="utf-8") as f:
-        stored = checkpoint_quantization(json.load(f).get("quantization_config"), tensor_parallel_size)
+    if linear_type is not None:
+        return _gguf(linear_type, head_type)
+    stored = checkpoint_quantization(_quantization_config(model.path), tensor_parallel_size)
     if stored is not None and model.quantization != "none":
         raise UnsupportedQuantization(
             model.quantization,
@@ -126,6 +139,25 @@ def stored_quantization(model: ModelConfig, tensor_parallel_size: int = 1) -> Ch
             "out to serve it as stored",
         )
     return stored
+
+
+def _quantization_config(model_dir: str) -> dict[str, Any] | None:
+    """config.json's `quantization_config` (`compression_config` in compressed-tensors' first releases), or the
+    settings file older GPTQ and AWQ checkpoints keep beside it (quantize_config.json, quant_config.json)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    found = config.get("quantization_config") or config.get("compression_config")
+    if found:
+        return found
+    for name, quant_method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        side_file = os.path.join(model_dir, name)
+        if os.path.isfile(side_file):
+            with open(side_file, encoding="utf-8") as f:
+                return {"quant_method": quant_method, **json.load(f)}
+    return None
 
 
 def _gguf(linear_type: str, head_type: str | None) -> CheckpointQuantization:

@@ -48,7 +48,8 @@ class CheckpointScalesMixin(CheckpointQuantizedMethod):
 
     def checkpoint_names(self, bias: bool) -> tuple[frozenset[str], frozenset[str]]:
         needed = {self.code_name, "weight_scale"} | self.extra_names | ({"bias"} if bias else set())
-        return frozenset(needed), frozenset({"weight_shape"})
+        # A symmetric scheme's zero points (all zero), which some compressed-tensors versions store anyway.
+        return frozenset(needed), frozenset({"weight_shape", "weight_zero_point"})
 
     def checkpoint_tensors(self, name: str, loaded: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         if name == self.code_name:
@@ -130,7 +131,8 @@ class PackedLayout:
 
     def checkpoint_names(self, bias: bool) -> tuple[frozenset[str], frozenset[str]]:
         needed = {"weight_packed", "weight_scale"} | (set() if self.symmetric else {"weight_zero_point"})
-        return frozenset(needed | ({"bias"} if bias else set())), frozenset({"weight_shape"})
+        optional = {"weight_shape"} | ({"weight_zero_point"} if self.symmetric else set())  # zeros some store anyway
+        return frozenset(needed | ({"bias"} if bias else set())), frozenset(optional)
 
     def unpack(self, name: str, loaded: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         if name == "weight_packed":
@@ -141,7 +143,7 @@ class PackedLayout:
             if self.symmetric:
                 offset = float(1 << (self.bits - 1))
                 yield "zeros", torch.full_like(scales[:, 0] if self.group_size is None else scales, offset)
-        elif name == "weight_zero_point":
+        elif name == "weight_zero_point" and not self.symmetric:
             zeros = unpack_words(loaded, self.bits, 0).float()  # [out, groups]: zp + 2^(bits - 1)
             yield "zeros", zeros[:, 0] if self.group_size is None else zeros
 
@@ -195,8 +197,10 @@ def scheme(config: dict[str, Any], refuse: Callable[[str], Exception]) -> Compre
     if not inputs and packed and (strategy == "group" or not symmetric):
         return _grouped(8, strategy, group_size, symmetric)  # the grouped int8 kernel (a zero point per group)
     if strategy != "channel" or not symmetric:
-        raise refuse(f"int8 weights by {strategy!r}{'' if symmetric else ', asymmetric'} with quantized activations "
-                     "(the W8A8 kernel takes a symmetric scale per output row)")  # fmt: skip
+        side = "" if symmetric else ", asymmetric"
+        where = "with quantized activations" if inputs else "stored unpacked (int-quantized)"
+        raise refuse(f"int8 weights by {strategy!r}{side} {where} (the int8 kernels take a symmetric scale per "
+                     "output row; grouped int8 is read from pack-quantized weights)")  # fmt: skip
     if not inputs:
         return CompressedTensorsScheme(
             "int8 weights, a scale per output row", "int8", lambda: CheckpointInt8Method(packed)

@@ -4,7 +4,8 @@ ones on the grouped int8 kernel (engine/quantization/grouped.py).
 A layer `[out, in]` is stored as:
 - `qweight` `[in / 8, out]` int32: eight codes of consecutive inputs a word (four of 8 bits), the lowest first;
 - `qzeros` `[groups, out / 8]` int32: each group's zero points, eight (four) outputs a word; the v1 format (`gptq`)
-  stores each zero point minus one (AutoGPTQ's original kernels added the one back), `gptq_v2` as it is;
+  stores each zero point minus one, subtracted from the whole word (AutoGPTQ's original kernels added the one back),
+  `gptq_v2` as it is;
 - `scales` `[groups, out]` (float16): w = scale * (q - zero);
 - `g_idx` `[in]` int32: each input's group; in input order (`i // group_size`) unless the checkpoint was quantized
   in activation order (`desc_act`), which the int4 method gathers (engine/quantization/grouped.py).
@@ -19,6 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.quantization.grouped import unpack_words
+
+
+def add_one_to_each_code(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """v1 zero points back to v2: the writers subtract 0x11111111 (0x01010101 for 8 bits) from each whole 32-bit
+    word, so a zero point of 0 borrows from the next; adding it back to the word, carries and all, undoes that
+    exactly (adding one to each code apart would not)."""
+    ones = sum(1 << shift for shift in range(0, 32, bits))
+    wide = (words.to(torch.int64) & 0xFFFFFFFF) + ones
+    wide = wide & 0xFFFFFFFF
+    return torch.where(wide >= 1 << 31, wide - (1 << 32), wide).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -38,7 +49,9 @@ class GPTQLayout:
         if name == "qweight":
             yield "codes", unpack_words(loaded, self.bits, 0).t()  # [in, out] -> [out, in]
         elif name == "qzeros":
-            zeros = unpack_words(loaded, self.bits, 1).t().float() + (1 if self.zeros_minus_one else 0)  # [out, groups]
+            if self.zeros_minus_one:
+                loaded = add_one_to_each_code(loaded, self.bits)
+            zeros = unpack_words(loaded, self.bits, 1).t().float()  # [out, groups]
             yield "zeros", zeros[:, 0] if self.group_size is None else zeros
         elif name == "scales":
             scales = loaded.t().float()  # [out, groups]

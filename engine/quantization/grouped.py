@@ -14,11 +14,13 @@ format shares, each tensor whole as it loads (so tensor parallelism slices codes
 The kernels (engine/kernels/quant_linear.py) compute `min + scale * q` with min `-scale * zero`: int4 in groups of
 32, 64 or 128 (a group of 256, or a scale per row, is the same scale repeated over groups of 128: exact), int8 in
 groups of any multiple of 4. They keep scales and minimums in float16 or bfloat16: float16 where it holds every
-scale exactly (GPTQ's float16 scales, and bfloat16 ones within its range), so the scales are the checkpoint's, and
-only a minimum that float16 cannot hold is rounded: by at most 2^-11 of |zero| scales (symmetric groups' are
-exact: -8 or -128 scales). An activation-order checkpoint's groups are scattered over the inputs: sorting the
-inputs by group makes them contiguous (each group keeps its `group_size` inputs), and each step's activations are
-gathered in that order.
+scale of the layer's slice exactly (GPTQ's float16 scales, and bfloat16 ones within its range), so the scales are
+the checkpoint's, and only a minimum that float16 cannot hold is rounded: by at most 2^-11 of |zero| scales
+(symmetric groups' are exact: -8 or -128 scales). Elsewhere (float32 scales, or bfloat16 ones below float16's
+range) bfloat16: scales rounded by up to 2^-9 of themselves and minimums by 2^-9 of |zero| scales, and, the choice
+being each rank's, two ranks of one layer may keep different ones. An activation-order checkpoint's groups are
+scattered over the inputs: sorting the inputs by group makes them contiguous (each group keeps its `group_size`
+inputs), and each step's activations are gathered in that order.
 """
 
 from __future__ import annotations

@@ -746,7 +746,7 @@ class ModelGGUF(BaseModel):
 class ModelCheckpointQuantization(BaseModel):
     """How a quantized checkpoint stores its weights, on its card."""
 
-    format: str = Field(description="The checkpoint's `quant_method`: compressed-tensors, gptq or awq.")
+    format: str = Field(description="The checkpoint's `quant_method` (compressed-tensors, gptq, awq), or gguf.")
     weights: str = Field(description="What it holds, in words (bits, groups, symmetry, activations).")
 
 
