@@ -138,17 +138,14 @@ class LinearBase(nn.Module):
             self.method.process_weights_after_loading(self)
 
     def _load_input_vector(self, name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        """Parameter `name`, one value per input: a fused layer's parts read the same inputs, so each part's must
-        be the same (GPTQ's activation order follows the inputs' statistics, which the parts share)."""
-        source = self._input_columns(loaded)
-        if name in self._inputs_loaded and not torch.equal(param, source.to(param.dtype)):
+        """Parameter `name`, one value per input, whole: a fused layer's parts read the same inputs, so each part's
+        must be the same (GPTQ's activation order follows the inputs' statistics, which the parts share). Only one
+        rank holds such a parameter: activation order over tensor parallelism is refused
+        (engine/quantization/checkpoints.py)."""
+        if name in self._inputs_loaded and not torch.equal(param, loaded.to(param.dtype)):
             raise ValueError(f"the parts of a fused {type(self).__name__} differ in their {name}")
-        param.copy_(source)
+        param.copy_(loaded)
         self._inputs_loaded.add(name)
-
-    def _input_columns(self, loaded: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a tensor along the input: all of it (the layer's input is whole on every rank)."""
-        return loaded
 
     def finish_loading(self) -> None:
         """Weights were written in place (dummy weights): process them as if each shard had been loaded."""
@@ -319,9 +316,6 @@ class RowParallelLinear(LinearBase):
         # The LoRA products join the partial sums before the all-reduce: one reduction adds both up.
         out = self._with_adapters(x, self.method.apply(self, x, self.bias))
         return out if self.all_reduce is None else self.all_reduce(out)
-
-    def _input_columns(self, loaded: torch.Tensor) -> torch.Tensor:
-        return loaded.narrow(0, self.shard.rank * self.input_size, self.input_size)
 
     def lora_factors(self, a: torch.Tensor, b: torch.Tensor, shard_id: ShardId) -> tuple[torch.Tensor, torch.Tensor]:
         columns = torch.empty(a.shape[0], self.input_size, device="meta")

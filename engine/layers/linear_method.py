@@ -59,8 +59,8 @@ class LinearMethod:
     plain_layout: bool = True
     """Whether `apply` reads the `[out, in]` `weight` parameter as loaded (so another module may share it)."""
     input_parameters: frozenset[str] = frozenset()
-    """Parameters laid along the input rather than the output (a GPTQ checkpoint's `g_idx`): whole on a
-    column-parallel rank, the rank's columns on a row-parallel one, and the same for every part of a fused layer."""
+    """Parameters laid along the input rather than the output (a GPTQ checkpoint's `g_idx`): loaded whole, the
+    same for every part of a fused layer."""
     embeds_rows: bool = True
     """Whether `embed_rows` reads rows of the matrix from the layout the method keeps (a tied LM head's method must:
     the embedding then looks its rows up there, and the matrix is stored once)."""
