@@ -28,8 +28,6 @@ from starlette.types import ASGIApp
 from engine.config import EngineConfig
 from engine.models.gguf import DENSE_TYPES, source_info
 from engine.pooling.config import PoolingConfig
-from engine.quantization import UnsupportedQuantization
-from engine.quantization.checkpoints import CheckpointQuantization, stored_quantization
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.lora import LoadLoRAAdapterRequest, ServedAdapter, UnloadLoRAAdapterRequest, startup_registry
@@ -159,17 +157,13 @@ class ServerState:
         self.model_name = self.model_names[0]
         self.adapters = startup_registry(engine_config, settings, self.model_names)
         lora = engine_config.lora
-        self.stored_quantization = _stored_quantization(engine_config)
-        self.quantization = (
-            engine_config.model.quantization if self.stored_quantization is None else self.stored_quantization.runs_as
-        )
-        """The scheme whose kernels run the linear weights: `--quantization`'s, or the quantized checkpoint's."""
         self.metrics = ServerMetrics(
             self.model_name,
             engine_config.parallel.tensor_parallel_size,
-            self.quantization,
             max_loras=lora.max_loras if lora.enable_lora else None,
         )
+        self.gguf_card: ModelGGUF | None = None
+        """The card's account of the GGUF file the model came from, once the engine is ready (None: a directory)."""
         self.created = int(time.time())
         self.client = EngineClient(
             engine_config,
@@ -236,7 +230,9 @@ class ServerState:
         # What exists now lives as long as the server: spare the collector from rescanning it.
         gc.collect()
         gc.freeze()
-        self.metrics.set_model_info(info.weight_bytes, info.kv_cache_dtype)
+        self.metrics.set_model_info(info.weight_bytes, info.quantization, info.kv_cache_dtype)
+        stored_format = info.checkpoint_quantization[0] if info.checkpoint_quantization else None
+        self.gguf_card = _model_gguf(source_info(self.engine_config.model.path), kept=stored_format == "gguf")
         self.lifecycle.set_ready()
         logger.info(
             "Serving %s (max_model_len=%d, %s, reasoning parser: %s, tool-call parser: %s)",
@@ -322,27 +318,18 @@ def _served_tasks(pooling: PoolingConfig | None) -> str:
     return pools[pooling.kind] + (" and generates" if pooling.generates else "")
 
 
-def _stored_quantization(engine_config: EngineConfig) -> CheckpointQuantization | None:
-    """How the model's weights are stored quantized (None for floats, and for what the engine refuses: its
-    start-up reports why)."""
-    try:
-        return stored_quantization(engine_config.model, engine_config.parallel.tensor_parallel_size)
-    except UnsupportedQuantization:
-        return None
-
-
-def _model_gguf(source: dict[str, Any] | None, stored: CheckpointQuantization | None) -> ModelGGUF | None:
+def _model_gguf(source: dict[str, Any] | None, kept: bool) -> ModelGGUF | None:
     """The card's account of the GGUF file the model came from (None, so absent, for a model directory): which of
-    its quantized types run as stored (`stored`: the file's codes kept, engine/quantization/gguf.py), which were
-    dequantized as they loaded."""
+    its quantized types run as stored (`kept`: the engine runs the file's codes, engine/quantization/gguf.py),
+    which were dequantized as they loaded."""
     if source is None:
         return None
     types: dict[str, int] = source["tensor_types"]
-    quantized = sorted(name for name in types if name not in DENSE_TYPES)
-    if stored is None or stored.format != "gguf":
-        return ModelGGUF(file=Path(source["file"]).name, tensor_types=types, dequantized=quantized, kept=[])
-    kept, dequantized = source["kept_types"], source["dequantized_types"]
-    return ModelGGUF(file=Path(source["file"]).name, tensor_types=types, dequantized=dequantized, kept=kept)
+    if kept:
+        kept_types, dequantized = source["kept_types"], source["dequantized_types"]
+    else:
+        kept_types, dequantized = [], sorted(name for name in types if name not in DENSE_TYPES)
+    return ModelGGUF(file=Path(source["file"]).name, tensor_types=types, dequantized=dequantized, kept=kept_types)
 
 
 def _model_pooling(pooling: PoolingConfig | None) -> ModelPooling | None:
@@ -466,9 +453,6 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         """vLLM's score: one text against many, or two lists pairwise."""
         return await serve_score(state.get_serving(), body, request)
 
-    stored = state.stored_quantization
-    gguf_card = _model_gguf(source_info(engine_config.model.path), stored)
-
     def model_card(name: str, adapter: ServedAdapter | None = None) -> ModelCard:
         """The base model's card under `name`, or an adapter's: the base's numbers (it runs on them), with its
         directory as `root` and the model it adapts as `parent`, as vLLM's cards have them."""
@@ -476,6 +460,8 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         info = state.client.info
         assert info is not None  # serving exists only once the engine reported ready
         tensor_parallel_size = engine_config.parallel.tensor_parallel_size
+        stored = info.checkpoint_quantization
+        checkpoint = None if stored is None else ModelCheckpointQuantization(format=stored[0], weights=stored[1])
         return ModelCard(
             id=name,
             created=state.created,
@@ -483,14 +469,12 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
             parent=adapter.parent if adapter else None,
             max_model_len=serving.max_model_len,
             tensor_parallel_size=tensor_parallel_size if tensor_parallel_size > 1 else None,
-            quantization=state.quantization,
-            checkpoint_quantization=None
-            if stored is None
-            else ModelCheckpointQuantization(format=stored.format, weights=stored.description),
+            quantization=info.quantization,
+            checkpoint_quantization=checkpoint,
             weight_bytes=info.weight_bytes,
             kv_cache_dtype=info.kv_cache_dtype,
             pooling=None if adapter else _model_pooling(info.pooling),
-            gguf=None if adapter else gguf_card,
+            gguf=None if adapter else state.gguf_card,
         )
 
     # A field left None (tensor_parallel_size on one device) is left out, as OpenAI's cards carry no nulls.

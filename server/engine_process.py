@@ -64,6 +64,8 @@ def run_engine_process(
                 engine.model_name,
                 engine.weight_bytes,
                 engine.kv_cache_dtype,
+                engine.quantization,
+                engine.checkpoint_quantization,
                 engine.pooling,
             )
         )

@@ -23,6 +23,10 @@ class EngineReady:
     and scales under --quantization."""
     kv_cache_dtype: str
     """What the KV cache stores K and V in (`float8_e4m3fn`, `bfloat16`, ...)."""
+    quantization: str
+    """The scheme whose kernels run the linear weights: --quantization's, or the quantized checkpoint's."""
+    checkpoint_quantization: tuple[str, str] | None
+    """(format, its weights in words) of a checkpoint whose quantized weights run as stored; None otherwise."""
     pooling: PoolingConfig | None = None
     """What the model pools (embeddings, classifier or yes/no scores); None for a model that only generates."""
 

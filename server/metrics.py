@@ -56,9 +56,7 @@ BATCH_STATUSES = (
 class ServerMetrics:
     """The server's own registry (not the process-global one), so apps never collide on metric names."""
 
-    def __init__(
-        self, model_name: str, tensor_parallel_size: int = 1, quantization: str = "none", max_loras: int | None = None
-    ) -> None:
+    def __init__(self, model_name: str, tensor_parallel_size: int = 1, max_loras: int | None = None) -> None:
         """`max_loras`: --max-loras with --enable-lora (None: LoRA is off, and its metric absent)."""
         self.registry = CollectorRegistry()
         model = ["model_name"]
@@ -81,7 +79,6 @@ class ServerMetrics:
         )
         tensor_parallel = gauge("ferry:tensor_parallel_size", "Ranks the model is sharded over (1: one device).")
         tensor_parallel.labels(model_name).set(tensor_parallel_size)
-        self._quantization = quantization
         self._model_weight_bytes = gauge(
             "ferry:model_weight_bytes", "Bytes of the model's weights as stored (quantized included), on each rank."
         ).labels(model_name)
@@ -166,10 +163,10 @@ class ServerMetrics:
             )
         self._last_stats: EngineStats | None = None
 
-    def set_model_info(self, weight_bytes: int, kv_cache_dtype: str) -> None:
+    def set_model_info(self, weight_bytes: int, quantization: str, kv_cache_dtype: str) -> None:
         """What the engine reports once the model is loaded."""
         self._model_weight_bytes.set(weight_bytes)
-        self._model_info.labels(self._model_name, self._quantization, kv_cache_dtype).set(1)
+        self._model_info.labels(self._model_name, quantization, kv_cache_dtype).set(1)
 
     def observe_engine_stats(self, stats: EngineStats) -> None:
         """Gauges follow the engine's latest stats; its cumulative counters become increments."""

@@ -134,7 +134,7 @@ def test_each_key_is_its_own_owner_and_a_wrong_key_is_refused() -> None:
     app = APIKeyMiddleware(
         Starlette(routes=[Route("/v1/whoami", whoami), Route("/health", whoami)]),
         api_keys=("key-a", "key-b"),
-        metrics=ServerMetrics("m", 1, None),
+        metrics=ServerMetrics("m", 1),
     )
     with TestClient(app) as client:
         assert client.get("/v1/whoami", headers={"Authorization": "Bearer key-a"}).text == owner_of("key-a")

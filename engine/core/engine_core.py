@@ -130,6 +130,11 @@ class EngineCore:
         """This rank's weights as stored (quantized codes and scales under --quantization)."""
         self.pooling = loaded.pooler.config if loaded.pooler is not None else None
         """What the model pools (engine/pooling/config.py); None for a model that only generates."""
+        stored = loaded.stored
+        self.quantization = config.model.quantization if stored is None else stored.runs_as
+        """The scheme whose kernels run the linear weights: --quantization's, or the quantized checkpoint's."""
+        self.checkpoint_quantization = None if stored is None else (stored.format, stored.description)
+        """(format, its weights in words) of a checkpoint whose quantized weights run as stored; None otherwise."""
         self.kv_cache_dtype = str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.")
         """What the KV cache stores K and V in: `float8_e4m3fn` under --kv-cache-dtype fp8, else the model's dtype
         (`bfloat16`, `float32`, ...), for the front end to report."""

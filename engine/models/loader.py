@@ -53,7 +53,7 @@ from engine.quantization import (
     quantized_head_method,
     quantized_linear_method,
 )
-from engine.quantization.base import QuantizedLinearMethod
+from engine.quantization.base import CheckpointQuantization, QuantizedLinearMethod
 from engine.quantization.checkpoints import stored_quantization
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,9 @@ class LoadedModel:
     """The tensor-parallel rank this shard belongs to (0 without tensor parallelism): only rank 0 gets logits."""
     pooler: Pooler | None = None
     """What the model pools (engine/pooling/); None for a model that only generates."""
+    stored: CheckpointQuantization | None = None
+    """How the checkpoint stores its weights quantized, where the linears run its codes as stored
+    (engine/quantization/checkpoints.py); None otherwise."""
 
     @property
     def generates(self) -> bool:
@@ -329,6 +332,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         backend,
         rank=0 if tp is None else tp.rank,
         pooler=None if pooling is None else _pooler(config, pooling, model, device, dtype),
+        stored=stored,
     )
 
 
