@@ -57,16 +57,18 @@ LINEARS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "g
            "up_proj"), "down_proj": ("down_proj",)}  # fmt: skip
 
 
-def _engine_config(name: str, **overrides: object) -> EngineConfig:
-    return EngineConfig.of(model=str(FIXTURES / name), dtype="float32", num_pages=64, cpu_threads=1, **overrides)
+def _engine_config(model: str | Path, **overrides: object) -> EngineConfig:
+    """A fixture by name, or a model directory."""
+    model_dir = model if isinstance(model, Path) else FIXTURES / model
+    return EngineConfig.of(model=str(model_dir), dtype="float32", num_pages=64, cpu_threads=1, **overrides)
 
 
-def _ferry(name: str, max_new_tokens: int = 6, **overrides: object) -> list[tuple[list[int], list[float]]]:
+def _ferry(model: str | Path, max_new_tokens: int = 6, **overrides: object) -> list[tuple[list[int], list[float]]]:
     from engine.api import generate_batch
     from engine.core.engine_core import EngineCore
     from engine.core.request import SamplingParams
 
-    engine = EngineCore(_engine_config(name, **overrides))
+    engine = EngineCore(_engine_config(model, **overrides))
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, logprobs=True)
         results = generate_batch(PROMPTS, params=params, engine=engine)
@@ -291,21 +293,8 @@ def test_the_transformers_adapter_refuses_a_quantized_checkpoint() -> None:
 def test_dummy_weights_fill_a_quantized_checkpoints_layers(name: str, tmp_path: Path) -> None:
     """`--load-format dummy` over a quantized checkpoint's config (a benchmark of its shape): codes and scales."""
     shutil.copytree(FIXTURES / name, tmp_path / name, ignore=shutil.ignore_patterns("*.safetensors"))
-    tokens, _ = _ferry_dir(tmp_path / name)
-    assert len(tokens) == 4
-
-
-def _ferry_dir(model_dir: Path) -> tuple[list[int], list[float]]:
-    from engine.api import generate_batch
-    from engine.core.engine_core import EngineCore
-    from engine.core.request import SamplingParams
-
-    engine = EngineCore(EngineConfig.of(model=str(model_dir), dtype="float32", num_pages=64, load_format="dummy"))
-    try:
-        results = generate_batch([PROMPTS[0]], params=SamplingParams(max_new_tokens=4, min_new_tokens=4), engine=engine)
-    finally:
-        engine.close()
-    return list(results["req_0"].generated_ids), []
+    outputs = _ferry(tmp_path / name, max_new_tokens=4, load_format="dummy")
+    assert all(len(tokens) == 4 for tokens, _ in outputs)
 
 
 def test_ferry_serve_takes_a_gptq_checkpoint_and_names_its_format() -> None:
@@ -356,14 +345,4 @@ def test_an_older_gptq_checkpoint_keeps_its_settings_beside_the_config(tmp_path:
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
     (model_dir / "config.json").write_text(json.dumps(config))
-    from engine.api import generate_batch
-    from engine.core.engine_core import EngineCore
-    from engine.core.request import SamplingParams
-
-    engine = EngineCore(EngineConfig.of(model=str(model_dir), dtype="float32", num_pages=64, cpu_threads=1))
-    try:
-        params = SamplingParams(max_new_tokens=6, min_new_tokens=6, logprobs=True)
-        results = generate_batch(PROMPTS, params=params, engine=engine)
-    finally:
-        engine.close()
-    assert [list(results[f"req_{i}"].generated_ids) for i in range(3)] == [t for t, _ in _ferry("gptq-int4-llama")]
+    assert _ferry(model_dir) == _ferry("gptq-int4-llama")

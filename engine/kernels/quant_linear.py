@@ -58,7 +58,7 @@ core: the one-thread rows are the steadier.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -424,3 +424,18 @@ def _bf16_away_from_zero(x: torch.Tensor) -> torch.Tensor:
 
 def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     return (y if bias is None else y + bias.float()).to(dtype)
+
+
+class GroupedKernel(NamedTuple):
+    """A grouped layout's packer of codes quantized elsewhere, its linear and its dequantizer."""
+
+    pack: Callable[..., Int4Weights | Int8GroupWeights]
+    linear: Callable[..., torch.Tensor]
+    dequantize: Callable[..., torch.Tensor]
+
+
+GROUPED = {
+    4: GroupedKernel(pack_int4, int4_linear, dequantize_int4),
+    8: GroupedKernel(pack_int8_groups, int8_group_linear, dequantize_int8_groups),
+}
+"""The kernels of codes in groups with a scale and minimum each, by the codes' bits (a quantized checkpoint's)."""

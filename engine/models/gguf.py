@@ -249,11 +249,11 @@ def kept_types(model_dir: str) -> tuple[str | None, str | None]:
     source = source_info(model_dir)
     if source is None:
         return None, None
-    linear_types, head_type = set(source.get("linear_types", [])), source.get("head_type")
-    kept = _kept(linear_types, head_type)
+    kept = source["kept_types"]
     if not kept:
         return None, None
-    return kept[0], head_type if head_type == "Q8_0" else None
+    (linear_type,) = source["linear_types"]  # kept only where every linear is of one type
+    return linear_type, source["head_type"] if source["head_type"] in kept else None
 
 
 def source_file(model_dir: str) -> Path | None:

@@ -12,12 +12,15 @@ Two ways to quantize as a model loads, never holding it whole in full precision:
   row is never split), quantizing a rank's slice gives the same codes as quantizing the whole. One layer's weight
   exists in full precision at a time, as when the CPU methods pack theirs.
 
-Either way the method then packs the codes into its kernel's layout (engine/kernels/quant_linear.py).
+Either way the method then packs the codes into its kernel's layout (engine/kernels/quant_linear.py). A checkpoint
+quantized by its publisher is described by a `CheckpointQuantization` (its format's module makes one:
+engine/quantization/checkpoints.py), whose methods take the checkpoint's codes as stored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -88,3 +91,20 @@ def drop_parameters(layer: nn.Module, names: list[str]) -> None:
     """Free the loading parameters once their codes are packed: the packed form is all the layer keeps."""
     for name in names:
         delattr(layer, name)
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """How a quantized checkpoint is stored and what runs it."""
+
+    format: str
+    """`quant_method` (compressed-tensors, gptq, awq), or gguf."""
+    description: str
+    """Its weights (and activations), in words: the model card's and the start-up log's."""
+    runs_as: str
+    """The `--quantization` scheme whose kernels run it."""
+    method: Callable[[], QuantizedLinearMethod]
+    """A new linear method for the decoder's linears."""
+    head: Callable[[], QuantizedLinearMethod] | None = None
+    """A new method for the LM head, where the checkpoint's head is quantized (a GGUF file's: its Q8_0 codes, or int8
+    by row); None: the model's dtype."""

@@ -15,37 +15,19 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ModelConfig
 from engine.models.gguf import kept_types
 from engine.quantization import UnsupportedQuantization
 from engine.quantization.awq import AWQLayout
-from engine.quantization.base import QuantizedLinearMethod
+from engine.quantization.base import CheckpointQuantization
 from engine.quantization.compressed_tensors import FORMAT as COMPRESSED_TENSORS
 from engine.quantization.compressed_tensors import scheme as compressed_tensors_scheme
 from engine.quantization.gptq import GPTQLayout
 from engine.quantization.grouped import GroupedIntMethod
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CheckpointQuantization:
-    """How a quantized checkpoint is stored and what runs it."""
-
-    format: str
-    """`quant_method`: compressed-tensors, gptq, awq."""
-    description: str
-    """Its weights (and activations), in words: the model card's and the start-up log's."""
-    runs_as: str
-    """The `--quantization` scheme whose kernels run it."""
-    method: Callable[[], QuantizedLinearMethod]
-    """A new linear method for the decoder's linears."""
-    head: Callable[[], QuantizedLinearMethod] | None = None
-    """A new method for the LM head, where its codes are kept too (a GGUF file's Q8_0 head); None: the model's
-    dtype."""
 
 
 def _refusal(quant_method: str) -> Callable[[str], UnsupportedQuantization]:
@@ -62,8 +44,7 @@ def checkpoint_quantization(
     quant_method = str(hf_quantization.get("quant_method", "unknown"))
     refuse = _refusal(quant_method)
     if quant_method == COMPRESSED_TENSORS:
-        chosen = compressed_tensors_scheme(hf_quantization, refuse)
-        return CheckpointQuantization(quant_method, chosen.description, chosen.runs_as, chosen.method)
+        return compressed_tensors_scheme(hf_quantization, refuse)
     if quant_method in ("gptq", "awq"):
         return _grouped(quant_method, hf_quantization, tensor_parallel_size, refuse)
     raise UnsupportedQuantization(

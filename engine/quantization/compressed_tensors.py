@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.quantization.base import CheckpointQuantizedMethod, QuantizedLinearMethod
+from engine.quantization.base import CheckpointQuantization, CheckpointQuantizedMethod
 from engine.quantization.fp8 import FP8_DTYPE, FP8_MAX, Fp8LinearMethod
 from engine.quantization.grouped import GroupedIntMethod, unpack_words
 from engine.quantization.int8 import Int8LinearMethod, W8A8LinearMethod
@@ -148,16 +148,7 @@ class PackedLayout:
             yield "zeros", zeros[:, 0] if self.group_size is None else zeros
 
 
-@dataclass(frozen=True)
-class CompressedTensorsScheme:
-    description: str
-    """What the checkpoint holds, for the model card and errors."""
-    runs_as: str
-    """The kernel's scheme (a `--quantization` value) it runs on."""
-    method: Callable[[], QuantizedLinearMethod]
-
-
-def scheme(config: dict[str, Any], refuse: Callable[[str], Exception]) -> CompressedTensorsScheme:
+def scheme(config: dict[str, Any], refuse: Callable[[str], Exception]) -> CheckpointQuantization:
     """`quantization_config` of a compressed-tensors checkpoint -> how Ferry runs it; `refuse(why)` is raised for
     what it cannot run (see the module's docstring)."""
     for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms"),
@@ -202,8 +193,8 @@ def scheme(config: dict[str, Any], refuse: Callable[[str], Exception]) -> Compre
         raise refuse(f"int8 weights by {strategy!r}{side} {where} (the int8 kernels take a symmetric scale per "
                      "output row; grouped int8 is read from pack-quantized weights)")  # fmt: skip
     if not inputs:
-        return CompressedTensorsScheme(
-            "int8 weights, a scale per output row", "int8", lambda: CheckpointInt8Method(packed)
+        return CheckpointQuantization(
+            FORMAT, "int8 weights, a scale per output row", "int8", lambda: CheckpointInt8Method(packed)
         )
     if (inputs.get("type"), inputs.get("num_bits"), inputs.get("strategy"), inputs.get("dynamic")) != (
         "int",
@@ -212,21 +203,24 @@ def scheme(config: dict[str, Any], refuse: Callable[[str], Exception]) -> Compre
         True,
     ) or not inputs.get("symmetric", True):
         raise refuse("int8 activations other than dynamic, symmetric, per token")
-    return CompressedTensorsScheme(
-        "int8 weights by output row, int8 activations by token", "int8-dynamic", lambda: CheckpointW8A8Method(packed)
+    return CheckpointQuantization(
+        FORMAT,
+        "int8 weights by output row, int8 activations by token",
+        "int8-dynamic",
+        lambda: CheckpointW8A8Method(packed),
     )
 
 
-def _grouped(bits: int, strategy: str, group_size: int | None, symmetric: bool) -> CompressedTensorsScheme:
+def _grouped(bits: int, strategy: str, group_size: int | None, symmetric: bool) -> CheckpointQuantization:
     layout = PackedLayout(bits, group_size if strategy == "group" else None, symmetric)
     side = "symmetric" if symmetric else "asymmetric"
     where = f"groups of {group_size}" if strategy == "group" else "a scale per output row"
-    return CompressedTensorsScheme(
-        f"int{bits} weights, {side}, {where}", f"int{bits}", lambda: GroupedIntMethod(layout)
+    return CheckpointQuantization(
+        FORMAT, f"int{bits} weights, {side}, {where}", f"int{bits}", lambda: GroupedIntMethod(layout)
     )
 
 
-def _fp8(strategy: str, inputs: dict[str, Any] | None, refuse: Callable[[str], Exception]) -> CompressedTensorsScheme:
+def _fp8(strategy: str, inputs: dict[str, Any] | None, refuse: Callable[[str], Exception]) -> CheckpointQuantization:
     if strategy not in ("channel", "tensor"):
         raise refuse(f"fp8 weights by {strategy!r}")
     where = "a scale per output row" if strategy == "channel" else "a scale per tensor"
@@ -234,11 +228,11 @@ def _fp8(strategy: str, inputs: dict[str, Any] | None, refuse: Callable[[str], E
         raise refuse("fp8 weights with activations left unquantized (no weight-only fp8 kernel)")
     dynamic = (inputs.get("type"), inputs.get("num_bits"), inputs.get("strategy"), inputs.get("dynamic"))
     if dynamic == ("float", 8, "token", True):
-        return CompressedTensorsScheme(
-            f"fp8 weights, {where}, fp8 activations by token", "fp8", lambda: CheckpointFp8Method(static=False)
+        return CheckpointQuantization(
+            FORMAT, f"fp8 weights, {where}, fp8 activations by token", "fp8", lambda: CheckpointFp8Method(static=False)
         )
     if dynamic == ("float", 8, "tensor", False):
-        return CompressedTensorsScheme(
+        return CheckpointQuantization(FORMAT,
             f"fp8 weights, {where}, fp8 activations with a static scale", "fp8",
             lambda: CheckpointFp8Method(static=True),
         )  # fmt: skip

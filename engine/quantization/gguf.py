@@ -124,17 +124,14 @@ class _FileCodesMethod(QuantizedLinearMethod):
                     self.kind,
                 )
                 blocks = self.requantize(weight)
-            pack = quant_linear.pack_int4 if self.bits == 4 else quant_linear.pack_int8_groups
-            layer.grouped = pack(*blocks, torch.float16)
+            layer.grouped = quant_linear.GROUPED[self.bits].pack(*blocks, torch.float16)
         del layer.weight
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        linear = quant_linear.int4_linear if self.bits == 4 else quant_linear.int8_group_linear
-        return linear(x, layer.grouped, layer.output_size, bias)
+        return quant_linear.GROUPED[self.bits].linear(x, layer.grouped, layer.output_size, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
-        dequantize = quant_linear.dequantize_int4 if self.bits == 4 else quant_linear.dequantize_int8_groups
-        return dequantize(layer.grouped, layer.output_size, layer.input_size)
+        return quant_linear.GROUPED[self.bits].dequantize(layer.grouped, layer.output_size, layer.input_size)
 
 
 class GGUFQ4_0Method(_FileCodesMethod):

@@ -146,19 +146,16 @@ class GroupedIntMethod(QuantizedLinearMethod):
         scales, zeros = scales.repeat_interleave(repeat, 1), zeros.repeat_interleave(repeat, 1)
         dtype = scale_dtype(scales)
         scales = scales.to(dtype).float()  # the minimum from the scale the kernel keeps
-        pack = quant_linear.pack_int4 if self.layout.bits == 4 else quant_linear.pack_int8_groups
-        layer.grouped = pack(codes.contiguous(), scales, -scales * zeros, dtype)
+        layer.grouped = quant_linear.GROUPED[self.layout.bits].pack(codes.contiguous(), scales, -scales * zeros, dtype)
         drop_parameters(layer, ["codes", "scales", "zeros"] + (["g_idx"] if self.layout.act_order else []))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)  # [..., in] in group order
-        linear = quant_linear.int4_linear if self.layout.bits == 4 else quant_linear.int8_group_linear
-        return linear(x, layer.grouped, layer.output_size, bias)
+        return quant_linear.GROUPED[self.layout.bits].linear(x, layer.grouped, layer.output_size, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
-        dequantize = quant_linear.dequantize_int4 if self.layout.bits == 4 else quant_linear.dequantize_int8_groups
-        weight = dequantize(layer.grouped, layer.output_size, layer.input_size)  # [out, in]
+        weight = quant_linear.GROUPED[self.layout.bits].dequantize(layer.grouped, layer.output_size, layer.input_size)
         if layer.input_order is None:
             return weight
         unsorted = torch.empty_like(weight)
