@@ -319,7 +319,8 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--systems",
         default="static,transformers-cb,ferry",
-        help="comma-separated, run in this order: static, transformers-cb, transformers-cb-default, vllm, ferry",
+        help="comma-separated, run in this order: static, transformers-cb, transformers-cb-default, vllm, "
+        "ferry-fallback (Ferry on transformers' modules: --model-impl transformers), ferry",
     )
     offline.add_argument(
         "--vllm-python",

@@ -61,7 +61,10 @@ def build_engine(
     compile: CompileLevel = "none",
     enforce_eager: bool = False,
     quantization: str = "none",
+    model_impl: str = "auto",
 ) -> EngineCore:
+    """`model_impl="transformers"`: the transformers fallback (the `ferry-fallback` system), for families that
+    also have native modules."""
     from engine import EngineConfig, EngineCore
 
     config = EngineConfig.of(
@@ -80,6 +83,7 @@ def build_engine(
         compile=compile,
         enforce_eager=enforce_eager,
         quantization=quantization,
+        model_impl=model_impl,
     )
     return EngineCore(config)
 
@@ -112,7 +116,7 @@ def _index(request_id: str) -> int:
 
 
 def run_ferry(
-    engine: EngineCore, workload: Workload, *, record_shapes: bool = False
+    engine: EngineCore, workload: Workload, *, record_shapes: bool = False, system: str = "ferry"
 ) -> tuple[SystemRun, list[StepShape]]:
     from engine import SamplingParams, generate_batch
 
@@ -146,4 +150,4 @@ def run_ferry(
         "prefix_cache_hits": stats.prefix_cache_hits - before.prefix_cache_hits,
         "prefix_cache_queries": stats.prefix_cache_queries - before.prefix_cache_queries,
     }
-    return SystemRun("ferry", wall, tokens, traces, details), recorder.shapes
+    return SystemRun(system, wall, tokens, traces, details), recorder.shapes

@@ -100,6 +100,27 @@ NAMED_CONFIGS: dict[str, dict[str, object]] = {
         max_position_embeddings=8192,
         **_LLAMA_IDS,
     ),
+    # Issue 26's MoE row: Qwen3-30B-A3B's layer (128 experts of width 768, 8 per token, GQA 32:4, untied 152k
+    # vocabulary) in 2 of its 48 layers, to fit beside a second copy on a 24 GiB machine.
+    "qwen3-30b-a3b-2l": dict(
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        **_QWEN3_IDS,
+    ),
     "qwen3-0.6b": dict(
         hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072, **_QWEN3_COMMON
     ),

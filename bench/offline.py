@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from engine import EngineCore
 
 CheckMode = Literal["strict", "report", "off"]
-SYSTEMS = ("static", "transformers-cb", "transformers-cb-default", "vllm", "ferry")
+SYSTEMS = ("static", "transformers-cb", "transformers-cb-default", "vllm", "ferry-fallback", "ferry")
 DEFAULT_SYSTEMS = ("static", "transformers-cb", "ferry")
 _WARMUP_OUTPUT = LengthDist("fixed", (4.0,))
 
@@ -194,6 +194,17 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                     threads=options.threads,
                 )
                 runs.append(_median_run(vllm_runs, options.check))
+        if "ferry-fallback" in options.systems:
+            # Ferry's engine on transformers' modules (--model-impl transformers): what a family ran on before it
+            # had native modules. Closed before the native engine starts, so the two never share the memory.
+            with build_engine(
+                model, workload, slots=slots, max_batch_tokens=budget, page_size=options.page_size,
+                attention_backend=options.attention_backend, model_impl="transformers",
+            ) as fallback:  # fmt: skip
+                if options.warmup:
+                    run_ferry(fallback, warm)
+                fallback_runs = [run_ferry(fallback, workload, system="ferry-fallback")[0] for _ in repeats]
+            runs.append(_median_run(fallback_runs, options.check))
         if "ferry" in options.systems:
             started = time.perf_counter()
             engine = build_engine(
@@ -320,7 +331,9 @@ def _report(
 
 def format_offline(report: dict[str, object]) -> str:
     systems = report["systems"]
-    baselines = [b for b in ("static", "transformers-cb", "transformers-cb-default", "vllm") if b in systems]
+    baselines = [
+        b for b in ("static", "transformers-cb", "transformers-cb-default", "vllm", "ferry-fallback") if b in systems
+    ]
     headers = ["system", "wall s", "gen tok/s", *(f"vs {b}" for b in baselines), "efficiency"]
     rows = []
     for name, run in systems.items():

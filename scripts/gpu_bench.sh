@@ -5,7 +5,7 @@
 #   2. a float32 greedy-equality check of Ferry against transformers on the GPU (Qwen3-0.6B shape, strict);
 #   3. the offline benchmark, bfloat16, Qwen3-0.6B-shaped: transformers' `generate_batch` (its continuous batching),
 #      Ferry with CUDA graphs, then Ferry with --enforce-eager, then Ferry with --async-scheduling;
-#   4. the same for Qwen3-4B-shaped dummy weights;
+#   4. the same for Qwen3-4B-shaped dummy weights, and for a 2-layer Qwen3-30B-A3B shape (mixture of experts);
 #   5. decode step time at batch 1 / 16 / 64 / 256 against the HBM roofline, CUDA graphs on and off, both shapes;
 #      fp8 weights and an fp8 KV cache against bfloat16 on the 4B shape;
 #   6. on a machine with more than one GPU: tensor parallelism, the TP=2 engine step against TP=1 (NCCL).
@@ -53,7 +53,7 @@ step() {
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { echo "no CUDA device"; exit 2; }
 
 # Only the files that hold GPU tests: collecting the others would import the server's packages.
-step gpu-tests 90 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_sampler.py -p no:cacheprovider \
+step gpu-tests 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_sampler.py -p no:cacheprovider \
     --junitxml "$OUT/gpu-tests.xml"
 
 # float32 on the GPU: the same saved weights in both systems, so greedy tokens must match exactly.
@@ -86,6 +86,13 @@ step offline-qwen3-4b-eager 40 "$PY" -m bench offline --model qwen3-4b --weights
     --systems ferry --enforce-eager --num-requests 128 --prompt-len uniform:32:512 \
     --output-len pareto:16:512:1.2 --batch-size 64 --max-batch-tokens 8192 --page-size 16 \
     --json "$OUT/offline-qwen3-4b-eager.json"
+
+# Mixture of experts (issue 26): Qwen3-30B-A3B's layer in 2 layers, native grouped expert matmuls with CUDA graphs
+# against transformers' continuous batching (its experts one by one).
+step offline-qwen3-30b-a3b 90 "$PY" -m bench offline --model qwen3-30b-a3b-2l --weights dummy --dtype bfloat16 \
+    --systems transformers-cb,ferry --num-requests 64 --prompt-len uniform:32:512 \
+    --output-len pareto:16:256:1.2 --batch-size 64 --max-batch-tokens 8192 --page-size 16 \
+    --json "$OUT/offline-qwen3-30b-a3b.json"
 
 # The roofline: bytes of weights and K/V one decode step reads, over ~4.3 TB/s.
 for shape in qwen3-0.6b qwen3-4b; do

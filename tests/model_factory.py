@@ -61,6 +61,17 @@ ARCHITECTURES: dict[str, dict] = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
     ),
+    # Experts only in the second layer (the first dense, as `mlp_only_layers` makes it); top-k renormalised.
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
     "phi3": dict(model_type="phi3", num_key_value_heads=2),
     "starcoder2": dict(model_type="starcoder2", num_key_value_heads=2, sliding_window=24),
     # Logits scaled after the head: Cohere multiplies them, Granite divides them (and scales attention itself).

@@ -34,6 +34,7 @@ ARCHS = [
     "falcon_gqa",
     "mixtral",
     "qwen2_moe",
+    "qwen3_moe",
     "phi3",
     "starcoder2",
     "cohere",
@@ -227,7 +228,9 @@ def test_async_scheduling_greedy_equals_generate(model_dir: Callable[[str], Path
     engine.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom", "mixtral", "qwen3_moe"]
+)
 def test_prefix_sharing_greedy(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
     prompts, max_new, expected, _ = _reference(path, arch, shared_prefix=40)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.layers.moe import is_sparse_layer
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -30,6 +32,7 @@ _TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)
 
 _EMPTY = (None, False, {}, [], "", "none")
 _UNBUILT = {
+    "target_parameters": "LoRA on parameters rather than modules (target_parameters: a mixture of experts' experts)",
     "use_dora": "DoRA (use_dora)",
     "modules_to_save": "modules_to_save (fully trained copies of modules)",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
@@ -151,6 +154,9 @@ def _read_modules(
                                f"{', '.join(TARGETS)}")  # fmt: skip
         if layer >= num_layers:
             raise AdapterError(f"the adapter in {directory} adapts layer {layer}; the model has {num_layers}")
+        if match[2] == "mlp" and is_sparse_layer(hf_config, layer):
+            raise AdapterError(f"the adapter in {directory} adapts {projection} of layer {layer}, whose feed-forward "
+                               "is a mixture of experts here (experts take no adapters)")  # fmt: skip
         out_features, in_features = expected[projection]
         want = (rank, in_features) if half == "A" else (out_features, rank)
         if tuple(shape) != want:

@@ -1,4 +1,5 @@
-"""Native Llama-family decoder (Llama, Qwen2, Qwen3, Mistral): the fast path.
+"""Native Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) and its mixture-of-experts variants (Mixtral,
+Qwen2-MoE, Qwen3-MoE: the same attention, a sparse feed-forward in some or all layers): the fast path.
 
 Differences from the transformers modules are for speed only: fused QKV and gate/up projections, rotary cos/sin
 precomputed once for every position, the packed `[T, ...]` layout with no batch dimension, attention through a
@@ -11,11 +12,14 @@ compile a layer, or the whole decoder, into a graph that does not change from st
 With tensor parallelism (`tp`) each rank builds its shard, Megatron-style: QKV and gate/up are column-parallel
 (this rank's attention heads, KV heads and MLP columns), o and down row-parallel with one all-reduce each, the
 embedding and the LM head vocab-parallel (the logits of the sampling rows are gathered on rank 0 only). With fewer
-KV heads than ranks each KV head is replicated on the ranks whose query heads read it.
+KV heads than ranks each KV head is replicated on the ranks whose query heads read it. A sparse layer's router is
+replicated and each expert split like the MLP (engine/layers/moe.py), one all-reduce for its experts and its shared
+expert together.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -38,10 +42,13 @@ from engine.layers.linear import (
     ShardId,
 )
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
+from engine.layers.moe import FusedExperts, Routing, is_sparse, is_sparse_layer
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, rotary_tables
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from engine.models.llama_fused import FusedDecoder
+from engine.quantization import UnsupportedQuantization
+from engine.quantization.base import QuantizedLinearMethod
 
 # transformers checkpoint name -> (Ferry module name, shard id)
 _FUSED = {
@@ -51,6 +58,15 @@ _FUSED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+
+_EXPERT = re.compile(
+    r"^(?P<layer>.+\.mlp)\.experts\.(?:(?P<expert>\d+)\.(?P<part>\w+)\.weight|(?P<stacked>gate_up_proj|down_proj))$"
+)
+"""An expert's matrix (`...mlp.experts.3.gate_proj.weight`), or all experts' stacked (transformers 5's
+`...mlp.experts.gate_up_proj`), once Mixtral's names are Qwen's (`_MIXTRAL_NAMES`)."""
+
+_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
 
 def sliding_window_of_layer(config: PretrainedConfig, layer: int) -> int | None:
@@ -71,6 +87,10 @@ def check_tensor_parallel(config: PretrainedConfig, size: int) -> None:
         problems.append(f"its {kv_heads} KV heads neither divide by {size} nor divide {size} (for replication)")
     if width % size:
         problems.append(f"its MLP width {width} does not divide by {size}")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        expert_width = getattr(config, name, None)
+        if is_sparse(config) and expert_width and expert_width % size:
+            problems.append(f"its {name} {expert_width} does not divide by {size}")
     if problems:
         raise EngineStartupError(
             f"this {config.model_type} model cannot be split over --tensor-parallel-size {size}: " + "; ".join(problems)
@@ -89,8 +109,10 @@ class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer: int, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        out_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
+        if config.model_type in ("qwen2", "qwen2_moe"):
+            qkv_bias, out_bias = getattr(config, "qkv_bias", True), False
+        else:
+            qkv_bias = out_bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
             bias=qkv_bias, method=method, shard=_shard(tp),
@@ -102,7 +124,7 @@ class Attention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=out_bias, method=method,
             shard=_shard(tp), all_reduce=_all_reduce(tp),
         )  # fmt: skip
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -135,17 +157,27 @@ which the kernel's scalar exp does not match on thousands of rows."""
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, method: LinearMethod, tp: TensorParallel | None) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        method: LinearMethod,
+        tp: TensorParallel | None,
+        width: int | None = None,
+        reduce: bool = True,
+    ) -> None:
+        """`width`: the intermediate size (the config's by default); `reduce=False` leaves the partial sums of
+        tensor-parallel ranks for the caller to all-reduce (a shared expert's, with the routed experts')."""
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        width = config.intermediate_size
+        width = width or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [width, width], bias=bias, method=method, shard=_shard(tp)
         )
         self.intermediate = self.gate_up_proj.part_sizes[0]
         self.down_proj = RowParallelLinear(
-            width, config.hidden_size, bias=bias, method=method, shard=_shard(tp), all_reduce=_all_reduce(tp)
-        )
+            width, config.hidden_size, bias=bias, method=method, shard=_shard(tp),
+            all_reduce=_all_reduce(tp) if reduce else None,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -157,11 +189,42 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class SparseMoeBlock(nn.Module):
+    """A router over `num_experts` SiLU-gated experts, `top_k` of them per token (engine/layers/moe.py); Qwen2-MoE
+    adds a shared expert, gated per token by a sigmoid, to every token's mix."""
+
+    def __init__(self, config: PretrainedConfig, method: LinearMethod, tp: TensorParallel | None) -> None:
+        super().__init__()
+        num_experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
+        width = config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+        self.routing = Routing(
+            config.num_experts_per_tok, config.model_type == "mixtral" or bool(config.norm_topk_prob)
+        )
+        # Router and shared-expert gate stay plain matrices in the model's dtype: their outputs pick experts, which
+        # a quantized router's rounding could change.
+        self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, config.hidden_size, width, _shard(tp))
+        shared = getattr(config, "shared_expert_intermediate_size", 0)
+        self.shared_expert = MLP(config, method, tp, width=shared, reduce=False) if shared else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
+        self.all_reduce = _all_reduce(tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        weights, ids = self.routing.select(self.gate(x))  # [T, top_k] each
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # The gate is replicated, so scaling each rank's partial sum scales their total: one all-reduce.
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if self.all_reduce is None else self.all_reduce(out)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer: int, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, method, tp)
-        self.mlp = MLP(config, method, tp)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(config, method, tp) if is_sparse_layer(config, layer) else MLP(config, method, tp)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -217,6 +280,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         super().__init__()
         if tp is not None:
             check_tensor_parallel(config, tp.size)
+        if is_sparse(config) and isinstance(method, QuantizedLinearMethod):
+            raise UnsupportedQuantization(
+                method.scheme, f"this {config.model_type!r} model's experts (a mixture of experts) run in the model's "
+                "dtype only; its quantized linears would leave most of its weights unquantized"
+            )  # fmt: skip
         method = method or UnquantizedLinearMethod()
         self.config = config
         self.tp = tp
@@ -300,10 +368,13 @@ class LlamaFamilyForCausalLM(nn.Module):
                 (i, "k_proj"): (attn.qkv_proj, "k"),
                 (i, "v_proj"): (attn.qkv_proj, "v"),
                 (i, "o_proj"): (attn.o_proj, None),
-                (i, "gate_proj"): (mlp.gate_up_proj, 0),
-                (i, "up_proj"): (mlp.gate_up_proj, 1),
-                (i, "down_proj"): (mlp.down_proj, None),
             })  # fmt: skip
+            if isinstance(mlp, MLP):  # a sparse layer's experts take no adapters (an adapter naming them is refused)
+                targets.update({
+                    (i, "gate_proj"): (mlp.gate_up_proj, 0),
+                    (i, "up_proj"): (mlp.gate_up_proj, 1),
+                    (i, "down_proj"): (mlp.down_proj, None),
+                })  # fmt: skip
         return targets
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -335,11 +406,20 @@ class LlamaFamilyForCausalLM(nn.Module):
         linear's method processes (packs) its weights as soon as its last shard is in."""
         modules = dict(self.named_modules())
         plain = {
-            name for name, _ in self.named_parameters() if not isinstance(modules[name.rpartition(".")[0]], LinearBase)
+            name
+            for name, _ in self.named_parameters()
+            if not isinstance(modules[name.rpartition(".")[0]], LinearBase | FusedExperts)
         }
         loaded: set[str] = set()
+        experts_loaded: dict[str, set[tuple[int | None, str]]] = {}
         for name, tensor in weights:
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
+                continue
+            if self.config.model_type == "mixtral":
+                for mixtral_part, part in _MIXTRAL_NAMES.items():
+                    name = name.replace(mixtral_part, part)
+            if (expert := _EXPERT.match(name)) is not None:
+                self._load_expert(modules, expert, tensor, experts_loaded)
                 continue
             shard_id = None
             for hf_part, (fused_part, part) in _FUSED.items():
@@ -358,5 +438,43 @@ class LlamaFamilyForCausalLM(nn.Module):
         missing = (plain - loaded) | {
             f"{name}.weight" for name, module in modules.items() if isinstance(module, LinearBase) and not module.loaded
         }
+        for name, module in modules.items():
+            if isinstance(module, FusedExperts):
+                got = experts_loaded.get(name, set())
+                whole = {part for expert, part in got if expert is None}
+                missing |= {
+                    f"{name}.{expert}.{part}"
+                    for expert in range(module.num_experts)
+                    for part in ("gate", "up", "down")
+                    if part not in whole and (expert, part) not in got
+                }
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)}")
+
+    @staticmethod
+    def _load_expert(
+        modules: dict[str, nn.Module],
+        match: re.Match[str],
+        tensor: torch.Tensor,
+        loaded: dict[str, set[tuple[int | None, str]]],
+    ) -> None:
+        """One expert's matrix, or all experts' stacked, into its layer's `FusedExperts`."""
+        name = f"{match['layer']}.experts"
+        experts = modules.get(name)
+        if not isinstance(experts, FusedExperts):
+            raise ValueError(f"checkpoint tensor {match.group(0)!r} has no place: {match['layer']} is not sparse here")
+        if match["stacked"] == "gate_up_proj":  # [experts, 2 * width, hidden]: gates, then ups
+            gate, up = tensor.chunk(2, dim=1)
+            parts = [("gate", gate), ("up", up)]
+        elif match["stacked"] == "down_proj":
+            parts = [("down", tensor)]
+        elif match["part"] in _EXPERT_PARTS:
+            parts = [(_EXPERT_PARTS[match["part"]], tensor)]
+        else:
+            raise ValueError(f"checkpoint tensor {match.group(0)!r}: an expert has no {match['part']!r}")
+        expert = None if match["stacked"] else int(match["expert"])
+        if expert is not None and expert >= experts.num_experts:
+            raise ValueError(f"checkpoint tensor {match.group(0)!r}: the layer has {experts.num_experts} experts")
+        for part, matrix in parts:
+            experts.weight_loader(expert, part, matrix)
+            loaded.setdefault(name, set()).add((expert, part))

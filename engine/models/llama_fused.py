@@ -52,6 +52,7 @@ class FusedDecoder:
         linears = [module for layer in layers for module in layer.modules() if isinstance(module, LinearBase)]
         if (
             not cpu_kernels_take(backbone.norm.weight)
+            or any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers)  # a mixture of experts
             or any(not isinstance(linear.method, BlockedLinearMethod | PackedLinearMethod) for linear in linears)
             or any(getattr(linear, "all_reduce", None) is not None for linear in linears)
             or len({(layer.self_attn.scale, layer.input_layernorm.eps) for layer in layers}) != 1

@@ -31,6 +31,9 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
     "MistralForCausalLM": LlamaFamilyForCausalLM,
+    "MixtralForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
 }
 """Architectures with modules of Ferry's own."""
 

@@ -1,0 +1,115 @@
+"""Mixture-of-experts feed-forward: a router picks `top_k` experts per token, and every expert's tokens go through
+it in one grouped matmul.
+
+The experts' weights are stacked (`w13` `[experts, 2 * width, hidden]`: each expert's gate rows over its up rows;
+`w2` `[experts, hidden, width]`), so a step's (token, expert) pairs, sorted by expert, run through
+`torch.nn.functional.grouped_mm` with the experts' offsets: two calls per layer whatever the routing, no loop over
+tokens or experts, no host sync (the offsets stay on the device, so a CUDA graph can hold the layer).
+
+With tensor parallelism every rank holds every expert's slice of the width (Megatron's MLP split, per expert):
+gate/up rows column-parallel, down columns row-parallel, and the caller all-reduces the partial sums once, together
+with any shared expert's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.layers.linear import ONE_RANK, Shard
+
+
+def is_sparse(config: PretrainedConfig) -> bool:
+    """Whether `config` is a mixture-of-experts variant of the family (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    return config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def is_sparse_layer(config: PretrainedConfig, layer: int) -> bool:
+    """Whether `layer`'s feed-forward is a mixture of experts: every layer of Mixtral; Qwen's every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers`, as transformers builds them."""
+    if config.model_type == "mixtral":
+        return True
+    if not is_sparse(config):
+        return False
+    return (
+        layer not in (config.mlp_only_layers or [])
+        and config.num_experts > 0
+        and (layer + 1) % config.decoder_sparse_step == 0
+    )
+
+
+EXPERT_PARTS = ("gate", "up", "down")
+"""An expert's three matrices: `gate` and `up` `[width, hidden]`, `down` `[hidden, width]` (nn.Linear's layout)."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits pick and weigh experts: softmax over all experts, the `top_k` largest, their
+    probabilities renormalised to sum to one where `renormalize` (Mixtral always; Qwen's MoE by `norm_topk_prob`)."""
+
+    top_k: int
+    renormalize: bool
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits` `[T, experts]` -> (float32 weights `[T, top_k]`, expert ids `[T, top_k]`)."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class FusedExperts(nn.Module):
+    """`num_experts` SiLU-gated MLPs of width `width` (this rank's `width / shard.size`), as two stacked tensors."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, shard: Shard = ONE_RANK) -> None:
+        super().__init__()
+        if width % shard.size:
+            raise ValueError(f"expert width {width} does not divide by {shard.size} tensor-parallel ranks")
+        self.num_experts = num_experts
+        self.width = width // shard.size
+        self.shard = shard
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.width, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.width), requires_grad=False)
+
+    @torch.no_grad()
+    def weight_loader(self, expert: int | None, part: str, loaded: torch.Tensor) -> None:
+        """Copy this rank's slice of one expert's matrix (`expert` an index, `loaded` nn.Linear's 2-D layout), or of
+        every expert's at once (`expert` None, `loaded` stacked `[experts, ...]`, as transformers 5 holds them)."""
+        if part not in EXPERT_PARTS:
+            raise ValueError(f"an expert has no {part!r} matrix (it has {', '.join(EXPERT_PARTS)})")
+        experts = slice(None) if expert is None else expert
+        first = self.shard.rank * self.width
+        if part == "down":
+            self.w2[experts].copy_(loaded.narrow(-1, first, self.width))
+        else:
+            rows = slice(0, self.width) if part == "gate" else slice(self.width, 2 * self.width)
+            self.w13[experts, rows].copy_(loaded.narrow(-2, first, self.width))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        weights: torch.Tensor,  # [T, top_k] float32
+        ids: torch.Tensor,  # [T, top_k]
+    ) -> torch.Tensor:  # [T, hidden]: this rank's partial sums with tensor parallelism
+        tokens, top_k = ids.shape
+        flat = ids.flatten()  # [T * top_k]
+        order = flat.argsort(stable=True)  # the pairs, grouped by expert
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)  # [experts]: where each expert's pairs end
+        pairs = x[order // top_k]  # [T * top_k, hidden]
+        gate_up = F.grouped_mm(pairs, self.w13.transpose(1, 2), offs=offsets)  # [T * top_k, 2 * width]
+        gate, up = gate_up.split(self.width, dim=-1)
+        out = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)  # [T * top_k, hidden]
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        mixed = (unsorted.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
+        return mixed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, width={self.width}, rank={self.shard.rank}/{self.shard.size}"

@@ -1,0 +1,203 @@
+"""Native mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the grouped expert matmuls against each expert run
+alone, the checkpoint layouts, and what is refused by name. The engine oracle (greedy tokens and logprobs against
+`generate` under mixed batches, chunking, preemption, prefix sharing and TP=2) runs these families in
+tests/test_engine_equivalence.py and tests/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine.core.request import LoRARequest
+from engine.layers.linear import Shard
+from engine.layers.moe import FusedExperts, Routing
+from engine.lora.adapter import AdapterError, read_adapter
+from engine.models.llama import MLP, LlamaFamilyForCausalLM, SparseMoeBlock
+from engine.models.registry import choose_model_class
+from engine.quantization import UnsupportedQuantization
+from tests.lora_adapters import ATTENTION, build_adapter_dir, peft_model
+from tests.lora_adapters import MLP as MLP_PROJECTIONS
+from tests.test_lora import greedy
+
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+def _each_expert_alone(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """transformers' loop: every (token, expert) pair through its expert's matrices, weighted and summed."""
+    width = w2.shape[-1]
+    out = torch.zeros_like(x)
+    for token in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            expert = int(ids[token, slot])
+            gate, up = F.linear(x[token], w13[expert]).split(width)
+            out[token] += weights[token, slot] * F.linear(F.silu(gate) * up, w2[expert])
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.integers(1, 40),
+    num_experts=st.integers(1, 9),
+    top_k=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_grouped_experts_equal_each_expert_alone_and_split_over_ranks(
+    tokens: int, num_experts: int, top_k: int, seed: int
+) -> None:
+    """Any routing (experts with no tokens, one expert taking every token) gives each pair its expert's product;
+    two ranks' halves of every expert sum to the whole."""
+    top_k = min(top_k, num_experts)
+    generator = torch.Generator().manual_seed(seed)
+    hidden, width = 16, 8
+    x = torch.randn(tokens, hidden, generator=generator)
+    gate = torch.randn(num_experts, width, hidden, generator=generator)
+    up = torch.randn(num_experts, width, hidden, generator=generator)
+    down = torch.randn(num_experts, hidden, width, generator=generator)
+    logits = torch.randn(tokens, num_experts, generator=generator)
+    weights, ids = Routing(top_k, renormalize=True).select(logits)
+    assert torch.allclose(weights.sum(-1), torch.ones(tokens))
+    want = _each_expert_alone(x, torch.cat([gate, up], dim=1), down, weights, ids)
+
+    def experts(shard: Shard) -> FusedExperts:
+        module = FusedExperts(num_experts, hidden, width, shard)
+        for expert in range(num_experts):  # one expert at a time, as most checkpoints hold them
+            for part, matrix in (("gate", gate[expert]), ("up", up[expert]), ("down", down[expert])):
+                module.weight_loader(expert, part, matrix)
+        return module
+
+    torch.testing.assert_close(experts(Shard())(x, weights, ids), want, atol=1e-4, rtol=1e-5)
+    halves = [experts(Shard(rank, 2))(x, weights, ids) for rank in range(2)]
+    torch.testing.assert_close(halves[0] + halves[1], want, atol=1e-4, rtol=1e-5)
+
+
+def test_routing_as_transformers_routes() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    weights, ids = Routing(2, renormalize=False).select(logits)
+    probs = torch.softmax(logits, -1)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, probs[:, [1, 2]])
+    weights, _ = Routing(2, renormalize=True).select(logits)
+    torch.testing.assert_close(weights, probs[:, [1, 2]] / probs[:, [1, 2]].sum())
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_families_run_on_native_modules_where_transformers_has_experts(
+    model_dir: Callable[[str], Path], arch: str
+) -> None:
+    path = model_dir(arch)
+    config = AutoConfig.from_pretrained(path)
+    assert choose_model_class(config, "auto") is LlamaFamilyForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = EngineCore(EngineConfig.of(model=str(path), num_pages=64))
+    model = engine.runner.model
+    assert isinstance(model, LlamaFamilyForCausalLM)
+    for theirs, ours in zip(hf.model.layers, model.model.layers, strict=True):
+        sparse = hasattr(getattr(theirs, "mlp", None) or theirs.block_sparse_moe, "experts")
+        assert isinstance(ours.mlp, SparseMoeBlock if sparse else MLP)
+    if arch == "qwen3_moe":  # the fixture's layer 0 is in mlp_only_layers
+        assert [type(layer.mlp) for layer in model.model.layers] == [MLP, SparseMoeBlock]
+    if arch == "qwen2_moe":
+        assert all(layer.mlp.shared_expert is not None for layer in model.model.layers)
+    engine.close()
+
+
+def _stacked(source: Path, target: Path) -> Path:
+    """`source`'s checkpoint with each layer's experts stacked as transformers 5 holds them in memory
+    (`experts.gate_up_proj` `[experts, 2 * width, hidden]`, `experts.down_proj` `[experts, hidden, width]`)."""
+    shutil.copytree(source, target)
+    tensors = load_file(source / "model.safetensors")
+    config = AutoConfig.from_pretrained(source)
+    stacked: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if ".experts." not in name:
+            stacked[name] = tensor
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if f"{prefix}.0.gate_proj.weight" not in tensors:
+            continue
+        count = config.num_experts
+        part = [[tensors[f"{prefix}.{e}.{p}_proj.weight"] for e in range(count)] for p in ("gate", "up", "down")]
+        stacked[f"{prefix}.gate_up_proj"] = torch.cat([torch.stack(part[0]), torch.stack(part[1])], dim=1)
+        stacked[f"{prefix}.down_proj"] = torch.stack(part[2])
+    save_file(stacked, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def _greedy_tokens(path: Path, prompts: list[list[int]], **overrides: object) -> list[list[int]]:
+    with EngineCore(EngineConfig.of(model=str(path), num_pages=128, **overrides)) as engine:
+        results = generate_batch(prompts, params=SamplingParams(max_new_tokens=10), engine=engine)
+        return [results[f"req_{i}"].generated_ids for i in range(len(prompts))]
+
+
+def test_stacked_experts_load_as_one_expert_at_a_time(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    path = model_dir("qwen3_moe")
+    prompts = [[5, 80, 13, 200, 7], [9, 9, 41]]
+    want = _greedy_tokens(path, prompts)
+    assert _greedy_tokens(_stacked(path, tmp_path / "stacked"), prompts) == want
+
+
+def test_a_missing_expert_is_named(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    path = tmp_path / "missing"
+    shutil.copytree(model_dir("mixtral"), path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.3\.down"):
+        EngineCore(EngineConfig.of(model=str(path), num_pages=64))
+
+
+def test_dummy_weights_and_bfloat16_run(model_dir: Callable[[str], Path]) -> None:
+    prompts = [[5, 80, 13, 200, 7]]
+    assert len(_greedy_tokens(model_dir("qwen2_moe"), prompts, load_format="dummy")[0]) == 10
+    assert len(_greedy_tokens(model_dir("mixtral"), prompts, dtype="bfloat16")[0]) == 10
+
+
+def test_quantizing_a_mixture_of_experts_is_refused_by_name(model_dir: Callable[[str], Path]) -> None:
+    config = EngineConfig.of(model=str(model_dir("mixtral")), quantization="int8", num_pages=64)
+    with pytest.raises(UnsupportedQuantization, match="'mixtral' model's experts"):
+        EngineCore(config)
+
+
+def test_adapters_on_a_moe_model_adapt_attention(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """An adapter of Qwen3-MoE's attention is served exactly; PEFT's LoRA on the experts (`target_parameters`,
+    what PEFT makes of MLP targets on this family) and an adapter naming a sparse layer's MLP are refused, saying
+    so."""
+    base = model_dir("qwen3_moe")
+    adapter = build_adapter_dir(base, tmp_path / "adapter", r=8, lora_alpha=16, target_modules=list(ATTENTION))
+    prompt = [11, 45, 2, 99, 130, 7, 64, 3, 18]
+    want, want_logprobs = greedy(peft_model(base, adapter), prompt, max_new=8)
+    config = EngineConfig.of(model=str(base), enable_lora=True, max_loras=1, num_pages=64)
+    with EngineCore(config) as engine:
+        lora = LoRARequest("moe-adapter", 1, str(adapter))
+        params = SamplingParams(max_new_tokens=8, logprobs=True)
+        got = generate_batch([prompt], params=params, engine=engine, loras=[lora])["req_0"]
+    assert got.generated_ids == want
+    assert max(abs(t.logprob - w) for t, w in zip(got.logprobs, want_logprobs, strict=True)) <= 1e-4
+    hf_config = AutoConfig.from_pretrained(base)
+
+    experts = build_adapter_dir(base, tmp_path / "experts", r=8, lora_alpha=16, target_modules=list(MLP_PROJECTIONS))
+    with pytest.raises(AdapterError, match="target_parameters"):
+        read_adapter(str(experts), hf_config, 16)
+
+    # The first adapter with a gate_proj pair added to layer 1, whose MLP is experts.
+    moved = tmp_path / "moved"
+    shutil.copytree(adapter, moved)
+    tensors = load_file(moved / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.1.mlp.gate_proj"
+    tensors[f"{prefix}.lora_A.weight"] = torch.zeros(8, hf_config.hidden_size)
+    tensors[f"{prefix}.lora_B.weight"] = torch.zeros(hf_config.intermediate_size, 8)
+    save_file(tensors, moved / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="gate_proj of layer 1, whose feed-forward is a mixture of experts"):
+        read_adapter(str(moved), hf_config, 16)
