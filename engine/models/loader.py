@@ -6,7 +6,7 @@ import ctypes
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from transformers import (
     AutoTokenizer,
     GenerationConfig,
     PretrainedConfig,
+    PreTrainedModel,
 )
 
 from engine.attention import AttentionBackend, select_backend
@@ -401,6 +402,23 @@ def _load_encoder(
     return TransformersEncoder(hf_model)
 
 
+def paged_transformers_model(
+    hf_config: PretrainedConfig, build: Callable[[PretrainedConfig], PreTrainedModel]
+) -> PreTrainedModel:
+    """transformers' model of `hf_config`, made by `build` with Ferry's paged attention as its attention
+    implementation; UnsupportedModelError for a model that looks its attention classes up in a table of its own,
+    which has no paged entry."""
+    hf_config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        return build(hf_config)
+    except KeyError as error:
+        if error.args != (ATTN_IMPLEMENTATION,):
+            raise
+        raise UnsupportedModelError(
+            hf_config.model_type, "attention classes from a table of the model's own with no paged entry"
+        ) from error
+
+
 def _load_transformers_model(
     config: EngineConfig,
     hf_config: PretrainedConfig,
@@ -408,21 +426,20 @@ def _load_transformers_model(
     device: torch.device,
     method: LinearMethod,
 ) -> TransformersCausalLM:
-    hf_config._attn_implementation = ATTN_IMPLEMENTATION
-    try:
-        if config.model.load_format == "dummy":
-            hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-        else:
-            hf_model = AutoModelForCausalLM.from_pretrained(
+    if config.model.load_format == "dummy":
+        hf_model = paged_transformers_model(
+            hf_config,
+            lambda hf_config: AutoModelForCausalLM.from_config(
+                hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+            ),
+        )
+    else:
+        hf_model = paged_transformers_model(
+            hf_config,
+            lambda _: AutoModelForCausalLM.from_pretrained(
                 config.model.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-            )
-    except KeyError as error:
-        if error.args != (ATTN_IMPLEMENTATION,):
-            raise
-        # The model looks its attention classes up in a table of its own, which has no paged entry.
-        raise UnsupportedModelError(
-            hf_config.model_type, "attention classes from a table of the model's own with no paged entry"
-        ) from error
+            ),
+        )
     # Built (or loaded) in `dtype` on the CPU, then moved: loading straight onto a GPU (`device_map`) would need
     # accelerate.
     hf_model = hf_model.eval().to(device)

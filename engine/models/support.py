@@ -49,8 +49,22 @@ def _composite(config: PretrainedConfig) -> str | None:
     return f"a composite (multimodal) config with {', '.join(parts)}" if "text_config" in parts else None
 
 
+def _layout(config: PretrainedConfig) -> str | None:
+    # The paged cache is sized from these: a model without them (or with them per layer) is refused here rather than
+    # failing on them later.
+    varying = getattr(config, "per_layer_attributes", None)
+    if varying:  # reading one of them at the top raises
+        return f"attributes that vary from layer to layer ({', '.join(sorted(varying))})"
+    if getattr(config, "num_hidden_layers", None) is None:
+        return "a config without num_hidden_layers at its top (a model made of sub-models)"
+    if getattr(config, "num_attention_heads", None) is None:
+        return "layers without attention heads (no num_attention_heads: a state-space or recurrent model)"
+    return None
+
+
 _REFUSED: tuple[_Check, ...] = (
     _composite,
+    _layout,
     _flag("is_encoder_decoder", "an encoder-decoder architecture"),
     _flag("add_cross_attention", "cross-attention"),
     _flag("use_bidirectional_attention", "bidirectional attention"),
