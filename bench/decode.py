@@ -5,7 +5,9 @@ engine runs a named model with random weights (`load_format="dummy"`); N request
 are admitted and prefilled, then pure decode steps are timed (with and without CUDA graphs where `--graphs` asks
 for both). The roofline is the bytes one step must read divided by the memory bandwidth:
 
-    weights: every parameter, except an untied input embedding (a step reads N of its rows, not the table)
+    weights: every parameter, except an untied input embedding (a step reads N of its rows, not the table), and of a
+             mixture of experts' experts the share N tokens route to: each of E experts is routed one of N tokens'
+             top-k with probability 1 - (1 - k / E)^N (uniform routing, which random weights give)
     K/V:     N sequences x (mean context over the timed steps) x layers x 2 x KV heads x head_dim x element size
 
 and the fraction reached is roofline time / measured time. The bandwidth is `--bandwidth-gbs` when given, the
@@ -29,6 +31,7 @@ from transformers import AutoConfig
 
 from bench.models import NAMED_CONFIGS
 from bench.report import fmt, format_table, stamp
+from engine.layers.moe import FusedExperts
 from engine.layers.vocab import VocabParallelEmbedding
 from engine.models.loader import weight_bytes
 
@@ -130,6 +133,11 @@ def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[
             m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))
         )
         weights -= embedding.numel() * embedding.element_size()
+    for module in model.modules():
+        if isinstance(module, FusedExperts):
+            top_k = engine.hf_config.num_experts_per_tok
+            unread = (1 - top_k / module.num_experts) ** num_seqs  # an expert's chance that no token routes to it
+            weights -= round(unread * weight_bytes(module))
     # What the cache really holds a token in (its dtype: float8 under --kv-cache-dtype fp8), over every layer.
     per_token = sum(layout.page_bytes for layout in engine.kv_cache.layouts) / engine.config.cache.page_size
     return weights, num_seqs * mean_context * per_token

@@ -476,12 +476,13 @@ def test_gpu_script_is_valid_bash_and_every_bench_command_parses(tmp_path: Path)
         parser.parse_args(shlex.split(command.replace('"$shape"', "qwen3-4b").replace("$OUT", str(tmp_path))))
         for command in commands
     ]
-    assert [args.bench_command for args in parsed] == ["offline"] * 6 + ["decode"] * 2
+    assert [args.bench_command for args in parsed] == ["offline"] * 7 + ["decode"] * 2
     assert all(args.json.parent == tmp_path for args in parsed)
-    assert [args.enforce_eager for args in parsed[:6]] == [False, False, True, False, False, True]
-    assert [args.async_scheduling for args in parsed[:6]] == [False, False, False, True, False, False]
+    assert [args.enforce_eager for args in parsed[:7]] == [False, False, True, False, False, True, False]
+    assert [args.async_scheduling for args in parsed[:7]] == [False, False, False, True, False, False, False]
+    assert parsed[6].model == "qwen3-30b-a3b-2l" and parsed[6].systems == "transformers-cb,ferry"
     assert all(args.page_size == 16 for args in parsed)
-    decode, fp8 = parsed[6], parsed[7]
+    decode, fp8 = parsed[7], parsed[8]
     assert decode.sizes == (1, 16, 64, 256) and decode.graphs == ("on", "off") and decode.device == "cuda"
     assert fp8.quantization == ("none", "fp8") and fp8.kv_cache_dtype == ("auto", "fp8") and fp8.device == "cuda"
     # The TP step runs on machines with several GPUs only; the decode step runs once per shape.

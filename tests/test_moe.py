@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.request import LoRARequest
 from engine.layers.linear import Shard
+from engine.layers.linear_method import BlockedLinearMethod, PackedLinearMethod, select_linear_method
 from engine.layers.moe import FusedExperts, Routing
 from engine.lora.adapter import AdapterError, read_adapter
 from engine.models.llama import MLP, LlamaFamilyForCausalLM, SparseMoeBlock
@@ -46,21 +47,31 @@ def _each_expert_alone(
     return out
 
 
-@settings(max_examples=25, deadline=None)
+def _expected_kernel(dtype: torch.dtype) -> str:
+    """The experts' kernel: the one the dense linears of `dtype` take on this CPU, or grouped_mm (float16, which no
+    CPU kernel takes: the path CUDA runs)."""
+    method = select_linear_method(torch.device("cpu"), dtype)
+    kernels = {PackedLinearMethod: "onednn", BlockedLinearMethod: "blocked"}
+    return kernels.get(type(method), "grouped_mm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@settings(max_examples=15, deadline=None)
 @given(
     tokens=st.integers(1, 40),
     num_experts=st.integers(1, 9),
     top_k=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
-def test_grouped_experts_equal_each_expert_alone_and_split_over_ranks(
-    tokens: int, num_experts: int, top_k: int, seed: int
+def test_experts_equal_each_expert_alone_and_split_over_ranks(
+    dtype: torch.dtype, tokens: int, num_experts: int, top_k: int, seed: int
 ) -> None:
-    """Any routing (experts with no tokens, one expert taking every token) gives each pair its expert's product;
-    two ranks' halves of every expert sum to the whole."""
+    """Any routing (experts with no tokens, one expert taking every token, more than 16 tokens on one) gives each
+    pair its expert's product, on whichever kernel the dtype takes here; two ranks' halves of every expert sum to
+    the whole."""
     top_k = min(top_k, num_experts)
     generator = torch.Generator().manual_seed(seed)
-    hidden, width = 16, 8
+    hidden, width = 32, 16  # grouped_mm wants rows of 16-byte multiples: width / 2 ranks in float16
     x = torch.randn(tokens, hidden, generator=generator)
     gate = torch.randn(num_experts, width, hidden, generator=generator)
     up = torch.randn(num_experts, width, hidden, generator=generator)
@@ -68,18 +79,26 @@ def test_grouped_experts_equal_each_expert_alone_and_split_over_ranks(
     logits = torch.randn(tokens, num_experts, generator=generator)
     weights, ids = Routing(top_k, renormalize=True).select(logits)
     assert torch.allclose(weights.sum(-1), torch.ones(tokens))
-    want = _each_expert_alone(x, torch.cat([gate, up], dim=1), down, weights, ids)
+    # The reference in float32 over the weights as `dtype` holds them.
+    gate, up, down = (w.to(dtype).float() for w in (gate, up, down))
+    want = _each_expert_alone(x.to(dtype).float(), torch.cat([gate, up], dim=1), down, weights, ids)
 
     def experts(shard: Shard) -> FusedExperts:
-        module = FusedExperts(num_experts, hidden, width, shard)
+        module = FusedExperts(num_experts, hidden, width, shard).to(dtype)
         for expert in range(num_experts):  # one expert at a time, as most checkpoints hold them
             for part, matrix in (("gate", gate[expert]), ("up", up[expert]), ("down", down[expert])):
                 module.weight_loader(expert, part, matrix)
+        assert module.loaded and module.kernel == _expected_kernel(dtype)
         return module
 
-    torch.testing.assert_close(experts(Shard())(x, weights, ids), want, atol=1e-4, rtol=1e-5)
-    halves = [experts(Shard(rank, 2))(x, weights, ids) for rank in range(2)]
-    torch.testing.assert_close(halves[0] + halves[1], want, atol=1e-4, rtol=1e-5)
+    # 16-bit: the gate/up products round to the dtype before the down matrix, as transformers' experts do.
+    scale = float(want.abs().max())
+    relative = 1e-5 if dtype == torch.float32 else 0.02  # of the largest output: sums in another order
+    tolerance = dict(atol=relative * scale, rtol=0.0)
+    got = experts(Shard())(x.to(dtype), weights, ids)
+    torch.testing.assert_close(got.float(), want, **tolerance)
+    halves = [experts(Shard(rank, 2))(x.to(dtype), weights, ids).float() for rank in range(2)]
+    torch.testing.assert_close(halves[0] + halves[1], want, **tolerance)
 
 
 def test_routing_as_transformers_routes() -> None:

@@ -56,6 +56,10 @@ const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
   return op;
 }
 
+}  // namespace
+
+namespace ferry {
+
 using PackedLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                   c10::string_view, c10::List<std::optional<c10::Scalar>>,
                                   std::optional<c10::string_view>);
@@ -73,9 +77,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_fe
   return packed_linear.call(x, weight, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
 }
 
-}  // namespace
 
-namespace ferry {
 
 // hidden [T, hidden]: the embedded tokens; cos, sin [T, 1, head_dim]; sizes: heads, kv_heads, head_dim, the MLP's
 // width, fused_silu_max_tokens (up to this many tokens SiLU-and-multiply is the kernel, as MLP.forward decides); per

@@ -13,6 +13,15 @@ namespace ferry {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias);
 
+// cpu_decoder.cpp: x @ W.T + b for a weight in either CPU layout: the blocked one above, or oneDNN's packed one
+// (PackedLinearMethod), through the op that method calls.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
+                   const std::optional<at::Tensor>& bias);
+
+// cpu_experts.cpp: a mixture of experts' routed rows, grouped by expert, through each expert's matrices.
+at::Tensor experts(const at::Tensor& pairs, const at::Tensor& counts, at::TensorList w13, at::TensorList w2,
+                   int64_t width, int64_t silu_max_rows);
+
 // cpu_norm.cpp: the Llama family's RMSNorm over the last dimension.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 

@@ -1,7 +1,8 @@
 """Ferry's CPU kernel library: one extension, `torch.ops.ferry_kernels`, built from every source here by
 engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`), the
 quantized linears (`cpu_quant_linear.cpp`, engine/kernels/quant_linear.py), RMSNorm (`cpu_norm.cpp`), rotary
-embedding and SiLU-and-multiply (`cpu_pointwise.cpp`), LoRA's products (`cpu_lora.cpp`). Their shapes are
+embedding and SiLU-and-multiply (`cpu_pointwise.cpp`), LoRA's products (`cpu_lora.cpp`), a mixture of experts' routed
+rows (`cpu_experts.cpp`). Their shapes are
 registered for `torch.compile`."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SOURCES = [
         "cpu_pointwise.cpp",
         "cpu_decoder.cpp",
         "cpu_lora.cpp",
+        "cpu_experts.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h", "bfloat16.h")]
@@ -67,6 +69,7 @@ def _load() -> KernelUnavailable | None:
     torch.library.register_fake("ferry_kernels::rms_norm")(_norm_shape)
     torch.library.register_fake("ferry_kernels::rotary")(_rotary_shape)
     torch.library.register_fake("ferry_kernels::silu_mul")(_silu_mul_shape)
+    torch.library.register_fake("ferry_kernels::experts")(_experts_shape)
     return None
 
 
@@ -102,6 +105,12 @@ def _norm_shape(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 def _rotary_shape(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape)
+
+
+def _experts_shape(
+    pairs: torch.Tensor, counts: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], width: int, rows: int
+) -> torch.Tensor:
+    return pairs.new_empty(pairs.shape)
 
 
 def _silu_mul_shape(gate_up: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from engine.cpu_isa import bf16_arithmetic
 logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-_ROWS_HINT = 64
+ROWS_HINT = 64
 """oneDNN picks the packed layout for a typical row count; any count runs on it (decode batches are tens)."""
 WIDEN_SLICE = 1 << 20
 """Weight elements widened to float32 at a time (4 MiB): a slice stays in cache for its GEMM, and the float32 copy
@@ -132,7 +132,7 @@ class PackedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         try:
             with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().contiguous(), _ROWS_HINT)
+                packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().contiguous(), ROWS_HINT)
         except RuntimeError as exc:
             logger.warning("oneDNN could not pack a %s linear (%s); it uses torch's matmul", layer.weight.shape, exc)
             layer.method = UnquantizedLinearMethod()

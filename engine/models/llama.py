@@ -411,7 +411,6 @@ class LlamaFamilyForCausalLM(nn.Module):
             if not isinstance(modules[name.rpartition(".")[0]], LinearBase | FusedExperts)
         }
         loaded: set[str] = set()
-        experts_loaded: dict[str, set[tuple[int | None, str]]] = {}
         for name, tensor in weights:
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
                 continue
@@ -419,7 +418,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 for mixtral_part, part in _MIXTRAL_NAMES.items():
                     name = name.replace(mixtral_part, part)
             if (expert := _EXPERT.match(name)) is not None:
-                self._load_expert(modules, expert, tensor, experts_loaded)
+                self._load_expert(modules, expert, tensor)
                 continue
             shard_id = None
             for hf_part, (fused_part, part) in _FUSED.items():
@@ -438,29 +437,17 @@ class LlamaFamilyForCausalLM(nn.Module):
         missing = (plain - loaded) | {
             f"{name}.weight" for name, module in modules.items() if isinstance(module, LinearBase) and not module.loaded
         }
-        for name, module in modules.items():
-            if isinstance(module, FusedExperts):
-                got = experts_loaded.get(name, set())
-                whole = {part for expert, part in got if expert is None}
-                missing |= {
-                    f"{name}.{expert}.{part}"
-                    for expert in range(module.num_experts)
-                    for part in ("gate", "up", "down")
-                    if part not in whole and (expert, part) not in got
-                }
+        missing |= {
+            f"{name}.{piece}" for name, module in modules.items() if isinstance(module, FusedExperts)
+            for piece in module.missing()
+        }  # fmt: skip
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)}")
 
     @staticmethod
-    def _load_expert(
-        modules: dict[str, nn.Module],
-        match: re.Match[str],
-        tensor: torch.Tensor,
-        loaded: dict[str, set[tuple[int | None, str]]],
-    ) -> None:
+    def _load_expert(modules: dict[str, nn.Module], match: re.Match[str], tensor: torch.Tensor) -> None:
         """One expert's matrix, or all experts' stacked, into its layer's `FusedExperts`."""
-        name = f"{match['layer']}.experts"
-        experts = modules.get(name)
+        experts = modules.get(f"{match['layer']}.experts")
         if not isinstance(experts, FusedExperts):
             raise ValueError(f"checkpoint tensor {match.group(0)!r} has no place: {match['layer']} is not sparse here")
         if match["stacked"] == "gate_up_proj":  # [experts, 2 * width, hidden]: gates, then ups
@@ -473,8 +460,5 @@ class LlamaFamilyForCausalLM(nn.Module):
         else:
             raise ValueError(f"checkpoint tensor {match.group(0)!r}: an expert has no {match['part']!r}")
         expert = None if match["stacked"] else int(match["expert"])
-        if expert is not None and expert >= experts.num_experts:
-            raise ValueError(f"checkpoint tensor {match.group(0)!r}: the layer has {experts.num_experts} experts")
         for part, matrix in parts:
             experts.weight_loader(expert, part, matrix)
-            loaded.setdefault(name, set()).add((expert, part))
