@@ -167,6 +167,7 @@ COMPILED_CASES = [
     ("qwen3", "mixed", False),  # q/k norms
     ("qwen2_hybrid", "preempt", False),  # QKV bias; two sliding windows, so two graphs of each size
     ("demo", "mixed", False),
+    ("qwen3_moe", "chunked", False),  # the experts' C++ op opaque in the graph; a dense and a sparse layer
 ]
 
 
@@ -194,7 +195,10 @@ def test_compiled_greedy_equals_generate(
     # them (a graph is compiled for a thread count): of the whole decoder, or of a layer per sliding window.
     threads = step_threads(config, torch.device("cpu"), weight_bytes(engine.runner.model))
     per_kind = 3 if threads is not None and config.scheduler.max_batch_tokens >= SHORT_PREFILL_TOKENS else 2
-    graphs = per_kind if level == "full" else per_kind * len(set(engine.runner.sliding_windows))
+    # Piecewise: a graph per kind of layer (its sliding window; an MLP or a mixture of experts).
+    layers = engine.runner.model.model.layers
+    kinds = len({(layer.self_attn.sliding_window, type(layer.mlp)) for layer in layers})
+    graphs = per_kind if level == "full" else per_kind * kinds
     assert warmed_up - before == graphs
     params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
     results = generate_batch(prompts, params=params, engine=engine)

@@ -157,14 +157,15 @@ class FusedExperts(nn.Module):
         flat = ids.flatten()  # [T * top_k]
         order = flat.argsort(stable=True)  # the pairs, grouped by expert
         pairs = x[order // top_k]  # [T * top_k, hidden]
+        # [experts]: each expert's pairs, in order (a scatter, not bincount: its size is known before it runs, so a
+        # compiled graph or a CUDA graph holds it)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
         if self.packed13 is not None and self.packed2 is not None:
-            counts = torch.bincount(flat, minlength=self.num_experts)  # [experts]: each expert's pairs, in order
             out = torch.ops.ferry_kernels.experts(
                 pairs, counts, self.packed13, self.packed2, self.width, SILU_KERNEL_MAX_TOKENS
             )
         else:
-            counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-            counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
             offsets = counts.cumsum(0, dtype=torch.int32)  # [experts]: where each expert's pairs end
             gate_up = F.grouped_mm(pairs, self.w13.transpose(1, 2), offs=offsets)  # [T * top_k, 2 * width]
             gate, up = gate_up.split(self.width, dim=-1)
