@@ -20,6 +20,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
+    Mxfp4Config,
     PretrainedConfig,
     PreTrainedModel,
 )
@@ -45,7 +46,7 @@ from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
 from engine.models.registry import BASE_MODELS, NATIVE_MODELS, architecture, choose_model_class
-from engine.models.support import UnsupportedModelError, unsupported_feature
+from engine.models.support import UnsupportedModelError, dequantized_at_load, unsupported_feature
 from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
 from engine.quantization import (
@@ -435,10 +436,15 @@ def _load_transformers_model(
             ),
         )
     else:
+        options = {}
+        if dequantized_at_load(hf_config):
+            # Explicitly: where triton's MXFP4 kernels are installed transformers would run the experts on them.
+            logger.info("MXFP4 experts dequantized to %s as they load", dtype)
+            options["quantization_config"] = Mxfp4Config(dequantize=True)
         hf_model = paged_transformers_model(
             hf_config,
             lambda _: AutoModelForCausalLM.from_pretrained(
-                config.model.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+                config.model.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **options
             ),
         )
     # Built (or loaded) in `dtype` on the CPU, then moved: loading straight onto a GPU (`device_map`) would need

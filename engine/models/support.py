@@ -75,11 +75,25 @@ _REFUSED: tuple[_Check, ...] = (
 _REFUSED_NATIVE: tuple[_Check, ...] = (_activation,)
 """Features the native modules lack (the transformers adapter may run them)."""
 
-_REFUSED_ADAPTER: tuple[_Check, ...] = (
+
+def dequantized_at_load(config: PretrainedConfig) -> bool:
+    """Whether the checkpoint's weights are stored quantized in a form the transformers adapter dequantizes as it
+    loads them: gpt-oss's MXFP4 experts (exact in bfloat16 and float32: a 4-bit value times a power of two)."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    return config.model_type == "gpt_oss" and method == "mxfp4"
+
+
+def _quantized_on_adapter(config: PretrainedConfig) -> str | None:
     # transformers would load it through a quantization library of its own, dequantizing or not: quantized
-    # checkpoints run on the native modules, on Ferry's kernels (engine/quantization/checkpoints.py).
-    _flag("quantization_config", "a quantized checkpoint on the transformers adapter"),
-)
+    # checkpoints run on the native modules, on Ferry's kernels (engine/quantization/checkpoints.py), except the
+    # one format transformers dequantizes exactly at load.
+    if getattr(config, "quantization_config", None) and not dequantized_at_load(config):
+        return "a quantized checkpoint on the transformers adapter (quantization_config)"
+    return None
+
+
+_REFUSED_ADAPTER: tuple[_Check, ...] = (_quantized_on_adapter,)
 """Features the transformers adapter does not run."""
 
 

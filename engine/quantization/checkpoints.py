@@ -112,7 +112,13 @@ def stored_quantization(model: ModelConfig, tensor_parallel_size: int = 1) -> Ch
         return None
     if linear_type is not None:
         return _gguf(linear_type, head_type)
-    stored = checkpoint_quantization(_quantization_config(model.path), tensor_parallel_size)
+    found = _quantization_config(model.path)
+    if found and found.get("quant_method") == "mxfp4":
+        if _model_type(model.path) == "gpt_oss":
+            return None  # its experts, dequantized as the adapter loads them (engine/models/support.py)
+        raise UnsupportedQuantization("mxfp4", "MXFP4 weights are served for gpt-oss only (its experts, dequantized "
+                                      "exactly as they load)")  # fmt: skip
+    stored = checkpoint_quantization(found, tensor_parallel_size)
     if stored is not None and model.quantization != "none":
         raise UnsupportedQuantization(
             model.quantization,
@@ -120,6 +126,11 @@ def stored_quantization(model: ModelConfig, tensor_parallel_size: int = 1) -> Ch
             "out to serve it as stored",
         )
     return stored
+
+
+def _model_type(model_dir: str) -> str | None:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f).get("model_type")
 
 
 def _quantization_config(model_dir: str) -> dict[str, Any] | None:
