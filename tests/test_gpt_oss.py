@@ -51,6 +51,7 @@ def test_an_mxfp4_checkpoint_serves_its_dequantized_weights_exactly(checkpoints:
     expected, expected_logprobs = generate_alone(hf, prompts, max_new)
     engine, outputs, logprobs, _ = _run(mxfp4, prompts, max_new, **CONFIGS[setup])
     assert isinstance(engine.runner.model, TransformersCausalLM)
+    assert engine.checkpoint_quantization is not None and engine.checkpoint_quantization[0] == "mxfp4"
     for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         assert got == want, f"{setup}: request {i} diverged"
         worst = max(abs(a - b) for a, b in zip(logprobs[i], expected_logprobs[i], strict=True))

@@ -53,6 +53,7 @@ from engine.execution.runner import ModelRunner
 from engine.execution.startup import start_runner
 from engine.lora.adapter import AdapterError, AdapterSpec, read_adapter
 from engine.models.loader import LoadedModel, load_model, model_config, weight_bytes
+from engine.models.support import dequantized_at_load
 from engine.speculative.draft_model import DraftModelDrafts
 from engine.speculative.speculator import Speculator
 
@@ -134,7 +135,12 @@ class EngineCore:
         self.quantization = config.model.quantization if stored is None else stored.runs_as
         """The scheme whose kernels run the linear weights: --quantization's, or the quantized checkpoint's."""
         self.checkpoint_quantization = None if stored is None else (stored.format, stored.description)
-        """(format, its weights in words) of a checkpoint whose quantized weights run as stored; None otherwise."""
+        """(format, its weights in words) of a checkpoint whose weights are stored quantized; None otherwise."""
+        if dequantized_at_load(loaded.hf_config):
+            dtype = str(loaded.dtype).removeprefix("torch.")
+            self.checkpoint_quantization = (
+                "mxfp4", f"experts in 4-bit e2m1 with an exponent per 32 weights, dequantized to {dtype} at load"
+            )  # fmt: skip
         self.kv_cache_dtype = str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.")
         """What the KV cache stores K and V in: `float8_e4m3fn` under --kv-cache-dtype fp8, else the model's dtype
         (`bfloat16`, `float32`, ...), for the front end to report."""
