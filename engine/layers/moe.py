@@ -1,10 +1,11 @@
-"""Mixture-of-experts feed-forward: a router picks `top_k` experts per token, and every expert's tokens go through
-it in one grouped matmul.
+"""Mixture-of-experts feed-forward: a router picks `top_k` experts per token, and each expert multiplies the tokens
+routed to it, all of them at once (no loop over tokens).
 
-The experts' weights are stacked (`w13` `[experts, 2 * width, hidden]`: each expert's gate rows over its up rows;
-`w2` `[experts, hidden, width]`), so a step's (token, expert) pairs, sorted by expert, run through
-`torch.nn.functional.grouped_mm` with the experts' offsets: two calls per layer whatever the routing, no loop over
-tokens or experts, no host sync (the offsets stay on the device, so a CUDA graph can hold the layer).
+The experts load stacked (`w13` `[experts, 2 * width, hidden]`: each expert's gate rows over its up rows; `w2`
+`[experts, hidden, width]`). On a CPU each expert is then packed for the dense linears' kernel and one C++ op runs
+the routed experts (`FusedExperts`); elsewhere a step's (token, expert) pairs, sorted by expert, go through
+`torch.nn.functional.grouped_mm` with the experts' offsets: two calls per layer whatever the routing, no host sync
+(the offsets stay on the device, so a CUDA graph can hold the layer).
 
 With tensor parallelism every rank holds every expert's slice of the width (Megatron's MLP split, per expert):
 gate/up rows column-parallel, down columns row-parallel, and the caller all-reduces the partial sums once, together
