@@ -21,7 +21,7 @@ from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.request import LoRARequest
 from engine.layers.linear import Shard
 from engine.layers.linear_method import BlockedLinearMethod, PackedLinearMethod, select_linear_method
-from engine.layers.moe import FusedExperts, Routing
+from engine.layers.moe import FusedExperts, Routing, every_expert
 from engine.lora.adapter import AdapterError, read_adapter
 from engine.models.llama import MLP, LlamaFamilyForCausalLM, SparseMoeBlock
 from engine.models.registry import choose_model_class
@@ -99,6 +99,18 @@ def test_experts_equal_each_expert_alone_and_split_over_ranks(
     torch.testing.assert_close(got.float(), want, **tolerance)
     halves = [experts(Shard(rank, 2))(x.to(dtype), weights, ids).float() for rank in range(2)]
     torch.testing.assert_close(halves[0] + halves[1], want, **tolerance)
+
+
+def test_every_expert_equals_each_expert_alone() -> None:
+    """The path CUDA takes for dtypes grouped_mm does not take there, run here on the CPU."""
+    generator = torch.Generator().manual_seed(3)
+    tokens, num_experts, hidden, width = 9, 5, 16, 8
+    x = torch.randn(tokens, hidden, generator=generator)
+    w13 = torch.randn(num_experts, 2 * width, hidden, generator=generator)
+    w2 = torch.randn(num_experts, hidden, width, generator=generator)
+    weights, ids = Routing(2, renormalize=False).select(torch.randn(tokens, num_experts, generator=generator))
+    want = _each_expert_alone(x, w13, w2, weights, ids)
+    torch.testing.assert_close(every_expert(x, w13, w2, weights, ids), want, atol=1e-4, rtol=1e-5)
 
 
 def test_routing_as_transformers_routes() -> None:

@@ -155,6 +155,8 @@ class FusedExperts(nn.Module):
         ids: torch.Tensor,  # [T, top_k]
     ) -> torch.Tensor:  # [T, hidden]: this rank's partial sums with tensor parallelism
         tokens, top_k = ids.shape
+        if self.packed13 is None and x.is_cuda and x.dtype != torch.bfloat16:
+            return every_expert(x, self.w13, self.w2, weights, ids)
         flat = ids.flatten()  # [T * top_k]
         order = flat.argsort(stable=True)  # the pairs, grouped by expert
         pairs = x[order // top_k]  # [T * top_k, hidden]
@@ -180,6 +182,25 @@ class FusedExperts(nn.Module):
         return (
             f"experts={self.num_experts}, width={self.width}, {self.kernel}, rank={self.shard.rank}/{self.shard.size}"
         )
+
+
+def every_expert(
+    x: torch.Tensor,  # [T, hidden]
+    w13: torch.Tensor,  # [experts, 2 * width, hidden]
+    w2: torch.Tensor,  # [experts, hidden, width]
+    weights: torch.Tensor,  # [T, top_k] float32
+    ids: torch.Tensor,  # [T, top_k]
+) -> torch.Tensor:  # [T, hidden]
+    """Every token through every expert, each product weighted by its routing weight (zero where not routed): what
+    CUDA runs for dtypes `grouped_mm` does not take there (it takes bfloat16), exact and free of host syncs (a CUDA
+    graph holds it) at experts / top_k times the arithmetic."""
+    width = w2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        share = (weights * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]: 0 for tokens not routed to it
+        gate, up = F.linear(x, w13[expert]).split(width, dim=-1)
+        out += F.linear(F.silu(gate) * up, w2[expert]).float() * share
+    return out.to(x.dtype)
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
