@@ -40,7 +40,7 @@ ARCHS = [
     "cohere",
     "granite",
     "stablelm",
-    "gpt_oss",  # attention sinks (beside alternating sliding windows)
+    "gpt_oss",  # attention sinks beside alternating sliding windows; biased experts (native)
 ]
 LOGPROB_TOLERANCE = 1e-4
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"
@@ -168,6 +168,7 @@ COMPILED_CASES = [
     ("qwen2_hybrid", "preempt", False),  # QKV bias; two sliding windows, so two graphs of each size
     ("demo", "mixed", False),
     ("qwen3_moe", "chunked", False),  # the experts' C++ op opaque in the graph; a dense and a sparse layer
+    ("gpt_oss", "mixed", False),  # sinks, alternating windows, grouped_mm experts with biases
 ]
 
 
@@ -233,7 +234,8 @@ def test_async_scheduling_greedy_equals_generate(model_dir: Callable[[str], Path
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom", "mixtral", "qwen3_moe"]
+    "arch",
+    ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom", "mixtral", "qwen3_moe", "gpt_oss"],
 )
 def test_prefix_sharing_greedy(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)

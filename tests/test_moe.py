@@ -21,7 +21,7 @@ from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.request import LoRARequest
 from engine.layers.linear import Shard
 from engine.layers.linear_method import BlockedLinearMethod, PackedLinearMethod, select_linear_method
-from engine.layers.moe import FusedExperts, Routing, every_expert
+from engine.layers.moe import FusedExperts, Routing, clamped_swiglu_experts, every_expert
 from engine.lora.adapter import AdapterError, read_adapter
 from engine.models.llama import MLP, LlamaFamilyForCausalLM, SparseMoeBlock
 from engine.models.registry import choose_model_class
@@ -30,7 +30,7 @@ from tests.lora_adapters import ATTENTION, build_adapter_dir, peft_model
 from tests.lora_adapters import MLP as MLP_PROJECTIONS
 from tests.test_lora import greedy
 
-MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 
 
 def _each_expert_alone(
@@ -113,6 +113,29 @@ def test_every_expert_equals_each_expert_alone() -> None:
     torch.testing.assert_close(every_expert(x, w13, w2, weights, ids), want, atol=1e-4, rtol=1e-5)
 
 
+def test_gpt_oss_experts_equal_transformers_experts_both_ways() -> None:
+    """gpt-oss's biased, clamped experts against transformers' `GptOssExperts` (its loop over experts): the
+    grouped_mm path the CPU runs and the every-expert path CUDA takes outside bfloat16."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=5, num_experts_per_tok=2)
+    torch.manual_seed(5)
+    theirs = GptOssExperts(config)
+    for param in theirs.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    x = torch.randn(11, 32)
+    weights, ids = Routing(2, renormalize=False, softmax_of_top_k=True).select(torch.randn(11, 5))
+    with torch.no_grad():
+        want = theirs(x, ids, weights)
+        for every in (False, True):
+            got = clamped_swiglu_experts(
+                x, weights, ids, theirs.gate_up_proj, theirs.gate_up_proj_bias, theirs.down_proj,
+                theirs.down_proj_bias, config.swiglu_alpha, config.swiglu_limit, every_expert=every,
+            )  # fmt: skip
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
 def test_routing_as_transformers_routes() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     weights, ids = Routing(2, renormalize=False).select(logits)
@@ -193,6 +216,7 @@ def test_dummy_weights_and_bfloat16_run(model_dir: Callable[[str], Path]) -> Non
     prompts = [[5, 80, 13, 200, 7]]
     assert len(_greedy_tokens(model_dir("qwen2_moe"), prompts, load_format="dummy")[0]) == 10
     assert len(_greedy_tokens(model_dir("mixtral"), prompts, dtype="bfloat16")[0]) == 10
+    assert len(_greedy_tokens(model_dir("gpt_oss"), prompts, dtype="bfloat16", load_format="dummy")[0]) == 10
 
 
 def test_quantizing_a_mixture_of_experts_is_refused_by_name(model_dir: Callable[[str], Path]) -> None:

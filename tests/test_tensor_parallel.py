@@ -46,7 +46,7 @@ SHARED_PREFIX = 16
 SETUP = dict(max_batch_tokens=32, page_size=4, num_pages=None, cpu_kv_cache_gib=48 * 1024 / 2**30)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_tp2_greedy_equals_tp1_and_generate(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
     prompts, max_new, expected, expected_logprobs = _reference(path, arch, SHARED_PREFIX)

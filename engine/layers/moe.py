@@ -27,14 +27,14 @@ from engine.layers.linear_method import ROWS_HINT, BlockedLinearMethod, PackedLi
 
 
 def is_sparse(config: PretrainedConfig) -> bool:
-    """Whether `config` is a mixture-of-experts variant of the family (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
-    return config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe")
+    """Whether `config` is a mixture-of-experts variant of the family (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss)."""
+    return config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def is_sparse_layer(config: PretrainedConfig, layer: int) -> bool:
-    """Whether `layer`'s feed-forward is a mixture of experts: every layer of Mixtral; Qwen's every
+    """Whether `layer`'s feed-forward is a mixture of experts: every layer of Mixtral and gpt-oss; Qwen's every
     `decoder_sparse_step`-th layer not in `mlp_only_layers`, as transformers builds them."""
-    if config.model_type == "mixtral":
+    if config.model_type in ("mixtral", "gpt_oss"):
         return True
     if not is_sparse(config):
         return False
@@ -52,13 +52,19 @@ EXPERT_PARTS = ("gate", "up", "down")
 @dataclass(frozen=True)
 class Routing:
     """How a router's logits pick and weigh experts: softmax over all experts, the `top_k` largest, their
-    probabilities renormalised to sum to one where `renormalize` (Mixtral always; Qwen's MoE by `norm_topk_prob`)."""
+    probabilities renormalised to sum to one where `renormalize` (Mixtral always; Qwen's MoE by `norm_topk_prob`);
+    or, `softmax_of_top_k`, a softmax over the `top_k` largest logits alone (gpt-oss)."""
 
     top_k: int
     renormalize: bool
+    softmax_of_top_k: bool = False
+    """gpt-oss: the `top_k` largest logits, then a softmax over just those."""
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`logits` `[T, experts]` -> (float32 weights `[T, top_k]`, expert ids `[T, top_k]`)."""
+        if self.softmax_of_top_k:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=torch.float32), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -211,3 +217,116 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 SILU_KERNEL_MAX_TOKENS = 16
 """Up to this many rows an expert, SiLU-and-multiply is one kernel call (the dense MLP's rule in
 engine/models/llama.py)."""
+
+
+class ClampedSwigluExperts(nn.Module):
+    """gpt-oss's experts: biased, gate and up interleaved in one matrix (`gate_up_proj` `[experts, hidden, 2 * width]`,
+    even columns the gates), SwiGLU with the gate clamped above at `limit`, the up clamped to +-`limit`, and
+    `(up + 1) * gate * sigmoid(alpha * gate)`, as transformers' `GptOssExperts` computes it; one grouped matmul per
+    matrix over the step's pairs sorted by expert (their biases gathered per pair).
+
+    With tensor parallelism a rank holds a contiguous run of each expert's (gate, up) column pairs and the matching
+    rows of `down`; the down bias is added by rank 0 only (the others hold zeros), so the all-reduce adds it once."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, width: int, alpha: float, limit: float, shard: Shard = ONE_RANK
+    ) -> None:
+        super().__init__()
+        if width % shard.size:
+            raise ValueError(f"expert width {width} does not divide by {shard.size} tensor-parallel ranks")
+        self.num_experts = num_experts
+        self.width = width // shard.size
+        self.alpha, self.limit = alpha, limit
+        self.shard = shard
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * self.width), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * self.width), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, self.width, hidden), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+
+    @torch.no_grad()
+    def weight_loader(self, name: str, loaded: torch.Tensor) -> None:
+        """This rank's slice of the checkpoint's `gate_up_proj`, `gate_up_proj_bias`, `down_proj` or
+        `down_proj_bias` (all experts stacked, transformers' layout and names)."""
+        first = self.shard.rank * self.width
+        if name in ("gate_up_proj", "gate_up_proj_bias"):  # columns: this rank's (gate, up) pairs
+            loaded = loaded.narrow(-1, 2 * first, 2 * self.width)
+        elif name == "down_proj":
+            loaded = loaded.narrow(1, first, self.width)
+        elif name == "down_proj_bias":
+            loaded = loaded if self.shard.rank == 0 else torch.zeros_like(loaded)
+        else:
+            raise ValueError(f"gpt-oss's experts have no {name!r}")
+        self.get_parameter(name).copy_(loaded)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        weights: torch.Tensor,  # [T, top_k] float32
+        ids: torch.Tensor,  # [T, top_k]
+    ) -> torch.Tensor:  # [T, hidden]: this rank's partial sums with tensor parallelism
+        return torch.ops.ferry.clamped_swiglu_experts(
+            x, weights, ids, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias,
+            self.alpha, self.limit, x.is_cuda and x.dtype != torch.bfloat16,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, width={self.width}, rank={self.shard.rank}/{self.shard.size}"
+
+
+def _clamped_swiglu(projected: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """`[rows, 2 * width]` (gates in the even columns) -> `[rows, width]`, as transformers' `GptOssExperts`."""
+    gate = projected[:, 0::2].clamp(max=limit)
+    up = projected[:, 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu_experts(
+    x: torch.Tensor,  # [T, hidden]
+    weights: torch.Tensor,  # [T, top_k] float32
+    ids: torch.Tensor,  # [T, top_k]
+    gate_up: torch.Tensor,  # [experts, hidden, 2 * width], gates in the even columns
+    gate_up_bias: torch.Tensor,  # [experts, 2 * width]
+    down: torch.Tensor,  # [experts, width, hidden]
+    down_bias: torch.Tensor,  # [experts, hidden]
+    alpha: float,
+    limit: float,
+    every_expert: bool = False,
+) -> torch.Tensor:  # [T, hidden]
+    """The routed pairs sorted by expert through grouped_mm; or, `every_expert` (CUDA in a dtype other than bfloat16,
+    which grouped_mm takes there), every token through every expert weighted by its routing (zero where not routed)."""
+    if every_expert:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in range(gate_up.shape[0]):
+            share = (weights * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
+            act = _clamped_swiglu(x @ gate_up[expert] + gate_up_bias[expert], alpha, limit)
+            out += (act @ down[expert] + down_bias[expert]).float() * share
+        return out.to(x.dtype)
+    tokens, top_k = ids.shape
+    flat = ids.flatten()  # [T * top_k]
+    order = flat.argsort(stable=True)
+    experts = flat[order]  # [P]: each sorted pair's expert
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    pairs = x[order // top_k]  # [P, hidden]
+    act = _clamped_swiglu(F.grouped_mm(pairs, gate_up, offs=offsets) + gate_up_bias[experts], alpha, limit)
+    out = F.grouped_mm(act, down, offs=offsets) + down_bias[experts]  # [P, hidden]
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    mixed = (unsorted.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
+    return mixed.to(x.dtype)
+
+
+_LIBRARY = torch.library.Library("ferry", "FRAGMENT")
+# One op to a compiler: grouped_mm's shape function takes bfloat16 alone (CUDA's constraint), while the CPU runs it
+# in any float dtype.
+_LIBRARY.define(
+    "clamped_swiglu_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor gate_up_bias, Tensor down, "
+    "Tensor down_bias, float alpha, float limit, bool every_expert) -> Tensor"
+)
+_LIBRARY.impl("clamped_swiglu_experts", clamped_swiglu_experts, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ferry::clamped_swiglu_experts", lib=_LIBRARY)
+def _(x: torch.Tensor, *args: object) -> torch.Tensor:
+    return x.new_empty(x.shape)

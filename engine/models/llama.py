@@ -42,7 +42,7 @@ from engine.layers.linear import (
     ShardId,
 )
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
-from engine.layers.moe import FusedExperts, Routing, is_sparse, is_sparse_layer
+from engine.layers.moe import ClampedSwigluExperts, FusedExperts, Routing, is_sparse, is_sparse_layer
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, rotary_tables
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -131,6 +131,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window_of_layer(config, layer)
         self.layer = layer
+        # gpt-oss: a learned logit per head in the softmax's denominator (this rank's heads).
+        self.sinks = (
+            nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if config.model_type == "gpt_oss" else None
+        )
 
     def forward(
         self,
@@ -147,7 +151,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, self.scale, self.sliding_window)
+        sinks = None if self.sinks is None else self.sinks.float()  # the backends read float32 logits
+        out = paged_attention(q, k, v, kv_cache, self.scale, self.sliding_window, sinks)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -190,20 +195,30 @@ class MLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """A router over `num_experts` SiLU-gated experts, `top_k` of them per token (engine/layers/moe.py); Qwen2-MoE
-    adds a shared expert, gated per token by a sigmoid, to every token's mix."""
+    """A router over `num_experts` experts, `top_k` of them per token (engine/layers/moe.py): SiLU-gated (Mixtral,
+    Qwen), or gpt-oss's biased, clamped SwiGLU behind a biased router; Qwen2-MoE adds a shared expert, gated per token
+    by a sigmoid, to every token's mix."""
 
     def __init__(self, config: PretrainedConfig, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()
-        num_experts = config.num_local_experts if config.model_type == "mixtral" else config.num_experts
-        width = config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size
+        family = config.model_type
+        num_experts = config.num_local_experts if family in ("mixtral", "gpt_oss") else config.num_experts
+        width = config.intermediate_size if family in ("mixtral", "gpt_oss") else config.moe_intermediate_size
         self.routing = Routing(
-            config.num_experts_per_tok, config.model_type == "mixtral" or bool(config.norm_topk_prob)
+            config.num_experts_per_tok,
+            family == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
+            softmax_of_top_k=family == "gpt_oss",
         )
         # Router and shared-expert gate stay plain matrices in the model's dtype: their outputs pick experts, which
         # a quantized router's rounding could change.
-        self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
-        self.experts = FusedExperts(num_experts, config.hidden_size, width, _shard(tp))
+        self.gate = nn.Linear(config.hidden_size, num_experts, bias=family == "gpt_oss")
+        self.experts: FusedExperts | ClampedSwigluExperts = (
+            ClampedSwigluExperts(
+                num_experts, config.hidden_size, width, config.swiglu_alpha, config.swiglu_limit, _shard(tp)
+            )
+            if family == "gpt_oss"
+            else FusedExperts(num_experts, config.hidden_size, width, _shard(tp))
+        )
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = MLP(config, method, tp, width=shared, reduce=False) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
@@ -396,9 +411,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         ]
 
     def attention_needs(self) -> AttentionNeeds:
-        """Sliding windows where a layer has one; nothing else (the family has no soft-capping, ALiBi or sinks)."""
-        windowed = any(layer.self_attn.sliding_window is not None for layer in self.model.layers)
-        return AttentionNeeds(frozenset({AttentionFeature.SLIDING_WINDOW}) if windowed else frozenset())
+        """Sliding windows where a layer has one, and gpt-oss's sinks (the family has no soft-capping or ALiBi)."""
+        attention = [layer.self_attn for layer in self.model.layers]
+        features = set()
+        if any(attn.sliding_window is not None for attn in attention):
+            features.add(AttentionFeature.SLIDING_WINDOW)
+        if any(attn.sinks is not None for attn in attention):
+            features.add(AttentionFeature.SINKS)
+        return AttentionNeeds(frozenset(features))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -417,6 +437,19 @@ class LlamaFamilyForCausalLM(nn.Module):
             if self.config.model_type == "mixtral":
                 for mixtral_part, part in _MIXTRAL_NAMES.items():
                     name = name.replace(mixtral_part, part)
+            if self.config.model_type == "gpt_oss":
+                name = name.replace(".mlp.router.", ".mlp.gate.")
+                module_name, _, param_name = name.rpartition(".")
+                module = modules.get(module_name)
+                if isinstance(module, ClampedSwigluExperts):
+                    module.weight_loader(param_name, tensor)
+                    loaded.add(name)
+                    continue
+                if param_name == "sinks" and isinstance(module, Attention):  # this rank's heads
+                    first = module.qkv_proj.shard.rank * module.num_heads
+                    module.get_parameter("sinks").copy_(tensor.narrow(0, first, module.num_heads))
+                    loaded.add(name)
+                    continue
             if (expert := _EXPERT.match(name)) is not None:
                 self._load_expert(modules, expert, tensor)
                 continue

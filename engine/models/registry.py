@@ -34,6 +34,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": LlamaFamilyForCausalLM,
     "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
+    "GptOssForCausalLM": LlamaFamilyForCausalLM,
 }
 """Architectures with modules of Ferry's own."""
 

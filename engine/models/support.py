@@ -72,7 +72,16 @@ _REFUSED: tuple[_Check, ...] = (
 )
 """Features no path implements."""
 
-_REFUSED_NATIVE: tuple[_Check, ...] = (_activation,)
+
+def _mxfp4_native(config: PretrainedConfig) -> str | None:
+    return (
+        "MXFP4 experts on the native modules (the adapter dequantizes them as it loads)"
+        if (dequantized_at_load(config))
+        else None
+    )
+
+
+_REFUSED_NATIVE: tuple[_Check, ...] = (_activation, _mxfp4_native)
 """Features the native modules lack (the transformers adapter may run them)."""
 
 
