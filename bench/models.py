@@ -121,6 +121,15 @@ NAMED_CONFIGS: dict[str, dict[str, object]] = {
         max_position_embeddings=40960,
         **_QWEN3_IDS,
     ),
+    # gpt-oss-20b's layer (32 experts of width 2880, 4 per token, biased clamped SwiGLU, sinks, GQA 64:8 of head
+    # dim 64, untied 201k vocabulary) in 2 of its 24 layers, one sliding and one full.
+    "gpt-oss-20b-2l": dict(
+        model_type="gpt_oss",
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     "qwen3-0.6b": dict(
         hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072, **_QWEN3_COMMON
     ),

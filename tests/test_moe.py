@@ -21,7 +21,7 @@ from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.request import LoRARequest
 from engine.layers.linear import Shard
 from engine.layers.linear_method import BlockedLinearMethod, PackedLinearMethod, select_linear_method
-from engine.layers.moe import FusedExperts, Routing, clamped_swiglu_experts, every_expert
+from engine.layers.moe import ClampedSwigluExperts, FusedExperts, Routing, clamped_swiglu_experts, every_expert
 from engine.lora.adapter import AdapterError, read_adapter
 from engine.models.llama import MLP, LlamaFamilyForCausalLM, SparseMoeBlock
 from engine.models.registry import choose_model_class
@@ -134,6 +134,20 @@ def test_gpt_oss_experts_equal_transformers_experts_both_ways() -> None:
                 theirs.down_proj_bias, config.swiglu_alpha, config.swiglu_limit, every_expert=every,
             )  # fmt: skip
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    for dtype in (torch.float32, torch.bfloat16):  # the module: each expert packed for the CPU kernels' loop
+        module = ClampedSwigluExperts(5, 32, 16, config.swiglu_alpha, config.swiglu_limit).to(dtype)
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            module.weight_loader(name, getattr(theirs, name).detach())
+        assert module.loaded and (module.packed13 is not None) == (_expected_kernel(dtype) != "grouped_mm")
+        reference = clamped_swiglu_experts(
+            x.to(dtype), weights, ids, *(getattr(theirs, name).detach().to(dtype) for name in (
+                "gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")),
+            config.swiglu_alpha, config.swiglu_limit,
+        )  # fmt: skip
+        scale = float(reference.float().abs().max())
+        relative = 1e-5 if dtype == torch.float32 else 0.02
+        torch.testing.assert_close(module(x.to(dtype), weights, ids).float(), reference.float(),
+                                   atol=relative * scale, rtol=0.0)  # fmt: skip
 
 
 def test_routing_as_transformers_routes() -> None:

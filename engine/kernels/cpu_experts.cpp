@@ -18,16 +18,33 @@
 
 namespace ferry {
 
+namespace {
+
+// gpt-oss's activation of [rows, 2 * width] gate/up outputs, gates in the even columns (transformers' GptOssExperts):
+// the gate clamped above at `limit`, the up to +-`limit`, (up + 1) * gate * sigmoid(alpha * gate).
+at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit) {
+  const at::Tensor gate = gate_up.slice(1, 0, std::nullopt, 2).clamp_max(limit);
+  const at::Tensor up = gate_up.slice(1, 1, std::nullopt, 2).clamp(-limit, limit);
+  return (up + 1) * (gate * at::sigmoid(gate * alpha));
+}
+
+}  // namespace
+
 // pairs [P, hidden]: the rows, grouped by expert; counts [experts] (int64): each expert's rows, in order;
-// w13[e] [2 * width, hidden] and w2[e] [hidden, width] in a CPU layout. Up to `silu_max_rows` rows an expert,
-// SiLU-and-multiply is the pointwise kernel's (the dense MLP's rule); more take torch's vectorised SiLU.
+// w13[e] [2 * width, hidden] and w2[e] [hidden, width] in a CPU layout, with biases b13[e], b2[e] where given (none,
+// or one an expert). The activation is SiLU(gate) * up with gates in the first `width` columns (up to
+// `silu_max_rows` rows an expert the pointwise kernel's, the dense MLP's rule; more take torch's vectorised SiLU),
+// or, with `swiglu_limit` > 0, gpt-oss's clamped SwiGLU over interleaved columns.
 at::Tensor experts(const at::Tensor& pairs, const at::Tensor& counts, at::TensorList w13, at::TensorList w2,
-                   int64_t width, int64_t silu_max_rows) {
+                   int64_t width, int64_t silu_max_rows, at::TensorList b13, at::TensorList b2, double swiglu_alpha,
+                   double swiglu_limit) {
   TORCH_CHECK(pairs.dim() == 2, "experts: pairs must be [P, hidden]");
   TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.device().is_cpu(),
               "experts: counts must be a CPU int64 vector");
   TORCH_CHECK(counts.size(0) == static_cast<int64_t>(w13.size()) && w13.size() == w2.size(),
               "experts: one count, one gate/up and one down matrix an expert");
+  TORCH_CHECK((b13.empty() || b13.size() == w13.size()) && (b2.empty() || b2.size() == w2.size()),
+              "experts: no biases, or one an expert");
   const at::Tensor count = counts.contiguous();
   const int64_t* rows_of = count.data_ptr<int64_t>();
   const int64_t num_experts = count.size(0);
@@ -48,11 +65,15 @@ at::Tensor experts(const at::Tensor& pairs, const at::Tensor& counts, at::Tensor
     const at::ThreadLocalStateGuard as_caller(caller);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = routed[i], rows = rows_of[e];
-      const at::Tensor gate_up = project(pairs.narrow(0, first[e], rows), w13[e], 2 * width, std::nullopt);
-      const at::Tensor act = rows <= silu_max_rows
-                                 ? silu_mul(gate_up)
-                                 : at::silu(gate_up.narrow(1, 0, width)) * gate_up.narrow(1, width, width);
-      out.narrow(0, first[e], rows).copy_(project(act, w2[e], hidden, std::nullopt));
+      const auto bias = [&](at::TensorList biases) {
+        return biases.empty() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(biases[e]);
+      };
+      const at::Tensor gate_up = project(pairs.narrow(0, first[e], rows), w13[e], 2 * width, bias(b13));
+      const at::Tensor act = swiglu_limit > 0        ? clamped_swiglu(gate_up, swiglu_alpha, swiglu_limit)
+                             : rows <= silu_max_rows ? silu_mul(gate_up)
+                                                     : at::silu(gate_up.narrow(1, 0, width)) *
+                                                           gate_up.narrow(1, width, width);
+      out.narrow(0, first[e], rows).copy_(project(act, w2[e], hidden, bias(b2)));
     }
   });
   return out;
@@ -61,7 +82,9 @@ at::Tensor experts(const at::Tensor& pairs, const at::Tensor& counts, at::Tensor
 }  // namespace ferry
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
-  m.def("experts(Tensor pairs, Tensor counts, Tensor[] w13, Tensor[] w2, int width, int silu_max_rows) -> Tensor");
+  m.def(
+      "experts(Tensor pairs, Tensor counts, Tensor[] w13, Tensor[] w2, int width, int silu_max_rows, "
+      "Tensor[] b13, Tensor[] b2, float swiglu_alpha, float swiglu_limit) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) { m.impl("experts", &ferry::experts); }

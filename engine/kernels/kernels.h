@@ -20,7 +20,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_fe
 
 // cpu_experts.cpp: a mixture of experts' routed rows, grouped by expert, through each expert's matrices.
 at::Tensor experts(const at::Tensor& pairs, const at::Tensor& counts, at::TensorList w13, at::TensorList w2,
-                   int64_t width, int64_t silu_max_rows);
+                   int64_t width, int64_t silu_max_rows, at::TensorList b13, at::TensorList b2, double swiglu_alpha,
+                   double swiglu_limit);
 
 // cpu_norm.cpp: the Llama family's RMSNorm over the last dimension.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -107,9 +107,7 @@ def _rotary_shape(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x.new_empty(x.shape)
 
 
-def _experts_shape(
-    pairs: torch.Tensor, counts: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], width: int, rows: int
-) -> torch.Tensor:
+def _experts_shape(pairs: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     return pairs.new_empty(pairs.shape)
 
 

@@ -14,6 +14,7 @@ with any shared expert's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,17 +139,10 @@ class FusedExperts(nn.Module):
     @torch.no_grad()
     def _pack(self) -> None:
         """Into the dense linears' CPU layout, where the kernels' loop over experts can be had (else grouped_mm)."""
-        if self.w13.device.type != "cpu" or not cpu_kernels_available():
+        pack = cpu_pack(self.w13)
+        if pack is None:
             return
-        method = select_linear_method(self.w13.device, self.w13.dtype)
-        if isinstance(method, PackedLinearMethod):
-            self.kernel, pack = "onednn", onednn_pack
-        elif isinstance(method, BlockedLinearMethod):
-            from engine.kernels.linear import pack as blocked_pack
-
-            self.kernel, pack = "blocked", blocked_pack
-        else:
-            return
+        self.kernel = "onednn" if pack is onednn_pack else "blocked"
         # Expert by expert; the stacked tensors are then freed (the plain and packed experts of one layer coexist).
         self.packed13 = tuple(pack(self.w13[expert]) for expert in range(self.num_experts))
         self.packed2 = tuple(pack(self.w2[expert]) for expert in range(self.num_experts))
@@ -172,7 +166,7 @@ class FusedExperts(nn.Module):
         counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
         if self.packed13 is not None and self.packed2 is not None:
             out = torch.ops.ferry_kernels.experts(
-                pairs, counts, self.packed13, self.packed2, self.width, SILU_KERNEL_MAX_TOKENS
+                pairs, counts, self.packed13, self.packed2, self.width, SILU_KERNEL_MAX_TOKENS, [], [], 0.0, 0.0
             )
         else:
             offsets = counts.cumsum(0, dtype=torch.int32)  # [experts]: where each expert's pairs end
@@ -209,6 +203,21 @@ def every_expert(
     return out.to(x.dtype)
 
 
+def cpu_pack(weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How to pack one expert's `[out, in]` matrix of `weights`' dtype and device for the CPU kernels' loop over
+    experts: the dense linears' layout there (`select_linear_method`), or None where that loop cannot be had."""
+    if weights.device.type != "cpu" or not cpu_kernels_available():
+        return None
+    method = select_linear_method(weights.device, weights.dtype)
+    if isinstance(method, PackedLinearMethod):
+        return onednn_pack
+    if isinstance(method, BlockedLinearMethod):
+        from engine.kernels.linear import pack
+
+        return pack
+    return None
+
+
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     """`[out, in]` in oneDNN's packed layout, for `torch.ops.mkldnn._linear_pointwise` (PackedLinearMethod's)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
@@ -242,6 +251,36 @@ class ClampedSwigluExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * self.width), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, self.width, hidden), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.packed13: tuple[torch.Tensor, ...] | None = None
+        self.packed2: tuple[torch.Tensor, ...] | None = None
+        """On a CPU, each expert's matrices `[out, in]` in the dense linears' layout (as `FusedExperts` packs them)."""
+        self.biases: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
+        """With them, each expert's gate/up and down biases (views of the parameters)."""
+        self._pending = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+
+    @property
+    def loaded(self) -> bool:
+        return not self._pending
+
+    def finish_loading(self) -> None:
+        """Weights were written in place (dummy weights): process them as if each had been loaded."""
+        self._pending.clear()
+        self._pack()
+
+    @torch.no_grad()
+    def _pack(self) -> None:
+        """Into the dense linears' CPU layout, where the kernels' loop over experts can be had (else grouped_mm)."""
+        pack = cpu_pack(self.gate_up_proj)
+        if pack is None:
+            return
+        experts = range(self.num_experts)
+        self.packed13 = tuple(pack(self.gate_up_proj[e].t().contiguous()) for e in experts)
+        self.packed2 = tuple(pack(self.down_proj[e].t().contiguous()) for e in experts)
+        self.biases = (
+            tuple(self.gate_up_proj_bias[e] for e in experts),
+            tuple(self.down_proj_bias[e] for e in experts),
+        )
+        del self.gate_up_proj, self.down_proj
 
     @torch.no_grad()
     def weight_loader(self, name: str, loaded: torch.Tensor) -> None:
@@ -257,6 +296,10 @@ class ClampedSwigluExperts(nn.Module):
         else:
             raise ValueError(f"gpt-oss's experts have no {name!r}")
         self.get_parameter(name).copy_(loaded)
+        was_pending = bool(self._pending)
+        self._pending.discard(name)
+        if was_pending and not self._pending:
+            self._pack()
 
     def forward(
         self,
@@ -264,6 +307,19 @@ class ClampedSwigluExperts(nn.Module):
         weights: torch.Tensor,  # [T, top_k] float32
         ids: torch.Tensor,  # [T, top_k]
     ) -> torch.Tensor:  # [T, hidden]: this rank's partial sums with tensor parallelism
+        if self.packed13 is not None and self.packed2 is not None:
+            tokens, top_k = ids.shape
+            flat = ids.flatten()  # [T * top_k]
+            order = flat.argsort(stable=True)
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+            out = torch.ops.ferry_kernels.experts(
+                x[order // top_k], counts, self.packed13, self.packed2, self.width, 0, *self.biases, self.alpha,
+                self.limit,
+            )  # fmt: skip
+            unsorted = torch.empty_like(out)
+            unsorted[order] = out
+            return (unsorted.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
         return torch.ops.ferry.clamped_swiglu_experts(
             x, weights, ids, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias,
             self.alpha, self.limit, x.is_cuda and x.dtype != torch.bfloat16,
