@@ -231,8 +231,9 @@ engine/models/llama.py)."""
 class ClampedSwigluExperts(nn.Module):
     """gpt-oss's experts: biased, gate and up interleaved in one matrix (`gate_up_proj` `[experts, hidden, 2 * width]`,
     even columns the gates), SwiGLU with the gate clamped above at `limit`, the up clamped to +-`limit`, and
-    `(up + 1) * gate * sigmoid(alpha * gate)`, as transformers' `GptOssExperts` computes it; one grouped matmul per
-    matrix over the step's pairs sorted by expert (their biases gathered per pair).
+    `(up + 1) * gate * sigmoid(alpha * gate)`, as transformers' `GptOssExperts` computes it. On a CPU each expert is
+    packed like `FusedExperts`' and run by the same C++ op (with its biases and this activation); elsewhere one
+    grouped matmul per matrix over the step's pairs sorted by expert (their biases gathered per pair).
 
     With tensor parallelism a rank holds a contiguous run of each expert's (gate, up) column pairs and the matching
     rows of `down`; the down bias is added by rank 0 only (the others hold zeros), so the all-reduce adds it once."""
