@@ -31,7 +31,7 @@ from transformers import AutoConfig
 
 from bench.models import NAMED_CONFIGS
 from bench.report import fmt, format_table, stamp
-from engine.layers.moe import FusedExperts
+from engine.layers.moe import ClampedSwigluExperts, FusedExperts
 from engine.layers.vocab import VocabParallelEmbedding
 from engine.models.loader import weight_bytes
 
@@ -134,7 +134,7 @@ def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[
         )
         weights -= embedding.numel() * embedding.element_size()
     for module in model.modules():
-        if isinstance(module, FusedExperts):
+        if isinstance(module, FusedExperts | ClampedSwigluExperts):
             top_k = engine.hf_config.num_experts_per_tok
             unread = (1 - top_k / module.num_experts) ** num_seqs  # an expert's chance that no token routes to it
             weights -= round(unread * weight_bytes(module))

@@ -73,7 +73,34 @@ class Routing:
         return weights, ids
 
 
-class FusedExperts(nn.Module):
+class PackedOnLoad(nn.Module):
+    """Expert weights that load piece by piece and are packed for the CPU kernels (`_pack`) once the last piece is in,
+    or when dummy weights were written in place (`finish_loading`)."""
+
+    def __init__(self, pieces: set[object]) -> None:
+        super().__init__()
+        self._pending = set(pieces)
+
+    @property
+    def loaded(self) -> bool:
+        return not self._pending
+
+    def finish_loading(self) -> None:
+        """Weights were written in place (dummy weights): process them as if each piece had been loaded."""
+        self._pending.clear()
+        self._pack()
+
+    def _loaded(self, pieces: set[object]) -> None:
+        was_pending = bool(self._pending)
+        self._pending -= pieces
+        if was_pending and not self._pending:
+            self._pack()
+
+    def _pack(self) -> None:
+        raise NotImplementedError
+
+
+class FusedExperts(PackedOnLoad):
     """`num_experts` SiLU-gated MLPs of width `width` (this rank's `width / shard.size`), as two stacked tensors.
 
     On a CPU each expert's matrices are packed, once the last one is in, for the kernel the model's dense linears use
@@ -86,7 +113,7 @@ class FusedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden: int, width: int, shard: Shard = ONE_RANK) -> None:
-        super().__init__()
+        super().__init__({(expert, part) for expert in range(num_experts) for part in EXPERT_PARTS})
         if width % shard.size:
             raise ValueError(f"expert width {width} does not divide by {shard.size} tensor-parallel ranks")
         self.num_experts = num_experts
@@ -100,11 +127,6 @@ class FusedExperts(nn.Module):
         """Each expert's gate/up and down matrices in the CPU kernel's layout (`kernel`), once loaded."""
         self.kernel: str = "grouped_mm"
         """`onednn`, `blocked` (the CPU kernels, per expert) or `grouped_mm` (the stacked tensors, all experts)."""
-        self._pending = {(expert, part) for expert in range(num_experts) for part in EXPERT_PARTS}
-
-    @property
-    def loaded(self) -> bool:
-        return not self._pending
 
     def missing(self) -> list[str]:
         """The (expert, matrix) pieces not loaded yet, named as `expert.matrix`."""
@@ -126,15 +148,7 @@ class FusedExperts(nn.Module):
             rows = slice(0, self.width) if part == "gate" else slice(self.width, 2 * self.width)
             self.w13[experts, rows].copy_(loaded.narrow(-2, first, self.width))
         done = range(self.num_experts) if expert is None else (expert,)
-        was_pending = bool(self._pending)
-        self._pending -= {(e, part) for e in done}
-        if was_pending and not self._pending:
-            self._pack()
-
-    def finish_loading(self) -> None:
-        """Weights were written in place (dummy weights): process them as if each expert had been loaded."""
-        self._pending.clear()
-        self._pack()
+        self._loaded({(e, part) for e in done})
 
     @torch.no_grad()
     def _pack(self) -> None:
@@ -228,7 +242,7 @@ SILU_KERNEL_MAX_TOKENS = 16
 engine/models/llama.py)."""
 
 
-class ClampedSwigluExperts(nn.Module):
+class ClampedSwigluExperts(PackedOnLoad):
     """gpt-oss's experts: biased, gate and up interleaved in one matrix (`gate_up_proj` `[experts, hidden, 2 * width]`,
     even columns the gates), SwiGLU with the gate clamped above at `limit`, the up clamped to +-`limit`, and
     `(up + 1) * gate * sigmoid(alpha * gate)`, as transformers' `GptOssExperts` computes it. On a CPU each expert is
@@ -241,7 +255,7 @@ class ClampedSwigluExperts(nn.Module):
     def __init__(
         self, num_experts: int, hidden: int, width: int, alpha: float, limit: float, shard: Shard = ONE_RANK
     ) -> None:
-        super().__init__()
+        super().__init__({"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"})
         if width % shard.size:
             raise ValueError(f"expert width {width} does not divide by {shard.size} tensor-parallel ranks")
         self.num_experts = num_experts
@@ -257,16 +271,6 @@ class ClampedSwigluExperts(nn.Module):
         """On a CPU, each expert's matrices `[out, in]` in the dense linears' layout (as `FusedExperts` packs them)."""
         self.biases: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
         """With them, each expert's gate/up and down biases (views of the parameters)."""
-        self._pending = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
-
-    @property
-    def loaded(self) -> bool:
-        return not self._pending
-
-    def finish_loading(self) -> None:
-        """Weights were written in place (dummy weights): process them as if each had been loaded."""
-        self._pending.clear()
-        self._pack()
 
     @torch.no_grad()
     def _pack(self) -> None:
@@ -297,10 +301,7 @@ class ClampedSwigluExperts(nn.Module):
         else:
             raise ValueError(f"gpt-oss's experts have no {name!r}")
         self.get_parameter(name).copy_(loaded)
-        was_pending = bool(self._pending)
-        self._pending.discard(name)
-        if was_pending and not self._pending:
-            self._pack()
+        self._loaded({name})
 
     def forward(
         self,

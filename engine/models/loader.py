@@ -37,7 +37,7 @@ from engine.layers.linear_method import (
     onednn_linear_available,
     select_linear_method,
 )
-from engine.layers.moe import ClampedSwigluExperts, FusedExperts
+from engine.layers.moe import PackedOnLoad
 from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
 from engine.models.encoder import TransformersEncoder
@@ -494,5 +494,5 @@ def _init_dummy(model: nn.Module) -> None:
         else:
             param.zero_()
     for module in model.modules():
-        if isinstance(module, LinearBase | FusedExperts | ClampedSwigluExperts) and not module.loaded:
+        if isinstance(module, LinearBase | PackedOnLoad) and not module.loaded:
             module.finish_loading()
