@@ -73,6 +73,46 @@ class Routing:
         return weights, ids
 
 
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ids` `[T, top_k]` -> (the order that groups the flattened (token, expert) pairs by expert `[T * top_k]`, each
+    expert's pair count `[experts]` int64). A scatter, not bincount, counts them: its size is known before it runs,
+    so a compiled graph or a CUDA graph holds it."""
+    flat = ids.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+    return flat.argsort(stable=True), counts
+
+
+def mix_back(
+    out: torch.Tensor,  # [T * top_k, hidden]: the pairs' outputs, grouped by expert
+    order: torch.Tensor,  # [T * top_k]: `group_by_expert`'s
+    weights: torch.Tensor,  # [T, top_k] float32
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [T, hidden]
+    """Each token's pairs back in place, weighted by their routing and summed in float32."""
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    tokens, top_k = weights.shape
+    return (unsorted.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(dtype)
+
+
+def _every_expert(
+    x: torch.Tensor,  # [T, hidden]
+    weights: torch.Tensor,  # [T, top_k] float32
+    ids: torch.Tensor,  # [T, top_k]
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],  # (expert, rows [T, hidden]) -> its outputs [T, hidden]
+) -> torch.Tensor:  # [T, hidden]
+    """Every token through every expert, each product weighted by its routing weight (zero where not routed): what
+    CUDA runs for dtypes `grouped_mm` does not take there (it takes bfloat16), exact and free of host syncs (a CUDA
+    graph holds it) at experts / top_k times the arithmetic."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for index in range(num_experts):
+        share = (weights * (ids == index)).sum(dim=-1, keepdim=True)  # [T, 1]: 0 for tokens not routed to it
+        out += expert(index, x).float() * share
+    return out.to(x.dtype)
+
+
 class PackedOnLoad(nn.Module):
     """Expert weights that load piece by piece and are packed for the CPU kernels (`_pack`) once the last piece is in,
     or when dummy weights were written in place (`finish_loading`)."""
@@ -168,16 +208,10 @@ class FusedExperts(PackedOnLoad):
         weights: torch.Tensor,  # [T, top_k] float32
         ids: torch.Tensor,  # [T, top_k]
     ) -> torch.Tensor:  # [T, hidden]: this rank's partial sums with tensor parallelism
-        tokens, top_k = ids.shape
         if self.packed13 is None and x.is_cuda and x.dtype != torch.bfloat16:
             return every_expert(x, self.w13, self.w2, weights, ids)
-        flat = ids.flatten()  # [T * top_k]
-        order = flat.argsort(stable=True)  # the pairs, grouped by expert
-        pairs = x[order // top_k]  # [T * top_k, hidden]
-        # [experts]: each expert's pairs, in order (a scatter, not bincount: its size is known before it runs, so a
-        # compiled graph or a CUDA graph holds it)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+        order, counts = group_by_expert(ids, self.num_experts)
+        pairs = x[order // ids.shape[1]]  # [T * top_k, hidden]
         if self.packed13 is not None and self.packed2 is not None:
             out = torch.ops.ferry_kernels.experts(
                 pairs, counts, self.packed13, self.packed2, self.width, SILU_KERNEL_MAX_TOKENS, [], [], 0.0, 0.0
@@ -187,10 +221,7 @@ class FusedExperts(PackedOnLoad):
             gate_up = F.grouped_mm(pairs, self.w13.transpose(1, 2), offs=offsets)  # [T * top_k, 2 * width]
             gate, up = gate_up.split(self.width, dim=-1)
             out = F.grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offsets)  # [T * top_k, hidden]
-        unsorted = torch.empty_like(out)
-        unsorted[order] = out
-        mixed = (unsorted.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
-        return mixed.to(x.dtype)
+        return mix_back(out, order, weights, x.dtype)
 
     def extra_repr(self) -> str:
         return (
@@ -205,16 +236,14 @@ def every_expert(
     weights: torch.Tensor,  # [T, top_k] float32
     ids: torch.Tensor,  # [T, top_k]
 ) -> torch.Tensor:  # [T, hidden]
-    """Every token through every expert, each product weighted by its routing weight (zero where not routed): what
-    CUDA runs for dtypes `grouped_mm` does not take there (it takes bfloat16), exact and free of host syncs (a CUDA
-    graph holds it) at experts / top_k times the arithmetic."""
+    """SiLU-gated experts, every token through every one (`_every_expert`)."""
     width = w2.shape[-1]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in range(w13.shape[0]):
-        share = (weights * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]: 0 for tokens not routed to it
-        gate, up = F.linear(x, w13[expert]).split(width, dim=-1)
-        out += F.linear(F.silu(gate) * up, w2[expert]).float() * share
-    return out.to(x.dtype)
+
+    def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, w13[index]).split(width, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[index])
+
+    return _every_expert(x, weights, ids, w13.shape[0], expert)
 
 
 def cpu_pack(weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -310,18 +339,12 @@ class ClampedSwigluExperts(PackedOnLoad):
         ids: torch.Tensor,  # [T, top_k]
     ) -> torch.Tensor:  # [T, hidden]: this rank's partial sums with tensor parallelism
         if self.packed13 is not None and self.packed2 is not None:
-            tokens, top_k = ids.shape
-            flat = ids.flatten()  # [T * top_k]
-            order = flat.argsort(stable=True)
-            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-            counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+            order, counts = group_by_expert(ids, self.num_experts)
             out = torch.ops.ferry_kernels.experts(
-                x[order // top_k], counts, self.packed13, self.packed2, self.width, 0, *self.biases, self.alpha,
-                self.limit,
+                x[order // ids.shape[1]], counts, self.packed13, self.packed2, self.width, 0, *self.biases,
+                self.alpha, self.limit,
             )  # fmt: skip
-            unsorted = torch.empty_like(out)
-            unsorted[order] = out
-            return (unsorted.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+            return mix_back(out, order, weights, x.dtype)
         return torch.ops.ferry.clamped_swiglu_experts(
             x, weights, ids, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias,
             self.alpha, self.limit, x.is_cuda and x.dtype != torch.bfloat16,
@@ -353,26 +376,19 @@ def clamped_swiglu_experts(
     """The routed pairs sorted by expert through grouped_mm; or, `every_expert` (CUDA in a dtype other than bfloat16,
     which grouped_mm takes there), every token through every expert weighted by its routing (zero where not routed)."""
     if every_expert:
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert in range(gate_up.shape[0]):
-            share = (weights * (ids == expert)).sum(dim=-1, keepdim=True)  # [T, 1]
-            act = _clamped_swiglu(x @ gate_up[expert] + gate_up_bias[expert], alpha, limit)
-            out += (act @ down[expert] + down_bias[expert]).float() * share
-        return out.to(x.dtype)
-    tokens, top_k = ids.shape
-    flat = ids.flatten()  # [T * top_k]
-    order = flat.argsort(stable=True)
-    experts = flat[order]  # [P]: each sorted pair's expert
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+
+        def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+            act = _clamped_swiglu(rows @ gate_up[index] + gate_up_bias[index], alpha, limit)
+            return act @ down[index] + down_bias[index]
+
+        return _every_expert(x, weights, ids, gate_up.shape[0], expert)
+    order, counts = group_by_expert(ids, gate_up.shape[0])
+    experts = ids.flatten()[order]  # [P]: each sorted pair's expert
     offsets = counts.cumsum(0, dtype=torch.int32)
-    pairs = x[order // top_k]  # [P, hidden]
+    pairs = x[order // ids.shape[1]]  # [P, hidden]
     act = _clamped_swiglu(F.grouped_mm(pairs, gate_up, offs=offsets) + gate_up_bias[experts], alpha, limit)
     out = F.grouped_mm(act, down, offs=offsets) + down_bias[experts]  # [P, hidden]
-    unsorted = torch.empty_like(out)
-    unsorted[order] = out
-    mixed = (unsorted.view(tokens, top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
-    return mixed.to(x.dtype)
+    return mix_back(out, order, weights, x.dtype)
 
 
 _LIBRARY = torch.library.Library("ferry", "FRAGMENT")
