@@ -95,8 +95,7 @@ ARCHITECTURES: dict[str, dict] = {
         sliding_window=16,
     ),
     # Refused at load (tests/test_model_support.py): an attention-class table without a paged entry, a model whose
-    # own code needs the masks paged attention does not build, Mamba layers beside attention ones, and multi-head
-    # latent attention (value heads narrower than key heads).
+    # own code needs the masks paged attention does not build, and Mamba layers beside attention ones.
     "gpt_neo": dict(model_type="gpt_neo", num_heads=4, num_layers=2, attention_types=[[["global", "local"], 1]]),
     "mpt": dict(model_type="mpt", n_heads=4, n_layers=2, d_model=64),
     "jamba": dict(
@@ -110,20 +109,53 @@ ARCHITECTURES: dict[str, dict] = {
         mamba_dt_rank=8,
         use_mamba_kernels=False,
     ),
+    # Multi-head latent attention (native): V3 with a LoRA'd query, sigmoid routing over 2 groups of 4 experts (a
+    # random correction bias: tests/model_factory.py), renormalised and scaled, YaRN positions whose mscale_all_dim
+    # moves the softmax scale, and a latent of 16 + 8 (the C++ kernel's scalar path); V2 with a plain query,
+    # softmax routing limited to 2 of 4 groups, and a latent of 56 + 8 (a vectorised head size). Value heads are
+    # narrower than key heads in both; the first layer is dense.
     "deepseek_v3": dict(
         model_type="deepseek_v3",
         num_key_value_heads=4,
-        n_routed_experts=4,
+        n_routed_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
+        n_shared_experts=1,
         q_lora_rank=32,
         kv_lora_rank=16,
         qk_rope_head_dim=8,
         qk_nope_head_dim=8,
-        v_head_dim=8,
+        v_head_dim=12,
         first_k_dense_replace=1,
-        n_group=1,
+        n_group=2,
         topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=128,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+        ),
+    ),
+    "deepseek_v2": dict(
+        model_type="deepseek_v2",
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        q_lora_rank=None,
+        kv_lora_rank=56,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
     ),
 }
 
@@ -192,6 +224,9 @@ def build_model_dir(directory: Path, arch: str, seed: int = 0, **overrides) -> P
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek V3's, zero at init: let it change choices
+                buffer.uniform_(-0.3, 0.3)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

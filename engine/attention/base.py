@@ -114,6 +114,7 @@ class AttentionFeature(enum.Enum):
     ALIBI = "ALiBi biases"
     SINKS = "attention sinks"
     NONCAUSAL_SPANS = "non-causal spans"
+    LATENT = "latent (MLA) attention: one KV head as wide as the latent and its rotary part (576 for DeepSeek)"
 
 
 @dataclass(frozen=True)

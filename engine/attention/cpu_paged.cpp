@@ -46,8 +46,9 @@ constexpr int64_t kKeyBlock = 32;
 constexpr int64_t kRowsPerItem = 32;
 // Cost of an item beyond its row x key products, in the same units: locating pages, the softmax bookkeeping.
 constexpr int64_t kItemOverhead = 64;
-// Largest head size of the scalar path (head sizes without a vectorised instance of their own).
-constexpr int64_t kMaxScalarDim = 512;
+// Largest head size of the scalar path (head sizes without a vectorised instance of their own): room for a latent
+// (MLA) head, whose keys are the latent and its rotary part.
+constexpr int64_t kMaxScalarDim = 1024;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // Lanes of the widest float vector the build targets (the flags decide: cpu_kernel.py).
@@ -442,6 +443,7 @@ void run_dim(const Params& p, const at::Tensor& query, const at::Tensor& key_cac
     case 64: return run<T, C, 64, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
     case 128: return run<T, C, 128, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
     case 256: return run<T, C, 256, kLanes>(p, query, key_cache, value_cache, out, num_seqs);
+    case 576: return run<T, C, 576, kLanes>(p, query, key_cache, value_cache, out, num_seqs);  // DeepSeek's latent
     default: return run<T, C, 0, 1>(p, query, key_cache, value_cache, out, num_seqs);
   }
 }

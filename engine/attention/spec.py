@@ -1,9 +1,10 @@
 """What one layer's cache is: the per-layer cache specs a model declares (`CausalLM.cache_specs`), each carrying
 what sizing its pages needs.
 
-Today's models produce `FullAttentionSpec` and `SlidingWindowSpec`; `LatentAttentionSpec` (MLA: one compressed
-latent per token instead of K and V heads), `RecurrentStateSpec` (a fixed-size state per sequence, not per token)
-and `NoCacheSpec` (a layer that keeps nothing between steps) are the shapes other families bring.
+Today's models produce `FullAttentionSpec`, `SlidingWindowSpec` and `LatentAttentionSpec` (MLA: one compressed
+latent and its rotary key per token instead of K and V heads); `RecurrentStateSpec` (a fixed-size state per
+sequence, not per token) and `NoCacheSpec` (a layer that keeps nothing between steps) are the shapes other families
+bring.
 """
 
 from __future__ import annotations
@@ -51,14 +52,32 @@ class SlidingWindowSpec:
 
 @dataclass(frozen=True)
 class LatentAttentionSpec:
-    """One latent vector of `latent_size` (plus its rotary part) per token, K and V recomputed from it (MLA)."""
+    """Multi-head latent attention (DeepSeek's MLA): per token one latent vector of `latent_size` (kv_lora_rank) and
+    one rotary key part of `rope_size`, shared by every head, from which attention works without expanding heads.
+
+    Its pages are one tensor `[pages, page_size, 1, latent_size + rope_size]` serving as the keys and, through their
+    first `latent_size` columns, the values of a single KV head (engine/models/deepseek.py): the layer passes it as
+    both halves of its `(K, V)` pair."""
 
     latent_size: int
+    rope_size: int
     dtype: torch.dtype
 
     @property
+    def window(self) -> None:
+        return None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def head_size(self) -> int:
+        return self.latent_size + self.rope_size
+
+    @property
     def bytes_per_token(self) -> int:
-        return self.latent_size * _element_bytes(self.dtype)
+        return (self.latent_size + self.rope_size) * _element_bytes(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -78,8 +97,8 @@ class NoCacheSpec:
 
 CacheSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | RecurrentStateSpec | NoCacheSpec
 
-PagedSpec = FullAttentionSpec | SlidingWindowSpec
-"""The specs the engine allocates today: K and V heads per token, in pages."""
+PagedSpec = FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec
+"""The specs the engine allocates today: K and V heads (or one latent) per token, in pages."""
 
 
 def attention_specs(

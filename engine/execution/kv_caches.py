@@ -1,8 +1,9 @@
 """The KV cache's tensors, from the layers' cache specs (`CausalLM.cache_specs`, engine/attention/spec.py): which
 specs the engine can page, the groups they form (engine/core/kv_cache.py), and each layer's K and V pages.
 
-A spec the engine cannot allocate yet (a latent, a recurrent state, no cache) is refused here, by name, at start-up:
-sizing its pages as K/V heads would be wrong, not merely wasteful.
+A spec the engine cannot allocate yet (a recurrent state, no cache) is refused here, by name, at start-up: sizing
+its pages as K/V heads would be wrong, not merely wasteful. A latent layer's pages are one tensor, its K and V at
+once (`LatentAttentionSpec`): a page holds the latent's real bytes per token, not expanded heads.
 
 `--kv-cache-dtype` other than `auto` replaces the dtype of every layer's spec, so a page's bytes, the pool sizes
 drawn from the memory budget and `max_model_len`'s fit all count the cache's own elements (a float8 page is half a
@@ -15,7 +16,7 @@ import dataclasses
 
 import torch
 
-from engine.attention.spec import CacheSpec, FullAttentionSpec, PagedSpec, SlidingWindowSpec
+from engine.attention.spec import CacheSpec, FullAttentionSpec, LatentAttentionSpec, PagedSpec, SlidingWindowSpec
 from engine.config import CacheConfig, EngineStartupError
 from engine.core.kv_cache import GroupLayout, group_layers
 from engine.models.base import CausalLM
@@ -40,11 +41,11 @@ def paged_specs(model: CausalLM, cache_dtype: torch.dtype | None = None) -> list
 
 
 def _paged(layer: int, spec: CacheSpec) -> PagedSpec:
-    if isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
+    if isinstance(spec, FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec):
         return spec
     raise EngineStartupError(
         f"layer {layer} keeps a {type(spec).__name__} cache, which Ferry cannot allocate yet: its KV cache pages "
-        "hold the K and V heads of full or sliding-window attention only"
+        "hold the K and V heads of full or sliding-window attention, or a latent (MLA), only"
     )
 
 
@@ -62,11 +63,11 @@ def allocate_kv_caches(
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's K and V pages, shaped and typed by its spec: its group's pool, and one scratch page past it
-    (what padded decode rows use)."""
+    (what padded decode rows use). A latent layer's one tensor is both."""
     caches = []
     for spec, group in zip(specs, group_of_layer, strict=True):
         shape = (pool_pages[group] + 1, page_size, spec.num_kv_heads, spec.head_size)
-        caches.append(
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-        )
+        keys = torch.zeros(shape, dtype=spec.dtype, device=device)
+        values = keys if isinstance(spec, LatentAttentionSpec) else torch.zeros(shape, dtype=spec.dtype, device=device)
+        caches.append((keys, values))
     return caches

@@ -26,17 +26,23 @@ from engine.kernels.library import cpu_kernels_available
 from engine.layers.linear import ONE_RANK, Shard
 from engine.layers.linear_method import ROWS_HINT, BlockedLinearMethod, PackedLinearMethod, select_linear_method
 
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+
 
 def is_sparse(config: PretrainedConfig) -> bool:
-    """Whether `config` is a mixture-of-experts variant of the family (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss)."""
-    return config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+    """Whether `config` is a mixture of experts with native modules (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss,
+    DeepSeek V2 and V3)."""
+    return config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", *DEEPSEEK)
 
 
 def is_sparse_layer(config: PretrainedConfig, layer: int) -> bool:
-    """Whether `layer`'s feed-forward is a mixture of experts: every layer of Mixtral and gpt-oss; Qwen's every
-    `decoder_sparse_step`-th layer not in `mlp_only_layers`, as transformers builds them."""
+    """Whether `layer`'s feed-forward is a mixture of experts: every layer of Mixtral and gpt-oss; DeepSeek's from
+    `first_k_dense_replace` on; Qwen's every `decoder_sparse_step`-th layer not in `mlp_only_layers`, as transformers
+    builds them."""
     if config.model_type in ("mixtral", "gpt_oss"):
         return True
+    if config.model_type in DEEPSEEK:
+        return layer >= config.first_k_dense_replace and config.n_routed_experts > 0
     if not is_sparse(config):
         return False
     return (
@@ -71,6 +77,56 @@ class Routing:
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's routing: experts fall into `num_groups` groups, only the `kept_groups` best groups of a token may
+    serve it, and its `top_k` experts are chosen among theirs; the chosen weights times `scaling`.
+
+    V2 (`sigmoid=False`): softmax scores; a group scores its best expert's; experts outside the kept groups score 0
+    (`grouped=False`, V2's "greedy": every expert eligible). V3 (`sigmoid=True`): sigmoid scores; experts are chosen
+    by score plus a learned correction bias, a group scoring its two best; the weights are the uncorrected scores,
+    renormalised to sum to one where `renormalize`. Everything in float32, as transformers computes it."""
+
+    top_k: int
+    sigmoid: bool
+    grouped: bool
+    num_groups: int
+    kept_groups: int
+    renormalize: bool
+    scaling: float
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> GroupedRouting:
+        v3 = config.model_type == "deepseek_v3"
+        return cls(
+            top_k=config.num_experts_per_tok,
+            sigmoid=v3,
+            grouped=v3 or config.topk_method == "group_limited_greedy",
+            num_groups=config.n_group or 1,
+            kept_groups=config.topk_group or 1,
+            renormalize=v3 and bool(config.norm_topk_prob),  # V2's router ignores norm_topk_prob
+            scaling=config.routed_scaling_factor,
+        )
+
+    def select(
+        self, logits: torch.Tensor, correction: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, experts] float32 -> (weights [T, top_k] float32, ids [T, top_k])
+        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1, dtype=torch.float32)
+        choice = scores if correction is None else scores + correction
+        if self.grouped:
+            tokens, experts = choice.shape
+            per_group = choice.view(tokens, self.num_groups, experts // self.num_groups)
+            group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1) if self.sigmoid else per_group.amax(dim=-1)
+            kept = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.kept_groups, dim=-1)[1], 1.0)
+            eligible = kept.bool().unsqueeze(-1).expand_as(per_group).reshape(tokens, experts)
+            choice = choice.masked_fill(~eligible, float("-inf") if self.sigmoid else 0.0)
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,7 @@ from engine.quantization import UnsupportedQuantization
 from engine.quantization.base import QuantizedLinearMethod
 
 # transformers checkpoint name -> (Ferry module name, shard id)
-_FUSED = {
+_FUSED: dict[str, tuple[str, ShardId]] = {
     ".q_proj.": (".qkv_proj.", "q"),
     ".k_proj.": (".qkv_proj.", "k"),
     ".v_proj.": (".qkv_proj.", "v"),
@@ -251,12 +252,16 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
+    layer_class: Callable[[PretrainedConfig, int, LinearMethod, TensorParallel | None], nn.Module] = DecoderLayer
+    """What each layer is built as: the Llama family's `DecoderLayer`, or another family's taking the same arguments
+    and computing `hidden, cos, sin, kv_cache -> hidden` (engine/models/deepseek.py)."""
+
     def __init__(self, config: PretrainedConfig, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, shard=_shard(tp), all_reduce=_all_reduce(tp)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i, method, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i, method, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused: FusedDecoder | None = None
         """Set by `LlamaFamilyForCausalLM.fuse_decoder`: the layers and final norm as one C++ call on CPU."""
@@ -282,6 +287,14 @@ class LlamaFamilyForCausalLM(nn.Module):
     """Packed-row causal LM (the `CausalLM` protocol of engine/models/base.py): `forward` takes `[T]` token ids
     and positions and returns the final hidden states `[T, hidden]`; with `tp`, this rank's shard of it."""
 
+    backbone_class: type[Backbone] = Backbone
+    check_tensor_parallel: Callable[[PretrainedConfig, int], None] = staticmethod(check_tensor_parallel)
+    fused_names: ClassVar[dict[str, tuple[str, ShardId]]] = _FUSED
+    """Checkpoint name parts of the projections fused here -> (the fused module's name part, shard id)."""
+    self_loading: tuple[type[nn.Module], ...] = ()
+    """A family's modules that, like the linears, load their checkpoint tensors themselves (`weight_loader(name,
+    tensor, shard_id)`, `loaded`): DeepSeek's absorbed projections."""
+
     def __init__(
         self,
         config: PretrainedConfig,
@@ -294,7 +307,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         default), one with a plain layout where the head is tied to the embedding."""
         super().__init__()
         if tp is not None:
-            check_tensor_parallel(config, tp.size)
+            self.check_tensor_parallel(config, tp.size)
         if is_sparse(config) and isinstance(method, QuantizedLinearMethod):
             raise UnsupportedQuantization(
                 method.scheme, f"this {config.model_type!r} model's experts (a mixture of experts) run in the model's "
@@ -303,7 +316,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         method = method or UnquantizedLinearMethod()
         self.config = config
         self.tp = tp
-        self.model = Backbone(config, method, tp)
+        self.model = self.backbone_class(config, method, tp)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, method=head_method or method, shard=_shard(tp), tied=self.tied
@@ -425,10 +438,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Each checkpoint tensor to the module that holds it, whose `weight_loader` copies this rank's slice; a
         linear's method processes (packs) its weights as soon as its last shard is in."""
         modules = dict(self.named_modules())
+        loaders = (LinearBase, *self.self_loading)
         plain = {
             name
             for name, _ in self.named_parameters()
-            if not isinstance(modules[name.rpartition(".")[0]], LinearBase | FusedExperts)
+            if not isinstance(modules[name.rpartition(".")[0]], (*loaders, FusedExperts))
         }
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -454,13 +468,13 @@ class LlamaFamilyForCausalLM(nn.Module):
                 self._load_expert(modules, expert, tensor)
                 continue
             shard_id = None
-            for hf_part, (fused_part, part) in _FUSED.items():
+            for hf_part, (fused_part, part) in self.fused_names.items():
                 if hf_part in name:
                     name, shard_id = name.replace(hf_part, fused_part), part
                     break
             module_name, _, param_name = name.rpartition(".")
             module = modules.get(module_name)
-            if isinstance(module, LinearBase | VocabParallelEmbedding):
+            if isinstance(module, (*loaders, VocabParallelEmbedding)):
                 module.weight_loader(param_name, tensor, shard_id)
             elif name in plain:
                 self.get_parameter(name).copy_(tensor)
@@ -468,7 +482,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the native {self.config.model_type}")
             loaded.add(name)
         missing = (plain - loaded) | {
-            f"{name}.weight" for name, module in modules.items() if isinstance(module, LinearBase) and not module.loaded
+            f"{name}.weight" for name, module in modules.items() if isinstance(module, loaders) and not module.loaded
         }
         missing |= {
             f"{name}.{piece}" for name, module in modules.items() if isinstance(module, FusedExperts)

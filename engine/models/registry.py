@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.models.base import CausalLM
+from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.hf_adapter import TransformersCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
@@ -35,6 +36,8 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
     "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
     "GptOssForCausalLM": LlamaFamilyForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 """Architectures with modules of Ferry's own."""
 
