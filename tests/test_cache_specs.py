@@ -9,6 +9,7 @@ passes over it. Sinks reach the backend the same eager and through the compiled 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from engine.attention import CpuPagedBackend, TorchPagedBackend, UnsupportedAtte
 from engine.attention.base import AttentionFeature
 from engine.attention.context import StepContext, step_context
 from engine.attention.graph_op import paged_attention
-from engine.attention.spec import FullAttentionSpec, LatentAttentionSpec, SlidingWindowSpec
+from engine.attention.spec import FullAttentionSpec, LatentAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
 from engine.config import EngineStartupError
 from engine.execution.kv_caches import allocate_kv_caches, kv_cache_groups
 from engine.models.loader import load_model
@@ -61,8 +62,8 @@ def test_each_layer_is_allocated_from_its_own_spec() -> None:
         assert layout.page_bytes == held, g
 
 
-class _LatentSecondLayer(torch.nn.Module):
-    """A real model whose second layer declares a latent (MLA) cache, as a DeepSeek-style family would."""
+class _RecurrentSecondLayer(torch.nn.Module):
+    """A real model whose second layer declares a recurrent state, as a state-space hybrid would."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -71,14 +72,39 @@ class _LatentSecondLayer(torch.nn.Module):
 
     def cache_specs(self) -> list:
         specs = self.inner.cache_specs()
-        return [specs[0], LatentAttentionSpec(64, torch.float32), *specs[2:]]
+        return [specs[0], RecurrentStateSpec(4096), *specs[2:]]
 
 
 def test_a_spec_the_engine_cannot_allocate_is_refused_at_start_up(model_dir: Callable[[str], Path]) -> None:
     config = EngineConfig.of(model=str(model_dir("llama")), num_pages=16)
     loaded = load_model(config)
-    with pytest.raises(EngineStartupError, match="layer 1 keeps a LatentAttentionSpec cache, which Ferry cannot"):
-        EngineCore(config, loaded=dataclasses.replace(loaded, model=_LatentSecondLayer(loaded.model)))
+    with pytest.raises(EngineStartupError, match="layer 1 keeps a RecurrentStateSpec cache, which Ferry cannot"):
+        EngineCore(config, loaded=dataclasses.replace(loaded, model=_RecurrentSecondLayer(loaded.model)))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_latent_layer_caches_its_latent_and_rotary_key_only(
+    model_dir: Callable[[str], Path], arch: str, kv_cache_dtype: str
+) -> None:
+    """MLA's point: a token costs `kv_lora_rank + qk_rope_head_dim` elements per layer, not K and V of every head,
+    in the spec, in the page bytes the pools are sized by, and in the tensors (one, serving as K and V)."""
+    hf = json.loads((model_dir(arch) / "config.json").read_text())
+    width = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
+    expanded = hf["num_attention_heads"] * (hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"] + hf["v_head_dim"])
+    element = 1 if kv_cache_dtype == "fp8" else 4
+    engine = EngineCore(
+        EngineConfig.of(model=str(model_dir(arch)), num_pages=16, page_size=4, kv_cache_dtype=kv_cache_dtype)
+    )
+    specs = engine.runner.model.cache_specs()
+    assert all(isinstance(spec, LatentAttentionSpec) for spec in specs)
+    assert [spec.bytes_per_token for spec in specs] == [width * 4] * hf["num_hidden_layers"]
+    (layout,) = engine.kv_cache.layouts
+    assert layout.page_bytes == 4 * hf["num_hidden_layers"] * width * element
+    assert width < expanded
+    for keys, values in engine.runner.kv_caches:
+        assert keys is values and keys.shape == (17, 4, 1, width) and keys.element_size() == element
+    engine.close()
 
 
 # -- what the model needs of attention -------------------------------------------------------------------------
@@ -92,6 +118,7 @@ def test_a_spec_the_engine_cannot_allocate_is_refused_at_start_up(model_dir: Cal
         ("gemma2", {AttentionFeature.SLIDING_WINDOW, AttentionFeature.SOFTCAP}),
         ("bloom", {AttentionFeature.ALIBI}),
         ("gpt_oss", {AttentionFeature.SLIDING_WINDOW, AttentionFeature.SINKS}),
+        ("deepseek_v3", {AttentionFeature.LATENT}),
     ],
 )
 def test_each_model_declares_what_its_attention_needs(

@@ -41,6 +41,8 @@ ARCHS = [
     "granite",
     "stablelm",
     "gpt_oss",  # attention sinks beside alternating sliding windows; biased experts (native)
+    "deepseek_v2",  # latent attention (absorbed, over a latent cache); group-limited softmax routing, shared experts
+    "deepseek_v3",  # the same with a LoRA'd query, YaRN, sigmoid routing with a correction bias
 ]
 LOGPROB_TOLERANCE = 1e-4
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"
@@ -169,6 +171,7 @@ COMPILED_CASES = [
     ("demo", "mixed", False),
     ("qwen3_moe", "chunked", False),  # the experts' C++ op opaque in the graph; a dense and a sparse layer
     ("gpt_oss", "mixed", False),  # sinks, alternating windows, grouped_mm experts with biases
+    ("deepseek_v3", "chunked", False),  # latent attention: one wide KV head through the op
 ]
 
 
@@ -233,10 +236,10 @@ def test_async_scheduling_greedy_equals_generate(model_dir: Callable[[str], Path
     engine.close()
 
 
-@pytest.mark.parametrize(
-    "arch",
-    ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom", "mixtral", "qwen3_moe", "gpt_oss"],
-)
+PREFIX_ARCHS = ["llama", "qwen3", "mistral", "qwen2_hybrid", "gpt2", "gemma2", "bloom", "mixtral", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("arch", [*PREFIX_ARCHS, "gpt_oss", "deepseek_v3"])
 def test_prefix_sharing_greedy(model_dir: Callable[[str], Path], arch: str) -> None:
     path = model_dir(arch)
     prompts, max_new, expected, _ = _reference(path, arch, shared_prefix=40)

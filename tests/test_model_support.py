@@ -35,7 +35,6 @@ def _refusal(path: Path, **config) -> UnsupportedModelError:
         ("gpt_neo", {}, "attention classes from a table of the model's own with no paged entry"),
         ("mpt", {}, "code that does not run on paged attention"),
         ("jamba", {}, "layers whose attention is not one call each of the attention interface ([1])"),
-        ("deepseek_v3", {}, "value heads of 8 dimensions beside key heads of 16"),
     ],
 )
 def test_features_the_engine_lacks_are_refused_at_load(
@@ -188,9 +187,9 @@ def test_every_causal_lm_transformers_ships_is_claimed_or_refused_by_name() -> N
             crashes.append(f"{model_type}: {type(error).__name__}: {error}")
     assert not crashes, "start-up raised something other than a refusal:\n" + "\n".join(crashes)
     claimed = {model_type for model_type, verdict in verdicts.items() if not verdict.startswith("refused")}
-    assert {"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"} <= {
-        model_type for model_type in claimed if verdicts[model_type] == "native"
-    }
+    native = {model_type for model_type in claimed if verdicts[model_type] == "native"}
+    families = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+    assert {*families, "deepseek_v2", "deepseek_v3"} <= native
     assert {"gpt2", "gemma2", "phi3"} <= claimed
     for model_type in ("mamba", "mamba2", "rwkv"):
         assert verdicts[model_type].startswith("refused: layers without attention heads")
