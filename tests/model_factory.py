@@ -140,6 +140,23 @@ ARCHITECTURES: dict[str, dict] = {
             mscale_all_dim=0.8,
         ),
     ),
+    # GLM-4.7-Flash: V3's attention and router, its dense and sparse layers listed (here sparse, then dense).
+    "glm4_moe_lite": dict(
+        model_type="glm4_moe_lite",
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=12,
+        v_head_dim=16,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.8,
+        mlp_layer_types=["sparse", "dense"],
+    ),
     "deepseek_v2": dict(
         model_type="deepseek_v2",
         n_routed_experts=8,

@@ -79,8 +79,8 @@ def test_v3_rotary_in_halves_is_served_exactly(tmp_path: Path) -> None:
     engine.close()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_both_families_are_claimed_by_the_native_modules(model_dir: Callable[[str], Path], arch: str) -> None:
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "glm4_moe_lite"])
+def test_the_family_is_claimed_by_the_native_modules(model_dir: Callable[[str], Path], arch: str) -> None:
     config = AutoConfig.from_pretrained(model_dir(arch))
     assert choose_model_class(config, "auto") is DeepseekForCausalLM
 

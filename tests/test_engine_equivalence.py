@@ -43,6 +43,7 @@ ARCHS = [
     "gpt_oss",  # attention sinks beside alternating sliding windows; biased experts (native)
     "deepseek_v2",  # latent attention (absorbed, over a latent cache); group-limited softmax routing, shared experts
     "deepseek_v3",  # the same with a LoRA'd query, YaRN, sigmoid routing with a correction bias
+    "glm4_moe_lite",  # V3's layers, a sparse layer before a dense one
 ]
 LOGPROB_TOLERANCE = 1e-4
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"

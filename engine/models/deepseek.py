@@ -1,5 +1,6 @@
-"""Native DeepSeek V2 and V3 (and the models built on them: V2-Lite, R1, Kimi K2): multi-head latent attention over
-a latent cache, and DeepSeek's mixture of experts, on the Llama family's backbone (engine/models/llama.py).
+"""Native DeepSeek V2 and V3 (and the models built on them: V2-Lite, R1, Kimi K2; GLM-4.7-Flash, a V3 with its
+dense and sparse layers listed): multi-head latent attention over a latent cache, and DeepSeek's mixture of experts,
+on the Llama family's backbone (engine/models/llama.py).
 
 Latent attention (MLA). Each token's keys and values are compressed into one latent `c` of `kv_lora_rank` (normed)
 plus a rotary key part `k_pe` of `qk_rope_head_dim` shared by every head; head h's key is `[W_UK[h] c, k_pe]` and its
@@ -175,7 +176,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, config.hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(experts, dtype=torch.float32), requires_grad=False)
-            if config.model_type == "deepseek_v3"
+            if config.model_type != "deepseek_v2"
             else None
         )
 
@@ -229,7 +230,8 @@ _ROTARY_ROWS = {"q_proj", "q_b_proj"}
 
 
 class DeepseekForCausalLM(LlamaFamilyForCausalLM):
-    """DeepSeek V2 / V3 on the packed row: the Llama family's model around latent-attention decoder layers."""
+    """DeepSeek V2 / V3 (and GLM-4.7-Flash) on the packed row: the Llama family's model around latent-attention
+    decoder layers."""
 
     backbone_class = DeepseekBackbone
     check_tensor_parallel = staticmethod(check_tensor_parallel)

@@ -38,6 +38,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": LlamaFamilyForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
 }
 """Architectures with modules of Ferry's own."""
 
