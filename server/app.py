@@ -48,6 +48,7 @@ from server.openai.errors import (
 )
 from server.openai.files import add_file_routes
 from server.openai.generation import ServingContext
+from server.openai.harmony import Harmony, load_encoding
 from server.openai.pooling_schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -203,7 +204,17 @@ class ServerState:
             logger.exception("Failed to start serving")
             self.lifecycle.fail()
             return
-        parser = resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer)
+        chat_format = self.settings.chat_format
+        harmony = None
+        if chat_format == "harmony" or (chat_format == "auto" and info.model_type == "gpt_oss"):
+            try:
+                harmony = Harmony(await asyncio.to_thread(load_encoding))
+            except Exception:
+                logger.exception("Cannot load gpt-oss's Harmony encoding")
+                self.lifecycle.fail()
+                return
+            reasoning = None  # Harmony reads reasoning and calls by channel, not by the template's markers
+        parser = None if harmony else resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer)
         self.serving = ServingContext(
             client=self.client,
             tokenizer=tokenizer,
@@ -223,6 +234,7 @@ class ServerState:
             max_queue_size=self.engine_config.scheduler.max_queue_size,
             reranker_template=self.engine_config.model.reranker_template,
             stored=self.stored,
+            harmony=harmony,
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")
@@ -235,12 +247,14 @@ class ServerState:
         self.gguf_card = _model_gguf(source_info(self.engine_config.model.path), kept=stored_format == "gguf")
         self.lifecycle.set_ready()
         logger.info(
-            "Serving %s (max_model_len=%d, %s, reasoning parser: %s, tool-call parser: %s)",
+            "Serving %s (max_model_len=%d, %s, %s)",
             self.model_name,
             info.max_model_len,
             _served_tasks(info.pooling),
-            reasoning.name if reasoning else "none",
-            self.serving.tool_call_parser or "none",
+            "chat format: harmony"
+            if harmony
+            else f"reasoning parser: {reasoning.name if reasoning else 'none'}, "
+            f"tool-call parser: {self.serving.tool_call_parser or 'none'}",
         )
         if self.adapters.adapters:
             logger.info("LoRA adapters: %s", ", ".join(adapter.request.name for adapter in self.adapters.adapters))

@@ -67,6 +67,7 @@ def run_engine_process(
                 engine.quantization,
                 engine.checkpoint_quantization,
                 engine.pooling,
+                engine.hf_config.model_type,
             )
         )
         EngineLoop(engine, _PipeInbox(requests, parent_pid), outputs.send).run()

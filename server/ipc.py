@@ -29,6 +29,8 @@ class EngineReady:
     """(format, its weights in words) of a checkpoint whose quantized weights run as stored; None otherwise."""
     pooling: PoolingConfig | None = None
     """What the model pools (embeddings, classifier or yes/no scores); None for a model that only generates."""
+    model_type: str = ""
+    """config.json's `model_type` (what `--chat-format auto` reads)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from server.reasoning import ReasoningParserName
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LogFormat = Literal["text", "json"]
 ToolCallParserName = Literal["auto", "none", "hermes", "llama3_json", "mistral"]
+ChatFormatName = Literal["auto", "template", "harmony"]
 
 _MODEL = {"group": "model"}
 _SERVER = {"group": "server"}
@@ -87,6 +88,11 @@ class ServerSettings:
     """How chat answers are split from the model's `<think>…</think>` reasoning (`reasoning_content`): `qwen3`
     (reasoning only where the output, or the prompt, opens it), `deepseek_r1` (the output starts in reasoning),
     `none`; `auto` picks qwen3 for a chat template that knows `</think>`, none otherwise."""
+    chat_format: ChatFormatName = field(default="auto", metadata=_MODEL)
+    """How chat and Responses conversations become prompts and replies become answers: `template` (the tokenizer's
+    chat template, read back with --reasoning-parser and --tool-call-parser), `harmony` (gpt-oss's format, rendered
+    and read by the openai-harmony package: the analysis channel is `reasoning_content`, calls to `functions.*` are
+    `tool_calls`, the final channel the answer); `auto` picks harmony for a gpt-oss model."""
     request_timeout: float = field(default=600.0, metadata=_SERVER)
     """Seconds a request may take from arrival to its last byte before it is aborted (504); 0 disables."""
     sse_ping_interval: float = field(default=15.0, metadata=_SERVER)

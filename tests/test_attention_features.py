@@ -295,7 +295,7 @@ def test_an_explicit_backend_lacking_a_need_is_refused_by_name_and_auto_passes_o
         select_backend("torch", "cpu", 16, torch.float32, AttentionNeeds(kv_cache_dtype=torch.int8))
 
 
-def test_flash_declares_no_sinks_spans_or_other_cache_and_auto_on_cuda_takes_triton(
+def test_flash_declares_no_sinks_spans_latents_or_other_cache_and_auto_on_cuda_takes_triton(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pytest.importorskip("triton")
@@ -305,10 +305,12 @@ def test_flash_declares_no_sinks_spans_or_other_cache_and_auto_on_cuda_takes_tri
     assert FlashBackend.missing(needs, torch.bfloat16) == [
         "attention sinks",
         "non-causal spans",
+        AttentionFeature.LATENT.value,  # flash-attn's heads stop at 256; a latent's is 576
         "a torch.float8_e4m3fn KV cache for a torch.bfloat16 model",
     ]
     monkeypatch.setattr("engine.attention.flash.flash_available", lambda: True)
-    for need in (SINK, SPANS, AttentionNeeds(kv_cache_dtype=torch.float16)):
+    latent = AttentionNeeds(frozenset({AttentionFeature.LATENT}))
+    for need in (SINK, SPANS, latent, AttentionNeeds(kv_cache_dtype=torch.float16)):
         assert select_backend("auto", "cuda", 256, torch.bfloat16, need).name == "triton"
     # float8 caches too (below compute capability 8.9 the torch backend: tests/test_kv_cache_fp8.py).
     assert (

@@ -76,7 +76,11 @@ def _ragged_step(rng: random.Random, decodes: int, max_len: int) -> Step:
 @needs_kernel
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 32), (4, 4, 64), (4, 1, 16), (16, 2, 128), (6, 3, 24)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    # The last two: DeepSeek's latent head (its own vectorised instance) and a head past the old scalar limit of 512.
+    [(8, 2, 32), (4, 4, 64), (4, 1, 16), (16, 2, 128), (6, 3, 24), (16, 1, 576), (4, 1, 600)],
+)
 def test_float32_matches_the_torch_backend(
     page_size: int, window: int | None, heads: int, kv_heads: int, dim: int
 ) -> None:

@@ -34,7 +34,7 @@ from server.openai.schemas import (
     ToolCall,
     ToolCallChunk,
 )
-from server.openai.template import render_conversation
+from server.openai.template import EFFORT_VARIABLE, render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
 from server.tokens import Tokenizer
 
@@ -42,22 +42,30 @@ from server.tokens import Tokenizer
 async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     lora = ctx.check_request(body)
-    tool_use = ctx.tool_use(body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls)
     answer = body.output_constraint()
-    constraint = tool_use.constraint(answer) if tool_use else answer
     messages = body.template_messages()
-    prompt_text = render_conversation(
-        ctx.tokenizer,
-        messages,
-        body.template_kwargs(ctx.tokenizer.chat_template_options),
-        tool_use.template_tools() if tool_use else None,
-        "messages",
-    )
-    reasoning = ctx.reasoning if constraint is None else None
+    if ctx.harmony is not None:
+        tools = ctx.harmony.offered_tools(body.function_tools(), body.tool_choice_value(), answer)
+        effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
+        prompt = ctx.harmony.render(messages, tools, effort, "messages")
+        tool_use = constraint = reasoning = None
+        prompt_text = ""
+    else:
+        tool_use = ctx.tool_use(body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls)
+        constraint = tool_use.constraint(answer) if tool_use else answer
+        prompt_text = render_conversation(
+            ctx.tokenizer,
+            messages,
+            body.template_kwargs(ctx.tokenizer.chat_template_options),
+            tool_use.template_tools() if tool_use else None,
+            "messages",
+        )
+        prompt = ctx.tokenizer.encode_rendered(prompt_text)
+        reasoning = ctx.reasoning if constraint is None else None
     generation = await start_generation(
         ctx,
         f"chatcmpl-{uuid.uuid4().hex}",
-        [ctx.tokenizer.encode_rendered(prompt_text)],
+        [prompt],
         body,
         body.requested_max_tokens,
         logprobs=bool(body.logprobs),
@@ -72,6 +80,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         else ctx.tokenizer.encode(body.prediction.text(), add_special_tokens=False),
         lora=lora,
         batch=is_batch(request),
+        harmony=ctx.harmony,
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))

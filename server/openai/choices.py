@@ -3,7 +3,8 @@ counted tokens.
 
 The text goes through three stages in order: stop strings (on all of it), the reasoning splitter (with a reasoning
 parser), then the tool-call reader, which sees only the answer: a call the model writes while it reasons is not
-a call.
+a call. Under gpt-oss's Harmony format the tokens go to its reader instead (server/openai/harmony.py), which splits
+them by channel; stop strings then apply to the answer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.core.request import FinishReason, StepOutput, TokenLogprob
 from server.openai.errors import engine_failure
+from server.openai.harmony import HarmonyReader
 from server.openai.tool_parsers.base import ParsedCall, ToolCallDelta, ToolCallReader
 from server.reasoning import ReasoningSplitter
 from server.tokens import StopStringMatcher, Tokenizer
@@ -44,6 +46,8 @@ class ChoiceState:
     """Splits the text after stop strings into reasoning and answer; None leaves it all answer."""
     tool_reader: ToolCallReader | None = None
     """Splits the answer into content and tool calls; None: it is all content."""
+    harmony: HarmonyReader | None = None
+    """Reads a Harmony reply's tokens into reasoning, answer and calls, in place of the three stages."""
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     num_reasoning_tokens: int = 0
@@ -72,6 +76,8 @@ class ChoiceState:
         if output.finish_reason is FinishReason.ABORT:
             # We never see our own aborts (their requests are unrouted first), so this one is the engine's.
             raise engine_failure(output.error or "The engine aborted the request.")
+        if self.harmony is not None:
+            return self._consume_harmony(output, self.harmony)
         emitted, stopped, num_used = self._text_until_stop(output.new_token_ids, output.finished)
         self.num_tokens += num_used
         self.num_cached_tokens = output.num_cached_tokens
@@ -104,6 +110,30 @@ class ChoiceState:
         self.text.append(emitted)
         self.reasoning.append(reasoning)
         return ChoiceUpdate(emitted, new_logprobs, finish_reason, calls, reasoning, prompt_logprobs)
+
+    def _consume_harmony(self, output: StepOutput, reader: HarmonyReader) -> ChoiceUpdate:
+        read = reader.feed(output.new_token_ids)
+        content = read.content + (reader.finish() if output.finished else "")
+        emitted, stopped = self._stop.feed(content)
+        self.num_tokens += len(output.new_token_ids)
+        self.num_cached_tokens = output.num_cached_tokens
+        self.num_reasoning_tokens += read.reasoning_tokens
+        new_logprobs = output.new_logprobs or []
+        if self.keep_logprobs:
+            self.logprobs.extend(new_logprobs)
+        finish_reason = None
+        if stopped:
+            finish_reason = "stop"
+        elif output.finish_reason is not None:
+            emitted += self._stop.flush()
+            finish_reason = output.finish_reason.value
+        self._collect(read.calls)
+        if finish_reason == "stop" and self.tool_calls:
+            finish_reason = "tool_calls"
+        self.finish_reason = finish_reason
+        self.text.append(emitted)
+        self.reasoning.append(read.reasoning)
+        return ChoiceUpdate(emitted, new_logprobs, finish_reason, read.calls, read.reasoning)
 
     def _text_until_stop(self, tokens: Sequence[int], finished: bool) -> tuple[str, bool, int]:
         """(text safe to emit, whether a stop string ended it, tokens up to the one it ended in). A delta of

@@ -11,6 +11,7 @@ the prompts and what they make of the choices.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Iterable, Sequence
@@ -30,8 +31,10 @@ from server.lora import LoRARegistry
 from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
+from server.openai.harmony import Harmony
 from server.openai.schemas import CompletionTokensDetails, PromptTokensDetails, Usage
 from server.openai.structured import Constraint, check_constraint
+from server.openai.template import EFFORT_VARIABLE
 from server.openai.tool_parsers.base import ToolCallReader
 from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode, ToolUse, resolve_tool_use
 from server.reasoning import ReasoningParser, ReasoningSplitter
@@ -127,6 +130,15 @@ class ServingContext:
     """The prompt a yes/no reranker scores, `{query}` and `{document}` filled in (--reranker-template)."""
     stored: StoredState | None = None
     """Where stored responses are kept (server/state/); None: nothing is stored (an app without a database)."""
+    harmony: Harmony | None = None
+    """gpt-oss's chat format (server/harmony.py), which then renders conversations and reads replies instead of
+    the chat template and the reasoning and tool-call parsers; None: the template's way."""
+
+    @property
+    def template_options(self) -> Collection[str]:
+        """The variables a request may set for the rendering (`chat_template_kwargs`, the reasoning effort): the
+        chat template's, or under Harmony the effort alone."""
+        return (EFFORT_VARIABLE,) if self.harmony is not None else self.tokenizer.chat_template_options
 
     def tool_use(
         self,
@@ -182,7 +194,7 @@ class ServingContext:
         self.lifecycle.check_accepting()
         lora = self.check_model(body.model)
         self.check_generates(body.model)
-        body.check_supported(self.tokenizer.chat_template_options)
+        body.check_supported(self.template_options)
         vocab_size = self.tokenizer.vocab_size
         # The Responses API has no stop ids; chat and completions do.
         stop_ids = getattr(body, "stop_token_ids", None) or []
@@ -387,6 +399,7 @@ async def start_generation(
     prediction: list[int] | None = None,
     lora: LoRARequest | None = None,
     batch: bool = False,
+    harmony: Harmony | None = None,
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
@@ -395,7 +408,8 @@ async def start_generation(
     of reasoning from answer, `tool_reader` its reader of tool calls (None: no such stage). `prediction`: the
     tokens every choice's answer is predicted to be (Predicted Outputs). `lora`: the adapter every choice runs with
     (check_request's answer). `batch`: the call is a line of the Batch API (`is_batch`), whose engine requests
-    wait behind every interactive request.
+    wait behind every interactive request. `harmony`: the prompts are Harmony's; each choice's reply is read by
+    its reader and stops at `<|return|>` or `<|call|>`.
     """
     structured_output = None
     if constraint is not None:
@@ -414,6 +428,8 @@ async def start_generation(
                 top_logprobs=top_logprobs,
                 structured_output=structured_output,
             )
+            if harmony is not None:
+                params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *harmony.stop_token_ids))
             requests.append(
                 EngineRequest(
                     f"{response_id}-{p}-{i}",
@@ -434,6 +450,7 @@ async def start_generation(
                     keep_logprobs=logprobs and not body.stream,
                     reasoning_splitter=reasoning_splitter() if reasoning_splitter is not None else None,
                     tool_reader=None if tool_reader is None else tool_reader(),
+                    harmony=None if harmony is None else harmony.reader(),
                 )
             )
     try:

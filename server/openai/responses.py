@@ -61,7 +61,7 @@ from server.openai.responses_schemas import (
     ResponseUsage,
 )
 from server.openai.stored_responses import FLUSH_SECONDS, EventLog, background_runner
-from server.openai.template import render_conversation
+from server.openai.template import EFFORT_VARIABLE, render_conversation
 from server.openai.tool_parsers.base import ToolCallDelta
 from server.sse import SSEResponse, sse_typed_events
 from server.state import conversations, responses
@@ -80,31 +80,42 @@ _DETACHED: set[asyncio.Task[None]] = set()
 async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: Request) -> Response:
     arrival = time.monotonic()
     lora = ctx.check_request(body)
-    tool_use = ctx.tool_use(
-        body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, parameters_field="parameters"
-    )
     if body.background and is_batch(request):
         raise unsupported_parameter("background", "a batch's requests are run in the background already.")
     format_constraint = body.format_constraint()
+    tool_use = None
+    if ctx.harmony is not None:
+        tools = ctx.harmony.offered_tools(body.function_tools(), body.tool_choice_value(), format_constraint)
+    else:
+        tool_use = ctx.tool_use(
+            body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, parameters_field="parameters"
+        )
     constraint = tool_use.constraint(format_constraint) if tool_use else format_constraint
     owner = request_owner(request)
     turn = _turn_items(body.input)
     earlier = await _earlier_items(ctx, owner, body)
     messages = template_messages(body.instructions, [*earlier, *turn] if earlier else body.input)
-    prompt_text = render_conversation(
-        ctx.tokenizer,
-        messages,
-        body.template_kwargs(ctx.tokenizer.chat_template_options),
-        tool_use.template_tools() if tool_use else None,
-        "input",
-    )
-    # A constrained answer is grammar-bound from its first token: it has no reasoning to split off.
-    reasoning = ctx.reasoning if constraint is None else None
+    if ctx.harmony is not None:
+        effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
+        prompt = ctx.harmony.render(messages, tools, effort, "input")
+        prompt_text = ""
+        reasoning = None
+    else:
+        prompt_text = render_conversation(
+            ctx.tokenizer,
+            messages,
+            body.template_kwargs(ctx.tokenizer.chat_template_options),
+            tool_use.template_tools() if tool_use else None,
+            "input",
+        )
+        prompt = ctx.tokenizer.encode_rendered(prompt_text)
+        # A constrained answer is grammar-bound from its first token: it has no reasoning to split off.
+        reasoning = ctx.reasoning if constraint is None else None
     response_id = f"resp_{uuid.uuid4().hex}"
     generation = await start_generation(
         ctx,
         response_id,
-        [ctx.tokenizer.encode_rendered(prompt_text)],
+        [prompt],
         body,
         body.max_output_tokens,
         logprobs=False,
@@ -116,6 +127,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         tool_reader=tool_use.reader_factory() if tool_use else None,
         lora=lora,
         batch=is_batch(request),
+        harmony=ctx.harmony,
     )
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, generation.model))
     record = _Record(ctx.stored, owner, body.store is not False, body.conversation_id, bool(body.background), turn)

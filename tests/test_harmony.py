@@ -1,0 +1,267 @@
+"""gpt-oss's Harmony format (server/openai/harmony.py): conversations rendered and replies read by the
+openai-harmony package, and the tool loop through the OpenAI SDK against a real server, chat completions and the
+Responses API, streamed and not: reasoning in `reasoning_content` (or a reasoning item), the call in `tool_calls`
+(a function_call item), its result sent back, the final answer as the content.
+
+The model is a tiny gpt-oss trained on two scripted turns (tests/harmony_model.py); the parser's own behaviour
+(chunking, the format breaking) is checked on token ids Harmony itself renders, without a model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from openai_harmony import HarmonyEncoding, Message, Role
+
+from server.openai.errors import APIError
+from server.openai.harmony import Harmony, HarmonyDelta, load_encoding
+from server.openai.structured import json_object_constraint
+from server.openai.tools import ForcedFunction
+from tests.harmony_model import ANSWER, ARGUMENTS, QUESTION, REASONING, RESULT, WEATHER, build_harmony_model_dir
+from tests.server_harness import running_server
+
+pytestmark = pytest.mark.timeout(300)
+
+TOOLS = [{"type": "function", "function": {"name": WEATHER.name, "description": WEATHER.description,
+                                            "parameters": WEATHER.parameters}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def encoding(tmp_path_factory: pytest.TempPathFactory) -> HarmonyEncoding:
+    return load_encoding(tmp_path_factory.mktemp("tiktoken"))
+
+
+# -- the reader, on Harmony's own renderings --------------------------------------------------------------------
+
+
+def _reply(encoding: HarmonyEncoding, *messages: Message) -> list[int]:
+    """What a model writes after `<|start|>assistant`: the messages rendered, less that first header."""
+    tokens = [t for m in messages for t in encoding.render(m)]
+    return tokens[2:]
+
+
+def _read(encoding: HarmonyEncoding, tokens: list[int], seed: int) -> tuple[HarmonyDelta, list[dict[str, str]]]:
+    """`tokens` fed in random pieces: everything read, and the calls assembled from their deltas."""
+    reader = Harmony(encoding).reader()
+    rng = random.Random(seed)
+    total, calls = HarmonyDelta(), []
+    i = 0
+    while i < len(tokens):
+        n = rng.randint(1, 4)
+        delta = reader.feed(tokens[i : i + n])
+        i += n
+        total.content += delta.content
+        total.reasoning += delta.reasoning
+        total.reasoning_tokens += delta.reasoning_tokens
+        for call in delta.calls:
+            if call.id is not None:
+                assert call.index == len(calls)
+                calls.append({"name": call.name or "", "arguments": ""})
+            calls[call.index]["arguments"] += call.arguments
+    total.content += reader.finish()
+    return total, calls
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reasoning_and_a_call_come_apart_however_the_tokens_arrive(encoding: HarmonyEncoding, seed: int) -> None:
+    tokens = _reply(
+        encoding,
+        Message.from_role_and_content(Role.ASSISTANT, "Let me look.").with_channel("analysis"),
+        Message.from_role_and_content(Role.ASSISTANT, "Checking.").with_channel("commentary"),
+        Message.from_role_and_content(Role.ASSISTANT, '{"city": "Oslo"}')
+        .with_channel("commentary")
+        .with_recipient("functions.get_weather")
+        .with_content_type("<|constrain|>json"),
+    )
+    read, calls = _read(encoding, tokens, seed)
+    assert (read.reasoning, read.content) == ("Let me look.", "Checking.")
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert 0 < read.reasoning_tokens < len(tokens)
+
+
+def test_the_final_channel_is_the_answer(encoding: HarmonyEncoding) -> None:
+    tokens = _reply(
+        encoding,
+        Message.from_role_and_content(Role.ASSISTANT, "Easy.").with_channel("analysis"),
+        Message.from_role_and_content(Role.ASSISTANT, "Héllo, wörld 🙂").with_channel("final"),
+    )
+    read, calls = _read(encoding, tokens, 0)
+    assert (read.reasoning, read.content, calls) == ("Easy.", "Héllo, wörld 🙂", [])
+
+
+def test_output_that_breaks_the_format_becomes_answer_text(encoding: HarmonyEncoding) -> None:
+    """A small model may write anything: from the token the parser refuses, the rest is decoded as the answer."""
+    start = encoding.encode("<|channel|>analysis<|message|>Hm.<|end|>", allowed_special="all")
+    broken = encoding.encode("<|message|>plain 🙂 words", allowed_special="all")
+    read, calls = _read(encoding, start + broken, 1)
+    assert read.reasoning == "Hm." and calls == []
+    assert read.content.endswith("plain 🙂 words")
+
+
+# -- rendering --------------------------------------------------------------------------------------------------
+
+
+def test_a_conversation_renders_as_harmony_writes_it(encoding: HarmonyEncoding) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": QUESTION},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Need it.",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {}}}],
+        },
+        {"role": "tool", "content": RESULT, "tool_call_id": "c", "name": "get_weather"},
+    ]
+    text = encoding.decode(Harmony(encoding).render(messages, [WEATHER], "low", "messages"))
+    assert "Reasoning: low" in text
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief." in text and "type get_weather" in text
+    assert "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{}" in text
+    assert f"<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{RESULT}<|end|>" in text
+    assert text.endswith("<|start|>assistant")
+
+
+def test_what_harmony_cannot_honour_is_refused_by_the_field(encoding: HarmonyEncoding) -> None:
+    harmony = Harmony(encoding)
+    with pytest.raises(APIError) as refused:
+        harmony.render([{"role": "user", "content": "x"}], [], "minimal", "messages")
+    assert refused.value.info.param == "reasoning_effort" and "'low', 'medium' or 'high'" in refused.value.info.message
+    with pytest.raises(APIError) as refused:
+        harmony.offered_tools([WEATHER], ForcedFunction("get_weather"), None)
+    assert refused.value.info.param == "tool_choice"
+    with pytest.raises(APIError) as refused:
+        harmony.offered_tools([WEATHER], "auto", json_object_constraint("response_format"))
+    assert refused.value.info.param == "response_format"
+    assert harmony.offered_tools([WEATHER], "none", None) == []
+
+
+# -- the tool loop through the SDK ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    model = build_harmony_model_dir(tmp_path_factory.mktemp("gpt_oss_harmony"))
+    with running_server(model, "--num-pages", "64") as url:
+        yield url
+
+
+def _client(base_url: str) -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+
+
+def _second_turn(call_id: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+        ]},
+        {"role": "tool", "tool_call_id": call_id, "content": RESULT},
+    ]  # fmt: skip
+
+
+def test_chat_tool_loop(base_url: str) -> None:
+    client = _client(base_url)
+    first = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": QUESTION}],
+        tools=TOOLS,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == REASONING[0]  # type: ignore[attr-defined]
+    (call,) = choice.message.tool_calls or []
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert not choice.message.content
+    second = client.chat.completions.create(
+        model=first.model, messages=_second_turn(call.id), tools=TOOLS, temperature=0
+    )
+    answer = second.choices[0]
+    assert (answer.finish_reason, answer.message.content, answer.message.tool_calls) == ("stop", ANSWER, None)
+    assert answer.message.reasoning_content == REASONING[1]  # type: ignore[attr-defined]
+
+
+def test_chat_tool_loop_streamed(base_url: str) -> None:
+    client = _client(base_url)
+    model = client.models.list().data[0].id
+    reasoning, content, names, arguments, finish = "", "", [], "", None
+    for chunk in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}], tools=TOOLS, temperature=0, stream=True
+    ):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.function and call.function.name:
+                names.append(call.function.name)
+            arguments += (call.function.arguments if call.function else None) or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (reasoning, content, names, json.loads(arguments), finish) == (
+        REASONING[0], "", ["get_weather"], {"city": "Paris"}, "tool_calls",
+    )  # fmt: skip
+    text = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model=model, messages=_second_turn("call_x"), tools=TOOLS, temperature=0, stream=True
+        )
+    )
+    assert text == ANSWER
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_tool_loop(base_url: str, stream: bool) -> None:
+    client = _client(base_url)
+    model = client.models.list().data[0].id
+    tools = [{"type": "function", "name": WEATHER.name, "description": WEATHER.description,
+              "parameters": WEATHER.parameters}]  # fmt: skip
+
+    def respond(**kwargs: Any) -> Any:
+        if not stream:
+            return client.responses.create(model=model, tools=tools, temperature=0, store=False, **kwargs)
+        with client.responses.stream(model=model, tools=tools, temperature=0, store=False, **kwargs) as events:
+            return events.get_final_response()
+
+    first = respond(input=QUESTION)
+    kinds = [item.type for item in first.output]
+    assert kinds == ["reasoning", "function_call"]
+    assert first.output[0].content[0].text == REASONING[0]
+    assert 0 < first.usage.output_tokens_details.reasoning_tokens < first.usage.output_tokens
+    call = first.output[1]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    second = respond(
+        input=[
+            {"role": "user", "content": QUESTION},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": ARGUMENTS},
+            {"type": "function_call_output", "call_id": call.call_id, "output": RESULT},
+        ]
+    )
+    assert [item.type for item in second.output] == ["reasoning", "message"]
+    assert second.output_text == ANSWER
+
+
+def test_structured_output_is_refused_with_a_400(base_url: str) -> None:
+    response = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={
+            "model": _client(base_url).models.list().data[0].id,
+            "messages": [{"role": "user", "content": QUESTION}],
+            "response_format": {"type": "json_object"},
+        },
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "response_format"
+
+
+def test_tokenize_counts_the_harmony_prompt(base_url: str, encoding: HarmonyEncoding) -> None:
+    response = httpx.post(
+        f"{base_url}/tokenize", json={"messages": [{"role": "user", "content": QUESTION}]}, timeout=60
+    )
+    expected = Harmony(encoding).render([{"role": "user", "content": QUESTION}], [], None, "messages")
+    assert response.json()["tokens"] == expected
