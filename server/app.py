@@ -214,6 +214,10 @@ class ServerState:
                 self.lifecycle.fail()
                 return
             reasoning = None  # Harmony reads reasoning and calls by channel, not by the template's markers
+            for flag, value in (("--reasoning-parser", self.settings.reasoning_parser),
+                                ("--tool-call-parser", self.settings.tool_call_parser)):  # fmt: skip
+                if value != "auto":
+                    logger.warning("%s %s is not used: gpt-oss's Harmony format reads replies itself", flag, value)
         parser = None if harmony else resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer)
         self.serving = ServingContext(
             client=self.client,

@@ -309,14 +309,16 @@ def test_flash_declares_no_sinks_spans_latents_or_other_cache_and_auto_on_cuda_t
         "a torch.float8_e4m3fn KV cache for a torch.bfloat16 model",
     ]
     monkeypatch.setattr("engine.attention.flash.flash_available", lambda: True)
-    latent = AttentionNeeds(frozenset({AttentionFeature.LATENT}))
-    for need in (SINK, SPANS, latent, AttentionNeeds(kv_cache_dtype=torch.float16)):
+    for need in (SINK, SPANS, AttentionNeeds(kv_cache_dtype=torch.float16)):
         assert select_backend("auto", "cuda", 256, torch.bfloat16, need).name == "triton"
     # float8 caches too (below compute capability 8.9 the torch backend: tests/test_kv_cache_fp8.py).
     assert (
         select_backend("auto", "cuda", 256, torch.bfloat16, AttentionNeeds(kv_cache_dtype=torch.float8_e4m3fn)).name
         == "triton"
     )
+    # A latent (MLA) head: neither flash-attn nor, until it has run on a GPU, the Triton kernel.
+    latent = AttentionNeeds(frozenset({AttentionFeature.LATENT}))
+    assert select_backend("auto", "cuda", 256, torch.bfloat16, latent).name == "torch"
 
 
 def test_the_runner_refuses_a_plan_that_cuts_a_span() -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -107,3 +108,16 @@ def test_lora_is_refused_by_name(model_dir: Callable[[str], Path]) -> None:
     served = r"adapters on a deepseek_v2 model \(latent attention, absorbed projections\) are not served"
     with pytest.raises(EngineStartupError, match=served):
         EngineCore(EngineConfig.of(model=str(model_dir("deepseek_v2")), num_pages=16, enable_lora=True))
+
+
+def test_a_multi_token_prediction_layer_in_the_checkpoint_is_skipped(tmp_path: Path) -> None:
+    """V3 and GLM-4.7-Flash checkpoints carry one layer past `num_hidden_layers` (their MTP head), which
+    transformers skips as it loads: so does Ferry, and serves the rest exactly."""
+    path = build_model_dir(tmp_path, "deepseek_v3")
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, path / "mtp.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected, _ = generate_alone(hf, [[11, 40, 7, 99]], [6])
+    engine = EngineCore(EngineConfig.of(model=str(path), num_pages=16))
+    got = generate_batch([[11, 40, 7, 99]], params=[SamplingParams(max_new_tokens=6)], engine=engine)
+    assert got["req_0"].generated_ids == expected[0]
+    engine.close()

@@ -104,6 +104,11 @@ def test_output_that_breaks_the_format_becomes_answer_text(encoding: HarmonyEnco
     assert read.content.endswith("plain 🙂 words")
 
 
+def test_a_reply_without_any_header_is_the_answer(encoding: HarmonyEncoding) -> None:
+    read, calls = _read(encoding, encoding.encode("Just words.<|return|>", allowed_special="all"), 2)
+    assert (read.content, read.reasoning, calls) == ("Just words.", "", [])
+
+
 # -- rendering --------------------------------------------------------------------------------------------------
 
 

@@ -212,7 +212,8 @@ def _paged_attention_kernel(
 
 class TritonPagedBackend(AttentionBackend):
     name = "triton"
-    features = frozenset(AttentionFeature)
+    # A latent head (576 wide, BLOCK_D 1024) has never run on a GPU here: `auto` leaves MLA to the torch backend.
+    features = frozenset(AttentionFeature) - {AttentionFeature.LATENT}
     kv_cache_dtypes: ClassVar[dict[torch.dtype, frozenset[torch.dtype]]] = {
         model: frozenset({*TRITON_DTYPES, torch.float8_e4m3fn}) - {model} for model in TRITON_DTYPES
     }

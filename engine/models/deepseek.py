@@ -28,6 +28,7 @@ the latent projection is replicated, so every rank caches the whole latent.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -226,6 +227,7 @@ class DeepseekBackbone(Backbone):
 
 
 _ROTARY_ROWS = {"q_proj", "q_b_proj"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 """Projections whose per-head rows end in the query's rotary part."""
 
 
@@ -260,21 +262,25 @@ class DeepseekForCausalLM(LlamaFamilyForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The Llama family's loading, the rotary rows de-interleaved first where the checkpoint interleaves them."""
-        if not rope_interleaved(self.config):
-            return super().load_weights(weights)
+        """The Llama family's loading, after two of DeepSeek's own steps: the layers past `num_hidden_layers` (the
+        multi-token-prediction layer V3 and GLM checkpoints carry, which transformers skips too) are skipped, and
+        the rotary rows are de-interleaved where the checkpoint interleaves them."""
+        interleaved = rope_interleaved(self.config)
         rope = self.config.qk_rope_head_dim
         head_size = self.config.qk_nope_head_dim + rope
 
-        def deinterleaved(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        def decoder_tensors(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in stream:
+                layer = _LAYER.match(name)
+                if layer is not None and int(layer[1]) >= self.num_layers:
+                    continue
                 module_name, _, param_name = name.rpartition(".")
                 projection = module_name.rpartition(".")[2]
-                if param_name in ("weight", "bias") and projection in _ROTARY_ROWS:
+                if interleaved and param_name in ("weight", "bias") and projection in _ROTARY_ROWS:
                     per_head = tensor.view(-1, head_size, *tensor.shape[1:])
                     tensor = torch.stack([deinterleave_rows(head, rope) for head in per_head]).flatten(0, 1)
-                elif param_name in ("weight", "bias") and projection == "kv_a_proj_with_mqa":
+                elif interleaved and param_name in ("weight", "bias") and projection == "kv_a_proj_with_mqa":
                     tensor = deinterleave_rows(tensor, rope)
                 yield name, tensor
 
-        return super().load_weights(deinterleaved(weights))
+        super().load_weights(decoder_tensors(weights))

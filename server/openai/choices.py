@@ -117,6 +117,8 @@ class ChoiceState:
         emitted, stopped = self._stop.feed(content)
         self.num_tokens += len(output.new_token_ids)
         self.num_cached_tokens = output.num_cached_tokens
+        if output.prediction_tokens is not None:
+            self.prediction_tokens = output.prediction_tokens
         self.num_reasoning_tokens += read.reasoning_tokens
         new_logprobs = output.new_logprobs or []
         if self.keep_logprobs:

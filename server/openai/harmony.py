@@ -36,7 +36,6 @@ from openai_harmony import (
     ReasoningEffort,
     Role,
     StreamableParser,
-    StreamState,
     SystemContent,
     ToolDescription,
     load_harmony_encoding,
@@ -111,7 +110,7 @@ class Harmony:
         """The prompt ids of `messages` (as `template_messages` gives them: system, user, assistant with
         `reasoning_content` and `tool_calls`, tool results with the called function's `name`), `tools` offered as
         Harmony's `functions` namespace, ending where the assistant's reply starts."""
-        if effort is not None and effort not in _EFFORTS:
+        if effort is not None and (not isinstance(effort, str) or effort not in _EFFORTS):
             raise unsupported_parameter(
                 "reasoning_effort" if param == "messages" else "reasoning.effort",
                 f"gpt-oss reasons at 'low', 'medium' or 'high' effort, not {effort!r}.",
@@ -178,14 +177,26 @@ class HarmonyReader:
     channel) the answer, a commentary message to `functions.<name>` a call whose arguments are its text.
 
     Output that breaks the format (a small or untrained model's) does not fail the request: from the token the
-    parser refuses on, the rest of the reply is answer text, decoded as it comes."""
+    parser refuses on, the rest of the reply is answer text, decoded as it comes; a reply with no header at all
+    (plain text up to its end) is answer text too.
+
+    Where a message's content starts and ends is read from the token ids (`<|message|>`; `<|end|>`, `<|call|>`,
+    `<|return|>`): the parser's `state` and `messages` serialise everything read so far on each access, which
+    would make a long reply quadratic."""
 
     def __init__(self, encoding: HarmonyEncoding) -> None:
         self._encoding = encoding
         self._parser: StreamableParser | None = StreamableParser(encoding, Role.ASSISTANT)
+        self._message = _special(encoding, "<|message|>")
+        self._channel = _special(encoding, "<|channel|>")
+        self._start = _special(encoding, "<|start|>")
+        self._closers = {_special(encoding, name) for name in ("<|end|>", "<|call|>", "<|return|>")}
+        self._in_content = False
         self._num_calls = 0
         self._in_call = False
         """The current message is a call whose first delta went out."""
+        self._header: list[int] = []
+        """The current header's tokens (what a reply without any header is made of)."""
         self._unread: list[int] = []
         """Tokens after the format broke, not yet decodable into whole characters."""
 
@@ -199,6 +210,7 @@ class HarmonyReader:
                 self._read(token, delta)
             except HarmonyError:
                 self._parser = None
+                self._unread.extend(t for t in self._header if not self._encoding.is_special_token(t))
                 self._unread.append(token)
         if self._unread:
             text = self._encoding.decode(self._unread)
@@ -208,23 +220,33 @@ class HarmonyReader:
         return delta
 
     def finish(self) -> str:
-        """The reply is complete: text held back for a character's last byte, which will not come now."""
-        text = self._encoding.decode(self._unread) if self._unread else ""
-        self._unread.clear()
-        return text
+        """The reply is complete: text held back for a character's last byte, which will not come now, or a reply
+        that never wrote a header (`<|channel|>`), which is all answer."""
+        rest = self._unread
+        if self._parser is not None and not self._in_content and self._channel not in self._header:
+            rest = [t for t in self._header if not self._encoding.is_special_token(t)]
+        self._unread, self._header = [], []
+        return self._encoding.decode(rest) if rest else ""
 
     def _read(self, token: int, delta: HarmonyDelta) -> None:
         parser = self._parser
         assert parser is not None
-        closed = len(parser.messages)
         was_analysis = parser.current_channel == "analysis"
         parser.process(token)
-        if len(parser.messages) > closed:
-            self._in_call = False
         channel, recipient = parser.current_channel, parser.current_recipient
         if was_analysis or channel == "analysis":
             delta.reasoning_tokens += 1
-        if parser.state != StreamState.CONTENT:
+        if token in self._closers:
+            self._in_content = self._in_call = False
+            return
+        if token == self._start:
+            self._header = [token]
+            return
+        if token == self._message:
+            self._in_content = True
+            self._header = []
+        elif not self._in_content:
+            self._header.append(token)
             return
         text = parser.last_content_delta or ""
         if recipient is not None and recipient.startswith(_FUNCTIONS):
@@ -238,3 +260,8 @@ class HarmonyReader:
             delta.reasoning += text
         else:
             delta.content += text
+
+
+def _special(encoding: HarmonyEncoding, name: str) -> int:
+    (token,) = encoding.encode(name, allowed_special={name})
+    return token

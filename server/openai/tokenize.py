@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field, NonNegativeInt, model_validator
 
-from server.openai.errors import invalid_request
+from server.openai.errors import invalid_request, unsupported_parameter
 from server.openai.generation import ServingContext
 from server.openai.schemas import ChatCompletionRequest, ChatMessage, _RequestModel
 from server.tokens import ChatTemplateError
@@ -61,6 +61,11 @@ def serve_tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeRespon
         # The same rendering as a chat completion of these messages: the count is what that request would use.
         messages = ChatCompletionRequest.model_construct(messages=body.messages).template_messages()
         if ctx.harmony is not None:  # Harmony's rendering, which ends where the assistant's reply starts
+            if not body.add_generation_prompt:
+                raise unsupported_parameter(
+                    "add_generation_prompt",
+                    "false under gpt-oss's Harmony format (its prompt ends where replies start).",
+                )
             tokens = ctx.harmony.render(messages, [], None, "messages")
         else:
             try:
