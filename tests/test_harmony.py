@@ -46,9 +46,11 @@ def _reply(encoding: HarmonyEncoding, *messages: Message) -> list[int]:
     return tokens[2:]
 
 
-def _read(encoding: HarmonyEncoding, tokens: list[int], seed: int) -> tuple[HarmonyDelta, list[dict[str, str]]]:
+def _read(
+    encoding: HarmonyEncoding, tokens: list[int], seed: int, calls: bool = True
+) -> tuple[HarmonyDelta, list[dict[str, str]]]:
     """`tokens` fed in random pieces: everything read, and the calls assembled from their deltas."""
-    reader = Harmony(encoding).reader()
+    reader = Harmony(encoding, calls).reader()
     rng = random.Random(seed)
     total, calls = HarmonyDelta(), []
     i = 0
@@ -83,6 +85,15 @@ def test_reasoning_and_a_call_come_apart_however_the_tokens_arrive(encoding: Har
     assert (read.reasoning, read.content) == ("Let me look.", "Checking.")
     assert calls == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     assert 0 < read.reasoning_tokens < len(tokens)
+
+
+def test_a_call_where_no_tool_was_offered_is_answer_text(encoding: HarmonyEncoding) -> None:
+    tokens = _reply(
+        encoding,
+        Message.from_role_and_content(Role.ASSISTANT, "{}").with_channel("commentary").with_recipient("functions.x"),
+    )
+    read, calls = _read(encoding, tokens, 3, calls=False)
+    assert (read.content, calls) == ("{}", [])
 
 
 def test_the_final_channel_is_the_answer(encoding: HarmonyEncoding) -> None:
@@ -144,6 +155,9 @@ def test_what_harmony_cannot_honour_is_refused_by_the_field(encoding: HarmonyEnc
         harmony.offered_tools([WEATHER], "auto", json_object_constraint("response_format"))
     assert refused.value.info.param == "response_format"
     assert harmony.offered_tools([WEATHER], "none", None) == []
+    with pytest.raises(APIError) as refused:  # what every tool is checked for
+        harmony.offered_tools([WEATHER, WEATHER], "auto", None)
+    assert refused.value.info.param == "tools"
 
 
 # -- the tool loop through the SDK ------------------------------------------------------------------------------

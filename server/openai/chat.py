@@ -11,6 +11,7 @@ split off.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,9 +49,11 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         tools = ctx.harmony.offered_tools(body.function_tools(), body.tool_choice_value(), answer)
         effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
         prompt = ctx.harmony.render(messages, tools, effort, "messages")
+        harmony = dataclasses.replace(ctx.harmony, calls=bool(tools))
         tool_use = constraint = reasoning = None
         prompt_text = ""
     else:
+        harmony = None
         tool_use = ctx.tool_use(body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls)
         constraint = tool_use.constraint(answer) if tool_use else answer
         prompt_text = render_conversation(
@@ -80,7 +83,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         else ctx.tokenizer.encode(body.prediction.text(), add_special_tokens=False),
         lora=lora,
         batch=is_batch(request),
-        harmony=ctx.harmony,
+        harmony=harmony,
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))

@@ -44,7 +44,7 @@ from openai_harmony import (
 from server.openai.errors import invalid_request, unsupported_parameter
 from server.openai.structured import Constraint
 from server.openai.tool_parsers.base import ToolCallDelta, new_call_id
-from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode
+from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode, resolve_tool_use
 
 VOCABULARY = Path(__file__).parents[1] / "data" / "o200k_base.tiktoken.gz"
 VOCABULARY_ENV = "TIKTOKEN_ENCODINGS_BASE"
@@ -68,11 +68,14 @@ def load_encoding(cache_dir: Path | None = None) -> HarmonyEncoding:
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Harmony:
     """The format of one served model: renders conversations, and makes each choice's reader."""
 
     encoding: HarmonyEncoding
+    calls: bool = True
+    """Whether a reply's calls are tool calls: not where no tool was offered (`tool_choice` none, or no tools),
+    where a call the model writes anyway is answer text."""
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -80,7 +83,7 @@ class Harmony:
         return tuple(self.encoding.stop_tokens_for_assistant_actions())
 
     def reader(self) -> HarmonyReader:
-        return HarmonyReader(self.encoding)
+        return HarmonyReader(self.encoding, self.calls)
 
     def offered_tools(
         self,
@@ -89,10 +92,14 @@ class Harmony:
         constraint: Constraint | None,
         *,
         tool_choice_param: str = "tool_choice",
+        parameters_field: str = "function.parameters",
     ) -> list[FunctionTool]:
-        """The tools a reply may call: all of them under `auto`, none under `none`. A call the model must make, or
-        an answer in a format, would need a grammar over Harmony's channels, which Ferry does not build: those
-        requests are refused by the field that asks."""
+        """The tools a reply may call: all of them under `auto`, none under `none`, checked as every tool is
+        (`resolve_tool_use`). A call the model must make, or an answer in a format, would need a grammar over
+        Harmony's channels, which Ferry does not build: those requests are refused by the field that asks."""
+        resolve_tool_use(
+            tools, choice, None, "harmony", choice_param=tool_choice_param, parameters_field=parameters_field
+        )
         if constraint is not None:
             raise unsupported_parameter(
                 constraint.param, "structured output with gpt-oss's Harmony format (its answer is one channel of "
@@ -184,8 +191,10 @@ class HarmonyReader:
     `<|return|>`): the parser's `state` and `messages` serialise everything read so far on each access, which
     would make a long reply quadratic."""
 
-    def __init__(self, encoding: HarmonyEncoding) -> None:
+    def __init__(self, encoding: HarmonyEncoding, calls: bool = True) -> None:
+        """`calls`: whether a commentary message to `functions.<name>` is a tool call (else answer text)."""
         self._encoding = encoding
+        self._calls = calls
         self._parser: StreamableParser | None = StreamableParser(encoding, Role.ASSISTANT)
         self._message = _special(encoding, "<|message|>")
         self._channel = _special(encoding, "<|channel|>")
@@ -249,7 +258,7 @@ class HarmonyReader:
             self._header.append(token)
             return
         text = parser.last_content_delta or ""
-        if recipient is not None and recipient.startswith(_FUNCTIONS):
+        if self._calls and recipient is not None and recipient.startswith(_FUNCTIONS):
             if not self._in_call:
                 delta.calls.append(ToolCallDelta(self._num_calls, new_call_id(), recipient[len(_FUNCTIONS) :], ""))
                 self._num_calls += 1

@@ -22,6 +22,7 @@ this replica (server/openai/stored_responses.py), its row updated as it runs and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -83,9 +84,12 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     if body.background and is_batch(request):
         raise unsupported_parameter("background", "a batch's requests are run in the background already.")
     format_constraint = body.format_constraint()
-    tool_use = None
+    tool_use = harmony = None
     if ctx.harmony is not None:
-        tools = ctx.harmony.offered_tools(body.function_tools(), body.tool_choice_value(), format_constraint)
+        tools = ctx.harmony.offered_tools(
+            body.function_tools(), body.tool_choice_value(), format_constraint, parameters_field="parameters"
+        )
+        harmony = dataclasses.replace(ctx.harmony, calls=bool(tools))
     else:
         tool_use = ctx.tool_use(
             body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, parameters_field="parameters"
@@ -127,7 +131,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         tool_reader=tool_use.reader_factory() if tool_use else None,
         lora=lora,
         batch=is_batch(request),
-        harmony=ctx.harmony,
+        harmony=harmony,
     )
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, generation.model))
     record = _Record(ctx.stored, owner, body.store is not False, body.conversation_id, bool(body.background), turn)
