@@ -44,10 +44,10 @@ from engine.config import EngineStartupError
 from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import ColumnParallelLinear, LinearBase, ReplicatedLinear, RowParallelLinear, ShardId
 from engine.layers.linear_method import LinearMethod
-from engine.layers.moe import FusedExperts, GroupedRouting, is_sparse_layer
+from engine.layers.moe import FusedExperts, GroupedRouting
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
-from engine.models.llama import _FUSED, MLP, Backbone, LlamaFamilyForCausalLM, _all_reduce, _shard
+from engine.models.llama import _FUSED, MLP, Backbone, DecoderLayer, LlamaFamilyForCausalLM, _all_reduce, _shard
 
 LATENT_NORM_EPS = 1e-6
 """The query's and the latent's norms use transformers' default epsilon, not the config's `rms_norm_eps`."""
@@ -205,21 +205,9 @@ class DeepseekMoe(nn.Module):
         return out if self.all_reduce is None else self.all_reduce(out)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int, method: LinearMethod, tp: TensorParallel | None) -> None:
-        super().__init__()
-        self.self_attn = LatentAttention(config, layer, method, tp)
-        self.mlp: MLP | DeepseekMoe = (
-            DeepseekMoe(config, method, tp) if is_sparse_layer(config, layer) else MLP(config, method, tp)
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+class DeepseekDecoderLayer(DecoderLayer):
+    attention_class = LatentAttention
+    sparse_class = DeepseekMoe
 
 
 class DeepseekBackbone(Backbone):

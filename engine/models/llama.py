@@ -235,12 +235,16 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and feed-forward, each added to the residual stream. Another family's layer of the same
+    shape names its own attention and sparse feed-forward (engine/models/deepseek.py)."""
+
+    attention_class: Callable[[PretrainedConfig, int, LinearMethod, TensorParallel | None], nn.Module] = Attention
+    sparse_class: Callable[[PretrainedConfig, LinearMethod, TensorParallel | None], nn.Module] = SparseMoeBlock
+
     def __init__(self, config: PretrainedConfig, layer: int, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, method, tp)
-        self.mlp: MLP | SparseMoeBlock = (
-            SparseMoeBlock(config, method, tp) if is_sparse_layer(config, layer) else MLP(config, method, tp)
-        )
+        self.self_attn = self.attention_class(config, layer, method, tp)
+        self.mlp = self.sparse_class(config, method, tp) if is_sparse_layer(config, layer) else MLP(config, method, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -252,9 +256,8 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    layer_class: Callable[[PretrainedConfig, int, LinearMethod, TensorParallel | None], nn.Module] = DecoderLayer
-    """What each layer is built as: the Llama family's `DecoderLayer`, or another family's taking the same arguments
-    and computing `hidden, cos, sin, kv_cache -> hidden` (engine/models/deepseek.py)."""
+    layer_class: type[DecoderLayer] = DecoderLayer
+    """What each layer is built as: the Llama family's, or another family's (engine/models/deepseek.py)."""
 
     def __init__(self, config: PretrainedConfig, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()

@@ -79,21 +79,8 @@ class ChoiceState:
         if self.harmony is not None:
             return self._consume_harmony(output, self.harmony)
         emitted, stopped, num_used = self._text_until_stop(output.new_token_ids, output.finished)
-        self.num_tokens += num_used
-        self.num_cached_tokens = output.num_cached_tokens
-        if output.prediction_tokens is not None:
-            self.prediction_tokens = output.prediction_tokens
-        new_logprobs = (output.new_logprobs or [])[:num_used]
-        prompt_logprobs = output.new_prompt_logprobs or []
-        if self.keep_logprobs:
-            self.logprobs.extend(new_logprobs)
-            self.prompt_logprobs.extend(prompt_logprobs)
-        finish_reason = None
-        if stopped:
-            finish_reason = "stop"
-        elif output.finish_reason is not None:
-            emitted += self._stop.flush()
-            finish_reason = output.finish_reason.value
+        new_logprobs, prompt_logprobs = self._count(output, num_used)
+        emitted, finish_reason = self._finish_reason(output, emitted, stopped)
         reasoning = ""
         if self.reasoning_splitter is not None:
             emitted, reasoning = self._split(emitted, num_used, finished=finish_reason is not None)
@@ -115,20 +102,9 @@ class ChoiceState:
         read = reader.feed(output.new_token_ids)
         content = read.content + (reader.finish() if output.finished else "")
         emitted, stopped = self._stop.feed(content)
-        self.num_tokens += len(output.new_token_ids)
-        self.num_cached_tokens = output.num_cached_tokens
-        if output.prediction_tokens is not None:
-            self.prediction_tokens = output.prediction_tokens
+        new_logprobs, _ = self._count(output, len(output.new_token_ids))
         self.num_reasoning_tokens += read.reasoning_tokens
-        new_logprobs = output.new_logprobs or []
-        if self.keep_logprobs:
-            self.logprobs.extend(new_logprobs)
-        finish_reason = None
-        if stopped:
-            finish_reason = "stop"
-        elif output.finish_reason is not None:
-            emitted += self._stop.flush()
-            finish_reason = output.finish_reason.value
+        emitted, finish_reason = self._finish_reason(output, emitted, stopped)
         self._collect(read.calls)
         if finish_reason == "stop" and self.tool_calls:
             finish_reason = "tool_calls"
@@ -136,6 +112,29 @@ class ChoiceState:
         self.text.append(emitted)
         self.reasoning.append(read.reasoning)
         return ChoiceUpdate(emitted, new_logprobs, finish_reason, read.calls, read.reasoning)
+
+    def _count(self, output: StepOutput, num_used: int) -> tuple[list[TokenLogprob], list[TokenLogprob]]:
+        """Count the delta's first `num_used` tokens (those before a stop string); its (logprobs, prompt logprobs),
+        kept for a non-streaming response."""
+        self.num_tokens += num_used
+        self.num_cached_tokens = output.num_cached_tokens
+        if output.prediction_tokens is not None:
+            self.prediction_tokens = output.prediction_tokens
+        new_logprobs = (output.new_logprobs or [])[:num_used]
+        prompt_logprobs = output.new_prompt_logprobs or []
+        if self.keep_logprobs:
+            self.logprobs.extend(new_logprobs)
+            self.prompt_logprobs.extend(prompt_logprobs)
+        return new_logprobs, prompt_logprobs
+
+    def _finish_reason(self, output: StepOutput, emitted: str, stopped: bool) -> tuple[str, str | None]:
+        """(the text to emit, the finish reason): "stop" for a stop string, else the engine's, with the text a
+        stop string's prefix held back once the output is over."""
+        if stopped:
+            return emitted, "stop"
+        if output.finish_reason is not None:
+            return emitted + self._stop.flush(), output.finish_reason.value
+        return emitted, None
 
     def _text_until_stop(self, tokens: Sequence[int], finished: bool) -> tuple[str, bool, int]:
         """(text safe to emit, whether a stop string ended it, tokens up to the one it ended in). A delta of
