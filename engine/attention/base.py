@@ -203,8 +203,12 @@ def write_kv(
     v_scale: float = 1.0,
 ) -> None:
     """The step's K/V into their slots, in the cache's dtype: divided by the scale (and for float8 saturated to its
-    range) when the cache's dtype or the scale is not the identity."""
-    for cache, x, scale in ((kv_cache[0], key, k_scale), (kv_cache[1], value, v_scale)):
+    range) when the cache's dtype or the scale is not the identity. A cache whose K and V are one tensor (a latent
+    layer's, whose values are its keys: engine/models/deepseek.py) is written once."""
+    parts = [(kv_cache[0], key, k_scale)]
+    if not (kv_cache[1] is kv_cache[0] and value is key and v_scale == k_scale):
+        parts.append((kv_cache[1], value, v_scale))
+    for cache, x, scale in parts:
         as_stored = to_cache(x, cache, scale)
         if is_float8(cache.dtype):  # torch copies float8 by index only as the bytes they are
             cache, as_stored = cache.view(torch.uint8), as_stored.view(torch.uint8)

@@ -134,14 +134,18 @@ def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _gather(kv_cache: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of whole pages, page after page: two `[len(pages) * page_size, Hkv, D]` copies."""
+    """K and V of whole pages, page after page: two `[len(pages) * page_size, Hkv, D]` copies (one, both K and V, where
+    the cache's K and V are one tensor: a latent layer's)."""
     num_pages, _, kv_heads, dim = kv_cache[0].shape
     stored = kv_cache[0].dtype
     # torch selects float8 rows only as the bytes they are.
     as_bytes = torch.uint8 if is_float8(stored) else stored
-    keys = kv_cache[0].view(as_bytes).view(num_pages, -1).index_select(0, pages).view(stored).view(-1, kv_heads, dim)
-    values = kv_cache[1].view(as_bytes).view(num_pages, -1).index_select(0, pages).view(stored).view(-1, kv_heads, dim)
-    return keys, values
+
+    def pages_of(cache: torch.Tensor) -> torch.Tensor:
+        return cache.view(as_bytes).view(num_pages, -1).index_select(0, pages).view(stored).view(-1, kv_heads, dim)
+
+    keys = pages_of(kv_cache[0])
+    return keys, keys if kv_cache[1] is kv_cache[0] else pages_of(kv_cache[1])
 
 
 def _alibi_bias(slopes: torch.Tensor, distance: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -141,8 +141,7 @@ class LatentAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, config.hidden_size, bias=bias, method=method, shard=shard,
                                         all_reduce=_all_reduce(tp))  # fmt: skip
         self.scale = softmax_scale(config)
-        self.sliding_window = None
-        self.layer = layer
+        self.sliding_window = None  # every layer attends fully (what a layer's kind of compiled graph is told by)
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]

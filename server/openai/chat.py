@@ -12,6 +12,7 @@ split off.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,8 +51,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
         prompt = ctx.harmony.render(messages, tools, effort, "messages")
         harmony = dataclasses.replace(ctx.harmony, calls=bool(tools))
-        tool_use = constraint = reasoning = None
-        prompt_text = ""
+        tool_use = constraint = splitter = None
     else:
         harmony = None
         tool_use = ctx.tool_use(body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls)
@@ -65,6 +65,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         )
         prompt = ctx.tokenizer.encode_rendered(prompt_text)
         reasoning = ctx.reasoning if constraint is None else None
+        splitter = None if reasoning is None else functools.partial(reasoning.splitter, prompt_text)
     generation = await start_generation(
         ctx,
         f"chatcmpl-{uuid.uuid4().hex}",
@@ -76,7 +77,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         param="messages",
         arrival=arrival,
         constraint=constraint,
-        reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
+        reasoning_splitter=splitter,
         tool_reader=tool_use.reader_factory() if tool_use else None,
         prediction=None
         if body.prediction is None

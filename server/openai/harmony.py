@@ -112,15 +112,21 @@ class Harmony:
         return [] if choice == "none" else list(tools)
 
     def render(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[FunctionTool], effort: str | None, param: str
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[FunctionTool],
+        effort: str | None,
+        param: str,
+        *,
+        effort_param: str = "reasoning_effort",
     ) -> list[int]:
         """The prompt ids of `messages` (as `template_messages` gives them: system, user, assistant with
         `reasoning_content` and `tool_calls`, tool results with the called function's `name`), `tools` offered as
-        Harmony's `functions` namespace, ending where the assistant's reply starts."""
+        Harmony's `functions` namespace, ending where the assistant's reply starts. `param` and `effort_param` name
+        the request fields the messages and the effort came in, for errors."""
         if effort is not None and (not isinstance(effort, str) or effort not in _EFFORTS):
             raise unsupported_parameter(
-                "reasoning_effort" if param == "messages" else "reasoning.effort",
-                f"gpt-oss reasons at 'low', 'medium' or 'high' effort, not {effort!r}.",
+                effort_param, f"gpt-oss reasons at 'low', 'medium' or 'high' effort, not {effort!r}."
             )
         system = SystemContent.new().with_reasoning_effort(_EFFORTS[effort or "medium"])
         instructions = "\n\n".join(m["content"] for m in messages if m["role"] == "system" and m["content"])

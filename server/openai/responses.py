@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -101,9 +102,8 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     messages = template_messages(body.instructions, [*earlier, *turn] if earlier else body.input)
     if ctx.harmony is not None:
         effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
-        prompt = ctx.harmony.render(messages, tools, effort, "input")
-        prompt_text = ""
-        reasoning = None
+        prompt = ctx.harmony.render(messages, tools, effort, "input", effort_param="reasoning.effort")
+        splitter = None
     else:
         prompt_text = render_conversation(
             ctx.tokenizer,
@@ -115,6 +115,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         prompt = ctx.tokenizer.encode_rendered(prompt_text)
         # A constrained answer is grammar-bound from its first token: it has no reasoning to split off.
         reasoning = ctx.reasoning if constraint is None else None
+        splitter = None if reasoning is None else functools.partial(reasoning.splitter, prompt_text)
     response_id = f"resp_{uuid.uuid4().hex}"
     generation = await start_generation(
         ctx,
@@ -127,7 +128,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         param="input",
         arrival=arrival,
         constraint=constraint,
-        reasoning_splitter=None if reasoning is None else lambda: reasoning.splitter(prompt_text),
+        reasoning_splitter=splitter,
         tool_reader=tool_use.reader_factory() if tool_use else None,
         lora=lora,
         batch=is_batch(request),
