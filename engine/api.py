@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 from tqdm import tqdm
@@ -42,6 +42,7 @@ from engine.core.request import (
     SamplingParams,
     StepOutput,
 )
+from engine.multimodal.inputs import ImageInput
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,11 @@ def generate_batch(
     engine: EngineCore | None = None,
     progress_bar: bool = False,
     loras: list[LoRARequest | None] | None = None,
+    images: list[Sequence[ImageInput]] | None = None,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt and block until all finish; ids are `req_0`, `req_1`, ... in input order.
     `loras`: per prompt, the LoRA adapter it runs with (None: the base model; needs --enable-lora's option).
+    `images`: per prompt, the processed images among its tokens (an image model's; engine/multimodal/).
 
     Raises `RequestRejected` for a prompt the engine can never serve (too long, empty, ids out of range).
     """
@@ -72,9 +75,12 @@ def generate_batch(
     adapters = loras if loras is not None else [None] * len(inputs)
     if len(adapters) != len(inputs):
         raise ValueError(f"{len(adapters)} LoRA adapters for {len(inputs)} inputs")
+    pictures = images if images is not None else [()] * len(inputs)
+    if len(pictures) != len(inputs):
+        raise ValueError(f"{len(pictures)} image lists for {len(inputs)} inputs")
     requests = [
-        EngineRequest(f"req_{i}", list(ids), p, lora=lora)
-        for i, (ids, p, lora) in enumerate(zip(inputs, per_request, adapters, strict=True))
+        EngineRequest(f"req_{i}", list(ids), p, lora=lora, images=tuple(pics))
+        for i, (ids, p, lora, pics) in enumerate(zip(inputs, per_request, adapters, pictures, strict=True))
     ]
     with tqdm(total=len(inputs), disable=not progress_bar, desc="generate_batch") as bar:
         batch = _Batch(engine, requests, bar)

@@ -93,11 +93,41 @@ class ModelConfig:
     """The prompt a yes/no reranker scores (--reranker-tokens): `{query}` and `{document}` are replaced by a
     request's texts (the chat template is not applied: write the model's own format here)."""
 
+    limit_mm_per_prompt: str | None = field(default=None, metadata=_MODEL)
+    """Most images one prompt may hold, as vLLM writes it: `image=4` or `{"image": 4}` (default 4 on an image
+    model). `image=0` serves an image model's language model alone: a request with an image is refused."""
+
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.quantization_group_size not in get_args(GroupSize):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}")
+        _ = self.max_images  # a malformed limit stops here, not at the first request
+
+    @property
+    def max_images(self) -> int:
+        """Images one prompt may hold (--limit-mm-per-prompt; 4 by default)."""
+        text = (self.limit_mm_per_prompt or "").strip()
+        if not text:
+            return DEFAULT_MAX_IMAGES
+        try:
+            limits = json.loads(text) if text.startswith("{") else dict(_limit(part) for part in text.split(","))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"limit_mm_per_prompt must be like 'image=4' or '{{\"image\": 4}}', got {text!r}") from exc
+        if not isinstance(limits, dict) or set(limits) - {"image"}:
+            raise ValueError(f"limit_mm_per_prompt limits images only ('image'), got {text!r}")
+        count = limits.get("image", DEFAULT_MAX_IMAGES)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"limit_mm_per_prompt's image count must be an integer >= 0, got {count!r}")
+        return count
+
+
+DEFAULT_MAX_IMAGES = 4
+
+
+def _limit(part: str) -> tuple[str, int]:
+    name, _, count = part.partition("=")
+    return name.strip(), int(count)
 
 
 @dataclass(frozen=True)
@@ -127,6 +157,10 @@ class CacheConfig:
     value from 2^-6 to 448 the same relative precision (1/16), and K and V of the usual magnitudes lie in it.
     Attention computes in the model's dtype. The torch, cpu and triton backends read it (triton on GPUs of compute
     capability 8.9 and up); flash cannot, and `auto` passes over it."""
+    encoder_cache_tokens: int = field(default=8192, metadata=_KV_CACHE)
+    """An image model's encoder cache: image embeddings held, in tokens (one per image token), so an image is
+    encoded once however many requests or prefill chunks read it; the least recently used are dropped first,
+    never one a running prefill still needs. It must hold the largest image a prompt may carry."""
     debug_checks: bool = field(default=False, metadata=_SCHEDULING)
     """Assert KV-cache page-accounting invariants inside the page pools after every change (slow; tests turn
     this on)."""
@@ -134,6 +168,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.encoder_cache_tokens < 1:
+            raise ValueError(f"encoder_cache_tokens must be >= 1, got {self.encoder_cache_tokens}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if not 0.0 < self.max_memory_percent <= 1.0:

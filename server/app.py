@@ -31,6 +31,7 @@ from engine.pooling.config import PoolingConfig
 from server.client import EngineClient, EngineDeadError
 from server.lifecycle import Lifecycle, Phase
 from server.lora import LoadLoRAAdapterRequest, ServedAdapter, UnloadLoRAAdapterRequest, startup_registry
+from server.media import MediaPolicy
 from server.metrics import ServerMetrics, rejection_reason
 from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from server.openai.batches import add_batch_routes
@@ -49,6 +50,7 @@ from server.openai.errors import (
 from server.openai.files import add_file_routes
 from server.openai.generation import ServingContext
 from server.openai.harmony import Harmony, load_encoding
+from server.openai.images import ImagePrompts
 from server.openai.pooling_schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -219,6 +221,17 @@ class ServerState:
                 if value != "auto":
                     logger.warning("%s %s is not used: gpt-oss's Harmony format reads replies itself", flag, value)
         parser = None if harmony else resolve_tool_call_parser(self.settings.tool_call_parser, tokenizer)
+        images = None
+        if info.max_images:
+            policy = MediaPolicy.of(
+                self.settings.allowed_media_domains, self.settings.max_image_bytes, self.settings.media_fetch_timeout
+            )
+            try:
+                images = await asyncio.to_thread(ImagePrompts, self.engine_config.model.path, policy, info.max_images)
+            except Exception:
+                logger.exception("Cannot load the image model's processor")
+                self.lifecycle.fail()
+                return
         self.serving = ServingContext(
             client=self.client,
             tokenizer=tokenizer,
@@ -239,6 +252,7 @@ class ServerState:
             reranker_template=self.engine_config.model.reranker_template,
             stored=self.stored,
             harmony=harmony,
+            images=images,
         )
         self.lifecycle.on_drain_timeout = lambda: self.client.fail_all(
             service_unavailable("The server shut down before the request finished.", "shutting_down")

@@ -68,6 +68,7 @@ def run_engine_process(
                 engine.checkpoint_quantization,
                 engine.pooling,
                 engine.hf_config.model_type,
+                engine.max_images,
             )
         )
         EngineLoop(engine, _PipeInbox(requests, parent_pid), outputs.send).run()

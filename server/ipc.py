@@ -31,6 +31,8 @@ class EngineReady:
     """What the model pools (embeddings, classifier or yes/no scores); None for a model that only generates."""
     model_type: str = ""
     """config.json's `model_type` (what `--chat-format auto` reads)."""
+    max_images: int = 0
+    """Images one prompt may hold (--limit-mm-per-prompt); 0 for a model that takes none, or one served text-only."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ ChatFormatName = Literal["auto", "template", "harmony"]
 _MODEL = {"group": "model"}
 _SERVER = {"group": "server"}
 _LORA = {"group": "LoRA adapters"}
+_MEDIA = {"group": "images"}
 _STATE = {"group": "stored state"}
 """The help section of what outlives a request: stored responses, conversations, files, batches (server/state/)."""
 """The help section engine.config.LoRAConfig's flags are listed under."""
@@ -121,6 +122,15 @@ class ServerSettings:
     "path": ..., "base_model_name": ...}` (its `parent` in /v1/models, by default the first served name); several
     per flag, and the flag may repeat. A request uses one by sending its name as `model`. Each is checked against
     the model at start-up: one that does not fit stops the server, saying why."""
+    allowed_media_domains: str | None = field(default=None, metadata=_MEDIA)
+    """Hosts an image model's requests may name http(s) image URLs on, comma-separated (`images.example.com`
+    allows its subdomains too); unset, only data: URLs are taken and nothing is fetched. A host resolving to a
+    private, loopback or link-local address is refused unless that address (or a network holding it,
+    `10.0.0.0/8`) is listed too."""
+    max_image_bytes: int = field(default=20 * 2**20, metadata=_MEDIA)
+    """Largest image accepted, as fetched or decoded from a data: URL (400 beyond)."""
+    media_fetch_timeout: float = field(default=10.0, metadata=_MEDIA)
+    """Seconds one image's fetch may take, redirects included (400 beyond)."""
     allow_runtime_lora_updating: bool = field(default=False, metadata=_LORA)
     """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which add and remove adapters while
     serving (with --enable-lora). Requests already running with an adapter finish with it when it is unloaded."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from engine.core.request import LoRARequest, PoolingParams, QueueFull, RequestRejected, SamplingParams, StepOutput
 from engine.core.stats import EngineStats
+from engine.multimodal.inputs import ImageInput
 
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore
@@ -57,6 +58,8 @@ class EngineRequest:
     """The output the client predicts (Predicted Outputs): drafts for speculative decoding."""
     lora: LoRARequest | None = None
     """The LoRA adapter to run with (--enable-lora); None: the base model."""
+    images: tuple[ImageInput, ...] = ()
+    """The images among the prompt's tokens, processed (an image model's; engine/multimodal/)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +188,7 @@ class EngineLoop:
                 pooling=request.pooling,
                 prediction=request.prediction,
                 lora=request.lora,
+                images=request.images,
             )
         except QueueFull as exc:
             self._rejected.append(Rejection(request_id, "queue_full", str(exc), "queue_full"))

@@ -34,6 +34,7 @@ from engine.core.kv_cache import KVCacheManager
 from engine.core.observer import QueuedRequest, StepObserver, StepRecord
 from engine.core.page_pool import PagePool
 from engine.core.request import (
+    ExtraKey,
     LoRARequest,
     PoolingParams,
     QueueFull,
@@ -54,6 +55,8 @@ from engine.execution.startup import start_runner
 from engine.lora.adapter import AdapterError, AdapterSpec, read_adapter
 from engine.models.loader import LoadedModel, load_model, model_config, weight_bytes
 from engine.models.support import dequantized_at_load
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.multimodal.inputs import ImageInput
 from engine.speculative.draft_model import DraftModelDrafts
 from engine.speculative.speculator import Speculator
 
@@ -155,9 +158,14 @@ class EngineCore:
             for layout, n in zip(layouts, pages, strict=True)
         ]
         self.kv_cache = KVCacheManager(layouts, pools)
+        self.encoder_cache = EncoderCache(config.cache.encoder_cache_tokens) if loaded.takes_images else None
+        """An image model's account of the image encodings the runner holds; None for a text model."""
+        self.max_images = config.model.max_images if self.encoder_cache is not None else 0
+        """Images one prompt may hold (0: the model takes none, or is served text-only)."""
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache, self.max_model_len,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            encoder_cache=self.encoder_cache,
         )  # fmt: skip
         speculative = config.scheduler.speculative_config
         self._draft_engine: EngineCore | None = None
@@ -230,13 +238,15 @@ class EngineCore:
         pooling: PoolingParams | None = None,
         prediction: tuple[int, ...] = (),
         lora: LoRARequest | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> bool:
         """Take a request, or raise RequestRejected / QueueFull. True when it joined the scheduler; False when it
         waits for its grammar to compile, and `settle_grammars` later tells whether it joined or was refused.
         `priority` (lower runs first) needs the `priority` scheduling policy. `batch`: a line of the Batch API,
         which waits behind every interactive request under either policy. `pooling`: pool the prompt instead
         of generating (`params` is not read then). `prediction`: the output the client expects, drafted from
-        (OpenAI's Predicted Outputs). `lora`: the adapter to run with (--enable-lora)."""
+        (OpenAI's Predicted Outputs). `lora`: the adapter to run with (--enable-lora). `images`: the processed
+        images among the prompt's tokens (an image model's)."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", code="invalid_prompt")
         if (
@@ -302,6 +312,12 @@ class EngineCore:
             self._check_lora(lora, pooling)
             request.lora = lora
             request.extra_keys = (*request.extra_keys, lora.extra_key)
+        if images:
+            self._check_images(len(prompt_ids), images, pooling)
+            request.images = tuple(images)
+            # An image's tokens are placeholders: its pages' K/V depend on its content, which its hash names.
+            keys = (ExtraKey(image.offset, image.end, ("image", image.content_hash)) for image in images)
+            request.extra_keys = (*request.extra_keys, *keys)
         if pooling is not None:
             request.pooling = pooling
             if self.pooling is not None and self.pooling.bidirectional:
@@ -322,6 +338,36 @@ class EngineCore:
             _raise_if_failed(grammar)
         self._admit(request)
         return True
+
+    def _check_images(self, num_prompt_tokens: int, images: tuple[ImageInput, ...], pooling: object) -> None:
+        limit = self.max_images
+        if self.encoder_cache is None or limit == 0:
+            why = "a text model" if self.encoder_cache is None else "it is served text-only (--limit-mm-per-prompt image=0)"
+            raise RequestRejected(f"{self.model_name} takes no images: {why}", code="images_not_supported")
+        if pooling is not None:
+            raise RequestRejected("images are for generation: a pooling request takes text", code="invalid_prompt")
+        if len(images) > limit:
+            raise RequestRejected(
+                f"{len(images)} images in one prompt: at most {limit} are allowed (--limit-mm-per-prompt)",
+                code="too_many_images",
+            )
+        budget = self.config.scheduler.max_batch_tokens
+        end = 0
+        for image in images:
+            if image.offset < end or image.end > num_prompt_tokens:
+                raise RequestRejected(
+                    f"an image's tokens [{image.offset}, {image.end}) overlap another's or leave the prompt "
+                    f"({num_prompt_tokens} tokens)",
+                    code="invalid_prompt",
+                )
+            end = image.end
+            if image.length >= budget or image.length > self.encoder_cache.capacity:
+                raise RequestRejected(
+                    f"an image of {image.length} tokens: a step encodes an image whole, beside at least one token, "
+                    f"within --max-batch-tokens ({budget}), and the encoder cache (--encoder-cache-tokens) holds "
+                    f"{self.encoder_cache.capacity}",
+                    code="image_too_large",
+                )
 
     def _check_pooling(self, prompt_ids: list[int], pooling: PoolingParams) -> None:
         if self.pooling is None:

@@ -14,6 +14,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.multimodal.inputs import ImageInput
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"
@@ -313,6 +315,8 @@ class Request:
     """Set for a request that pools its prompt instead of generating."""
     predicted_ids: tuple[int, ...] = ()
     """The output the client predicts (OpenAI's Predicted Outputs), drafted from as the output follows it."""
+    images: tuple[ImageInput, ...] = ()
+    """The images among its prompt tokens, in prompt order (their hashes are among `extra_keys`)."""
 
     @property
     def num_tokens(self) -> int:

@@ -50,6 +50,8 @@ from engine.core.step import (
     SchedulerOutput,
     num_accepted,
 )
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.multimodal.inputs import ImageInput
 
 
 class RequestQueue:
@@ -229,6 +231,10 @@ class _StepBuilder:
         """Requests admitted this step: new to the runner."""
         self.grants: dict[str, PageTables] = {}
         """Pages appended this step, per request."""
+        self.encodes: list[ImageInput] = []
+        """Images this step encodes, each content once."""
+        self.images_read: set[str] = set()
+        """Content hashes of the images this step's chunks read (encoded now or held): none is evicted now."""
         self.budget = max_tokens
         self._max_seqs = max_seqs
 
@@ -267,10 +273,17 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int, max_loras: int | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        max_loras: int | None = None,
+        encoder_cache: EncoderCache | None = None,
     ) -> None:
-        """`max_loras`: LoRA adapters the running requests may use at once (None: LoRA off)."""
+        """`max_loras`: LoRA adapters the running requests may use at once (None: LoRA off). `encoder_cache`: an
+        image model's account of the image encodings the runner holds (None: the model takes no images)."""
         self.config = config
+        self.encoder_cache = encoder_cache
         self.max_loras = max_loras
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -498,6 +511,8 @@ class Scheduler:
             shrunk_tables=tuple((rid, lengths) for rid, lengths in shrunk.items() if rid not in builder.admitted),
             preempted_ids=tuple(r.request_id for r in builder.preempted),
             finished_ids=tuple(finished),
+            encodes=tuple(builder.encodes),
+            freed_encodings=self.encoder_cache.take_freed() if self.encoder_cache is not None else (),
         )
 
     def _new_request(self, request: Request) -> NewRequest:
@@ -513,6 +528,7 @@ class Scheduler:
             max_output_tokens=request.max_output_tokens,
             pooling=request.pooling,
             lora=request.lora,
+            images=request.images,
         )
 
     def _lora_waits(self, request: Request, adapters: set[int] | None) -> bool:
@@ -571,8 +587,13 @@ class Scheduler:
                     "a sampled token or finish it after every step that computes its last token"
                 )
             num_new = min(needed, builder.budget)
+            start = request.num_computed_tokens + request.num_in_flight_tokens
             if request.noncausal_spans:
-                num_new = _within_spans(request, request.num_computed_tokens + request.num_in_flight_tokens, num_new)
+                num_new = _within_spans(request, start, num_new)
+                if not num_new:
+                    continue
+            if request.images:
+                num_new = self._fit_images(request, start, num_new, builder)
                 if not num_new:
                     continue
             proposed = (
@@ -675,12 +696,14 @@ class Scheduler:
             num_new = min(needed, builder.budget)
             if request.noncausal_spans:
                 num_new = _within_spans(request, hit, num_new)
-                if not num_new:
-                    # A span that does not fit this step's budget: it waits for a step with room, and so does the
-                    # queue behind it (no skipping ahead).
-                    kv.free(request.request_id)
-                    request.num_computed_tokens = 0
-                    return
+            if num_new and request.images:
+                num_new = self._fit_images(request, hit, num_new, builder)
+            if not num_new:
+                # A span, or an image's encoding, that does not fit this step's budget (or the encoder cache): it
+                # waits for a step with room, and so does the queue behind it (no skipping ahead).
+                kv.free(request.request_id)
+                request.num_computed_tokens = 0
+                return
             grant = kv.allocate(request, num_new, keep_free=reserve)
             if grant is None:
                 # Give back the prefix pages just matched: holding them while waiting could keep an older
@@ -699,6 +722,42 @@ class Scheduler:
             self.running.append(request)
             builder.admitted.add(request.request_id)
             builder.add(request, num_new, num_new == needed and request.pooling is None, grant)
+
+    def _fit_images(self, request: Request, start: int, num_new: int, builder: _StepBuilder) -> int:
+        """`num_new` tokens from `start`, cut so that every image the chunk reaches is encoded by this step or
+        held: an image not held is encoded now, its length in tokens taken from the step's budget (the encoder's
+        work, so a burst of images cannot crowd out decodes), if the budget and the encoder cache have room for it;
+        otherwise the chunk stops before it (0 when it starts there). A chunk may end inside an image: the rest of
+        its embeddings are held for the next chunk."""
+        cache = self.encoder_cache
+        assert cache is not None, "a request with images on a model without an encoder cache"
+        end = start + num_new
+        for image in request.images:
+            if image.end <= start:
+                continue
+            if image.offset >= end:
+                break
+            content = image.content_hash
+            if content in builder.images_read or cache.lookup(content, first_read=image.offset >= start):
+                builder.images_read.add(content)
+                continue
+            before = max(0, image.offset - start)
+            room = builder.budget - image.length  # tokens of the chunk the budget leaves once it is encoded
+            if room <= before or not cache.admit(content, image.length, self._images_in_use(builder)):
+                return before
+            builder.budget -= image.length
+            builder.encodes.append(image)
+            builder.images_read.add(content)
+            end = min(end, start + room)
+        return end - start
+
+    def _images_in_use(self, builder: _StepBuilder) -> set[str]:
+        """Images whose encodings must stay: those this step reads, and those running requests have yet to
+        compute past (a chunked prefill inside an image reads the rest of it later)."""
+        in_use = set(builder.images_read)
+        for request in self.running:
+            in_use.update(i.content_hash for i in request.images if request.num_computed_tokens < i.end)
+        return in_use
 
 
 def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:

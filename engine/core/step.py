@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.core.request import LoRARequest, PoolingParams, SamplingParams, Spans, TokenLogprob
+from engine.multimodal.inputs import ImageInput
 
 PLACEHOLDER = -1
 """A token id the scheduler does not know yet: the token the runner samples for this request in the step before
@@ -43,6 +44,8 @@ class NewRequest:
     """Set for a request that pools its prompt: the runner pools its hidden states and never samples it."""
     lora: LoRARequest | None = None
     """The LoRA adapter it runs with (None: the base model)."""
+    images: tuple[ImageInput, ...] = ()
+    """The images among its prompt tokens, in prompt order: their embeddings replace those tokens' embeddings."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,12 @@ class SchedulerOutput:
     """Preempted while this step was planned: back in the waiting queue, holding no pages."""
     finished_ids: tuple[str, ...] = ()
     """Finished or aborted since the previous plan: the runner drops what it kept for them."""
+    encodes: tuple[ImageInput, ...] = ()
+    """Images to encode before this step's forward pass, each content once, kept (by content hash) until a plan
+    frees it. Every image a chunk of this step reaches is encoded by
+    it or held (engine/multimodal/encoder_cache.py)."""
+    freed_encodings: tuple[str, ...] = ()
+    """Content hashes of held encodings to drop, before this step's are made (no chunk of it reads them)."""
 
     @property
     def num_tokens(self) -> int:

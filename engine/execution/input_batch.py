@@ -23,6 +23,7 @@ from engine.core.request import PoolingParams, SamplingParams, Spans
 from engine.core.step import PLACEHOLDER, NewRequest, SchedulerOutput
 from engine.lora.batch import LoRABatch
 from engine.lora.manager import SlotLoads
+from engine.multimodal.inputs import ImageInput
 from engine.pooling.pooler import PoolState
 from engine.sampling.sampler import BatchNeeds
 from engine.sampling.token_masks import GrammarState
@@ -49,6 +50,8 @@ class SequenceState:
     """Set for a request that pools its prompt (never sampled)."""
     pool: PoolState | None = None
     """A pooling request's state across the chunks of its prompt."""
+    images: tuple[ImageInput, ...] = ()
+    """The images among its prompt tokens, prompt order."""
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +144,13 @@ class StepInputs:
     """The step's tokens by LoRA adapter slot (engine/lora/); None when none has an adapter."""
     lora_loads: SlotLoads = field(default_factory=list)
     """Adapters copied into their slots just before the forward pass."""
+    image_rows: list[tuple[int, str, int, int]] = field(default_factory=list)
+    """(first packed row, image content hash, first embedding, count) per stretch of image tokens in the step:
+    those rows take the image's embeddings instead of their tokens'."""
+    encodes: tuple[ImageInput, ...] = ()
+    """Images to encode before the forward pass (the plan's)."""
+    freed_encodings: tuple[str, ...] = ()
+    """Encodings to drop before those are made (the plan's)."""
     graph_size: int | None = None
     """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
     loaded from `buffers` by `run` (rows past the step's sequences are padding), and the forward pass replays its
@@ -272,6 +282,7 @@ class InputBatch:
             new.noncausal_spans,
             new.pooling,
             PoolState() if new.pooling is not None else None,
+            new.images,
         )
         self.num_constrained += grammar is not None
         self.num_with_spans += bool(new.noncausal_spans)

@@ -47,6 +47,7 @@ from engine.execution.prompt_logprobs import prompt_rows, score_prompts
 from engine.lora.batch import LoRABatch
 from engine.lora.manager import lora_manager
 from engine.models.loader import LoadedModel, weight_bytes
+from engine.multimodal.inputs import ImageInput
 from engine.sampling.sampler import Sampler, SampleResult
 from engine.sampling.token_masks import GrammarState, StepGrammars
 from engine.sampling.verify import verify
@@ -109,6 +110,9 @@ class ModelRunner:
         """Set by `use_decode_graphs`; None while every step runs eagerly."""
         self.lora = lora_manager(config, model, loaded.hf_config, loaded.dtype)
         """The LoRA adapters' slots and their assignment to requests (--enable-lora)."""
+        self.encodings: dict[str, torch.Tensor] = {}
+        """An image model's encoded images by content hash (`[length, hidden]` each): what the plans' encodes
+        made and their frees have not dropped (the scheduler's encoder cache keeps the account)."""
 
     @property
     def scratch_pages(self) -> list[int]:
@@ -296,11 +300,12 @@ class ModelRunner:
             noncausal = step_spans([seq.noncausal_spans for seq in packed.seqs], starts, packed.seq_lens)
         pooling = self._pooling_rows(plan, packed, first_other + len(targets)) if self.batch.num_pooling else []
         num_logits = first_other + len(targets) + sum(rows.logits_row is not None for rows in pooling)
-        # A graph's static metadata has no spans, and its forward pass returns no hidden states to pool: such a
-        # step runs eagerly.
+        image_rows = _image_rows(plan, packed) if self.encodings or plan.encodes else []
+        # A graph's static metadata has no spans, its forward pass returns no hidden states to pool and embeds
+        # token ids itself: such a step runs eagerly.
         graph_size = (
             decode_graph_size(self.graph_sizes, len(packed.seqs), packed.max_query_len)
-            if noncausal is None and not pooling
+            if noncausal is None and not pooling and not image_rows
             else None
         )
         if graph_size is None:
@@ -329,6 +334,9 @@ class ModelRunner:
             prepare_seconds=time.perf_counter() - started,
             lora=lora,
             lora_loads=lora_loads,
+            image_rows=image_rows,
+            encodes=plan.encodes,
+            freed_encodings=plan.freed_encodings,
             graph_size=graph_size,
         )
 
@@ -453,13 +461,31 @@ class ModelRunner:
         if inputs.lora_loads:
             assert self.lora is not None
             self.lora.load(inputs.lora_loads)
+        if inputs.freed_encodings or inputs.encodes:
+            self._update_encodings(inputs.freed_encodings, inputs.encodes)
         if inputs.graph_size is not None:
             hidden = self._padded().replay(inputs.graph_size, adapted=inputs.lora is not None)
         else:
-            hidden = self._model_forward(inputs.input_ids, inputs.metas, inputs.token_type_ids, inputs.lora)
+            embeds = self._embed_with_images(inputs.input_ids, inputs.image_rows) if inputs.image_rows else None
+            hidden = self._model_forward(inputs.input_ids, inputs.metas, inputs.token_type_ids, inputs.lora, embeds)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         pooled = self._pool(hidden, logits, inputs.pooling) if inputs.pooling and logits is not None else {}
         return logits, pooled
+
+    def _update_encodings(self, freed: tuple[str, ...], encodes: tuple[ImageInput, ...]) -> None:
+        """Drop the encodings the plan frees, then encode its images (one vision call for all of them)."""
+        for content_hash in freed:
+            del self.encodings[content_hash]
+        if encodes:
+            for image, embeddings in zip(encodes, self.model.encode_images(list(encodes)), strict=True):
+                self.encodings[image.content_hash] = embeddings
+
+    def _embed_with_images(self, input_ids: torch.Tensor, image_rows: list[tuple[int, str, int, int]]) -> torch.Tensor:
+        """[T, hidden]: the token embeddings, with each image token's row its image's embedding."""
+        embeds = self.model.embed_input_ids(input_ids)
+        for row, content_hash, first, count in image_rows:
+            embeds[row : row + count] = self.encodings[content_hash][first : first + count]
+        return embeds
 
     def _pool(self, hidden: torch.Tensor, logits: torch.Tensor, chunks: list[PoolingRows]) -> dict[str, list[float]]:
         """Each chunk's hidden states into its sequence's pooling state; the vectors of those whose prompt ends."""
@@ -484,12 +510,32 @@ class ModelRunner:
         metas: list[StepMetadata],
         token_type_ids: torch.Tensor | None = None,
         lora: LoRABatch | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model up to the final norm, inside the step's context for the attention layers
-        (engine/attention/context.py): each group's metadata, per layer; for the adapted linears, `lora`."""
+        (engine/attention/context.py): each group's metadata, per layer; for the adapted linears, `lora`.
+        `inputs_embeds` `[T, hidden]`: the rows to run instead of `input_ids`' embeddings (image tokens')."""
         layer_metas = [metas[g] for g in self.group_of_layer]
         context = StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches, lora=lora)
         with step_context(context):
             if token_type_ids is not None:
                 return self.model(input_ids, metas[0].positions, self.kv_caches, token_type_ids=token_type_ids)
+            if inputs_embeds is not None:
+                return self.model(input_ids, metas[0].positions, self.kv_caches, inputs_embeds)
             return self.model(input_ids, metas[0].positions, self.kv_caches)
+
+
+def _image_rows(plan: SchedulerOutput, packed: PackedStep) -> list[tuple[int, str, int, int]]:
+    """(first packed row, content hash, first embedding, count) for each stretch of image tokens the step
+    computes, in packing order."""
+    rows = []
+    for i, seq in enumerate(packed.seqs):
+        if not seq.images:
+            continue
+        start, first_row = plan.num_computed_tokens[i], int(packed.cu_q[i])
+        end = start + plan.num_new_tokens[i]
+        for image in seq.images:
+            lo, hi = max(start, image.offset), min(end, image.end)
+            if lo < hi:
+                rows.append((first_row + lo - start, image.content_hash, lo - image.offset, hi - lo))
+    return rows

@@ -45,7 +45,14 @@ from engine.models.gguf import gguf_tensors, source_file
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
-from engine.models.registry import BASE_MODELS, NATIVE_MODELS, architecture, choose_model_class
+from engine.models.registry import (
+    BASE_MODELS,
+    NATIVE_MODELS,
+    VISION_MODELS,
+    VISION_TEXT_TYPES,
+    architecture,
+    choose_model_class,
+)
 from engine.models.support import UnsupportedModelError, dequantized_at_load, unsupported_feature
 from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
@@ -83,6 +90,11 @@ class LoadedModel:
     stored: CheckpointQuantization | None = None
     """How the checkpoint stores its weights quantized, where the linears run its codes as stored
     (engine/quantization/checkpoints.py); None otherwise."""
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether its prompts may hold images (an image model: engine/models/llava.py)."""
+        return hasattr(self.model, "encode_images")
 
     @property
     def generates(self) -> bool:
@@ -195,6 +207,9 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
         pooling_normalize=model.pooling_normalize,
         reranker_tokens=model.reranker_tokens,
     )
+    if getattr(hf_config, "vision_config", None) is not None:
+        _check_vision(config, hf_config, pooling)
+        return hf_config, True, None
     if pooling is not None and pooling.bidirectional:
         _check_encoder(config, hf_config)
         return hf_config, False, pooling
@@ -250,6 +265,46 @@ def _check_encoder(config: EngineConfig, hf_config: PretrainedConfig) -> None:
             )
 
 
+def _check_vision(config: EngineConfig, hf_config: PretrainedConfig, pooling: PoolingConfig | None) -> None:
+    """Refuse, by name, an image model whose family Ferry does not run, and the options its path does not take."""
+    arch = architecture(hf_config)
+    if arch not in VISION_MODELS:
+        raise UnsupportedModelError(
+            hf_config.model_type,
+            f"images through {arch} (the image models Ferry runs: {', '.join(sorted(VISION_MODELS))})",
+        )
+    text = hf_config.text_config
+    if text.model_type not in VISION_TEXT_TYPES:
+        raise UnsupportedModelError(
+            hf_config.model_type,
+            f"a {text.model_type!r} language model inside {arch} (its native modules run "
+            f"{', '.join(sorted(VISION_TEXT_TYPES))})",
+        )
+    feature = unsupported_feature(text, native=True)
+    if feature is not None:
+        raise UnsupportedModelError(hf_config.model_type, f"its language model's {feature}")
+    speculative = config.scheduler.speculative_config
+    refused = [
+        (pooling is not None, "--runner pooling"),
+        (config.model.model_impl == "transformers", "--model-impl transformers"),
+        (config.parallel.tensor_parallel_size > 1, f"--tensor-parallel-size {config.parallel.tensor_parallel_size}"),
+        (config.execution.compile != "none", f"--compile {config.execution.compile}"),
+        (config.lora.enable_lora, "--enable-lora"),
+        (speculative is not None and speculative.method == "draft_model", "a draft model (--speculative-config)"),
+    ]
+    for asked, flag in refused:
+        if asked:
+            raise EngineStartupError(
+                f"{flag}: this {hf_config.model_type!r} image model runs its language model on the native modules, "
+                "on one rank, uncompiled, generating, without LoRA adapters or a draft model"
+            )
+
+
+def text_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: an image model's `text_config`, else the config itself."""
+    return hf_config.text_config if getattr(hf_config, "vision_config", None) is not None else hf_config
+
+
 def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
     """The model of `config` on its device, with the attention backend it runs with (sets torch's CPU threads);
     with `tp`, this rank's shard of it on the rank's device.
@@ -257,11 +312,12 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     The backend is chosen for what the model says its attention needs (`CausalLM.attention_needs`): an explicit
     `--attention-backend` that lacks one is refused by name (`UnsupportedAttention`), before a native model's
     weights are read; `auto` passes over kernels that lack one."""
-    hf_config, native, pooling = model_config(config)
+    full_config, native, pooling = model_config(config)
+    hf_config = text_config(full_config)
     device = resolve_device(config.model.device) if tp is None else tp.device
     if device.type == "cpu" and config.execution.cpu_threads is not None:
         torch.set_num_threads(config.execution.cpu_threads)
-    dtype = resolve_dtype(config.model.dtype, device, checkpoint_dtype(hf_config))
+    dtype = resolve_dtype(config.model.dtype, device, checkpoint_dtype(full_config))
     limit = getattr(hf_config, "max_position_embeddings", None)
     if limit is not None and hf_config.model_type in ("roberta", "xlm-roberta"):
         limit -= hf_config.pad_token_id + 1  # its positions start after the padding index
@@ -291,7 +347,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         model = _load_encoder(config, hf_config, pooling, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
     elif native:
-        model_class = NATIVE_MODELS[architecture(hf_config)]
+        arch = architecture(full_config)
+        model_class = VISION_MODELS.get(arch) or NATIVE_MODELS[arch]
         # A tied LM head reads the embedding's matrix, which the embedding looks rows up in: a plain layout, so
         # the matrix is stored once (see `_tied_head_method`). The CPU schemes quantize the head (int8), fp8 keeps it
         # in the model's dtype.
@@ -309,7 +366,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
             # The base model's weights alone (a sentence-transformers save): it pools, and its LM head would be
             # unused, so the head shares the embedding rather than being read from a checkpoint that lacks it.
             hf_config.tie_word_embeddings = True
-        model = model_class.empty(hf_config, max_model_len, device, dtype, tp, quantized or method, head_method)
+        model = model_class.empty(full_config, max_model_len, device, dtype, tp, quantized or method, head_method)
         check_layers(model)
         backend = _backend_for(config, model, device, dtype)
         if config.model.load_format == "dummy":

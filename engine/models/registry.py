@@ -22,6 +22,7 @@ from engine.models.base import CausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.hf_adapter import TransformersCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
+from engine.models.llava import LlavaForConditionalGeneration
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
 
 TRANSFORMERS = "TransformersForCausalLM"
@@ -41,6 +42,15 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
 }
 """Architectures with modules of Ferry's own."""
+
+VISION_MODELS: dict[str, type[CausalLM]] = {
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+}
+"""Image models (engine/models/llava.py ...): a vision encoder in front of a native language model, whose
+`text_config` names one of `VISION_TEXT_TYPES`."""
+
+VISION_TEXT_TYPES = frozenset({"llama", "mistral", "qwen2"})
+"""The language models an image model's native modules run (the Llama family's dense members)."""
 
 MODELS: dict[str, type[CausalLM]] = {**NATIVE_MODELS, TRANSFORMERS: TransformersCausalLM}
 

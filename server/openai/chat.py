@@ -20,8 +20,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.multimodal.inputs import ImageInput
 from server.openai.choices import ChoiceState
 from server.openai.generation import Generation, ServingContext, is_batch, start_generation
+from server.openai.images import ImageRef, no_images
 from server.openai.logprobs import chat_logprobs
 from server.openai.schemas import (
     ChatChoice,
@@ -45,7 +47,11 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
     arrival = time.monotonic()
     lora = ctx.check_request(body)
     answer = body.output_constraint()
-    messages = body.template_messages()
+    image_refs: list[ImageRef] = []
+    messages = body.template_messages(image_refs)
+    if ctx.images is None:
+        no_images(image_refs)
+    images: tuple[ImageInput, ...] = ()
     if ctx.harmony is not None:
         tools = ctx.harmony.offered_tools(body.function_tools(), body.tool_choice_value(), answer)
         effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
@@ -63,7 +69,10 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
             tool_use.template_tools() if tool_use else None,
             "messages",
         )
-        prompt = ctx.tokenizer.encode_rendered(prompt_text)
+        if image_refs and ctx.images is not None:
+            prompt, images = await ctx.images.prompt(prompt_text, image_refs)
+        else:
+            prompt = ctx.tokenizer.encode_rendered(prompt_text)
         reasoning = ctx.reasoning if constraint is None else None
         splitter = None if reasoning is None else functools.partial(reasoning.splitter, prompt_text)
     generation = await start_generation(
@@ -85,6 +94,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
         lora=lora,
         batch=is_batch(request),
         harmony=harmony,
+        images=images,
     )
     if body.stream:
         return generation.stream_response(ChatCompletionChunk, _chunk_choices(generation, body, ctx.tokenizer))

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from engine.core.driver import EngineRequest
 from engine.core.request import LoRARequest, QueueFull, RequestRejected, SamplingParams, StepOutput, StructuredOutput
+from engine.multimodal.inputs import ImageInput
 from engine.pooling.config import PoolingConfig
 from server.client import EngineAddFailed, EngineClient, EngineDeadError, RequestGroup
 from server.lifecycle import Lifecycle
@@ -32,6 +33,7 @@ from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
 from server.openai.harmony import Harmony
+from server.openai.images import ImagePrompts
 from server.openai.schemas import CompletionTokensDetails, PromptTokensDetails, Usage
 from server.openai.structured import Constraint, check_constraint
 from server.openai.template import EFFORT_VARIABLE
@@ -133,6 +135,8 @@ class ServingContext:
     harmony: Harmony | None = None
     """gpt-oss's chat format (server/harmony.py), which then renders conversations and reads replies instead of
     the chat template and the reasoning and tool-call parsers; None: the template's way."""
+    images: ImagePrompts | None = None
+    """An image model's prompts with images (server/openai/images.py); None: the model takes no images."""
 
     @property
     def template_options(self) -> Collection[str]:
@@ -400,6 +404,7 @@ async def start_generation(
     lora: LoRARequest | None = None,
     batch: bool = False,
     harmony: Harmony | None = None,
+    images: tuple[ImageInput, ...] = (),
 ) -> Generation:
     """Validate lengths, submit every choice's engine request, and wait until the engine took them all.
 
@@ -409,7 +414,7 @@ async def start_generation(
     tokens every choice's answer is predicted to be (Predicted Outputs). `lora`: the adapter every choice runs with
     (check_request's answer). `batch`: the call is a line of the Batch API (`is_batch`), whose engine requests
     wait behind every interactive request. `harmony`: the prompts are Harmony's; each choice's reply is read by
-    its reader and stops at `<|return|>` or `<|call|>`.
+    its reader and stops at `<|return|>` or `<|call|>`. `images`: the images among the (one) prompt's tokens.
     """
     structured_output = None
     if constraint is not None:
@@ -439,6 +444,7 @@ async def start_generation(
                     batch=batch,
                     prediction=tuple(prediction or ()),
                     lora=lora,
+                    images=images,
                 )
             )
             choices.append(

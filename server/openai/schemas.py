@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt
 
 from engine.core.request import SamplingParams, StructuredOutput
 from server.openai.errors import invalid_request, unsupported_parameter
+from server.openai.images import IMAGE_PART, ImageRef
 from server.openai.structured import (
     Constraint,
     conflicting_constraints,
@@ -279,10 +280,20 @@ class SamplingRequest(_RequestModel):
 # ------------------------------------------------------------------------------------------------ chat
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: str = Field(description="A data: URL (base64 PNG, JPEG, WebP or GIF) or an http(s) URL the server may "
+                     "fetch (--allowed-media-domains).")  # fmt: skip
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="Accepted; the model's own processor sets the resolution."
+    )
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class PredictionContent(_RequestModel):
@@ -482,10 +493,12 @@ class ChatCompletionRequest(SamplingRequest):
             raise conflicting_constraints(found[0].param, found[1].param)
         return found[0] if found else None
 
-    def template_messages(self) -> list[dict[str, Any]]:
+    def template_messages(self, images: list[ImageRef] | None = None) -> list[dict[str, Any]]:
         """The conversation as the chat template expects it: role, plain-text content, and tool use in the shape
         Hugging Face templates take (`tool_calls` with object arguments; a tool message's `tool_call_id`, and the
-        called function's `name`)."""
+        called function's `name`). With `images`, a user message's `image_url` parts are collected there, in
+        order, and its content becomes the list of text and image parts templates place images by; without,
+        image parts are refused."""
         rendered = []
         called: dict[str, str] = {}
         for i, message in enumerate(self.messages):
@@ -499,7 +512,7 @@ class ChatCompletionRequest(SamplingRequest):
             entry: dict[str, Any] = {
                 # Templates know "system"; OpenAI's "developer" role is its newer name for the same thing.
                 "role": "system" if message.role == "developer" else message.role,
-                "content": _message_text(message, where),
+                "content": _message_content(message, where, images),
             }
             if message.name is not None:
                 entry["name"] = message.name
@@ -537,12 +550,27 @@ class ChatCompletionRequest(SamplingRequest):
         return rendered
 
 
-def _message_text(message: ChatMessage, where: str) -> str:
+def _message_content(message: ChatMessage, where: str, images: list[ImageRef] | None) -> str | list[dict[str, Any]]:
     if message.content is None:
         return message.refusal or ""
     if isinstance(message.content, str):
         return message.content
-    return _parts_text(message.content, where)
+    if images is None or message.role != "user" or not any(part.type == "image_url" for part in message.content):
+        return _parts_text(message.content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(message.content):
+        place = f"{where}.content[{j}]"
+        if part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+        elif part.type == "image_url" and part.image_url is not None:
+            images.append(ImageRef(part.image_url.url, f"{place}.image_url.url", part.image_url.detail))
+            parts.append(dict(IMAGE_PART))
+        elif part.type == "image_url":
+            raise invalid_request(f"Missing required parameter: '{place}.image_url'.", f"{place}.image_url",
+                                  code="missing_required_parameter")  # fmt: skip
+        else:
+            raise unsupported_parameter(f"{place}.type", f"'{part.type}' parts (text and image_url are).")
+    return parts
 
 
 def _parts_text(parts: list[ContentPart], where: str) -> str:

@@ -1,0 +1,237 @@
+"""Images in prompts, in the engine: the oracle (greedy tokens and logprobs equal the model's own `generate` over the
+same processed inputs) under mixed batches, chunked prefill through an image, preemption and shared prefixes; the
+encoder cache's account (encoded once, never evicted while needed, within its budget); the step budget counting
+the encoder's work; and the refusals."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.api import generate_batch
+from engine.config import EngineConfig, SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.core.kv_cache import GroupLayout, KVCacheManager
+from engine.core.page_pool import PagePool
+from engine.core.request import ExtraKey, Request, RequestRejected, SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.step import ModelRunnerOutput
+from engine.models.support import UnsupportedModelError
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.multimodal.inputs import ImageInput
+from tests.model_factory import build_model_dir
+from tests.vision_models import Prompts, build_llava_dir, random_image
+
+MAX_NEW = 6
+CONTENTS = [
+    ([{"type": "image"}, {"type": "text", "text": "what is in the picture?"}], [0]),
+    ([{"type": "text", "text": "compare"}, {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}],
+     [1, 2]),
+    ([{"type": "text", "text": "a question with no picture at all"}], []),
+    ([{"type": "image"}, {"type": "text", "text": "describe it"}], [0]),
+]  # fmt: skip
+"""Per prompt: its content and which of the test images it holds (the first and last share an image)."""
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llava_dir(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def oracle(llava: Path) -> tuple[Prompts, list, list, list]:
+    """The prompts as engine inputs, and each one's tokens and logprobs from `generate` alone."""
+    prompts = Prompts(llava)
+    images = [random_image(seed) for seed in range(3)]
+    inputs, expected = [], []
+    for content, which in CONTENTS:
+        pictures = [images[i] for i in which]
+        inputs.append(prompts.engine_inputs(content, pictures))
+        expected.append(prompts.generate(content, pictures, MAX_NEW))
+    return prompts, images, inputs, expected
+
+
+def _run(llava: Path, inputs: list, engine: EngineCore | None = None, **options: object) -> list:
+    config = EngineConfig.of(model=str(llava), device="cpu", dtype="float32", page_size=4, debug_checks=True,
+                             **options)  # fmt: skip
+    outputs = generate_batch(
+        [ids for ids, _ in inputs],
+        None if engine is not None else config,
+        engine=engine,
+        params=SamplingParams(max_new_tokens=MAX_NEW, logprobs=True),
+        images=[images for _, images in inputs],
+    )
+    return [outputs[f"req_{i}"] for i in range(len(inputs))]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_batch_tokens": 7},  # chunks stop inside images: an image's rest is read from the encoder cache
+        {"num_pages": 14, "max_batch_tokens": 64},  # too few pages for all: preemption, and recompute
+        {"async_scheduling": True, "max_batch_tokens": 9},
+        {"encoder_cache_tokens": 4, "max_batch_tokens": 9},  # room for one image: the rest wait, none evicted early
+    ],
+    ids=["whole", "chunked", "preempted", "async", "tiny-encoder-cache"],
+)
+def test_greedy_tokens_and_logprobs_equal_generate(llava: Path, oracle: tuple, options: dict) -> None:
+    _, _, inputs, expected = oracle
+    for output, (tokens, logprobs) in zip(_run(llava, inputs, **options), expected, strict=True):
+        assert output.generated_ids == tokens
+        np.testing.assert_allclose([lp.logprob for lp in output.logprobs], logprobs, atol=1e-4)
+
+
+def test_an_image_is_encoded_once_and_its_pages_shared_only_with_the_same_image(llava: Path, oracle: tuple) -> None:
+    prompts, images, inputs, expected = oracle
+    engine = EngineCore(EngineConfig.of(model=str(llava), device="cpu", dtype="float32", page_size=4))
+    content = CONTENTS[0][0]
+    first = _run(llava, [inputs[0]], engine)[0]
+    assert (engine.encoder_cache.misses, engine.encoder_cache.hits) == (1, 0)
+    again = _run(llava, [inputs[0]], engine)[0]
+    assert again.generated_ids == first.generated_ids == expected[0][0]
+    image = inputs[0][1][0]
+    assert again.num_cached_tokens >= image.end  # the image's pages came from the prefix cache
+    # Equal token ids, another picture: no page holding the image's tokens may be shared, and it answers as itself.
+    other = prompts.engine_inputs(content, [images[2]])
+    assert other[0] == inputs[0][0] and other[1][0].content_hash != image.content_hash
+    third = _run(llava, [other], engine)[0]
+    assert third.num_cached_tokens <= image.offset
+    assert third.generated_ids == prompts.generate(content, [images[2]], MAX_NEW)[0]
+    assert engine.encoder_cache.misses == 2
+
+
+def test_refusals(llava: Path, oracle: tuple, tmp_path: Path) -> None:
+    _, _, inputs, _ = oracle
+    limited = EngineCore(EngineConfig.of(model=str(llava), device="cpu", limit_mm_per_prompt="image=1"))
+    with pytest.raises(RequestRejected, match="at most 1") as error:
+        limited.add_request("two", inputs[1][0], SamplingParams(), images=tuple(inputs[1][1]))
+    assert error.value.code == "too_many_images"
+    text_only = EngineCore(EngineConfig.of(model=str(llava), device="cpu", limit_mm_per_prompt="image=0"))
+    with pytest.raises(RequestRejected, match="text-only") as error:
+        text_only.add_request("one", inputs[0][0], SamplingParams(), images=tuple(inputs[0][1]))
+    assert error.value.code == "images_not_supported"
+    assert text_only.add_request("text", inputs[2][0], SamplingParams())
+    small = EngineCore(EngineConfig.of(model=str(llava), device="cpu", max_batch_tokens=4))
+    with pytest.raises(RequestRejected, match="max-batch-tokens") as error:
+        small.add_request("big", inputs[0][0], SamplingParams(), images=tuple(inputs[0][1]))
+    assert error.value.code == "image_too_large"
+    text_model = EngineCore(EngineConfig.of(model=str(build_model_dir(tmp_path / "llama", "llama")), device="cpu"))
+    with pytest.raises(RequestRejected, match="takes no images"):
+        text_model.add_request("img", [5, 6, 7, 8, 9], SamplingParams(), images=(_image(1, 4, "x"),))
+
+
+def test_unsupported_options_and_families_are_refused_by_name(llava: Path) -> None:
+    with pytest.raises(ValueError, match="--enable-lora: this 'llava' image model"):
+        EngineCore(EngineConfig.of(model=str(llava), device="cpu", enable_lora=True))
+    config = llava.parent / "other"
+    config.mkdir()
+    text = (
+        (llava / "config.json")
+        .read_text()
+        .replace("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
+    )
+    (config / "config.json").write_text(text)
+    with pytest.raises(UnsupportedModelError, match="images through PaliGemmaForConditionalGeneration"):
+        EngineCore(EngineConfig.of(model=str(config), device="cpu"))
+
+
+# -- the scheduler and the encoder cache, without a model --------------------------------------------------------
+
+
+def _image(offset: int, length: int, content: str) -> ImageInput:
+    return ImageInput(offset, length, {"pixel_values": np.zeros(1, np.float32)}, content)
+
+
+_ids = itertools.count()
+
+
+def _request(images: list[ImageInput], prompt_len: int, max_new: int = 2) -> Request:
+    base = 1000 * (next(_ids) + 1)
+    request = Request(f"r{base}", list(range(base, base + prompt_len)), SamplingParams(max_new_tokens=max_new),
+                      frozenset({2}))  # fmt: skip
+    request.images = tuple(images)
+    request.extra_keys = tuple(ExtraKey(i.offset, i.end, ("image", i.content_hash)) for i in images)
+    return request
+
+
+def _scheduler(budget: int, cache_tokens: int) -> Scheduler:
+    pool = PagePool(256, 4, enable_prefix_caching=True, debug_checks=True)
+    return Scheduler(
+        SchedulerConfig(max_batch_tokens=budget), KVCacheManager([GroupLayout(None, (0,), 1)], [pool]), 1 << 20,
+        encoder_cache=EncoderCache(cache_tokens),
+    )  # fmt: skip
+
+
+def _finish_steps(scheduler: Scheduler, budget: int) -> list:
+    """Run the scheduler to the end with a fake model; every plan, checked against the budget and the cache."""
+    plans, held = [], set()
+    while scheduler.has_unfinished:
+        plan = scheduler.schedule()
+        plans.append(plan)
+        assert plan.num_tokens + sum(image.length for image in plan.encodes) <= budget
+        held -= set(plan.freed_encodings)
+        held |= {image.content_hash for image in plan.encodes}
+        assert scheduler.encoder_cache is not None and scheduler.encoder_cache.used <= scheduler.encoder_cache.capacity
+        for request_id, start, count in zip(plan.request_ids, plan.num_computed_tokens, plan.num_new_tokens,
+                                            strict=True):  # fmt: skip
+            request = scheduler.running.get(request_id)
+            assert request is not None
+            for image in request.images:
+                if image.offset < start + count and image.end > start:
+                    assert image.content_hash in held  # every image a chunk reaches is encoded by now
+        tokens = [[7] for samples in plan.samples if samples]
+        scheduler.update(plan, ModelRunnerOutput(tokens, [None] * len(tokens)))
+    return plans
+
+
+def test_the_encoders_work_counts_in_the_step_budget_and_decodes_keep_running() -> None:
+    scheduler = _scheduler(budget=12, cache_tokens=64)
+    decoding = _request([], 3, max_new=8)
+    scheduler.add(decoding)
+    first = scheduler.schedule()
+    scheduler.update(first, ModelRunnerOutput([[7]], [None]))
+    burst = [_request([_image(2, 8, f"img{i}")], 14) for i in range(3)]
+    for request in burst:
+        scheduler.add(request)
+    plans = _finish_steps(scheduler, budget=12)
+    # The decode is in every step until it ends, beside at most one image's encoding (8 + 1 + a chunk <= 12).
+    for plan in plans[: len(decoding.output_ids) - 1]:
+        assert decoding.request_id in plan.request_ids and len(plan.encodes) <= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    budget=st.integers(6, 24),
+    cache_tokens=st.integers(5, 20),
+    shapes=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 5), st.integers(0, 3)), min_size=1, max_size=6),
+)
+def test_every_chunk_finds_its_images_encoded_within_budget_and_cache(budget: int, cache_tokens: int,
+                                                                        shapes: list) -> None:  # fmt: skip
+    scheduler = _scheduler(budget, cache_tokens)
+    for before, length, content in shapes:
+        length = min(length, budget - 1, cache_tokens)
+        scheduler.add(_request([_image(before, length, f"c{content}")], before + length + 3))
+    _finish_steps(scheduler, budget)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.sets(st.integers(0, 5))), max_size=30))
+def test_the_encoder_cache_never_exceeds_its_budget_nor_evicts_what_is_in_use(operations: list) -> None:
+    cache = EncoderCache(10)
+    for content, length, in_use in operations:
+        key, used = f"i{content}", {f"i{k}" for k in in_use}
+        if key in cache:
+            assert cache.lookup(key)
+            continue
+        held_in_use = {k for k in used if k in cache}
+        if cache.admit(key, length, used):
+            assert held_in_use <= {k for k in used if k in cache}  # nothing in use was evicted
+        assert cache.used <= cache.capacity
+    freed = cache.take_freed()
+    assert not set(freed) & {k for k in (f"i{c}" for c in range(6)) if k in cache}  # a freed one is not held
