@@ -39,6 +39,9 @@ SNAPSHOT_SAMPLES = (
     "prefix_cache_queries_total",
     "prefix_cache_hits_total",
     "num_preemptions_total",
+    "images_processed_total",
+    "encoder_cache_hits_total",
+    "encoder_cache_usage_perc",
     "spec_decode_num_drafts_total",
     "spec_decode_num_draft_tokens_total",
     "spec_decode_num_accepted_tokens_total",
@@ -107,6 +110,15 @@ class ServerMetrics:
         self.num_preemptions = counter("ferry:num_preemptions", "Requests preempted to free KV-cache pages.").labels(
             model_name
         )
+        self.images_processed = counter(
+            "ferry:images_processed", "Images in the prompts the engine took (an image model's)."
+        ).labels(model_name)
+        self.encoder_cache_hits = counter(
+            "ferry:encoder_cache_hits", "Images whose encoding the encoder cache held already."
+        ).labels(model_name)
+        self.encoder_cache_usage_perc = gauge(
+            "ferry:encoder_cache_usage_perc", "Fraction of the encoder cache (--encoder-cache-tokens) in use."
+        ).labels(model_name)
         self.spec_decode_num_drafts = counter(
             "ferry:spec_decode_num_drafts", "Draft runs verified (one request's drafts in one step)."
         ).labels(model_name)
@@ -177,6 +189,9 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self.images_processed.inc(stats.images_processed - (last.images_processed if last else 0))
+        self.encoder_cache_hits.inc(stats.encoder_cache_hits - (last.encoder_cache_hits if last else 0))
+        self.encoder_cache_usage_perc.set(stats.encoder_cache_usage)
         if stats.spec_decode_num_drafts > (last.spec_decode_num_drafts if last else 0):
             self._observe_drafts(stats, last)
         if stats.num_steps > (last.num_steps if last else 0):  # a step that ran the model (not idle, not abort-only)
@@ -234,7 +249,7 @@ class ServerMetrics:
         snapshot: dict[str, Any] = {"model_name": self._model_name, "time": time.time()}
         for name in SNAPSHOT_SAMPLES:
             value = totals.get(f"ferry:{name}", 0.0)
-            snapshot[name] = value if name == "kv_cache_usage_perc" else int(value)
+            snapshot[name] = value if name.endswith("_usage_perc") else int(value)
         queries = snapshot["prefix_cache_queries_total"]
         snapshot["prefix_cache_hit_rate"] = snapshot["prefix_cache_hits_total"] / queries if queries else None
         drafted = snapshot["spec_decode_num_draft_tokens_total"]

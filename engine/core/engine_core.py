@@ -160,6 +160,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(layouts, pools)
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_tokens) if loaded.takes_images else None
         """An image model's account of the image encodings the runner holds; None for a text model."""
+        self._images_received = 0
         self.max_images = config.model.max_images if self.encoder_cache is not None else 0
         """Images one prompt may hold (0: the model takes none, or is served text-only)."""
         self.scheduler = Scheduler(
@@ -315,6 +316,7 @@ class EngineCore:
         if images:
             self._check_images(len(prompt_ids), images, pooling)
             request.images = tuple(images)
+            self._images_received += len(images)
             # An image's tokens are placeholders: its pages' K/V depend on its content, which its hash names.
             keys = (ExtraKey(image.offset, image.end, ("image", image.content_hash)) for image in images)
             request.extra_keys = (*request.extra_keys, *keys)
@@ -342,7 +344,11 @@ class EngineCore:
     def _check_images(self, num_prompt_tokens: int, images: tuple[ImageInput, ...], pooling: object) -> None:
         limit = self.max_images
         if self.encoder_cache is None or limit == 0:
-            why = "a text model" if self.encoder_cache is None else "it is served text-only (--limit-mm-per-prompt image=0)"
+            why = (
+                "a text model"
+                if self.encoder_cache is None
+                else "it is served text-only (--limit-mm-per-prompt image=0)"
+            )
             raise RequestRejected(f"{self.model_name} takes no images: {why}", code="images_not_supported")
         if pooling is not None:
             raise RequestRejected("images are for generation: a pooling request takes text", code="invalid_prompt")
@@ -615,7 +621,18 @@ class EngineCore:
             last_step_tokens=self._last_step_tokens,
             **self.scheduler.lora_adapters(),
             **self.speculator.counters(),
+            **self._encoder_counters(),
         )
+
+    def _encoder_counters(self) -> dict[str, int | float]:
+        cache = self.encoder_cache
+        if cache is None:
+            return {}
+        return {
+            "images_processed": self._images_received,
+            "encoder_cache_hits": cache.hits,
+            "encoder_cache_usage": cache.used / cache.capacity,
+        }
 
     def queue_room(self) -> int | None:
         """Requests the waiting queue takes before it is full; None when it is unbounded."""

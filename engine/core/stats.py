@@ -22,6 +22,13 @@ class EngineStats:
     """Names of the LoRA adapters the running requests use (vLLM's `vllm:lora_requests_info` labels)."""
     waiting_lora_adapters: tuple[str, ...] = ()
     """Names of the LoRA adapters waiting requests ask for."""
+    images_processed: int = 0
+    """Images the requests taken held (an image model's)."""
+    encoder_cache_hits: int = 0
+    """Images a prefill reached whose encoding was held already (the same image in another request; an image
+    whose pages the prefix cache held is not looked up at all)."""
+    encoder_cache_usage: float = 0.0
+    """Fraction of --encoder-cache-tokens holding image encodings."""
     spec_decode_num_drafts: int = 0
     """Draft runs verified (a request's drafts in one step), with --speculative-config."""
     spec_decode_num_draft_tokens: int = 0

@@ -35,10 +35,12 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 
+from engine.multimodal.inputs import ImageInput
 from server.openai.choices import ChoiceUpdate
 from server.openai.conversations import conversation_not_found
 from server.openai.errors import APIError, internal_error, invalid_request, unsupported_parameter
 from server.openai.generation import Generation, ServingContext, is_batch, start_generation
+from server.openai.images import ImageRef, no_images
 from server.openai.responses_input import stored_items, template_messages
 from server.openai.responses_schemas import (
     EchoedFunctionTool,
@@ -99,7 +101,11 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     owner = request_owner(request)
     turn = _turn_items(body.input)
     earlier = await _earlier_items(ctx, owner, body)
-    messages = template_messages(body.instructions, [*earlier, *turn] if earlier else body.input)
+    image_refs: list[ImageRef] = []
+    messages = template_messages(body.instructions, [*earlier, *turn] if earlier else body.input, image_refs)
+    if ctx.images is None:
+        no_images(image_refs)
+    images: tuple[ImageInput, ...] = ()
     if ctx.harmony is not None:
         effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
         prompt = ctx.harmony.render(messages, tools, effort, "input", effort_param="reasoning.effort")
@@ -112,7 +118,10 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
             tool_use.template_tools() if tool_use else None,
             "input",
         )
-        prompt = ctx.tokenizer.encode_rendered(prompt_text)
+        if image_refs and ctx.images is not None:
+            prompt, images = await ctx.images.prompt(prompt_text, image_refs)
+        else:
+            prompt = ctx.tokenizer.encode_rendered(prompt_text)
         # A constrained answer is grammar-bound from its first token: it has no reasoning to split off.
         reasoning = ctx.reasoning if constraint is None else None
         splitter = None if reasoning is None else functools.partial(reasoning.splitter, prompt_text)
@@ -133,6 +142,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
         lora=lora,
         batch=is_batch(request),
         harmony=harmony,
+        images=images,
     )
     assembler = ResponseAssembler(_in_progress(body, response_id, generation.created, generation.model))
     record = _Record(ctx.stored, owner, body.store is not False, body.conversation_id, bool(body.background), turn)

@@ -20,10 +20,12 @@ import uuid
 from typing import Any
 
 from server.openai.errors import APIError, invalid_request, unsupported_parameter
+from server.openai.images import IMAGE_PART, ImageRef
 from server.openai.responses_schemas import (
     ContentPart,
     FunctionCallItem,
     FunctionCallOutputItem,
+    InputImage,
     InputItem,
     InputText,
     MessageItem,
@@ -38,7 +40,12 @@ ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_outp
 """The ids OpenAI gives stored items, by type."""
 
 
-def template_messages(instructions: str | None, items: str | list[InputItem]) -> list[dict[str, Any]]:
+def template_messages(
+    instructions: str | None, items: str | list[InputItem], images: list[ImageRef] | None = None
+) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it. With `images`, a user message's `input_image` parts are
+    collected there, in order, and its content becomes the list of text and image parts templates place images
+    by; without, image parts are refused."""
     messages: list[dict[str, Any]] = []
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
@@ -76,7 +83,7 @@ def template_messages(instructions: str | None, items: str | list[InputItem]) ->
                 {"role": "tool", "tool_call_id": item.call_id, "name": called[item.call_id], "content": output}
             )
         elif isinstance(item, MessageItem):
-            content = item.content if isinstance(item.content, str) else _text(item.content, f"{where}.content")
+            content = _content(item, f"{where}.content", images)
             if item.role == "assistant":
                 messages.append({"role": "assistant", "content": content})
             else:
@@ -99,7 +106,7 @@ def check_storable(items: list[InputItem], param: str) -> None:
         if isinstance(item, ReasoningInputItem) and item.encrypted_content is not None:
             raise unsupported_parameter(f"{where}.encrypted_content", "this server cannot read it.")
         if isinstance(item, MessageItem) and not isinstance(item.content, str):
-            _text(item.content, f"{where}.content")
+            _content(item, f"{where}.content", [])
         elif isinstance(item, FunctionCallOutputItem) and not isinstance(item.output, str):
             _text(item.output, f"{where}.output")
         elif not isinstance(item, MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem):
@@ -136,6 +143,28 @@ def _assistant_turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
     if not messages or messages[-1]["role"] != "assistant":
         messages.append({"role": "assistant", "content": ""})
     return messages[-1]
+
+
+def _content(item: MessageItem, where: str, images: list[ImageRef] | None) -> str | list[dict[str, Any]]:
+    """A message's text, or (a user's, with images) its text and image parts."""
+    parts = item.content
+    if isinstance(parts, str):
+        return parts
+    if images is None or item.role != "user" or not any(isinstance(part, InputImage) for part in parts):
+        return _text(parts, where)
+    content: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        if isinstance(part, InputImage):
+            if part.file_id is not None:
+                raise unsupported_parameter(f"{where}[{j}].file_id", "send the image as image_url.")
+            if part.image_url is None:
+                raise invalid_request(f"Missing required parameter: '{where}[{j}].image_url'.",
+                                      f"{where}[{j}].image_url", code="missing_required_parameter")  # fmt: skip
+            images.append(ImageRef(part.image_url, f"{where}[{j}].image_url", part.detail))
+            content.append(dict(IMAGE_PART))
+        else:
+            content.append({"type": "text", "text": _text([part], where)})
+    return content
 
 
 def _text(parts: list[ContentPart], where: str) -> str:

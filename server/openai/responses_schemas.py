@@ -63,6 +63,15 @@ class InputText(_RequestModel):
     text: str
 
 
+class InputImage(_RequestModel):
+    type: Literal["input_image"]
+    image_url: str | None = Field(
+        None, description="A data: URL (base64 PNG, JPEG, WebP or GIF) or an http(s) URL the server may fetch."
+    )
+    file_id: str | None = Field(None, description="Not supported: send the image as image_url.")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class OutputTextPart(_RequestModel):
     """An assistant's text, as a client sends back an earlier response's output."""
 
@@ -79,10 +88,18 @@ class RefusalPart(_RequestModel):
 
 ContentPart = Annotated[
     Annotated[InputText, Tag("InputText")]
+    | Annotated[InputImage, Tag("InputImage")]
     | Annotated[OutputTextPart, Tag("OutputTextPart")]
     | Annotated[RefusalPart, Tag("RefusalPart")]
     | Annotated[SkipJsonSchema[UnsupportedKind], Tag("Unsupported")],
-    _by_type({"input_text": "InputText", "output_text": "OutputTextPart", "refusal": "RefusalPart"}),
+    _by_type(
+        {
+            "input_text": "InputText",
+            "input_image": "InputImage",
+            "output_text": "OutputTextPart",
+            "refusal": "RefusalPart",
+        }
+    ),
 ]
 
 
