@@ -25,7 +25,7 @@ from engine.models.support import UnsupportedModelError
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.inputs import ImageInput
 from tests.model_factory import build_model_dir
-from tests.vision_models import Prompts, build_llava_dir, random_image
+from tests.vision_models import BUILDERS, Prompts, build_llava_dir, random_image
 
 MAX_NEW = 6
 CONTENTS = [
@@ -38,16 +38,26 @@ CONTENTS = [
 """Per prompt: its content and which of the test images it holds (the first and last share an image)."""
 
 
+SIZES = [(40, 30), (90, 60), (60, 100)]
+"""The test images' sizes (width, height): Qwen2-VL gives each its own grid; LLaVA resizes them all alike."""
+
+
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_llava_dir(tmp_path_factory.mktemp("llava"))
 
 
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model of each image family."""
+    return BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+
+
 @pytest.fixture(scope="module")
-def oracle(llava: Path) -> tuple[Prompts, list, list, list]:
+def oracle(family: Path) -> tuple[Prompts, list, list, list]:
     """The prompts as engine inputs, and each one's tokens and logprobs from `generate` alone."""
-    prompts = Prompts(llava)
-    images = [random_image(seed) for seed in range(3)]
+    prompts = Prompts(family)
+    images = [random_image(seed, *size) for seed, size in enumerate(SIZES)]
     inputs, expected = [], []
     for content, which in CONTENTS:
         pictures = [images[i] for i in which]
@@ -69,45 +79,56 @@ def _run(llava: Path, inputs: list, engine: EngineCore | None = None, **options:
     return [outputs[f"req_{i}"] for i in range(len(inputs))]
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"max_batch_tokens": 7},  # chunks stop inside images: an image's rest is read from the encoder cache
-        {"num_pages": 14, "max_batch_tokens": 64},  # too few pages for all: preemption, and recompute
-        {"async_scheduling": True, "max_batch_tokens": 9},
-        {"encoder_cache_tokens": 4, "max_batch_tokens": 9},  # room for one image: the rest wait, none evicted early
-    ],
-    ids=["whole", "chunked", "preempted", "async", "tiny-encoder-cache"],
-)
-def test_greedy_tokens_and_logprobs_equal_generate(llava: Path, oracle: tuple, options: dict) -> None:
+@pytest.mark.parametrize("case", ["whole", "chunked", "preempted", "async", "tiny-encoder-cache"])
+def test_greedy_tokens_and_logprobs_equal_generate(family: Path, oracle: tuple, case: str) -> None:
     _, _, inputs, expected = oracle
-    for output, (tokens, logprobs) in zip(_run(llava, inputs, **options), expected, strict=True):
+    longest = max(image.length for _, images in inputs for image in images)
+    pages = -(-max(len(ids) for ids, _ in inputs) // 4) + 2
+    options = {
+        "whole": {},
+        # Chunks stop inside images: an image's rest is read from the encoder cache a step later.
+        "chunked": {"max_batch_tokens": longest + 3},
+        # Too few pages for all: preemption, and recompute.
+        "preempted": {"num_pages": pages + 4, "max_batch_tokens": 256},
+        "async": {"async_scheduling": True, "max_batch_tokens": longest + 5},
+        # Room for the largest image alone: the others wait, and none is evicted while a prefill needs it.
+        "tiny-encoder-cache": {"encoder_cache_tokens": longest, "max_batch_tokens": longest + 5},
+    }[case]
+    for output, (tokens, logprobs) in zip(_run(family, inputs, **options), expected, strict=True):
         assert output.generated_ids == tokens
         np.testing.assert_allclose([lp.logprob for lp in output.logprobs], logprobs, atol=1e-4)
 
 
-def test_an_image_is_encoded_once_and_its_pages_shared_only_with_the_same_image(llava: Path, oracle: tuple) -> None:
+def test_an_image_is_encoded_once_and_its_pages_shared_only_with_the_same_image(family: Path, oracle: tuple) -> None:
     prompts, images, inputs, expected = oracle
-    engine = EngineCore(EngineConfig.of(model=str(llava), device="cpu", dtype="float32", page_size=4))
+    engine = EngineCore(EngineConfig.of(model=str(family), device="cpu", dtype="float32", page_size=4))
     content = CONTENTS[0][0]
-    first = _run(llava, [inputs[0]], engine)[0]
+    first = _run(family, [inputs[0]], engine)[0]
     assert (engine.encoder_cache.misses, engine.encoder_cache.hits) == (1, 0)
-    again = _run(llava, [inputs[0]], engine)[0]
+    again = _run(family, [inputs[0]], engine)[0]
     assert again.generated_ids == first.generated_ids == expected[0][0]
     image = inputs[0][1][0]
     assert again.num_cached_tokens >= image.end  # the image's pages came from the prefix cache
     # Equal token ids, another picture: no page holding the image's tokens may be shared, and it answers as itself.
-    other = prompts.engine_inputs(content, [images[2]])
+    picture = random_image(99, *SIZES[0])  # the first image's size: the same number of tokens
+    other = prompts.engine_inputs(content, [picture])
     assert other[0] == inputs[0][0] and other[1][0].content_hash != image.content_hash
-    third = _run(llava, [other], engine)[0]
+    third = _run(family, [other], engine)[0]
     assert third.num_cached_tokens <= image.offset
-    assert third.generated_ids == prompts.generate(content, [images[2]], MAX_NEW)[0]
+    assert third.generated_ids == prompts.generate(content, [picture], MAX_NEW)[0]
     assert engine.encoder_cache.misses == 2
+    # The first image again, after text of its own: its pages are not cached, its encoding is.
+    later = prompts.engine_inputs([{"type": "text", "text": "see"}, {"type": "image"}], [images[0]])
+    assert (
+        _run(family, [later], engine)[0].generated_ids
+        == prompts.generate([{"type": "text", "text": "see"}, {"type": "image"}], [images[0]], MAX_NEW)[0]
+    )
+    assert (engine.encoder_cache.misses, engine.encoder_cache.hits) == (2, 1)
 
 
-def test_refusals(llava: Path, oracle: tuple, tmp_path: Path) -> None:
-    _, _, inputs, _ = oracle
+def test_refusals(llava: Path, tmp_path: Path) -> None:
+    prompts = Prompts(llava)
+    inputs = [prompts.engine_inputs(content, [random_image(i) for i in which]) for content, which in CONTENTS]
     limited = EngineCore(EngineConfig.of(model=str(llava), device="cpu", limit_mm_per_prompt="image=1"))
     with pytest.raises(RequestRejected, match="at most 1") as error:
         limited.add_request("two", inputs[1][0], SamplingParams(), images=tuple(inputs[1][1]))
@@ -224,14 +245,19 @@ def test_every_chunk_finds_its_images_encoded_within_budget_and_cache(budget: in
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6), st.sets(st.integers(0, 5))), max_size=30))
 def test_the_encoder_cache_never_exceeds_its_budget_nor_evicts_what_is_in_use(operations: list) -> None:
     cache = EncoderCache(10)
+    held: dict[str, int] = {}  # what the runner would hold, from what the cache tells it
     for content, length, in_use in operations:
         key, used = f"i{content}", {f"i{k}" for k in in_use}
-        if key in cache:
+        if key in held:
             assert cache.lookup(key)
             continue
-        held_in_use = {k for k in used if k in cache}
-        if cache.admit(key, length, used):
-            assert held_in_use <= {k for k in used if k in cache}  # nothing in use was evicted
-        assert cache.used <= cache.capacity
-    freed = cache.take_freed()
-    assert not set(freed) & {k for k in (f"i{c}" for c in range(6)) if k in cache}  # a freed one is not held
+        admitted = cache.admit(key, length, used)
+        freed = set(cache.take_freed())
+        assert not freed & used  # nothing in use was evicted
+        assert admitted or not freed  # a refusal evicts nothing
+        for gone in freed:
+            del held[gone]
+        if admitted:
+            held[key] = length
+        assert cache.used == sum(held.values()) <= cache.capacity
+        assert all(k in cache for k in held) and len(cache) == len(held)

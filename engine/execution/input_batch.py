@@ -52,6 +52,9 @@ class SequenceState:
     """A pooling request's state across the chunks of its prompt."""
     images: tuple[ImageInput, ...] = ()
     """The images among its prompt tokens, prompt order."""
+    rope: tuple[np.ndarray, int] | None = None
+    """With M-RoPE and images: each prompt token's rotary position per axis `[axes, prompt]`, and the offset of the
+    positions after the prompt (the model's `rope_positions`); None: a token's own position on every axis."""
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +147,8 @@ class StepInputs:
     """The step's tokens by LoRA adapter slot (engine/lora/); None when none has an adapter."""
     lora_loads: SlotLoads = field(default_factory=list)
     """Adapters copied into their slots just before the forward pass."""
+    rope_positions: torch.Tensor | None = None
+    """[axes, T] on the device: the tokens' rotary positions, for a model with several rotary axes (M-RoPE)."""
     image_rows: list[tuple[int, str, int, int]] = field(default_factory=list)
     """(first packed row, image content hash, first embedding, count) per stretch of image tokens in the step:
     those rows take the image's embeddings instead of their tokens'."""

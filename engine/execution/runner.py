@@ -110,6 +110,8 @@ class ModelRunner:
         """Set by `use_decode_graphs`; None while every step runs eagerly."""
         self.lora = lora_manager(config, model, loaded.hf_config, loaded.dtype)
         """The LoRA adapters' slots and their assignment to requests (--enable-lora)."""
+        self.rope_axes: int = getattr(model, "rope_axes", 1)
+        """Rotary position axes of the model: 3 for M-RoPE (Qwen2-VL), whose steps pass `[3, T]` positions."""
         self.encodings: dict[str, torch.Tensor] = {}
         """An image model's encoded images by content hash (`[length, hidden]` each): what the plans' encodes
         made and their frees have not dropped (the scheduler's encoder cache keeps the account)."""
@@ -276,6 +278,11 @@ class ModelRunner:
         """Apply the plan's deltas to the runner's state and build the step's inputs; None for an empty step."""
         started = time.perf_counter()
         self.batch.apply(plan, self._grammar_state)
+        if self.rope_axes > 1:
+            for new in plan.new_requests:
+                if new.images:
+                    seq = self.batch.seqs[new.request_id]
+                    seq.rope = self.model.rope_positions(len(new.prompt_ids), new.images)
         if not plan.request_ids:
             return None
         seq_slots, lora_loads = self.lora.step(plan) if self.lora is not None else (None, [])
@@ -305,7 +312,7 @@ class ModelRunner:
         # token ids itself: such a step runs eagerly.
         graph_size = (
             decode_graph_size(self.graph_sizes, len(packed.seqs), packed.max_query_len)
-            if noncausal is None and not pooling and not image_rows
+            if noncausal is None and not pooling and not image_rows and self.rope_axes == 1
             else None
         )
         if graph_size is None:
@@ -334,6 +341,7 @@ class ModelRunner:
             prepare_seconds=time.perf_counter() - started,
             lora=lora,
             lora_loads=lora_loads,
+            rope_positions=self._rope_positions(packed) if self.rope_axes > 1 else None,
             image_rows=image_rows,
             encodes=plan.encodes,
             freed_encodings=plan.freed_encodings,
@@ -467,10 +475,28 @@ class ModelRunner:
             hidden = self._padded().replay(inputs.graph_size, adapted=inputs.lora is not None)
         else:
             embeds = self._embed_with_images(inputs.input_ids, inputs.image_rows) if inputs.image_rows else None
-            hidden = self._model_forward(inputs.input_ids, inputs.metas, inputs.token_type_ids, inputs.lora, embeds)
+            hidden = self._model_forward(
+                inputs.input_ids, inputs.metas, inputs.token_type_ids, inputs.lora, embeds, inputs.rope_positions
+            )
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         pooled = self._pool(hidden, logits, inputs.pooling) if inputs.pooling and logits is not None else {}
         return logits, pooled
+
+    def _rope_positions(self, packed: PackedStep) -> torch.Tensor:
+        """[axes, T] rotary positions: a token's own position on every axis, except where a sequence with images
+        has its own (its prompt's table, then positions past the prompt shifted by its offset)."""
+        total = packed.num_tokens
+        positions = packed.buffers.np["positions"][:total]
+        rope = np.repeat(positions[None, :], self.rope_axes, axis=0)
+        for i, seq in enumerate(packed.seqs):
+            if seq.rope is None:
+                continue
+            table, offset = seq.rope
+            first, end = int(packed.cu_q[i]), int(packed.cu_q[i + 1])
+            own = positions[first:end]
+            in_prompt = own < table.shape[1]
+            rope[:, first:end] = np.where(in_prompt, table[:, np.minimum(own, table.shape[1] - 1)], own + offset)
+        return torch.from_numpy(rope).to(self.device)
 
     def _update_encodings(self, freed: tuple[str, ...], encodes: tuple[ImageInput, ...]) -> None:
         """Drop the encodings the plan frees, then encode its images (one vision call for all of them)."""
@@ -511,18 +537,21 @@ class ModelRunner:
         token_type_ids: torch.Tensor | None = None,
         lora: LoRABatch | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model up to the final norm, inside the step's context for the attention layers
         (engine/attention/context.py): each group's metadata, per layer; for the adapted linears, `lora`.
-        `inputs_embeds` `[T, hidden]`: the rows to run instead of `input_ids`' embeddings (image tokens')."""
+        `inputs_embeds` `[T, hidden]`: the rows to run instead of `input_ids`' embeddings (image tokens').
+        `rope_positions` `[axes, T]`: the rotary positions of a model with several axes (else the tokens')."""
         layer_metas = [metas[g] for g in self.group_of_layer]
         context = StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches, lora=lora)
         with step_context(context):
             if token_type_ids is not None:
                 return self.model(input_ids, metas[0].positions, self.kv_caches, token_type_ids=token_type_ids)
+            positions = metas[0].positions if rope_positions is None else rope_positions
             if inputs_embeds is not None:
-                return self.model(input_ids, metas[0].positions, self.kv_caches, inputs_embeds)
-            return self.model(input_ids, metas[0].positions, self.kv_caches)
+                return self.model(input_ids, positions, self.kv_caches, inputs_embeds)
+            return self.model(input_ids, positions, self.kv_caches)
 
 
 def _image_rows(plan: SchedulerOutput, packed: PackedStep) -> list[tuple[int, str, int, int]]:

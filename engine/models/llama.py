@@ -110,7 +110,7 @@ class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer: int, method: LinearMethod, tp: TensorParallel | None) -> None:
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if config.model_type in ("qwen2", "qwen2_moe"):
+        if config.model_type in ("qwen2", "qwen2_moe", "qwen2_vl_text", "qwen2_5_vl_text"):
             qkv_bias, out_bias = getattr(config, "qkv_bias", True), False
         else:
             qkv_bias = out_bias = getattr(config, "attention_bias", False)
@@ -286,6 +286,18 @@ class Backbone(nn.Module):
         return self.norm(hidden)
 
 
+def _rope_axis_of_dim(config: PretrainedConfig, rotary_dim: int) -> torch.Tensor | None:
+    """M-RoPE (`mrope_section` in the rope parameters: rotary frequencies per axis, time, height, width): each
+    rotary dimension's axis `[rotary_dim]` (the two halves turn alike); None for one axis."""
+    section = (getattr(config, "rope_parameters", None) or {}).get("mrope_section")
+    if not section:
+        return None
+    if 2 * sum(section) != rotary_dim:
+        raise EngineStartupError(f"mrope_section {section} does not divide the {rotary_dim} rotary dimensions")
+    half = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+    return torch.cat([half, half])
+
+
 class LlamaFamilyForCausalLM(nn.Module):
     """Packed-row causal LM (the `CausalLM` protocol of engine/models/base.py): `forward` takes `[T]` token ids
     and positions and returns the final hidden states `[T, hidden]`; with `tp`, this rank's shard of it."""
@@ -331,6 +343,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         cos, sin = rotary_tables(config, max_positions, torch.get_default_dtype())
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        self.register_buffer("rope_axis", _rope_axis_of_dim(config, cos.shape[-1]), persistent=False)
         self.num_layers = config.num_hidden_layers
 
     @classmethod
@@ -364,6 +377,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             model.lm_head.tie_to(model.model.embed_tokens)
         with torch.device(device):
             model.cos_cache, model.sin_cache = rotary_tables(config, max_positions, dtype)
+            model.rope_axis = _rope_axis_of_dim(config, model.cos_cache.shape[-1])
         return model
 
     def forward(
@@ -373,14 +387,21 @@ class LlamaFamilyForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Inside the step's context (engine/attention/context.py), which the runner enters. `positions`: `[T]` (one
-        rotary axis; `[axes, T]` M-RoPE positions are refused). `inputs_embeds` `[T, hidden]`, when given, replaces
-        the embedding of `input_ids`. Returns the final hidden states `[T, hidden]` (what pooling reads)."""
-        if positions.dim() != 1:
+        """Inside the step's context (engine/attention/context.py), which the runner enters. `positions`: `[T]`, or
+        `[3, T]` for a model with M-RoPE (Qwen2-VL's language model: each stretch of rotary dimensions turns with
+        one axis, time, height or width). `inputs_embeds` `[T, hidden]`, when given, replaces the embedding of
+        `input_ids`. Returns the final hidden states `[T, hidden]` (what pooling reads)."""
+        if positions.dim() == 1:
+            cos = self.cos_cache[positions].unsqueeze(1)
+            sin = self.sin_cache[positions].unsqueeze(1)
+        elif self.rope_axis is not None and positions.shape[0] == 3:
+            # [3, T, D] tables of each axis -> [T, D]: dimension d's angle from its own axis.
+            axis = self.rope_axis.expand(positions.shape[1], -1).unsqueeze(0)
+            cos = self.cos_cache[positions].gather(0, axis).squeeze(0).unsqueeze(1)
+            sin = self.sin_cache[positions].gather(0, axis).squeeze(0).unsqueeze(1)
+        else:
             raise ValueError(f"the {self.config.model_type} model has one rotary axis: positions must be [T], not "
                              f"{list(positions.shape)}")  # fmt: skip
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
         return self.model(input_ids, cos, sin, kv_caches, inputs_embeds)
 
     def fuse_decoder(self) -> None:

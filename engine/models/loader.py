@@ -280,7 +280,7 @@ def _check_vision(config: EngineConfig, hf_config: PretrainedConfig, pooling: Po
             f"a {text.model_type!r} language model inside {arch} (its native modules run "
             f"{', '.join(sorted(VISION_TEXT_TYPES))})",
         )
-    feature = unsupported_feature(text, native=True)
+    feature = unsupported_feature(text, native=True, inside_image_model=True)
     if feature is not None:
         raise UnsupportedModelError(hf_config.model_type, f"its language model's {feature}")
     speculative = config.scheduler.speculative_config

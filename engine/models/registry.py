@@ -23,6 +23,7 @@ from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.hf_adapter import TransformersCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration
+from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
 
 TRANSFORMERS = "TransformersForCausalLM"
@@ -45,11 +46,13 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
 
 VISION_MODELS: dict[str, type[CausalLM]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
-"""Image models (engine/models/llava.py ...): a vision encoder in front of a native language model, whose
+"""Image models (engine/models/vision_language.py): a vision encoder in front of a native language model, whose
 `text_config` names one of `VISION_TEXT_TYPES`."""
 
-VISION_TEXT_TYPES = frozenset({"llama", "mistral", "qwen2"})
+VISION_TEXT_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text"})
 """The language models an image model's native modules run (the Llama family's dense members)."""
 
 MODELS: dict[str, type[CausalLM]] = {**NATIVE_MODELS, TRANSFORMERS: TransformersCausalLM}

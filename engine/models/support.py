@@ -106,10 +106,12 @@ _REFUSED_ADAPTER: tuple[_Check, ...] = (_quantized_on_adapter,)
 """Features the transformers adapter does not run."""
 
 
-def unsupported_feature(config: PretrainedConfig, native: bool) -> str | None:
+def unsupported_feature(config: PretrainedConfig, native: bool, inside_image_model: bool = False) -> str | None:
     """The first feature of `config` the chosen path (native modules, or the transformers adapter) cannot run
-    (whether native modules exist for it at all, the registry says: engine/models/registry.py)."""
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    (whether native modules exist for it at all, the registry says: engine/models/registry.py).
+    `inside_image_model`: `config` is an image model's language model, which transformers may have no causal LM
+    class of its own for (Qwen2-VL's)."""
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not inside_image_model:
         return "no causal language-model class in transformers"
     for check in _REFUSED + (_REFUSED_NATIVE if native else _REFUSED_ADAPTER):
         feature = check(config)

@@ -29,9 +29,43 @@ def image_token_id(config: Any) -> int:
     return int(token)
 
 
+GRID_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+"""Images at their own resolution: a grid of patches per image (`image_grid_thw`), merged into tokens."""
+
+
 def split_images(config: Any, input_ids: Sequence[int], processed: Mapping[str, Any]) -> list[ImageInput]:
-    """The images of one processed prompt, in prompt order: for LLaVA one `pixel_values` image each, its tokens
-    one run of the image token (as many per image)."""
+    """The images of one processed prompt, in prompt order."""
+    if config.model_type in GRID_FAMILIES:
+        return _grid_images(config, input_ids, processed)
+    return _fixed_size_images(config, input_ids, processed)
+
+
+def tokens_per_grid(config: Any, grid_thw: Sequence[int]) -> int:
+    """A grid family's image tokens for a patch grid (time, height, width): one per merged square of patches."""
+    merge = config.vision_config.spatial_merge_size
+    return int(np.prod(grid_thw)) // merge**2
+
+
+def _grid_images(config: Any, input_ids: Sequence[int], processed: Mapping[str, Any]) -> list[ImageInput]:
+    """Qwen2-VL's: `pixel_values` holds every image's patches one after another (`[patches, C * T * P * P]`),
+    `image_grid_thw` each image's grid; an image's tokens are one run of the image token."""
+    grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
+    pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
+    runs = _runs(input_ids, image_token_id(config))
+    lengths = [tokens_per_grid(config, grid) for grid in grids]
+    if [length for _, length in runs] != lengths:
+        raise ImageLayoutError(f"image token runs of {[n for _, n in runs]} for images of {lengths} tokens")
+    bounds = np.cumsum([0, *(int(np.prod(grid)) for grid in grids)])
+    images = []
+    for (offset, length), grid, first, end in zip(runs, grids, bounds[:-1], bounds[1:], strict=True):
+        data = {"pixel_values": np.ascontiguousarray(pixel_values[first:end]), "image_grid_thw": grid}
+        images.append(ImageInput(offset, length, data, ImageInput.hash_of(data)))
+    return images
+
+
+def _fixed_size_images(config: Any, input_ids: Sequence[int], processed: Mapping[str, Any]) -> list[ImageInput]:
+    """LLaVA's: one `pixel_values` image each, every image the same number of tokens, each image's tokens a run of
+    the image token (adjacent images make one longer run)."""
     pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
     runs = _runs(input_ids, image_token_id(config))
     count = len(pixel_values)

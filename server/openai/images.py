@@ -9,9 +9,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from transformers import AutoConfig, AutoProcessor
+from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
 
-from engine.multimodal.families import ImageLayoutError, split_images
+from engine.multimodal.families import GRID_FAMILIES, ImageLayoutError, image_token_id, split_images, tokens_per_grid
 from engine.multimodal.inputs import ImageInput
 from server.media import MediaPolicy, load_image
 from server.openai.errors import APIError, invalid_request
@@ -38,13 +38,51 @@ def no_images(images: list[ImageRef]) -> None:
         )  # fmt: skip
 
 
+def model_processor(model_dir: str, config: PretrainedConfig) -> Any:
+    """The model's processor: transformers' own, or for Qwen2-VL and Qwen2.5-VL, whose processor classes insist
+    on a video processor that needs torchvision (which does not load beside the CPU torch), `GridProcessor`."""
+    if config.model_type in GRID_FAMILIES:
+        return GridProcessor(model_dir, config)
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+class GridProcessor:
+    """Qwen2-VL's processor for images: the model's own image processor (its PIL implementation), and each image's
+    placeholder token repeated once per merged square of its patch grid, as `Qwen2VLProcessor` does."""
+
+    def __init__(self, model_dir: str, config: PretrainedConfig) -> None:
+        self.config = config
+        self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.image_token_id = image_token_id(config)
+        self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def __call__(self, text: str, images: list[Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        pieces = text.split(self.image_token)
+        processed: dict[str, Any] = {}
+        if images:
+            processed = dict(self.image_processor(images=images, return_tensors="np"))
+        grids = processed.get("image_grid_thw", [])
+        if len(pieces) - 1 != len(grids):
+            raise ValueError(f"{len(pieces) - 1} image placeholders in the prompt for {len(grids)} images")
+        expanded = pieces[0] + "".join(
+            self.image_token * tokens_per_grid(self.config, grid) + piece
+            for grid, piece in zip(grids, pieces[1:], strict=True)
+        )
+        ids = self.tokenizer(expanded, add_special_tokens=kwargs.get("add_special_tokens", True))["input_ids"]
+        # Which tokens are an image's (1), as the processor marks them: the model's own forward pass reads them to
+        # place M-RoPE positions.
+        types = [[int(token == self.image_token_id) for token in ids]]
+        return {"input_ids": [ids], "mm_token_type_ids": types, **processed}
+
+
 class ImagePrompts:
     """An image model's prompts: rendered text with each image's placeholder, and the images, into token ids and
     the engine's per-image inputs."""
 
     def __init__(self, model_dir: str, policy: MediaPolicy, max_images: int) -> None:
-        self.processor = AutoProcessor.from_pretrained(model_dir)
         self.config = AutoConfig.from_pretrained(model_dir)
+        self.processor = model_processor(model_dir, self.config)
         self.policy = policy
         self.max_images = max_images
 

@@ -1,0 +1,157 @@
+"""What every image model shares: a vision encoder in front of a native language model.
+
+The language model is the native Llama-family one (engine/models/llama.py), built from the config's `text_config`,
+and runs the packed step as any text model does. The vision encoder (and its projector) are transformers' own
+modules, run once per distinct image (the runner's encoder cache), batched over the images a step encodes: they
+are a small share of a request's work, and transformers' modules make them the model's own by construction. An
+image's embeddings replace its placeholder tokens' embeddings in the packed row (`inputs_embeds`).
+
+A family (engine/models/llava.py, engine/models/qwen2_vl.py) says which modules its vision side has, how the
+checkpoint names them (`PREFIXES`) and how images encode (`encode_images`); a family with positions of several
+axes (Qwen2-VL's M-RoPE) says where each prompt token sits (`rope_positions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.attention.base import AttentionNeeds
+from engine.attention.spec import CacheSpec
+from engine.distributed.parallel import TensorParallel
+from engine.layers.linear_method import LinearMethod
+from engine.models.llama import LlamaFamilyForCausalLM
+from engine.multimodal.inputs import ImageInput
+
+
+class VisionLanguageModel(nn.Module):
+    """The `CausalLM` of engine/models/base.py over the language model, plus `embed_input_ids`, `encode_images`
+    and `rope_positions`, which the runner calls for prompts with images."""
+
+    PREFIXES: ClassVar[tuple[tuple[str, str, str], ...]] = ()
+    """Checkpoint name prefix -> (the part that loads it: `language_model` or a vision module's attribute name,
+    the prefix that part knows it by), first match wins."""
+
+    def __init__(self, config: PretrainedConfig, language_model: LlamaFamilyForCausalLM) -> None:
+        super().__init__()
+        self.config = config
+        self.language_model = language_model
+        self.num_layers = language_model.num_layers
+
+    def build_vision(self, config: PretrainedConfig) -> None:
+        """Make the vision modules as attributes (in the default dtype, on the default device)."""
+        raise NotImplementedError
+
+    @classmethod
+    def empty(
+        cls,
+        config: PretrainedConfig,
+        max_positions: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TensorParallel | None = None,
+        method: LinearMethod | None = None,
+        head_method: LinearMethod | None = None,
+    ) -> VisionLanguageModel:
+        """The language model as `LlamaFamilyForCausalLM.empty` builds it; the vision modules made in `dtype` on
+        `device` (their non-persistent buffers, such as position ids, are computed, not loaded)."""
+        language_model = LlamaFamilyForCausalLM.empty(
+            config.text_config, max_positions, device, dtype, tp, method, head_method
+        )
+        model = cls(config, language_model)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model.build_vision(config)
+        finally:
+            torch.set_default_dtype(default)
+        return model
+
+    # -- the language model --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.language_model(input_ids, positions, kv_caches, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.language_model.compute_logits(hidden)
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return self.language_model.cache_specs()
+
+    def attention_needs(self) -> AttentionNeeds:
+        return self.language_model.attention_needs()
+
+    def fuse_decoder(self) -> None:
+        self.language_model.fuse_decoder()
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]: the token embeddings that image embeddings are placed among."""
+        return self.language_model.model.embed_tokens(input_ids)
+
+    # -- the images ----------------------------------------------------------------------------------------
+
+    @property
+    def rope_axes(self) -> int:
+        """Rotary position axes: 1, or 3 for M-RoPE (time, height, width), whose positions `rope_positions`
+        gives."""
+        return 1
+
+    def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's embeddings `[length, hidden]`, in the language model's dtype."""
+        raise NotImplementedError
+
+    def rope_positions(self, num_prompt_tokens: int, images: tuple[ImageInput, ...]) -> tuple[np.ndarray, int] | None:
+        """For a model of several rotary axes: each prompt token's position on every axis `[axes, prompt]`, and
+        the offset of the positions after the prompt (position p sits at p + offset on every axis). None: the
+        token's own position on every axis."""
+        return None
+
+    def _vision_dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        param = next(p for name, p in self.named_parameters() if not name.startswith("language_model."))
+        return param.dtype, param.device
+
+    # -- weights ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The language model's tensors to its own loader (renamed to a text checkpoint's names); the vision
+        modules' copied into their parameters, every one of which must be present."""
+        vision: dict[str, torch.Tensor] = {}
+        self.language_model.load_weights(self._route(weights, vision))
+        for part in sorted({part for _, part, _ in self.PREFIXES if part != "language_model"}):
+            module: nn.Module = getattr(self, part)
+            state = {name[len(part) + 1 :]: t for name, t in vision.items() if name.startswith(part + ".")}
+            missing, unexpected = module.load_state_dict(state, strict=False)
+            kind = type(self).__name__
+            if unexpected:
+                raise ValueError(f"checkpoint tensors with no place in {kind}'s {part}: {sorted(unexpected)[:5]}")
+            if missing:
+                raise ValueError(f"checkpoint lacks tensors of {kind}'s {part}: {sorted(missing)[:5]}")
+
+    def _route(
+        self, weights: Iterable[tuple[str, torch.Tensor]], vision: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The language model's tensors, renamed; the others kept in `vision` under `part.name`."""
+        for name, tensor in weights:
+            for prefix, part, renamed in self.PREFIXES:
+                if name.startswith(prefix):
+                    rest = renamed + name[len(prefix) :]
+                    if part == "language_model":
+                        yield rest, tensor
+                    else:
+                        vision[f"{part}.{rest}"] = tensor
+                    break
+            else:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
