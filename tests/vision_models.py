@@ -16,16 +16,27 @@ from transformers import (
     AutoConfig,
     AutoModelForImageTextToText,
     CLIPVisionConfig,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3Processor,
+    Gemma3TextConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextProcessor,
     LlavaProcessor,
+    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    SiglipVisionConfig,
 )
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from engine.multimodal.families import split_images
@@ -45,24 +56,30 @@ PATCH_SIZE = 14
 """(28 / 14)^2 = 4 patches: 4 image tokens per image (LLaVA-1.5 drops the CLS position)."""
 
 
+def _clip_config() -> CLIPVisionConfig:
+    return CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32,
+    )  # fmt: skip
+
+
+def _llama_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+
+
 def build_llava_dir(directory: Path, seed: int = 0) -> Path:
     """A LLaVA-1.5 (CLIP vision tower, two-layer projector, Llama language model) with its LlavaProcessor."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(directory)
     tokenizer.add_tokens([AddedToken("<image>", normalized=False, special=True)], special_tokens=True)
     tokenizer.chat_template = LLAVA_TEMPLATE
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32,
-    )  # fmt: skip
-    text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
     config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
+        vision_config=_clip_config(),
+        text_config=_llama_config(tokenizer),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
@@ -127,7 +144,81 @@ def build_qwen2_vl_dir(directory: Path, seed: int = 0, version: str = "2") -> Pa
     return directory
 
 
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}"
+    "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""Gemma 3's layout (`<start_of_image>` where each image goes), in the locally trained tokenizer's words."""
+
+GEMMA_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+
+
+def build_gemma3_dir(directory: Path, seed: int = 0) -> Path:
+    """A Gemma 3 (SigLIP tower, pooling projector: 4 tokens per 28x28 image; Gemma 3's language model with a
+    16-token sliding window in its local layers) with its Gemma3Processor."""
+    directory.mkdir(parents=True, exist_ok=True)
+    trained = build_tokenizer(directory)
+    trained.add_tokens([AddedToken(t, normalized=False, special=True) for t in GEMMA_TOKENS.values()],
+                       special_tokens=True)  # fmt: skip
+    # The processor reads the image tokens as the tokenizer's named special tokens (`boi_token`, ...).
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=trained.backend_tokenizer, bos_token=trained.bos_token, eos_token=trained.eos_token,
+        pad_token=trained.pad_token, extra_special_tokens=GEMMA_TOKENS,
+    )  # fmt: skip
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA_TOKENS.items()}
+    text = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=16, initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+    )  # fmt: skip
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    Gemma3ForConditionalGeneration(config).save_pretrained(directory)
+    image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4, chat_template=GEMMA_TEMPLATE
+    ).save_pretrained(directory)
+    return directory
+
+
+def build_llava_next_dir(directory: Path, seed: int = 0) -> Path:
+    """A LLaVA-NeXT: LLaVA's parts plus tiling (28x28 tiles in grids up to 2x2) and the learned row newline, with
+    its LlavaNextProcessor: an image's token count follows its size."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    tokenizer.add_tokens([AddedToken("<image>", normalized=False, special=True)], special_tokens=True)
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    pinpoints = [[IMAGE_SIZE, IMAGE_SIZE], [IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE],
+                 [2 * IMAGE_SIZE, 2 * IMAGE_SIZE]]  # fmt: skip
+    config = LlavaNextConfig(
+        vision_config=_clip_config(), text_config=_llama_config(tokenizer),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    LlavaNextForConditionalGeneration(config).save_pretrained(directory)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=pinpoints,
+    )  # fmt: skip
+    LlavaNextProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE,
+    ).save_pretrained(directory)  # fmt: skip
+    return directory
+
+
 BUILDERS = {
+    "llava_next": build_llava_next_dir,
+    "gemma3": build_gemma3_dir,
     "llava": build_llava_dir,
     "qwen2_vl": build_qwen2_vl_dir,
     "qwen2_5_vl": lambda directory, seed=0: build_qwen2_vl_dir(directory, seed, version="2.5"),
@@ -167,6 +258,15 @@ class Prompts:
         out = self.processed(content, images)
         ids = [int(token) for token in out["input_ids"][0]]
         return ids, split_images(self.config, ids, out) if images else []
+
+    @torch.no_grad()
+    def prompt_logprobs(self, content: list[dict], images: list[Image.Image]) -> list[float]:
+        """Each prompt token's logprob given the tokens before it, from the model's own forward pass (its own
+        masks: Gemma 3's image tokens see each other both ways)."""
+        out = {name: torch.as_tensor(np.asarray(value)) for name, value in self.processed(content, images).items()}
+        logits = self.hf(**out).logits[0, :-1].float()
+        targets = out["input_ids"][0, 1:]
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).tolist()
 
     def generate(self, content: list[dict], images: list[Image.Image], max_new: int) -> tuple[list[int], list[float]]:
         """Greedy tokens and their logprobs from `generate` alone."""

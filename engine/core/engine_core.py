@@ -161,6 +161,8 @@ class EngineCore:
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_tokens) if loaded.takes_images else None
         """An image model's account of the image encodings the runner holds; None for a text model."""
         self._images_received = 0
+        self._bidirectional_images = bool(getattr(loaded.model, "bidirectional_images", False))
+        """An image's tokens attend to each other both ways (Gemma 3): each image is a non-causal span."""
         self.max_images = config.model.max_images if self.encoder_cache is not None else 0
         """Images one prompt may hold (0: the model takes none, or is served text-only)."""
         self.scheduler = Scheduler(
@@ -317,6 +319,8 @@ class EngineCore:
             self._check_images(len(prompt_ids), images, pooling)
             request.images = tuple(images)
             self._images_received += len(images)
+            if self._bidirectional_images:
+                request.noncausal_spans = tuple((image.offset, image.end) for image in images)
             # An image's tokens are placeholders: its pages' K/V depend on its content, which its hash names.
             keys = (ExtraKey(image.offset, image.end, ("image", image.content_hash)) for image in images)
             request.extra_keys = (*request.extra_keys, *keys)
@@ -367,10 +371,14 @@ class EngineCore:
                     code="invalid_prompt",
                 )
             end = image.end
-            if image.length >= budget or image.length > self.encoder_cache.capacity:
+            # A step encodes an image whole, beside at least one of its tokens; where its tokens are a non-causal
+            # span (Gemma 3), beside all of them.
+            needed = 2 * image.length if self._bidirectional_images else image.length + 1
+            if needed > budget or image.length > self.encoder_cache.capacity:
+                beside = "all its tokens" if self._bidirectional_images else "at least one token"
                 raise RequestRejected(
-                    f"an image of {image.length} tokens: a step encodes an image whole, beside at least one token, "
-                    f"within --max-batch-tokens ({budget}), and the encoder cache (--encoder-cache-tokens) holds "
+                    f"an image of {image.length} tokens: a step encodes an image whole, beside {beside}, within "
+                    f"--max-batch-tokens ({budget}), and the encoder cache (--encoder-cache-tokens) holds "
                     f"{self.encoder_cache.capacity}",
                     code="image_too_large",
                 )

@@ -588,14 +588,13 @@ class Scheduler:
                 )
             num_new = min(needed, builder.budget)
             start = request.num_computed_tokens + request.num_in_flight_tokens
-            if request.noncausal_spans:
-                num_new = _within_spans(request, start, num_new)
-                if not num_new:
-                    continue
+            # Images first: encoding one may shorten the chunk, which must then still not end inside a span.
             if request.images:
                 num_new = self._fit_images(request, start, num_new, builder)
-                if not num_new:
-                    continue
+            if num_new and request.noncausal_spans:
+                num_new = _within_spans(request, start, num_new)
+            if not num_new:
+                continue
             proposed = (
                 self._plannable_drafts(request, needed, drafts.get(request.request_id, ()), builder.budget)
                 if drafts
@@ -694,10 +693,10 @@ class Scheduler:
             request.num_computed_tokens = hit
             needed = request.num_tokens - hit
             num_new = min(needed, builder.budget)
-            if request.noncausal_spans:
-                num_new = _within_spans(request, hit, num_new)
-            if num_new and request.images:
+            if request.images:
                 num_new = self._fit_images(request, hit, num_new, builder)
+            if num_new and request.noncausal_spans:
+                num_new = _within_spans(request, hit, num_new)
             if not num_new:
                 # A span, or an image's encoding, that does not fit this step's budget (or the encoder cache): it
                 # waits for a step with room, and so does the queue behind it (no skipping ahead).

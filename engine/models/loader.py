@@ -17,6 +17,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     GenerationConfig,
@@ -46,6 +47,7 @@ from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
 from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
 from engine.models.registry import (
+    ADAPTED_VISION_MODELS,
     BASE_MODELS,
     NATIVE_MODELS,
     VISION_MODELS,
@@ -274,17 +276,20 @@ def _check_vision(config: EngineConfig, hf_config: PretrainedConfig, pooling: Po
             f"images through {arch} (the image models Ferry runs: {', '.join(sorted(VISION_MODELS))})",
         )
     text = hf_config.text_config
-    if text.model_type not in VISION_TEXT_TYPES:
+    adapted = arch in ADAPTED_VISION_MODELS
+    if not adapted and text.model_type not in VISION_TEXT_TYPES:
         raise UnsupportedModelError(
             hf_config.model_type,
             f"a {text.model_type!r} language model inside {arch} (its native modules run "
             f"{', '.join(sorted(VISION_TEXT_TYPES))})",
         )
-    feature = unsupported_feature(text, native=True, inside_image_model=True)
+    feature = unsupported_feature(text, native=not adapted, inside_image_model=True)
     if feature is not None:
         raise UnsupportedModelError(hf_config.model_type, f"its language model's {feature}")
     speculative = config.scheduler.speculative_config
     refused = [
+        (adapted and config.model.quantization != "none", f"--quantization {config.model.quantization}"),
+        (adapted and config.model.model_impl == "native", "--model-impl native"),
         (pooling is not None, "--runner pooling"),
         (config.model.model_impl == "transformers", "--model-impl transformers"),
         (config.parallel.tensor_parallel_size > 1, f"--tensor-parallel-size {config.parallel.tensor_parallel_size}"),
@@ -345,6 +350,9 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         )
     if pooling is not None and pooling.bidirectional:
         model = _load_encoder(config, hf_config, pooling, dtype, device, method)
+        backend = _backend_for(config, model, device, dtype)
+    elif architecture(full_config) in ADAPTED_VISION_MODELS:
+        model = _load_adapted_vision_model(config, full_config, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
     elif native:
         arch = architecture(full_config)
@@ -476,6 +484,36 @@ def paged_transformers_model(
         raise UnsupportedModelError(
             hf_config.model_type, "attention classes from a table of the model's own with no paged entry"
         ) from error
+
+
+def _load_adapted_vision_model(
+    config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, method: LinearMethod
+) -> nn.Module:
+    """An image model whose language model has no native modules (Gemma 3): transformers' whole model with paged
+    attention, its language model and head driven through the adapter, its vision modules as they are."""
+    model_class = VISION_MODELS[architecture(hf_config)]
+    # Paged attention for the language model; the vision tower's attention is transformers' own (sdpa).
+    attention = {"text_config": ATTN_IMPLEMENTATION, "vision_config": "sdpa"}
+    if config.model.load_format == "dummy":
+        hf_model = AutoModelForImageTextToText.from_config(hf_config, dtype=dtype, attn_implementation=attention)
+    else:
+        hf_model = AutoModelForImageTextToText.from_pretrained(
+            config.model.path, dtype=dtype, attn_implementation=attention
+        )
+    hf_model = hf_model.eval().to(device)
+    replace_own_attention(hf_model)
+    # The language model with its head, as transformers' causal LM of the text config holds them (made on the meta
+    # device, then given the loaded model's modules: nothing is allocated twice).
+    text_config = hf_model.config.text_config
+    with torch.device("meta"):
+        causal_lm = AutoModelForCausalLM.from_config(text_config, attn_implementation=ATTN_IMPLEMENTATION)
+    causal_lm.model = hf_model.model.language_model
+    causal_lm.lm_head = hf_model.lm_head
+    language_model = TransformersCausalLM(causal_lm)
+    language_model.check_runs_exactly()
+    if not isinstance(method, UnquantizedLinearMethod):
+        adopt_linears(causal_lm, method)
+    return model_class(hf_config, language_model, hf_model.model.vision_tower, hf_model.model.multi_modal_projector)
 
 
 def _load_transformers_model(

@@ -20,9 +20,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from engine.models.base import CausalLM
 from engine.models.deepseek import DeepseekForCausalLM
+from engine.models.gemma3 import Gemma3ForConditionalGeneration
 from engine.models.hf_adapter import TransformersCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
-from engine.models.llava import LlavaForConditionalGeneration
+from engine.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
 
@@ -46,14 +47,19 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
 
 VISION_MODELS: dict[str, type[CausalLM]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 """Image models (engine/models/vision_language.py): a vision encoder in front of a native language model, whose
 `text_config` names one of `VISION_TEXT_TYPES`."""
 
 VISION_TEXT_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text"})
 """The language models an image model's native modules run (the Llama family's dense members)."""
+
+ADAPTED_VISION_MODELS = frozenset({"Gemma3ForConditionalGeneration"})
+"""Image models whose language model runs on transformers' modules through the adapter (no native modules)."""
 
 MODELS: dict[str, type[CausalLM]] = {**NATIVE_MODELS, TRANSFORMERS: TransformersCausalLM}
 

@@ -1,12 +1,14 @@
-"""What every image model shares: a vision encoder in front of a native language model.
+"""What every image model shares: a vision encoder in front of a language model.
 
 The language model is the native Llama-family one (engine/models/llama.py), built from the config's `text_config`,
-and runs the packed step as any text model does. The vision encoder (and its projector) are transformers' own
-modules, run once per distinct image (the runner's encoder cache), batched over the images a step encodes: they
-are a small share of a request's work, and transformers' modules make them the model's own by construction. An
-image's embeddings replace its placeholder tokens' embeddings in the packed row (`inputs_embeds`).
+or for a family whose language model has no native modules (Gemma 3) transformers' own through the adapter
+(engine/models/hf_adapter.py); it runs the packed step as any text model does. The vision encoder (and its
+projector) are transformers' own modules, run once per distinct image (the runner's encoder cache), batched over
+the images a step encodes: they are a small share of a request's work, and transformers' modules make them the
+model's own by construction. An image's embeddings replace its placeholder tokens' embeddings in the packed row
+(`inputs_embeds`).
 
-A family (engine/models/llava.py, engine/models/qwen2_vl.py) says which modules its vision side has, how the
+A family (engine/models/llava.py, qwen2_vl.py, gemma3.py) says which modules its vision side has, how the
 checkpoint names them (`PREFIXES`) and how images encode (`encode_images`); a family with positions of several
 axes (Qwen2-VL's M-RoPE) says where each prompt token sits (`rope_positions`).
 """
@@ -37,7 +39,12 @@ class VisionLanguageModel(nn.Module):
     """Checkpoint name prefix -> (the part that loads it: `language_model` or a vision module's attribute name,
     the prefix that part knows it by), first match wins."""
 
-    def __init__(self, config: PretrainedConfig, language_model: LlamaFamilyForCausalLM) -> None:
+    bidirectional_images: ClassVar[bool] = False
+    """Whether an image's tokens attend to each other in both directions (Gemma 3): the engine gives each image's
+    tokens a non-causal span, which chunked prefill never splits."""
+
+    def __init__(self, config: PretrainedConfig, language_model: nn.Module) -> None:
+        """`language_model`: a `CausalLM` (engine/models/base.py) of `config.text_config`."""
         super().__init__()
         self.config = config
         self.language_model = language_model
@@ -98,7 +105,7 @@ class VisionLanguageModel(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the token embeddings that image embeddings are placed among."""
-        return self.language_model.model.embed_tokens(input_ids)
+        return self.language_model.model.embed_tokens(input_ids)  # the native language model's
 
     # -- the images ----------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
 from engine.multimodal.inputs import ImageInput
 
@@ -37,7 +38,26 @@ def split_images(config: Any, input_ids: Sequence[int], processed: Mapping[str, 
     """The images of one processed prompt, in prompt order."""
     if config.model_type in GRID_FAMILIES:
         return _grid_images(config, input_ids, processed)
+    if config.model_type == "llava_next":
+        return _tiled_images(config, input_ids, processed)
     return _fixed_size_images(config, input_ids, processed)
+
+
+def _tiled_images(config: Any, input_ids: Sequence[int], processed: Mapping[str, Any]) -> list[ImageInput]:
+    """LLaVA-NeXT's: `pixel_values` `[images, most tiles, 3, H, W]`, each image's own tiles first (the number
+    follows from its size, `image_sizes`); an image's tokens are one run of the image token, as many as its tiles'
+    unpadded features."""
+    sizes = np.asarray(processed["image_sizes"], dtype=np.int64)
+    pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
+    runs = _runs(input_ids, image_token_id(config))
+    if len(runs) != len(sizes):
+        raise ImageLayoutError(f"{len(runs)} runs of image tokens for {len(sizes)} images (each image needs its own)")
+    images = []
+    for (offset, length), size, pixels in zip(runs, sizes, pixel_values, strict=True):
+        tiles = image_size_to_num_patches(tuple(size), config.image_grid_pinpoints, config.vision_config.image_size)
+        data = {"pixel_values": np.ascontiguousarray(pixels[:tiles]), "image_sizes": size}
+        images.append(ImageInput(offset, length, data, ImageInput.hash_of(data)))
+    return images
 
 
 def tokens_per_grid(config: Any, grid_thw: Sequence[int]) -> int:
