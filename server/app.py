@@ -580,7 +580,7 @@ def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle:
         return {"version": ferry_version()}
 
     add_stored_response_routes(app, state.stored)
-    add_conversation_routes(app, state.stored)
+    add_conversation_routes(app, state.stored, lambda: state.serving is not None and state.serving.images is not None)
     add_file_routes(app, state.stored)
     add_batch_routes(app, state.stored, state.get_serving, state.metrics)
 

@@ -6,6 +6,7 @@ locally with `tokenizers` (with a chat template). Nothing here touches the netwo
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -194,7 +195,11 @@ def _training_text() -> list[str]:
     return texts
 
 
-def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
+@functools.cache
+def _trained_tokenizer() -> str:
+    """The byte-level BPE tokenizer, trained once per process (as JSON): the trainer breaks ties between equally
+    frequent pairs differently from run to run under load, and models meant to share a vocabulary (a draft model
+    and its target) must get the same one."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -206,6 +211,11 @@ def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_training_text(), trainer)
+    return tokenizer.to_str()
+
+
+def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer.from_str(_trained_tokenizer())
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)

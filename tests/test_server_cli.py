@@ -153,6 +153,10 @@ def test_num_pages_counts_kv_cache_pages_and_num_blocks_is_its_alias(tmp_path: P
         assert cli.build_engine_config(args).cache.num_pages == 7
 
 
+FORMATTED = {"limit_mm_per_prompt": "image=2"}
+"""Text options with a format of their own: a valid value other than the default."""
+
+
 def _other_value(annotation: Any, default: Any) -> Any:
     """A valid value of the field's type that is not its default."""
     if annotation is bool:
@@ -196,7 +200,7 @@ def test_every_flag_round_trips_into_the_dataclass(cls: type, tmp_path: Path, mo
     monkeypatch.delenv("FERRY_API_KEY", raising=False)
     (tmp_path / "config.json").write_text("{}")
     hints = typing.get_type_hints(cls)
-    values = {f.name: _other_value(hints[f.name], f.default) for f in flag_fields(cls)}
+    values = {f.name: FORMATTED.get(f.name) or _other_value(hints[f.name], f.default) for f in flag_fields(cls)}
     args = serve_parser().parse_args(["serve", "--model", str(tmp_path), *_argv(values)])
     if cls in PART_CLASSES.values():
         assert cli.build_engine_config(args) == EngineConfig.of(model=str(tmp_path), **values)

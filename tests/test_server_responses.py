@@ -259,7 +259,7 @@ def test_reasoning_effort_reaches_the_template(client: openai.OpenAI) -> None:
         ({"include": ["reasoning.encrypted_content"]}, 400, "include", "unsupported_parameter"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "unsupported_parameter"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
-         "input[0].content[0].type", "unsupported_parameter"),
+         "input[0].content[0].image_url", "images_not_supported"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input[0].type", "unsupported_parameter"),
         ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400, "input[0].call_id",
          "invalid_value"),

@@ -8,6 +8,7 @@ limits are OpenAI's: 20 items a call, 16 metadata pairs, keys of 64 characters a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -66,19 +67,21 @@ def _checked_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     return metadata
 
 
-def _checked_items(items: list[InputItem]) -> list[dict[str, Any]]:
+def _checked_items(items: list[InputItem], takes_images: bool) -> list[dict[str, Any]]:
     """The items as stored, or a 400 naming the first the server could not render."""
     if len(items) > MAX_ITEMS:
         raise invalid_request(f"At most {MAX_ITEMS} items are added at a time, not {len(items)}.", "items")
-    check_storable(items, "items")
+    check_storable(items, "items", takes_images)
     return stored_items(items)
 
 
-def add_conversation_routes(app: FastAPI, stored: StoredState) -> None:
+def add_conversation_routes(app: FastAPI, stored: StoredState, takes_images: Callable[[], bool]) -> None:
+    """`takes_images`: whether the model served now takes images (an image model's items may hold them)."""
+
     @app.post("/v1/conversations", responses=ERROR_RESPONSES)
     async def create_conversation(body: CreateConversationRequest, request: Request) -> dict[str, Any]:
         metadata = _checked_metadata(body.metadata)
-        items = _checked_items(body.items or [])
+        items = _checked_items(body.items or [], takes_images())
         async with stored.db().transaction() as connection:
             return await conversations.create(connection, stored, request_owner(request), metadata, items)
 
@@ -120,7 +123,7 @@ def add_conversation_routes(app: FastAPI, stored: StoredState) -> None:
     ) -> dict[str, Any]:
         """Add items after the conversation's last; the list of those added."""
         owner = request_owner(request)
-        items = _checked_items(body.items)
+        items = _checked_items(body.items, takes_images())
         async with stored.db().transaction() as connection:
             if await conversations.get(connection, owner, conversation_id) is None:
                 raise conversation_not_found(conversation_id)

@@ -98,15 +98,15 @@ def template_messages(
     return messages
 
 
-def check_storable(items: list[InputItem], param: str) -> None:
+def check_storable(items: list[InputItem], param: str, takes_images: bool) -> None:
     """Refuse (400, by name) items that could not be rendered when a response reads them back: the checks
-    `template_messages` makes of each item on its own."""
+    `template_messages` makes of each item on its own (images only where the model takes them)."""
     for i, item in enumerate(items):
         where = f"{param}[{i}]"
         if isinstance(item, ReasoningInputItem) and item.encrypted_content is not None:
             raise unsupported_parameter(f"{where}.encrypted_content", "this server cannot read it.")
         if isinstance(item, MessageItem) and not isinstance(item.content, str):
-            _content(item, f"{where}.content", [])
+            _content(item, f"{where}.content", [] if takes_images else None)
         elif isinstance(item, FunctionCallOutputItem) and not isinstance(item.output, str):
             _text(item.output, f"{where}.output")
         elif not isinstance(item, MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem):
