@@ -6,6 +6,7 @@ the encoder's work; and the refusals."""
 from __future__ import annotations
 
 import itertools
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -165,19 +166,27 @@ def test_refusals(llava: Path, tmp_path: Path) -> None:
         text_model.add_request("img", [5, 6, 7, 8, 9], SamplingParams(), images=(_image(1, 4, "x"),))
 
 
-def test_unsupported_options_and_families_are_refused_by_name(llava: Path) -> None:
+def test_unsupported_options_and_families_are_refused_by_name_or_served_text_only(llava: Path) -> None:
     with pytest.raises(ValueError, match="--enable-lora: this 'llava' image model"):
         EngineCore(EngineConfig.of(model=str(llava), device="cpu", enable_lora=True))
-    config = llava.parent / "other"
-    config.mkdir()
-    text = (
-        (llava / "config.json")
-        .read_text()
-        .replace("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
+    # A family with no vision side here: LLaVA's files under another architecture's name.
+    other = llava.parent / "other"
+    shutil.copytree(llava, other)
+    config = (other / "config.json").read_text()
+    (other / "config.json").write_text(
+        config.replace("LlavaForConditionalGeneration", "PaliGemmaForConditionalGeneration")
     )
-    (config / "config.json").write_text(text)
-    with pytest.raises(UnsupportedModelError, match="images through PaliGemmaForConditionalGeneration"):
-        EngineCore(EngineConfig.of(model=str(config), device="cpu"))
+    with pytest.raises(UnsupportedModelError, match=r"images through PaliGemmaForConditionalGeneration.*image=0"):
+        EngineCore(EngineConfig.of(model=str(other), device="cpu"))
+    # Served text-only as asked: its language model answers as the whole model does to text.
+    text_only = EngineCore(EngineConfig.of(model=str(other), device="cpu", limit_mm_per_prompt="image=0"))
+    prompt = [5, 6, 7, 8, 9, 10]
+    alone = generate_batch([prompt], engine=text_only, params=SamplingParams(max_new_tokens=MAX_NEW))["req_0"]
+    whole = generate_batch([prompt], EngineConfig.of(model=str(llava), device="cpu"), params=SamplingParams(
+        max_new_tokens=MAX_NEW))["req_0"]  # fmt: skip
+    assert alone.generated_ids == whole.generated_ids
+    with pytest.raises(RequestRejected, match="text-only"):
+        text_only.add_request("img", [5, 6, 7, 8, 9], SamplingParams(), images=(_image(1, 4, "x"),))
 
 
 # -- the scheduler and the encoder cache, without a model --------------------------------------------------------

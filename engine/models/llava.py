@@ -18,7 +18,7 @@ from engine.multimodal.inputs import ImageInput
 
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
-    PREFIXES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+    PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
         # transformers 5's layout, then the layout of checkpoints saved before it (llava-hf on the Hub).
         ("model.language_model.", "language_model", "model."),
         ("lm_head.", "language_model", "lm_head."),
@@ -58,7 +58,7 @@ class LlavaNextForConditionalGeneration(VisionLanguageModel):
     closing each row, so an image's token count follows its size. Encoding is transformers' own
     (`LlavaNextModel.get_image_features`), on a `LlavaNextModel` whose language model is left out."""
 
-    PREFIXES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+    PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
         ("model.language_model.", "language_model", "model."),
         ("lm_head.", "language_model", "lm_head."),
         ("model.", "vision", ""),

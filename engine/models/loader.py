@@ -56,6 +56,7 @@ from engine.models.registry import (
     choose_model_class,
 )
 from engine.models.support import UnsupportedModelError, dequantized_at_load, unsupported_feature
+from engine.models.vision_language import LanguageModelAlone
 from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
 from engine.quantization import (
@@ -270,12 +271,15 @@ def _check_encoder(config: EngineConfig, hf_config: PretrainedConfig) -> None:
 def _check_vision(config: EngineConfig, hf_config: PretrainedConfig, pooling: PoolingConfig | None) -> None:
     """Refuse, by name, an image model whose family Ferry does not run, and the options its path does not take."""
     arch = architecture(hf_config)
-    if arch not in VISION_MODELS:
+    text = hf_config.text_config
+    text_only = config.model.max_images == 0 and text.model_type in VISION_TEXT_TYPES
+    if arch not in VISION_MODELS and not text_only:
         raise UnsupportedModelError(
             hf_config.model_type,
-            f"images through {arch} (the image models Ferry runs: {', '.join(sorted(VISION_MODELS))})",
+            f"images through {arch} (the image models Ferry runs: {', '.join(sorted(VISION_MODELS))}; with a "
+            f"language model of {', '.join(sorted(VISION_TEXT_TYPES))}, --limit-mm-per-prompt image=0 serves it "
+            "text-only)",
         )
-    text = hf_config.text_config
     adapted = arch in ADAPTED_VISION_MODELS
     if not adapted and text.model_type not in VISION_TEXT_TYPES:
         raise UnsupportedModelError(
@@ -356,7 +360,7 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         backend = _backend_for(config, model, device, dtype)
     elif native:
         arch = architecture(full_config)
-        model_class = VISION_MODELS.get(arch) or NATIVE_MODELS[arch]
+        model_class = VISION_MODELS.get(arch) or NATIVE_MODELS.get(arch) or LanguageModelAlone
         # A tied LM head reads the embedding's matrix, which the embedding looks rows up in: a plain layout, so
         # the matrix is stored once (see `_tied_head_method`). The CPU schemes quantize the head (int8), fp8 keeps it
         # in the model's dtype.

@@ -19,7 +19,7 @@ from engine.multimodal.inputs import ImageInput
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
-    PREFIXES: ClassVar[tuple[tuple[str, str, str], ...]] = (
+    PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
         # transformers 5's layout, then the layout of checkpoints saved before it (Qwen's own on the Hub).
         ("model.language_model.", "language_model", "model."),
         ("model.visual.", "visual", ""),

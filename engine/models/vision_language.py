@@ -35,9 +35,9 @@ class VisionLanguageModel(nn.Module):
     """The `CausalLM` of engine/models/base.py over the language model, plus `embed_input_ids`, `encode_images`
     and `rope_positions`, which the runner calls for prompts with images."""
 
-    PREFIXES: ClassVar[tuple[tuple[str, str, str], ...]] = ()
-    """Checkpoint name prefix -> (the part that loads it: `language_model` or a vision module's attribute name,
-    the prefix that part knows it by), first match wins."""
+    PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = ()
+    """Checkpoint name prefix -> (the part that loads it: `language_model`, a vision module's attribute name, or
+    None for tensors left unread; the prefix that part knows it by), first match wins."""
 
     bidirectional_images: ClassVar[bool] = False
     """Whether an image's tokens attend to each other in both directions (Gemma 3): the engine gives each image's
@@ -137,7 +137,7 @@ class VisionLanguageModel(nn.Module):
         modules' copied into their parameters, every one of which must be present."""
         vision: dict[str, torch.Tensor] = {}
         self.language_model.load_weights(self._route(weights, vision))
-        for part in sorted({part for _, part, _ in self.PREFIXES if part != "language_model"}):
+        for part in sorted({part for _, part, _ in self.PREFIXES if part not in ("language_model", None)}):
             module: nn.Module = getattr(self, part)
             state = {name[len(part) + 1 :]: t for name, t in vision.items() if name.startswith(part + ".")}
             missing, unexpected = module.load_state_dict(state, strict=False)
@@ -157,8 +157,25 @@ class VisionLanguageModel(nn.Module):
                     rest = renamed + name[len(prefix) :]
                     if part == "language_model":
                         yield rest, tensor
-                    else:
+                    elif part is not None:
                         vision[f"{part}.{rest}"] = tensor
                     break
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+
+
+class LanguageModelAlone(VisionLanguageModel):
+    """An image model of a family Ferry has no vision side for, served text-only as its operator asked
+    (--limit-mm-per-prompt image=0): its language model alone; the checkpoint's vision tensors are left unread,
+    and a request with an image is refused (engine/core/engine_core.py)."""
+
+    PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
+        ("model.language_model.", "language_model", "model."),
+        ("lm_head.", "language_model", "lm_head."),
+        ("language_model.model.", "language_model", "model."),
+        ("language_model.lm_head.", "language_model", "lm_head."),
+        ("", None, ""),
+    )
+
+    def build_vision(self, config: PretrainedConfig) -> None:
+        """No vision side."""
