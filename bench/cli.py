@@ -15,6 +15,9 @@ from typing import get_args, get_type_hints
 from bench.workload import LengthDist, WorkloadSpec
 from engine.config import CompileLevel, ModelConfig
 
+IMAGE_SHAPE_NAMES = ("llava-1.5-7b-v8-t2", "qwen2-vl-2b-v8-t4")
+"""bench/images.py's named image architectures (listed here so that parsing needs no torch)."""
+
 ATTENTION_BACKENDS = get_args(get_type_hints(ModelConfig)["attention_backend"])
 LENGTH_HELP = "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA:MAX | pareto:LO:MAX[:ALPHA]"
 
@@ -617,6 +620,28 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--json", type=Path, default=None)
     spec.set_defaults(func=_spec)
 
+    images = commands.add_parser(
+        "images",
+        help="image questions offline: Ferry vs transformers' generate vs vLLM (bench/images.py)",
+        description="Requests of one random image and a short question each, greedy with EOS ignored, on a named "
+        "image architecture with random weights saved once (identical in every system).",
+    )
+    images.add_argument("--model", default="llava-1.5-7b-v8-t2", choices=sorted(IMAGE_SHAPE_NAMES))
+    images.add_argument("--workdir", type=Path, default=Path("/tmp/ferry-bench-images"))
+    images.add_argument("--systems", default="ferry,transformers", help="comma-separated: ferry, transformers, vllm")
+    images.add_argument("--num-requests", type=_positive_int, default=32)
+    images.add_argument("--image-size", type=_positive_int, default=448, help="pixels on a side of each image")
+    images.add_argument("--distinct-images", type=int, default=0, help="images repeated across requests (0: all)")
+    images.add_argument("--question-len", type=_positive_int, default=16)
+    images.add_argument("--output-len", type=_positive_int, default=64)
+    images.add_argument("--max-batch-tokens", type=_positive_int, default=2048)
+    images.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    images.add_argument("--seed", type=int, default=0)
+    images.add_argument("--threads", type=int, default=None)
+    images.add_argument("--vllm-python", type=Path, default=None, help="vLLM's interpreter, for --systems vllm")
+    images.add_argument("--json", type=Path, default=None)
+    images.set_defaults(func=_images)
+
     lora = commands.add_parser(
         "lora",
         help="LoRA adapters mixed in (1, 4, 8 of them) against the base model alone, offline and served",
@@ -667,6 +692,16 @@ def _lora(args: argparse.Namespace) -> int:
     return 0
 
 
+def _images(args: argparse.Namespace) -> int:
+    from bench.images import format_images, run_images
+
+    _set_threads(args.threads)
+    _quiet_transformers()
+    report = run_images(args)
+    _emit(report, format_images(report), args.json)
+    return 0
+
+
 def _spec(args: argparse.Namespace) -> int:
     from bench.spec import SpecOptions, format_spec, run_spec
 
@@ -706,7 +741,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` under `ferry`'s subcommands; dispatch with `args.func(args)`."""
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: offline, serve, overhead, tp, decode, perplexity, embed, spec, lora",
+        help="benchmarks: offline, serve, overhead, tp, decode, perplexity, embed, spec, lora, images",
         description="Reproducible benchmarks of Ferry against its baselines.",
     )
     add_bench_subcommands(bench)

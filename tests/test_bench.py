@@ -613,3 +613,21 @@ def test_spec_bench_alternates_its_servers_over_every_workload(model_dir: Callab
     assert all(r["acceptance"] is None or 0 <= r["acceptance"] <= 1 for r in rows)
     table = format_spec(report)
     assert "on/off" in table and "predict" in table
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_images_bench_runs_ferry_and_transformers_on_the_same_requests(family: str, tmp_path: Path) -> None:
+    """`ferry bench images`' systems on a tiny model of each benchmarked family: the same greedy tokens, and with
+    one image repeated, Ferry encodes it once (its encoder cache serves the rest)."""
+    from bench.cli import IMAGE_SHAPE_NAMES
+    from bench.images import IMAGE_SHAPES, make_workload, run_ferry, run_transformers
+    from tests.vision_models import BUILDERS
+
+    assert set(IMAGE_SHAPE_NAMES) == set(IMAGE_SHAPES)
+    path = BUILDERS[family](tmp_path / family)
+    workload = make_workload(path, 3, 40, 5, 4, distinct=1, seed=0)
+    warm = make_workload(path, 2, 40, 5, 4, distinct=2, seed=1)
+    _, ferry, cache = run_ferry(path, workload, warm, "float32", 2048)
+    _, transformers = run_transformers(path, workload, torch.float32)
+    assert ferry == transformers
+    assert cache == {"encoded": 1, "encoder_cache_hits": 2}

@@ -555,3 +555,47 @@ def test_reasoning_streams_apart_and_folds_when_the_answer_starts(
     assert box[0] is False and box[1] is False and box[2].strip() == REASONING, box
     assert answer["text"].strip() == ANSWER, answer
     assert not console_errors(browser)
+
+
+@pytest.fixture(scope="module")
+def image_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`ferry serve` of a tiny LLaVA (tests/vision_models.py), for the playground's image flow."""
+    from tests.vision_models import build_llava_dir
+
+    model = build_llava_dir(tmp_path_factory.mktemp("ui-llava"))
+    with server_process(
+        model, "--api-key", API_KEY, "--log-level", "warning", "--served-model-name", "llava"
+    ) as running:
+        yield running
+
+
+@needs_browser
+def test_an_attached_image_is_asked_about_and_the_engine_view_counts_it(
+    image_server: ServerProcess, browser: Any, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    from tests.vision_models import random_image
+
+    picture = tmp_path / "picture.png"
+    random_image(3, 60, 40).save(picture)
+    browser.get(image_server.base_url)
+    js(browser, "sessionStorage.setItem('ferry.apiKey', arguments[0])", API_KEY)
+    browser.get(image_server.base_url)
+    wait_for(browser, lambda d: text_of(d, "model-name") == "llava")
+    set_value(browser, "max-tokens", "8")
+    # Picked from a file, as a user does (a drop reads the same files).
+    browser.find_element(By.ID, "image-input").send_keys(str(picture))
+    wait_for(browser, lambda d: js(d, "return document.querySelectorAll('#attachments img').length") == 1)
+    ask(browser, "What is in the picture?")
+    answer = wait_for(browser, last_answer_settled)
+    assert answer["state"] == "done" and answer["tokens"] > 0, answer
+    shown = js(browser, "return [...document.querySelectorAll('.msg.user .msg-images img')].map((i) => i.src)")
+    assert len(shown) == 1 and shown[0].startswith("data:image/png;base64,"), shown
+    assert js(browser, "return document.getElementById('attachments').hidden")  # sent: nothing left attached
+    # The image's tokens are in the prompt the answer reports, and the engine view counts the image.
+    prompt_tokens = int(re.search(r"prompt (\d+)", answer["meta"])[1])  # type: ignore[index]
+    assert prompt_tokens > 4, answer["meta"]
+    wait_for(browser, lambda d: js(d, "return document.getElementById('stat-images').dataset.value") == "1")
+    assert stats(image_server)["images_processed_total"] == 1
+    assert not console_errors(browser)

@@ -737,7 +737,8 @@ class Scheduler:
             if image.offset >= end:
                 break
             content = image.content_hash
-            if content in builder.images_read or cache.lookup(content, first_read=image.offset >= start):
+            # Held: encoded by an earlier step, or by this one for another request (a hit either way).
+            if cache.lookup(content, first_read=image.offset >= start):
                 builder.images_read.add(content)
                 continue
             before = max(0, image.offset - start)

@@ -112,6 +112,7 @@ class ModelRunner:
         """The LoRA adapters' slots and their assignment to requests (--enable-lora)."""
         self.rope_axes: int = getattr(model, "rope_axes", 1)
         """Rotary position axes of the model: 3 for M-RoPE (Qwen2-VL), whose steps pass `[3, T]` positions."""
+        self.takes_images = hasattr(model, "encode_images")
         self.encodings: dict[str, torch.Tensor] = {}
         """An image model's encoded images by content hash (`[length, hidden]` each): what the plans' encodes
         made and their frees have not dropped (the scheduler's encoder cache keeps the account)."""
@@ -136,7 +137,9 @@ class ModelRunner:
             return ModelRunnerOutput()
         started = time.perf_counter()
         if self._step_threads is not None:
-            self._step_threads.use_for(len(inputs.input_ids), len(inputs.meta.seq_lens))
+            # The images it encodes count as tokens of work: a one-token chunk beside an image is a large step.
+            encoded = sum(image.length for image in inputs.encodes)
+            self._step_threads.use_for(len(inputs.input_ids) + encoded, len(inputs.meta.seq_lens))
         logits, pooled = self.forward_and_pool(inputs)
         forwarded = time.perf_counter()
         forward_seconds = forwarded - started
@@ -307,7 +310,9 @@ class ModelRunner:
             noncausal = step_spans([seq.noncausal_spans for seq in packed.seqs], starts, packed.seq_lens)
         pooling = self._pooling_rows(plan, packed, first_other + len(targets)) if self.batch.num_pooling else []
         num_logits = first_other + len(targets) + sum(rows.logits_row is not None for rows in pooling)
-        image_rows = _image_rows(plan, packed) if self.encodings or plan.encodes else []
+        # Not read from `encodings`: under async scheduling the step before, which may encode this step's images,
+        # is still running.
+        image_rows = _image_rows(plan, packed) if self.takes_images else []
         # A graph's static metadata has no spans, its forward pass returns no hidden states to pool and embeds
         # token ids itself: such a step runs eagerly.
         graph_size = (

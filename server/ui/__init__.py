@@ -26,7 +26,7 @@ CONTENT_SECURITY_POLICY = "; ".join(
         "default-src 'none'",
         "script-src 'self'",
         "style-src 'self'",
-        "img-src 'self'",
+        "img-src 'self' data:",  # images the user attached, shown from the data: URLs the request sends
         "connect-src 'self'",
         "base-uri 'none'",
         "form-action 'none'",

@@ -15,6 +15,7 @@ const FerryChat = (() => {
   const state = {
     model: null, // what requests send as `model`: the base model's name or an adapter's
     history: [], // {role, content, node}: what the next request sends (node: its <article>)
+    attachments: [], // data: URLs of the images attached to the next message
     controller: null, // the AbortController of the answer being streamed, if any
   };
 
@@ -219,7 +220,7 @@ const FerryChat = (() => {
 
   // -------------------------------------------------------------------------------------------- messages
 
-  function addMessage(role, text) {
+  function addMessage(role, text, images = []) {
     $("empty-hint").hidden = true;
     const article = document.createElement("article");
     article.className = `msg ${role}`;
@@ -229,6 +230,17 @@ const FerryChat = (() => {
     const body = document.createElement("div");
     body.className = role === "assistant" ? "body md" : "body plain";
     body.textContent = text; // user text is shown exactly as typed
+    if (images.length) {
+      const strip = document.createElement("div");
+      strip.className = "msg-images";
+      for (const url of images) {
+        const img = document.createElement("img");
+        img.src = url;
+        img.alt = "attached image";
+        strip.append(img);
+      }
+      body.prepend(strip);
+    }
     if (role === "assistant") {
       // The model's reasoning (`reasoning_content`), apart from the answer and folded once the answer starts.
       const reasoning = document.createElement("details");
@@ -450,12 +462,53 @@ const FerryChat = (() => {
     scrollToEnd();
   }
 
+  // Images go with the next message as image_url parts (data: URLs): what an OpenAI client sends.
+  function showAttachments() {
+    const box = $("attachments");
+    box.replaceChildren(
+      ...state.attachments.map((url, index) => {
+        const item = document.createElement("button");
+        item.type = "button";
+        item.className = "attachment";
+        item.title = "Remove";
+        const img = document.createElement("img");
+        img.src = url;
+        img.alt = `attachment ${index + 1}`;
+        item.append(img);
+        item.addEventListener("click", () => {
+          state.attachments.splice(index, 1);
+          showAttachments();
+        });
+        return item;
+      }),
+    );
+    box.hidden = state.attachments.length === 0;
+  }
+
+  function attach(files) {
+    for (const file of files) {
+      if (!file.type.startsWith("image/")) continue;
+      const reader = new FileReader();
+      reader.onload = () => {
+        state.attachments.push(reader.result);
+        showAttachments();
+      };
+      reader.readAsDataURL(file);
+    }
+  }
+
   function onSend(event) {
     event.preventDefault();
     const text = $("prompt").value.trim();
-    if (!text || state.controller || !state.model) return;
+    if ((!text && !state.attachments.length) || state.controller || !state.model) return;
     $("prompt").value = "";
-    state.history.push({ role: "user", content: text, node: addMessage("user", text) });
+    const images = state.attachments;
+    state.attachments = [];
+    showAttachments();
+    const content = images.length
+      ? [...images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text }]
+      : text;
+    state.history.push({ role: "user", content, node: addMessage("user", text, images) });
     answer();
   }
 
@@ -475,6 +528,8 @@ const FerryChat = (() => {
   function onClear() {
     onStop();
     state.history = [];
+    state.attachments = [];
+    showAttachments();
     for (const node of $("messages").querySelectorAll(".msg")) node.remove();
     $("empty-hint").hidden = false;
     updateRegenerate();
@@ -489,6 +544,16 @@ const FerryChat = (() => {
     $("stop").addEventListener("click", onStop);
     $("regenerate").addEventListener("click", onRegenerate);
     $("clear").addEventListener("click", onClear);
+    $("image-input").addEventListener("change", (event) => {
+      attach(event.target.files);
+      event.target.value = ""; // the same file may be attached again
+    });
+    const composer = $("composer");
+    composer.addEventListener("dragover", (event) => event.preventDefault());
+    composer.addEventListener("drop", (event) => {
+      event.preventDefault();
+      attach(event.dataTransfer.files);
+    });
     $("key-form").addEventListener("submit", onKeySubmit);
     $("key-button").addEventListener("click", () => askForKey(""));
     $("model-select").addEventListener("change", chooseModel);

@@ -38,6 +38,13 @@ const FerryEngine = (() => {
     $("stat-drafts").title =
       `${count(stats.spec_decode_num_accepted_tokens_total)} of ${count(stats.spec_decode_num_draft_tokens_total)} ` +
       "drafted tokens accepted since start (--speculative-config)";
+    // Images: how many prompts held, how many the encoder cache served, and how full it is.
+    $("stat-images").textContent = stats.images_processed_total
+      ? `${count(stats.images_processed_total)} (${count(stats.encoder_cache_hits_total)} cached)`
+      : "–";
+    $("stat-images").dataset.value = stats.images_processed_total;
+    $("stat-images").title = "images in prompts since start (of them, encodings the encoder cache held)";
+    $("encoder-meter").value = stats.encoder_cache_usage_perc;
     $("stat-generated").textContent = count(stats.generation_tokens_total);
     $("stat-generated").dataset.value = stats.generation_tokens_total;
   }
