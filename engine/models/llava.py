@@ -13,19 +13,15 @@ from transformers import AutoModel, PretrainedConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
 
-from engine.models.vision_language import VisionLanguageModel
+from engine.models.vision_language import LANGUAGE_PREFIXES, VisionLanguageModel
 from engine.multimodal.inputs import ImageInput
 
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
     PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
-        # transformers 5's layout, then the layout of checkpoints saved before it (llava-hf on the Hub).
-        ("model.language_model.", "language_model", "model."),
-        ("lm_head.", "language_model", "lm_head."),
+        *LANGUAGE_PREFIXES,
         ("model.vision_tower.", "vision_tower", ""),
         ("model.multi_modal_projector.", "multi_modal_projector", ""),
-        ("language_model.model.", "language_model", "model."),
-        ("language_model.lm_head.", "language_model", "lm_head."),
         ("vision_tower.", "vision_tower", ""),
         ("multi_modal_projector.", "multi_modal_projector", ""),
     )
@@ -59,11 +55,8 @@ class LlavaNextForConditionalGeneration(VisionLanguageModel):
     (`LlavaNextModel.get_image_features`), on a `LlavaNextModel` whose language model is left out."""
 
     PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
-        ("model.language_model.", "language_model", "model."),
-        ("lm_head.", "language_model", "lm_head."),
-        ("model.", "vision", ""),
-        ("language_model.model.", "language_model", "model."),
-        ("language_model.lm_head.", "language_model", "lm_head."),
+        *LANGUAGE_PREFIXES,
+        ("model.", "vision", ""),  # after the language model's `model.language_model.`
         ("vision_tower.", "vision", "vision_tower."),
         ("multi_modal_projector.", "vision", "multi_modal_projector."),
         ("image_newline", "vision", "image_newline"),

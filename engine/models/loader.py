@@ -56,7 +56,7 @@ from engine.models.registry import (
     choose_model_class,
 )
 from engine.models.support import UnsupportedModelError, dequantized_at_load, unsupported_feature
-from engine.models.vision_language import LanguageModelAlone
+from engine.models.vision_language import LanguageModelAlone, VisionLanguageModel
 from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
 from engine.quantization import (
@@ -386,6 +386,8 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         else:
             tensors = _checkpoint_tensors(config.model.path)
             model.load_weights(_as_causal_lm(tensors) if base_checkpoint else tensors)
+        if isinstance(model, VisionLanguageModel) and not isinstance(method, UnquantizedLinearMethod):
+            model.adopt_vision_layers(method)  # the CPU kernels' layouts (never --quantization's)
     else:
         model = _load_transformers_model(config, hf_config, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
@@ -517,7 +519,10 @@ def _load_adapted_vision_model(
     language_model.check_runs_exactly()
     if not isinstance(method, UnquantizedLinearMethod):
         adopt_linears(causal_lm, method)
-    return model_class(hf_config, language_model, hf_model.model.vision_tower, hf_model.model.multi_modal_projector)
+    model = model_class(hf_config, language_model, hf_model.model.vision_tower, hf_model.model.multi_modal_projector)
+    if not isinstance(method, UnquantizedLinearMethod):
+        model.adopt_vision_layers(method)
+    return model
 
 
 def _load_transformers_model(

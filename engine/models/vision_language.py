@@ -26,9 +26,19 @@ from transformers import PretrainedConfig
 from engine.attention.base import AttentionNeeds
 from engine.attention.spec import CacheSpec
 from engine.distributed.parallel import TensorParallel
+from engine.layers.linear import PatchLinear, adopt_linears
 from engine.layers.linear_method import LinearMethod
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.multimodal.inputs import ImageInput
+
+LANGUAGE_PREFIXES: tuple[tuple[str, str | None, str], ...] = (
+    # transformers 5's layout, then the layout of checkpoints saved before it (llava-hf's on the Hub).
+    ("model.language_model.", "language_model", "model."),
+    ("lm_head.", "language_model", "lm_head."),
+    ("language_model.model.", "language_model", "model."),
+    ("language_model.lm_head.", "language_model", "lm_head."),
+)
+"""Where image models' checkpoints keep their language model, for `VisionLanguageModel.PREFIXES`."""
 
 
 class VisionLanguageModel(nn.Module):
@@ -125,6 +135,20 @@ class VisionLanguageModel(nn.Module):
         token's own position on every axis."""
         return None
 
+    def adopt_vision_layers(self, method: LinearMethod) -> None:
+        """Once the weights are in: the vision modules' linears onto `method` (the language model's: on a CPU the
+        kernels' packed layouts), and a patch embedding that is a convolution of one patch per input onto a
+        matmul (`PatchLinear`). The vision side then runs as the language model's linears do; its maths is the
+        same."""
+        for name, module in self.named_children():
+            if name == "language_model":
+                continue
+            adopt_linears(module, method)
+            swaps = [(parent, child_name) for parent in module.modules()
+                     for child_name, child in parent.named_children() if PatchLinear.adopts(child)]  # fmt: skip
+            for parent, child_name in swaps:
+                setattr(parent, child_name, PatchLinear(getattr(parent, child_name)))
+
     def _vision_dtype_device(self) -> tuple[torch.dtype, torch.device]:
         param = next(p for name, p in self.named_parameters() if not name.startswith("language_model."))
         return param.dtype, param.device
@@ -169,13 +193,7 @@ class LanguageModelAlone(VisionLanguageModel):
     (--limit-mm-per-prompt image=0): its language model alone; the checkpoint's vision tensors are left unread,
     and a request with an image is refused (engine/core/engine_core.py)."""
 
-    PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
-        ("model.language_model.", "language_model", "model."),
-        ("lm_head.", "language_model", "lm_head."),
-        ("language_model.model.", "language_model", "model."),
-        ("language_model.lm_head.", "language_model", "lm_head."),
-        ("", None, ""),
-    )
+    PREFIXES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (*LANGUAGE_PREFIXES, ("", None, ""))
 
     def build_vision(self, config: PretrainedConfig) -> None:
         """No vision side."""
