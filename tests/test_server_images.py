@@ -6,6 +6,7 @@ loopback address, fetching while it is off) gets the right 400."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.server
 import io
 import threading
@@ -15,6 +16,7 @@ from typing import ClassVar
 
 import openai
 import pytest
+from PIL import Image
 
 from server.media import ImageRefused, MediaPolicy, load_image
 from server.openai.images import no_images
@@ -172,3 +174,29 @@ def test_a_text_model_refuses_images_by_name() -> None:
     with pytest.raises(Exception, match="takes no images") as error:
         no_images(refs)
     assert error.value.status_code == 400  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
+def test_each_image_format_decodes_to_its_picture(fmt: str) -> None:
+    """PNG, JPEG, WebP and a GIF's first frame, as a data: URL; anything else is refused by name."""
+    first, second = random_image(11, 24, 16), random_image(12, 24, 16)
+    buffer = io.BytesIO()
+    if fmt == "GIF":
+        first.save(buffer, format="GIF", save_all=True, append_images=[second])
+    else:
+        first.save(buffer, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    url = f"data:image/{fmt.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+    image = asyncio.run(load_image(url, MediaPolicy(), "url"))
+    assert image.mode == "RGB" and image.size == (24, 16)
+    if fmt in ("PNG", "WEBP"):  # lossless: the very pixels
+        assert image.tobytes() == first.tobytes()
+    if fmt == "GIF":  # its first frame, not its second (palette colours: compared as the GIF holds them)
+        with Image.open(io.BytesIO(buffer.getvalue())) as gif:
+            gif.seek(0)
+            assert image.tobytes() == gif.convert("RGB").tobytes()
+    bmp = io.BytesIO()
+    first.save(bmp, format="BMP")
+    with pytest.raises(ImageRefused, match="BMP"):
+        asyncio.run(
+            load_image(f"data:image/bmp;base64,{base64.b64encode(bmp.getvalue()).decode()}", MediaPolicy(), "u")
+        )
