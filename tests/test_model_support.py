@@ -51,7 +51,7 @@ def test_features_the_engine_lacks_are_refused_at_load(
     [
         ("bart", "an encoder-decoder architecture"),
         ("t5", "no causal language-model class"),
-        ("gemma3", "images through Gemma3ForConditionalGeneration"),
+        ("paligemma", "images through paligemma"),
     ],
 )
 def test_config_refusals_come_before_any_weights(tmp_path: Path, model_type: str, feature: str) -> None:
