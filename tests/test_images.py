@@ -278,7 +278,7 @@ def test_the_encoder_cache_never_exceeds_its_budget_nor_evicts_what_is_in_use(op
         if key in held:
             assert cache.lookup(key)
             continue
-        admitted = cache.admit(key, length, used)
+        admitted = cache.admit(key, length, lambda in_use=used: in_use)
         freed = set(cache.take_freed())
         assert not freed & used  # nothing in use was evicted
         assert admitted or not freed  # a refusal evicts nothing

@@ -743,7 +743,7 @@ class Scheduler:
                 continue
             before = max(0, image.offset - start)
             room = builder.budget - image.length  # tokens of the chunk the budget leaves once it is encoded
-            if room <= before or not cache.admit(content, image.length, self._images_in_use(builder)):
+            if room <= before or not cache.admit(content, image.length, lambda: self._images_in_use(builder)):
                 return before
             builder.budget -= image.length
             builder.encodes.append(image)

@@ -112,7 +112,7 @@ class ModelRunner:
         """The LoRA adapters' slots and their assignment to requests (--enable-lora)."""
         self.rope_axes: int = getattr(model, "rope_axes", 1)
         """Rotary position axes of the model: 3 for M-RoPE (Qwen2-VL), whose steps pass `[3, T]` positions."""
-        self.takes_images = hasattr(model, "encode_images")
+        self.takes_images = loaded.takes_images
         self.encodings: dict[str, torch.Tensor] = {}
         """An image model's encoded images by content hash (`[length, hidden]` each): what the plans' encodes
         made and their frees have not dropped (the scheduler's encoder cache keeps the account)."""

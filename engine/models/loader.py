@@ -96,7 +96,7 @@ class LoadedModel:
 
     @property
     def takes_images(self) -> bool:
-        """Whether its prompts may hold images (an image model: engine/models/llava.py)."""
+        """Whether its prompts may hold images (an image model: engine/models/vision_language.py)."""
         return hasattr(self.model, "encode_images")
 
     @property
@@ -303,9 +303,10 @@ def _check_vision(config: EngineConfig, hf_config: PretrainedConfig, pooling: Po
     ]
     for asked, flag in refused:
         if asked:
+            modules = "transformers' modules (through the adapter)" if adapted else "the native modules"
             raise EngineStartupError(
-                f"{flag}: this {hf_config.model_type!r} image model runs its language model on the native modules, "
-                "on one rank, uncompiled, generating, without LoRA adapters or a draft model"
+                f"{flag}: this {hf_config.model_type!r} image model runs its language model on {modules}, on one "
+                "rank, uncompiled, generating, without LoRA adapters or a draft model"
             )
 
 
@@ -386,11 +387,11 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         else:
             tensors = _checkpoint_tensors(config.model.path)
             model.load_weights(_as_causal_lm(tensors) if base_checkpoint else tensors)
-        if isinstance(model, VisionLanguageModel) and not isinstance(method, UnquantizedLinearMethod):
-            model.adopt_vision_layers(method)  # the CPU kernels' layouts (never --quantization's)
     else:
         model = _load_transformers_model(config, hf_config, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
+    if isinstance(model, VisionLanguageModel) and not isinstance(method, UnquantizedLinearMethod):
+        model.adopt_vision_layers(method)  # the CPU kernels' layouts (never --quantization's)
     model.eval()
     if native and config.execution.compile == "none" and not config.execution.enforce_eager:
         model.fuse_decoder()
@@ -519,10 +520,7 @@ def _load_adapted_vision_model(
     language_model.check_runs_exactly()
     if not isinstance(method, UnquantizedLinearMethod):
         adopt_linears(causal_lm, method)
-    model = model_class(hf_config, language_model, hf_model.model.vision_tower, hf_model.model.multi_modal_projector)
-    if not isinstance(method, UnquantizedLinearMethod):
-        model.adopt_vision_layers(method)
-    return model
+    return model_class(hf_config, language_model, hf_model.model.vision_tower, hf_model.model.multi_modal_projector)
 
 
 def _load_transformers_model(

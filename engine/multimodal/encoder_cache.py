@@ -10,7 +10,7 @@ an image and read the rest of its embeddings a step later). Pure Python: no tens
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 
 class EncoderCache:
@@ -41,24 +41,32 @@ class EncoderCache:
             return True
         return False
 
-    def admit(self, content_hash: str, length: int, in_use: Collection[str]) -> bool:
-        """Make room for a new encoding of `length` tokens by evicting unused ones (not in `in_use`), least
-        recently used first, and record it as held; False (nothing evicted) when it cannot fit now."""
+    def admit(self, content_hash: str, length: int, in_use: Callable[[], Collection[str]]) -> bool:
+        """Make room for a new encoding of `length` tokens by evicting unused ones (not in `in_use()`, asked only
+        when something must go), least recently used first, and record it as held; False (nothing evicted) when
+        it cannot fit now."""
         if content_hash in self._lengths:
             raise ValueError(f"image {content_hash[:12]} is already encoded")
-        evictable = sum(n for h, n in self._lengths.items() if h not in in_use)
+        if self.used + length <= self.capacity:
+            self._hold(content_hash, length)
+            return True
+        needed = in_use()
+        evictable = sum(n for h, n in self._lengths.items() if h not in needed)
         if self.used - evictable + length > self.capacity:
             return False
         for held in list(self._lengths):
             if self.used + length <= self.capacity:
                 break
-            if held not in in_use:
+            if held not in needed:
                 self.used -= self._lengths.pop(held)
                 self.freed.append(held)
+        self._hold(content_hash, length)
+        return True
+
+    def _hold(self, content_hash: str, length: int) -> None:
         self._lengths[content_hash] = length
         self.used += length
         self.misses += 1
-        return True
 
     def take_freed(self) -> tuple[str, ...]:
         freed, self.freed = tuple(self.freed), []

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from engine.multimodal.inputs import ImageInput
 from server.openai.choices import ChoiceState
 from server.openai.generation import Generation, ServingContext, is_batch, start_generation
-from server.openai.images import ImageRef, no_images
+from server.openai.images import ImageRef
 from server.openai.logprobs import chat_logprobs
 from server.openai.schemas import (
     ChatChoice,
@@ -49,8 +49,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
     answer = body.output_constraint()
     image_refs: list[ImageRef] = []
     messages = body.template_messages(image_refs)
-    if ctx.images is None:
-        no_images(image_refs)
+    ctx.check_images(image_refs)
     images: tuple[ImageInput, ...] = ()
     if ctx.harmony is not None:
         tools = ctx.harmony.offered_tools(body.function_tools(), body.tool_choice_value(), answer)
@@ -69,10 +68,7 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
             tool_use.template_tools() if tool_use else None,
             "messages",
         )
-        if image_refs and ctx.images is not None:
-            prompt, images = await ctx.images.prompt(prompt_text, image_refs)
-        else:
-            prompt = ctx.tokenizer.encode_rendered(prompt_text)
+        prompt, images = await ctx.prompt_ids(prompt_text, image_refs, "messages")
         reasoning = ctx.reasoning if constraint is None else None
         splitter = None if reasoning is None else functools.partial(reasoning.splitter, prompt_text)
     generation = await start_generation(

@@ -33,7 +33,7 @@ from server.metrics import RequestTimer, ServerMetrics, rejection_reason
 from server.openai.choices import ChoiceState, ChoiceUpdate
 from server.openai.errors import APIError, engine_failure, internal_error, invalid_request
 from server.openai.harmony import Harmony
-from server.openai.images import ImagePrompts
+from server.openai.images import ImagePrompts, ImageRef, no_images
 from server.openai.schemas import CompletionTokensDetails, PromptTokensDetails, Usage
 from server.openai.structured import Constraint, check_constraint
 from server.openai.template import EFFORT_VARIABLE
@@ -137,6 +137,18 @@ class ServingContext:
     the chat template and the reasoning and tool-call parsers; None: the template's way."""
     images: ImagePrompts | None = None
     """An image model's prompts with images (server/openai/images.py); None: the model takes no images."""
+
+    def check_images(self, refs: list[ImageRef]) -> None:
+        """Refuse, by the first one's place, images sent to a model that takes none."""
+        if self.images is None:
+            no_images(refs)
+
+    async def prompt_ids(self, text: str, refs: list[ImageRef], param: str) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """A rendered chat prompt's token ids and, where it holds images (`refs`, checked by `check_images`), each
+        image's tokens in place and the images processed; `param` names the request field they came from."""
+        if refs and self.images is not None:
+            return await self.images.prompt(text, refs, param)
+        return self.tokenizer.encode_rendered(text), ()
 
     @property
     def template_options(self) -> Collection[str]:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
 
-from engine.multimodal.families import GRID_FAMILIES, ImageLayoutError, image_token_id, split_images, tokens_per_grid
+from engine.multimodal.families import GRID_FAMILIES, image_token_id, split_images, tokens_per_grid
 from engine.multimodal.inputs import ImageInput
 from server.media import MediaPolicy, load_image
 from server.openai.errors import APIError, invalid_request
@@ -86,21 +86,22 @@ class ImagePrompts:
         self.policy = policy
         self.max_images = max_images
 
-    async def prompt(self, text: str, images: list[ImageRef]) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt's token ids (each image's tokens in place of its placeholder) and its images."""
+    async def prompt(self, text: str, images: list[ImageRef], param: str) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's token ids (each image's tokens in place of its placeholder) and its images; `param`: the
+        request field the conversation came from (`messages`, `input`)."""
         if len(images) > self.max_images:
             raise APIError(
                 400, f"{len(images)} images in one request: this server takes at most {self.max_images} "
                 "(--limit-mm-per-prompt)", param=images[self.max_images].param, code="too_many_images",
             )  # fmt: skip
         loaded = await asyncio.gather(*(load_image(image.url, self.policy, image.param) for image in images))
-        return await asyncio.to_thread(self._process, text, loaded)
+        return await asyncio.to_thread(self._process, text, loaded, param)
 
-    def _process(self, text: str, images: list[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
+    def _process(self, text: str, images: list[Any], param: str) -> tuple[list[int], tuple[ImageInput, ...]]:
         try:
             processed = self.processor(text=text, images=images or None, add_special_tokens=False, return_tensors="np")
             ids = [int(token) for token in processed["input_ids"][0]]
             return ids, tuple(split_images(self.config, ids, processed)) if images else ()
-        except (ValueError, ImageLayoutError) as exc:
+        except ValueError as exc:  # ImageLayoutError among them
             # The chat template placed a different number of image placeholders than the request has images.
-            raise invalid_request(f"The prompt's images could not be placed: {exc}", "messages") from None
+            raise invalid_request(f"The prompt's images could not be placed: {exc}", param) from None

@@ -40,7 +40,7 @@ from server.openai.choices import ChoiceUpdate
 from server.openai.conversations import conversation_not_found
 from server.openai.errors import APIError, internal_error, invalid_request, unsupported_parameter
 from server.openai.generation import Generation, ServingContext, is_batch, start_generation
-from server.openai.images import ImageRef, no_images
+from server.openai.images import ImageRef
 from server.openai.responses_input import stored_items, template_messages
 from server.openai.responses_schemas import (
     EchoedFunctionTool,
@@ -103,8 +103,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     earlier = await _earlier_items(ctx, owner, body)
     image_refs: list[ImageRef] = []
     messages = template_messages(body.instructions, [*earlier, *turn] if earlier else body.input, image_refs)
-    if ctx.images is None:
-        no_images(image_refs)
+    ctx.check_images(image_refs)
     images: tuple[ImageInput, ...] = ()
     if ctx.harmony is not None:
         effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
@@ -118,10 +117,7 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
             tool_use.template_tools() if tool_use else None,
             "input",
         )
-        if image_refs and ctx.images is not None:
-            prompt, images = await ctx.images.prompt(prompt_text, image_refs)
-        else:
-            prompt = ctx.tokenizer.encode_rendered(prompt_text)
+        prompt, images = await ctx.prompt_ids(prompt_text, image_refs, "input")
         # A constrained answer is grammar-bound from its first token: it has no reasoning to split off.
         reasoning = ctx.reasoning if constraint is None else None
         splitter = None if reasoning is None else functools.partial(reasoning.splitter, prompt_text)
