@@ -95,20 +95,46 @@ ARCHITECTURES: dict[str, dict] = {
         num_experts_per_tok=2,
         sliding_window=16,
     ),
-    # Refused at load (tests/test_model_support.py): an attention-class table without a paged entry, a model whose
-    # own code needs the masks paged attention does not build, and Mamba layers beside attention ones.
+    # Refused at load (tests/test_model_support.py): an attention-class table without a paged entry, and a model whose
+    # own code needs the masks paged attention does not build.
     "gpt_neo": dict(model_type="gpt_neo", num_heads=4, num_layers=2, attention_types=[[["global", "local"], 1]]),
     "mpt": dict(model_type="mpt", n_heads=4, n_layers=2, d_model=64),
+    # State-space models (native, their state in slots): Mamba; Mamba2 in 2 groups of 4 heads, its chunk shorter than
+    # the prompts; Jamba with Mamba layers (and experts) at 0 and 2, attention at 1 and 3; a Granite 4 hybrid with
+    # rotary attention between two Mamba2 layers, experts beside its shared MLP and every multiplier away from 1.
+    "mamba": dict(model_type="mamba", state_size=8, time_step_rank=8),
+    "mamba2": dict(model_type="mamba2", num_heads=8, head_dim=16, n_groups=2, state_size=8, chunk_size=16),
     "jamba": dict(
         model_type="jamba",
+        num_hidden_layers=4,
         num_key_value_heads=2,
-        num_experts=2,
+        num_experts=4,
+        num_experts_per_tok=2,
         attn_layer_period=2,
         attn_layer_offset=1,
         expert_layer_period=2,
+        expert_layer_offset=0,
         mamba_d_state=8,
         mamba_dt_rank=8,
-        use_mamba_kernels=False,
+    ),
+    "granitemoehybrid": dict(
+        model_type="granitemoehybrid",
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        shared_intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["mamba", "attention", "mamba"],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=2.0,
+        position_embedding_type="rope",
     ),
     # Multi-head latent attention (native): V3 with a LoRA'd query, sigmoid routing over 2 groups of 4 experts (a
     # random correction bias: tests/model_factory.py), renormalised and scaled, YaRN positions whose mscale_all_dim

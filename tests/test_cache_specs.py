@@ -21,7 +21,13 @@ from engine.attention import CpuPagedBackend, TorchPagedBackend, UnsupportedAtte
 from engine.attention.base import AttentionFeature
 from engine.attention.context import StepContext, step_context
 from engine.attention.graph_op import paged_attention
-from engine.attention.spec import FullAttentionSpec, LatentAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
+from engine.attention.spec import (
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    NoCacheSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+)
 from engine.config import EngineStartupError
 from engine.execution.kv_caches import allocate_kv_caches, kv_cache_groups
 from engine.models.loader import load_model
@@ -49,7 +55,7 @@ def test_each_layer_is_allocated_from_its_own_spec() -> None:
     layouts = kv_cache_groups(_Specs(specs), page_size=4)
     assert [(layout.window, layout.layers) for layout in layouts] == [(None, (0, 2)), (32, (1,))]
     group_of_layer = [0, 1, 0]
-    caches = allocate_kv_caches(specs, group_of_layer, [10, 3], 4, torch.device("cpu"))
+    caches = allocate_kv_caches(specs, group_of_layer, [10, 3], 4, 0, torch.device("cpu"))
     assert [(k.shape, k.dtype) for k, _ in caches] == [
         ((11, 4, 4, 16), torch.bfloat16),  # its pool's pages and the scratch page
         ((4, 4, 1, 8), torch.float32),
@@ -62,8 +68,8 @@ def test_each_layer_is_allocated_from_its_own_spec() -> None:
         assert layout.page_bytes == held, g
 
 
-class _RecurrentSecondLayer(torch.nn.Module):
-    """A real model whose second layer declares a recurrent state, as a state-space hybrid would."""
+class _NoCacheSecondLayer(torch.nn.Module):
+    """A real model whose second layer declares a cache kind the engine has no allocation for."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -72,14 +78,34 @@ class _RecurrentSecondLayer(torch.nn.Module):
 
     def cache_specs(self) -> list:
         specs = self.inner.cache_specs()
-        return [specs[0], RecurrentStateSpec(4096), *specs[2:]]
+        return [specs[0], NoCacheSpec(), *specs[2:]]
 
 
 def test_a_spec_the_engine_cannot_allocate_is_refused_at_start_up(model_dir: Callable[[str], Path]) -> None:
     config = EngineConfig.of(model=str(model_dir("llama")), num_pages=16)
     loaded = load_model(config)
-    with pytest.raises(EngineStartupError, match="layer 1 keeps a RecurrentStateSpec cache, which Ferry cannot"):
-        EngineCore(config, loaded=dataclasses.replace(loaded, model=_RecurrentSecondLayer(loaded.model)))
+    with pytest.raises(EngineStartupError, match="layer 1 keeps a NoCacheSpec cache, which Ferry cannot allocate"):
+        EngineCore(config, loaded=dataclasses.replace(loaded, model=_NoCacheSecondLayer(loaded.model)))
+
+
+@pytest.mark.parametrize("arch", ["mamba", "jamba"])
+def test_a_recurrent_layer_keeps_state_slots_and_attention_layers_pages(
+    model_dir: Callable[[str], Path], arch: str
+) -> None:
+    """Mamba pages nothing (one empty page group); Jamba's attention layers are paged and its Mamba layers hold
+    (convolution, scan) states, one row per slot, one slot per sequence that may run."""
+    engine = EngineCore(EngineConfig.of(model=str(model_dir(arch)), num_pages=16, page_size=4, max_num_seqs=5))
+    specs = engine.runner.model.cache_specs()
+    recurrent = [i for i, spec in enumerate(specs) if isinstance(spec, RecurrentStateSpec)]
+    (layout,) = engine.kv_cache.layouts
+    assert layout.layers == tuple(i for i in range(len(specs)) if i not in recurrent)
+    assert (layout.page_bytes == 0) == (arch == "mamba")
+    for i in recurrent:
+        conv, scan = engine.runner.kv_caches[i]
+        assert conv.shape == (5, *specs[i].conv_shape) and scan.shape == (5, *specs[i].ssm_shape)
+        assert scan.dtype == torch.float32
+    assert engine.kv_cache.states is not None and engine.kv_cache.states.num_slots == 5
+    engine.close()
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])

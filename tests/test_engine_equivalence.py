@@ -44,6 +44,10 @@ ARCHS = [
     "deepseek_v2",  # latent attention (absorbed, over a latent cache); group-limited softmax routing, shared experts
     "deepseek_v3",  # the same with a LoRA'd query, YaRN, sigmoid routing with a correction bias
     "glm4_moe_lite",  # V3's layers, a sparse layer before a dense one
+    "mamba",  # state-space layers only: a recurrent state per request in slots, the pages count tokens only
+    "mamba2",  # the chunked (SSD) scan, grouped B and C, a gated norm
+    "jamba",  # Mamba layers with inner norms and experts beside attention without rotary positions
+    "granitemoehybrid",  # Mamba2 layers beside rotary attention, shared MLP plus experts, multipliers
 ]
 LOGPROB_TOLERANCE = 1e-4
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "server" / "default_model"

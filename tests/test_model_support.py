@@ -34,7 +34,6 @@ def _refusal(path: Path, **config) -> UnsupportedModelError:
         ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional attention"),
         ("gpt_neo", {}, "attention classes from a table of the model's own with no paged entry"),
         ("mpt", {}, "code that does not run on paged attention"),
-        ("jamba", {}, "layers whose attention is not one call each of the attention interface ([1])"),
     ],
 )
 def test_features_the_engine_lacks_are_refused_at_load(
@@ -191,7 +190,8 @@ def test_every_causal_lm_transformers_ships_is_claimed_or_refused_by_name() -> N
     families = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
     assert {*families, "deepseek_v2", "deepseek_v3", "glm4_moe_lite"} <= native
     assert {"gpt2", "gemma2", "phi3"} <= claimed
-    for model_type in ("mamba", "mamba2", "rwkv"):
-        assert verdicts[model_type].startswith("refused: layers without attention heads")
+    assert {"mamba", "mamba2", "jamba", "granitemoehybrid"} <= native
+    for model_type in ("falcon_mamba", "bamba", "falcon_h1", "nemotron_h", "zamba", "zamba2", "qwen3_next", "rwkv"):
+        assert verdicts[model_type].startswith("refused: recurrent layers (state-space, linear-attention or RNN)")
     assert verdicts["gpt_neo"] == "refused: attention classes from a table of the model's own with no paged entry"
     assert len(verdicts) + len(TRANSFORMERS_CANNOT_BUILD_ITS_DEFAULT) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -23,6 +23,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata
 
 if TYPE_CHECKING:
+    from engine.layers.ssm import StateStep
     from engine.lora.batch import LoRABatch
 
 
@@ -58,6 +59,9 @@ class StepContext:
     """Called before each layer's attention runs (the transformers adapter's load-time probe); None while serving."""
     lora: LoRABatch | None = None
     """The step's tokens by LoRA adapter slot, which the adapted linear layers read; None: no token has one."""
+    states: StateStep | None = None
+    """The step's sequences' recurrent-state slots, which the state-space layers read (engine/layers/ssm.py); None
+    for a model without them."""
     by_window: dict[int | None, StepMetadata] = field(init=False)
     """Each group's metadata by its layers' sliding window: what a compiled layer, which knows only its window,
     reads."""
@@ -87,6 +91,15 @@ def step_lora() -> LoRABatch | None:
     """The LoRA batch of the step running on this thread; None without adapters (or outside a step)."""
     context = _active.context
     return None if context is None else context.lora
+
+
+def step_states() -> StateStep:
+    """The recurrent-state slots of the step running on this thread (a state-space layer's forward)."""
+    states = current_step().states
+    if states is None:
+        raise RuntimeError("a state-space layer ran in a step without state slots (the runner builds them for a "
+                           "model whose cache specs declare recurrent states)")  # fmt: skip
+    return states
 
 
 def current_step() -> StepContext:

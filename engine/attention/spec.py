@@ -2,9 +2,9 @@
 what sizing its pages needs.
 
 Today's models produce `FullAttentionSpec`, `SlidingWindowSpec` and `LatentAttentionSpec` (MLA: one compressed
-latent and its rotary key per token instead of K and V heads); `RecurrentStateSpec` (a fixed-size state per
-sequence, not per token) and `NoCacheSpec` (a layer that keeps nothing between steps) are the shapes other families
-bring.
+latent and its rotary key per token instead of K and V heads); `RecurrentStateSpec` is a state-space
+layer's (Mamba, Mamba2: a fixed-size state per sequence, not per token, in slots rather than pages);
+`NoCacheSpec` (a layer that keeps nothing between steps) is a shape other families bring.
 """
 
 from __future__ import annotations
@@ -82,10 +82,28 @@ class LatentAttentionSpec:
 
 @dataclass(frozen=True)
 class RecurrentStateSpec:
-    """A state of `state_bytes` per sequence, whatever its length (Mamba, linear attention)."""
+    """A state per sequence, whatever its length (Mamba's, Mamba2's): the last `conv_shape[-1]` inputs of its
+    causal convolution `conv_shape` in `dtype`, and its scan's state `ssm_shape` in float32 (a state summed over
+    thousands of steps keeps its precision). Kept in fixed slots, one per running sequence
+    (engine/core/state_slots.py), not in pages."""
 
-    state_bytes: int
+    conv_shape: tuple[int, ...]
+    ssm_shape: tuple[int, ...]
+    dtype: torch.dtype
+    ssm_dtype: torch.dtype = torch.float32
     bytes_per_token: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        conv = _element_bytes(self.dtype) * _count(self.conv_shape)
+        return conv + _element_bytes(self.ssm_dtype) * _count(self.ssm_shape)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    total = 1
+    for n in shape:
+        total *= n
+    return total
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from engine.core.request import (
     StepOutput,
 )
 from engine.core.scheduler import Scheduler
+from engine.core.state_slots import StateSlots
 from engine.core.stats import EngineStats
 from engine.core.step import ModelRunnerOutput, SchedulerOutput
 from engine.core.structured import CompiledGrammar, GrammarCompiler
@@ -147,17 +148,25 @@ class EngineCore:
         self.kv_cache_dtype = str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.")
         """What the KV cache stores K and V in: `float8_e4m3fn` under --kv-cache-dtype fp8, else the model's dtype
         (`bfloat16`, `float32`, ...), for the front end to report."""
+        states = StateSlots(started.state_slots) if started.state_slots else None
+        prefix_caching = config.cache.enable_prefix_caching and states is None
+        if states is not None and config.cache.enable_prefix_caching:
+            logger.info(
+                "prefix caching is off for %s: its recurrent layers' state at the end of a shared prefix is not kept, "
+                "so every prompt is computed from its first token",
+                self.hf_config.model_type,
+            )
         pools = [
             PagePool(
                 n,
                 config.cache.page_size,
-                enable_prefix_caching=config.cache.enable_prefix_caching,
+                enable_prefix_caching=prefix_caching,
                 sliding_window=layout.window,
                 debug_checks=config.cache.debug_checks,
             )
             for layout, n in zip(layouts, pages, strict=True)
         ]
-        self.kv_cache = KVCacheManager(layouts, pools)
+        self.kv_cache = KVCacheManager(layouts, pools, states)
         self.encoder_cache = EncoderCache(config.cache.encoder_cache_tokens) if loaded.takes_images else None
         """An image model's account of the image encodings the runner holds; None for a text model."""
         self._images_received = 0

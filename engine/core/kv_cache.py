@@ -26,6 +26,7 @@ from typing import Protocol
 
 from engine.core.page_pool import PagePool
 from engine.core.request import Request
+from engine.core.state_slots import StateSlots
 
 
 class PagedLayerSpec(Protocol):
@@ -118,13 +119,19 @@ class KVCacheManager:
     pool and says which ones, or takes none.
     """
 
-    def __init__(self, layouts: list[GroupLayout], pools: list[PagePool]) -> None:
+    def __init__(self, layouts: list[GroupLayout], pools: list[PagePool], states: StateSlots | None = None) -> None:
+        """`states`: the slots of a model with recurrent layers (None: attention only). A request then needs a
+        slot as well as pages to run (`allocate` takes it with its first pages), and no prefix is ever shared: a
+        cached page holds K and V, not the recurrent state at its end."""
         if len(layouts) != len(pools) or not pools:
             raise ValueError("one PagePool per group layout, at least one")
+        if states is not None and any(pool.enable_prefix_caching for pool in pools):
+            raise ValueError("a model with recurrent state shares no prefix: its pools cache none")
         self.layouts = layouts
         self.pools = pools
+        self.states = states
         self._primary = pools[0]
-        self._single = len(pools) == 1
+        self._single = len(pools) == 1 and states is None
 
     # -- the primary pool's view: admission, limits and statistics --------------------------------------------
 
@@ -157,6 +164,10 @@ class KVCacheManager:
         return self._primary.prefix_in_flight(request)
 
     # -- every pool ---------------------------------------------------------------------------------------------
+
+    def state_slot(self, request_id: str) -> int | None:
+        """The request's recurrent-state slot; None for a model without recurrent layers."""
+        return None if self.states is None else self.states.slot(request_id)
 
     def page_tables(self, request_id: str) -> PageTables:
         """The request's whole page table in every pool (a copy)."""
@@ -194,6 +205,8 @@ class KVCacheManager:
             pool.can_allocate(request, num_new_tokens) for pool in self.pools[1:]
         ):
             return None
+        if self.states is not None and self.states.take(request.request_id) is None:
+            return None
         grants = []
         for pool in self.pools:
             pages = pool.allocate(request, num_new_tokens, keep_free if pool is self._primary else 0)
@@ -221,6 +234,8 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         for pool in self.pools:
             pool.free(request_id)
+        if self.states is not None:
+            self.states.free(request_id)
 
     def all_free(self) -> bool:
         """Every page of every pool is free or merely cached."""
@@ -229,3 +244,5 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         for pool in self.pools:
             pool.check_invariants()
+        if self.states is not None:
+            self.states.check_invariants()

@@ -529,6 +529,7 @@ class Scheduler:
             pooling=request.pooling,
             lora=request.lora,
             images=request.images,
+            state_slot=self.kv_cache.state_slot(request.request_id),
         )
 
     def _lora_waits(self, request: Request, adapters: set[int] | None) -> bool:

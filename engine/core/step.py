@@ -46,6 +46,8 @@ class NewRequest:
     """The LoRA adapter it runs with (None: the base model)."""
     images: tuple[ImageInput, ...] = ()
     """The images among its prompt tokens, in prompt order: their embeddings replace those tokens' embeddings."""
+    state_slot: int | None = None
+    """Its recurrent-state slot (engine/core/state_slots.py); None for a model without recurrent layers."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import torch
 from engine.attention import StepMetadata
 from engine.core.request import PoolingParams, SamplingParams, Spans
 from engine.core.step import PLACEHOLDER, NewRequest, SchedulerOutput
+from engine.layers.ssm import StateStep
 from engine.lora.batch import LoRABatch
 from engine.lora.manager import SlotLoads
 from engine.multimodal.inputs import ImageInput
@@ -55,6 +56,8 @@ class SequenceState:
     rope: tuple[np.ndarray, int] | None = None
     """With M-RoPE and images: each prompt token's rotary position per axis `[axes, prompt]`, and the offset of the
     positions after the prompt (the model's `rope_positions`); None: a token's own position on every axis."""
+    state_slot: int = -1
+    """Its recurrent-state slot (a model with recurrent layers; -1 otherwise)."""
 
     @property
     def num_tokens(self) -> int:
@@ -157,6 +160,8 @@ class StepInputs:
     freed_encodings: tuple[str, ...] = ()
     """Encodings to drop before those are made (the plan's)."""
     graph_size: int | None = None
+    states: StateStep | None = None
+    """A model with recurrent layers: the step's sequences' state slots and token rows (engine/layers/ssm.py)."""
     """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
     loaded from `buffers` by `run` (rows past the step's sequences are padding), and the forward pass replays its
     graph."""
@@ -288,6 +293,7 @@ class InputBatch:
             new.pooling,
             PoolState() if new.pooling is not None else None,
             new.images,
+            state_slot=-1 if new.state_slot is None else new.state_slot,
         )
         self.num_constrained += grammar is not None
         self.num_with_spans += bool(new.noncausal_spans)

@@ -1,13 +1,17 @@
 """The KV cache's tensors, from the layers' cache specs (`CausalLM.cache_specs`, engine/attention/spec.py): which
-specs the engine can page, the groups they form (engine/core/kv_cache.py), and each layer's K and V pages.
+specs the engine can page, the groups they form (engine/core/kv_cache.py), and each layer's K and V pages; and a
+recurrent layer's state slots.
 
-A spec the engine cannot allocate yet (a recurrent state, no cache) is refused here, by name, at start-up: sizing
-its pages as K/V heads would be wrong, not merely wasteful. A latent layer's pages are one tensor, its K and V at
-once (`LatentAttentionSpec`): a page holds the latent's real bytes per token, not expanded heads.
+A latent layer's pages are one tensor, its K and V at once (`LatentAttentionSpec`): a page holds the latent's real
+bytes per token, not expanded heads. A recurrent layer (`RecurrentStateSpec`: Mamba's, Mamba2's) pages nothing: its
+"cache" is the pair (convolution states, scan states), one row per state slot (engine/core/state_slots.py). A
+model with no attention layer at all still has one (empty) page group: the scheduler counts tokens in pages of
+no bytes, the same way for every model. A spec the engine cannot allocate (`NoCacheSpec`) is refused by name at
+start-up.
 
-`--kv-cache-dtype` other than `auto` replaces the dtype of every layer's spec, so a page's bytes, the pool sizes
-drawn from the memory budget and `max_model_len`'s fit all count the cache's own elements (a float8 page is half a
-bfloat16 one), and the tensors are allocated in it.
+`--kv-cache-dtype` other than `auto` replaces the dtype of every attention layer's spec, so a page's bytes, the
+pool sizes drawn from the memory budget and `max_model_len`'s fit all count the cache's own elements (a float8 page
+is half a bfloat16 one), and the tensors are allocated in it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ import dataclasses
 
 import torch
 
-from engine.attention.spec import CacheSpec, FullAttentionSpec, LatentAttentionSpec, PagedSpec, SlidingWindowSpec
+from engine.attention.spec import (
+    CacheSpec,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    PagedSpec,
+    RecurrentStateSpec,
+    SlidingWindowSpec,
+)
 from engine.config import CacheConfig, EngineStartupError
 from engine.core.kv_cache import GroupLayout, group_layers
 from engine.models.base import CausalLM
@@ -30,43 +41,68 @@ def kv_cache_dtype(cache: CacheConfig) -> torch.dtype | None:
     return KV_CACHE_DTYPES.get(cache.kv_cache_dtype)
 
 
-def paged_specs(model: CausalLM, cache_dtype: torch.dtype | None = None) -> list[PagedSpec]:
-    """The model's cache specs, each one the engine pages (full or sliding-window attention), in `cache_dtype` when
-    given (`kv_cache_dtype`); EngineStartupError naming the others and their layers."""
+LayerSpec = PagedSpec | RecurrentStateSpec
+"""What the engine allocates per layer: pages, or state slots."""
+
+
+def layer_specs(model: CausalLM, cache_dtype: torch.dtype | None = None) -> list[LayerSpec]:
+    """The model's cache specs, each one the engine allocates (paged attention, or a recurrent state), the paged
+    ones in `cache_dtype` when given (`kv_cache_dtype`); EngineStartupError naming the others and their layers."""
     specs = model.cache_specs()
     if len(specs) != model.num_layers:
         raise EngineStartupError(f"the model declares {len(specs)} cache specs for {model.num_layers} layers")
-    paged = [_paged(layer, spec) for layer, spec in enumerate(specs)]
-    return paged if cache_dtype is None else [dataclasses.replace(spec, dtype=cache_dtype) for spec in paged]
+    checked = [_allocatable(layer, spec) for layer, spec in enumerate(specs)]
+    if cache_dtype is None:
+        return checked
+    return [spec if isinstance(spec, RecurrentStateSpec) else dataclasses.replace(spec, dtype=cache_dtype)
+            for spec in checked]  # fmt: skip
 
 
-def _paged(layer: int, spec: CacheSpec) -> PagedSpec:
-    if isinstance(spec, FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec):
+def _allocatable(layer: int, spec: CacheSpec) -> LayerSpec:
+    if isinstance(spec, FullAttentionSpec | SlidingWindowSpec | LatentAttentionSpec | RecurrentStateSpec):
         return spec
     raise EngineStartupError(
-        f"layer {layer} keeps a {type(spec).__name__} cache, which Ferry cannot allocate yet: its KV cache pages "
-        "hold the K and V heads of full or sliding-window attention, or a latent (MLA), only"
+        f"layer {layer} keeps a {type(spec).__name__} cache, which Ferry cannot allocate yet: its caches hold the K "
+        "and V heads of full or sliding-window attention, a latent (MLA), or a state-space layer's state"
     )
 
 
+def state_bytes_per_sequence(specs: list[LayerSpec]) -> int:
+    """What one sequence's recurrent states take over all layers (0: an attention-only model)."""
+    return sum(spec.state_bytes for spec in specs if isinstance(spec, RecurrentStateSpec))
+
+
 def kv_cache_groups(model: CausalLM, page_size: int, cache_dtype: torch.dtype | None = None) -> list[GroupLayout]:
-    """The model's layers grouped by what their caches keep, the primary group first (engine/core/kv_cache.py), each
-    group's page bytes counted in `cache_dtype` when given."""
-    return group_layers(paged_specs(model, cache_dtype), page_size)
+    """The model's attention layers grouped by what their caches keep, the primary group first
+    (engine/core/kv_cache.py), each group's page bytes counted in `cache_dtype` when given; one empty group for a
+    model without attention layers."""
+    specs = layer_specs(model, cache_dtype)
+    paged = [(layer, spec) for layer, spec in enumerate(specs) if not isinstance(spec, RecurrentStateSpec)]
+    if not paged:
+        return [GroupLayout(window=None, layers=(), page_bytes=0)]
+    layouts = group_layers([spec for _, spec in paged], page_size)
+    layer_of = [layer for layer, _ in paged]
+    return [dataclasses.replace(layout, layers=tuple(layer_of[i] for i in layout.layers)) for layout in layouts]
 
 
 def allocate_kv_caches(
-    specs: list[PagedSpec],
+    specs: list[LayerSpec],
     group_of_layer: list[int],
     pool_pages: list[int],
     page_size: int,
+    num_state_slots: int,
     device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's K and V pages, shaped and typed by its spec: its group's pool, and one scratch page past it
-    (what padded decode rows use). A latent layer's one tensor is both."""
+    """Each layer's cache, shaped and typed by its spec: an attention layer's K and V pages, its group's pool and
+    one scratch page past it (what padded decode rows use), a latent layer's one tensor being both; a recurrent
+    layer's convolution and scan states, one row per slot."""
     caches = []
-    for spec, group in zip(specs, group_of_layer, strict=True):
-        shape = (pool_pages[group] + 1, page_size, spec.num_kv_heads, spec.head_size)
+    for layer, spec in enumerate(specs):
+        if isinstance(spec, RecurrentStateSpec):
+            conv = torch.zeros((num_state_slots, *spec.conv_shape), dtype=spec.dtype, device=device)
+            caches.append((conv, torch.zeros((num_state_slots, *spec.ssm_shape), dtype=spec.ssm_dtype, device=device)))
+            continue
+        shape = (pool_pages[group_of_layer[layer]] + 1, page_size, spec.num_kv_heads, spec.head_size)
         keys = torch.zeros(shape, dtype=spec.dtype, device=device)
         values = keys if isinstance(spec, LatentAttentionSpec) else torch.zeros(shape, dtype=spec.dtype, device=device)
         caches.append((keys, values))

@@ -42,8 +42,9 @@ from engine.execution.cpu_threads import step_threads
 from engine.execution.cuda_graphs import Capture, decode_graph_size
 from engine.execution.graph_inputs import PaddedDecode, StaticAdapters
 from engine.execution.input_batch import InputBatch, PackedStep, PoolingRows, SequenceState, StepInputs
-from engine.execution.kv_caches import allocate_kv_caches, kv_cache_dtype, paged_specs
+from engine.execution.kv_caches import allocate_kv_caches, kv_cache_dtype, layer_specs, state_bytes_per_sequence
 from engine.execution.prompt_logprobs import prompt_rows, score_prompts
+from engine.layers.ssm import StateStep
 from engine.lora.batch import LoRABatch
 from engine.lora.manager import lora_manager
 from engine.models.loader import LoadedModel, weight_bytes
@@ -61,8 +62,11 @@ class ModelRunner:
         pool_pages: list[int],
         config: EngineConfig,
         grammars: GrammarCompiler | None = None,
+        state_slots: int | None = None,
     ) -> None:
-        """`grammars` compiles structured outputs (EngineCore shares its own); by default the runner has its own."""
+        """`grammars` compiles structured outputs (EngineCore shares its own); by default the runner has its own.
+        `state_slots`: a recurrent model's state slots (engine/execution/startup.py's count; by default one per
+        sequence that may run)."""
         model = loaded.model
         self.model = model
         self.backend = loaded.backend
@@ -85,15 +89,19 @@ class ModelRunner:
                 self.group_of_layer[layer] = g
         self.pool_pages = list(pool_pages)
         """Pages of each group's pool: the ids the scheduler hands out are below these."""
+        specs = layer_specs(model, kv_cache_dtype(config.cache))
+        self.has_states = state_bytes_per_sequence(specs) > 0
+        """The model has recurrent layers: each step carries its sequences' state slots (`StateStep`)."""
         self.kv_caches = allocate_kv_caches(
-            paged_specs(model, kv_cache_dtype(config.cache)),
+            specs,
             self.group_of_layer,
             pool_pages,
             config.cache.page_size,
+            (config.scheduler.max_num_seqs if state_slots is None else state_slots) if self.has_states else 0,
             device,
         )
-        """Each layer's K and V pages, as its cache spec keeps them, in --kv-cache-dtype's dtype where it names one
-        (engine/execution/kv_caches.py)."""
+        """Each layer's K and V pages, as its cache spec keeps them, in --kv-cache-dtype's dtype where it names one;
+        a recurrent layer's state slots (engine/execution/kv_caches.py)."""
         self.sliding_windows = [layouts[g].window for g in self.group_of_layer]
         self.group_windows = [layout.window for layout in layouts]
         self.bidirectional = loaded.pooler is not None and loaded.pooler.config.bidirectional
@@ -317,7 +325,7 @@ class ModelRunner:
         # token ids itself: such a step runs eagerly.
         graph_size = (
             decode_graph_size(self.graph_sizes, len(packed.seqs), packed.max_query_len)
-            if noncausal is None and not pooling and not image_rows and self.rope_axes == 1
+            if noncausal is None and not pooling and not image_rows and self.rope_axes == 1 and not self.has_states
             else None
         )
         if graph_size is None:
@@ -351,7 +359,14 @@ class ModelRunner:
             encodes=plan.encodes,
             freed_encodings=plan.freed_encodings,
             graph_size=graph_size,
+            states=self._state_step(packed) if self.has_states else None,
         )
+
+    def _state_step(self, packed: PackedStep) -> StateStep:
+        """The step's sequences' state slots, each starting afresh when its step starts at position 0."""
+        starts = packed.seq_lens - np.diff(packed.cu_q)
+        slots = np.fromiter((seq.state_slot for seq in packed.seqs), dtype=np.int64, count=len(packed.seqs))
+        return StateStep.of(packed.cu_q, slots, starts == 0, self.device)
 
     def _pooling_rows(self, plan: SchedulerOutput, packed: PackedStep, offset: int) -> list[PoolingRows]:
         """The step's chunks of pooling sequences; for a pooler that reads logits (yes/no), the last row of each
@@ -481,7 +496,13 @@ class ModelRunner:
         else:
             embeds = self._embed_with_images(inputs.input_ids, inputs.image_rows) if inputs.image_rows else None
             hidden = self._model_forward(
-                inputs.input_ids, inputs.metas, inputs.token_type_ids, inputs.lora, embeds, inputs.rope_positions
+                inputs.input_ids,
+                inputs.metas,
+                inputs.token_type_ids,
+                inputs.lora,
+                embeds,
+                inputs.rope_positions,
+                inputs.states,
             )
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         pooled = self._pool(hidden, logits, inputs.pooling) if inputs.pooling and logits is not None else {}
@@ -543,13 +564,15 @@ class ModelRunner:
         lora: LoRABatch | None = None,
         inputs_embeds: torch.Tensor | None = None,
         rope_positions: torch.Tensor | None = None,
+        states: StateStep | None = None,
     ) -> torch.Tensor:
         """The model up to the final norm, inside the step's context for the attention layers
         (engine/attention/context.py): each group's metadata, per layer; for the adapted linears, `lora`.
         `inputs_embeds` `[T, hidden]`: the rows to run instead of `input_ids`' embeddings (image tokens').
-        `rope_positions` `[axes, T]`: the rotary positions of a model with several axes (else the tokens')."""
+        `rope_positions` `[axes, T]`: the rotary positions of a model with several axes (else the tokens').
+        `states`: a recurrent model's state slots for the step."""
         layer_metas = [metas[g] for g in self.group_of_layer]
-        context = StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches, lora=lora)
+        context = StepContext(self.backend, layer_metas, self.sliding_windows, self.kv_caches, lora=lora, states=states)
         with step_context(context):
             if token_type_ids is not None:
                 return self.model(input_ids, metas[0].positions, self.kv_caches, token_type_ids=token_type_ids)

@@ -26,7 +26,7 @@ from engine.core.structured import GrammarCompiler
 from engine.distributed.parallel import TensorParallel
 from engine.execution.cpu_threads import SHORT_PREFILL_TOKENS
 from engine.execution.cuda_graphs import CaptureReport, start_decode_graphs
-from engine.execution.kv_caches import kv_cache_dtype, kv_cache_groups
+from engine.execution.kv_caches import kv_cache_dtype, kv_cache_groups, layer_specs, state_bytes_per_sequence
 from engine.execution.memory import kv_cache_budget_bytes
 from engine.execution.runner import ModelRunner
 from engine.models.loader import LoadedModel
@@ -44,6 +44,8 @@ class StartedRunner:
     """Pages of each KV-cache group's pool."""
     cuda_graphs: CaptureReport | None
     """What was captured (sizes, seconds, memory); None when every step runs eagerly."""
+    state_slots: int
+    """Recurrent-state slots (engine/core/state_slots.py); 0 for a model without recurrent layers."""
 
 
 def start_runner(
@@ -56,21 +58,22 @@ def start_runner(
     """The runner of `loaded` with its KV cache sized, its graphs compiled and captured, ready for the first step
     (`grammars`: the structured-output compiler to share, as ModelRunner takes it; `runner_class`: ModelRunner or
     a subclass of it, built as ModelRunner is)."""
-    loaded, layouts, pages = kv_cache_layout(config, loaded, tp)
-    runner = runner_class(loaded, layouts, pages, config, grammars)
+    loaded, layouts, pages, state_slots = kv_cache_layout(config, loaded, tp)
+    runner = runner_class(loaded, layouts, pages, config, grammars, state_slots=state_slots)
     if config.execution.compile != "none":
         warm_up(runner, config)
-    return StartedRunner(runner, loaded, layouts, pages, start_decode_graphs(runner, config, loaded))
+    return StartedRunner(runner, loaded, layouts, pages, start_decode_graphs(runner, config, loaded), state_slots)
 
 
 def kv_cache_layout(
     config: EngineConfig, loaded: LoadedModel, tp: TensorParallel | None = None
-) -> tuple[LoadedModel, list[GroupLayout], list[int]]:
-    """The KV-cache groups, the pages of each group's pool, and `loaded` with the longest request those pages
-    hold (`_fit_max_model_len`). With tensor parallelism every rank sizes its own cache (its KV heads, its
-    device's free memory) and all take the smallest count, since one scheduler hands out the same pages on every
-    rank; every rank then fits the same max_model_len. `loaded` comes back with a backend that reads the cache's
-    dtype (`_cache_backend`), which the profiling step on CUDA runs too."""
+) -> tuple[LoadedModel, list[GroupLayout], list[int], int]:
+    """The KV-cache groups, the pages of each group's pool, `loaded` with the longest request those pages
+    hold (`_fit_max_model_len`), and the recurrent-state slots (`state_slot_count`; 0 without recurrent layers).
+    With tensor parallelism every rank sizes its own cache (its KV heads, its device's free memory) and all take
+    the smallest count, since one scheduler hands out the same pages on every rank; every rank then fits the same
+    max_model_len. `loaded` comes back with a backend that reads the cache's dtype (`_cache_backend`), which the
+    profiling step on CUDA runs too."""
     cache_dtype = kv_cache_dtype(config.cache)
     loaded = _cache_backend(config, loaded, cache_dtype)
     layouts = kv_cache_groups(loaded.model, config.cache.page_size, cache_dtype)
@@ -80,18 +83,56 @@ def kv_cache_layout(
             # The profiling step's collectives wait only distributed_timeout: start it once every rank has loaded.
             tp.wait_for_peers()
         budget = kv_cache_budget_bytes(config, loaded, layouts)
-    pages = pool_pages(
-        layouts,
-        num_pages=config.cache.num_pages,
-        budget_bytes=budget,
-        page_size=config.cache.page_size,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_batch_tokens=config.scheduler.max_batch_tokens,
-    )
+    per_sequence = state_bytes_per_sequence(layer_specs(loaded.model, cache_dtype))
+    slots = state_slot_count(config, per_sequence, budget, has_pages=layouts[0].page_bytes > 0)
+    budget -= slots * per_sequence
+    if layouts[0].page_bytes == 0:
+        # No attention layer: pages hold no bytes, only the token count the scheduler plans with.
+        pages = [
+            config.cache.num_pages or config.scheduler.max_num_seqs * -(-loaded.max_model_len // config.cache.page_size)
+        ]
+    else:
+        pages = pool_pages(
+            layouts,
+            num_pages=config.cache.num_pages,
+            budget_bytes=budget,
+            page_size=config.cache.page_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_batch_tokens=config.scheduler.max_batch_tokens,
+        )
     if tp is not None:
         pages = tp.min_over_ranks(pages)
     max_model_len = _fit_max_model_len(config, loaded, cache_tokens=pages[0] * config.cache.page_size)
-    return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages
+    return dataclasses.replace(loaded, max_model_len=max_model_len), layouts, pages, slots
+
+
+def state_slot_count(config: EngineConfig, bytes_per_sequence: int, budget: float, has_pages: bool) -> int:
+    """Recurrent-state slots: one per sequence that may run (`max_num_seqs`), fewer where the memory budget holds
+    fewer states, which then bound admission (a model with attention layers gives its states at most half the
+    budget, the pages the rest; with `--num-pages` the pages are sized apart and every sequence gets a slot).
+    0 for a model without recurrent layers."""
+    if not bytes_per_sequence:
+        return 0
+    wanted = config.scheduler.max_num_seqs
+    if config.cache.num_pages:
+        return wanted
+    share = budget / 2 if has_pages else budget
+    slots = min(wanted, int(share // bytes_per_sequence))
+    if slots < 1:
+        raise EngineStartupError(
+            f"one sequence's recurrent state takes {bytes_per_sequence / 2**20:.1f} MiB, more than the cache's "
+            f"{share / 2**20:.1f} MiB for states: give the cache more room with --cpu-kv-cache-gib (on a GPU, "
+            "--max-memory-percent)"
+        )
+    if slots < wanted:
+        logger.warning(
+            "recurrent states for %d sequences at once fit the cache (%.1f MiB each), fewer than --max-num-seqs %d: "
+            "admission waits for a free one beyond them",
+            slots,
+            bytes_per_sequence / 2**20,
+            wanted,
+        )
+    return slots
 
 
 def _cache_backend(config: EngineConfig, loaded: LoadedModel, cache_dtype: torch.dtype | None) -> LoadedModel:

@@ -129,7 +129,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.scale = self.head_dim**-0.5
+        # Granite 4's hybrids scale scores by a multiplier of their own; they and Jamba may have no rotary positions
+        # at all (their state-space layers carry order).
+        self.scale = getattr(config, "attention_multiplier", None) or self.head_dim**-0.5
+        self.rotary = config.model_type != "jamba" and getattr(config, "position_embedding_type", "rope") == "rope"
         self.sliding_window = sliding_window_of_layer(config, layer)
         self.layer = layer
         # gpt-oss: a learned logit per head in the softmax's denominator (this rank's heads).
@@ -151,7 +154,8 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.rotary:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks.float()  # the backends read float32 logits
         out = paged_attention(q, k, v, kv_cache, self.scale, self.sliding_window, sinks)
         return self.o_proj(out.reshape(tokens, self.q_size))

@@ -55,7 +55,7 @@ from engine.models.registry import (
     architecture,
     choose_model_class,
 )
-from engine.models.support import UnsupportedModelError, dequantized_at_load, unsupported_feature
+from engine.models.support import STATE_SPACE_TYPES, UnsupportedModelError, dequantized_at_load, unsupported_feature
 from engine.models.vision_language import LanguageModelAlone, VisionLanguageModel
 from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
@@ -190,6 +190,26 @@ def _release_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+def _check_state_space(config: EngineConfig, hf_config: PretrainedConfig) -> None:
+    """Refuse, by option, what a model with recurrent layers does not run with: its state runs on one device,
+    eagerly, without adapters, and every token it computes is kept (a rejected draft would have advanced the
+    state)."""
+    refused = []
+    if config.parallel.tensor_parallel_size > 1:
+        refused.append(f"--tensor-parallel-size {config.parallel.tensor_parallel_size}")
+    if config.execution.compile != "none":
+        refused.append(f"--compile {config.execution.compile}")
+    if config.lora.enable_lora:
+        refused.append("--enable-lora")
+    if config.scheduler.speculative_config is not None:
+        refused.append("--speculative-config (a rejected draft would already have advanced the recurrent state)")
+    if refused:
+        raise EngineStartupError(
+            f"model_type {hf_config.model_type!r} has recurrent (state-space) layers, which Ferry runs on one device, "
+            f"eagerly, without adapters or drafts: {', '.join(refused)} is not supported with it"
+        )
+
+
 def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingConfig | None]:
     """The model's transformers config, whether it runs on the native modules (else a transformers adapter), and
     what it pools (None: it only generates); raises UnsupportedModelError for a model the engine cannot run
@@ -232,6 +252,8 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
         # A sentence-transformers save of a decoder (its base model's weights): the causal LM's modules run it.
         hf_config.architectures = [causal]
     native = choose_model_class(hf_config, config.model.model_impl) is not TransformersCausalLM
+    if hf_config.model_type in STATE_SPACE_TYPES:
+        _check_state_space(config, hf_config)
     check_compile_level(config, native=native, device=resolve_device(config.model.device))
     if config.parallel.tensor_parallel_size > 1:
         if not native:

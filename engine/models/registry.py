@@ -22,9 +22,11 @@ from engine.models.base import CausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.gemma3 import Gemma3ForConditionalGeneration
 from engine.models.hf_adapter import TransformersCausalLM
+from engine.models.hybrid import GraniteMoeHybridForCausalLM, JambaForCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+from engine.models.state_space import MambaForCausalLM
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
 
 TRANSFORMERS = "TransformersForCausalLM"
@@ -42,6 +44,10 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
+    "MambaForCausalLM": MambaForCausalLM,
+    "Mamba2ForCausalLM": MambaForCausalLM,
+    "JambaForCausalLM": JambaForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
 }
 """Architectures with modules of Ferry's own."""
 

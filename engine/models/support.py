@@ -49,6 +49,49 @@ def _composite(config: PretrainedConfig) -> str | None:
     return f"a composite (multimodal) config with {', '.join(parts)}" if "text_config" in parts else None
 
 
+STATE_SPACE_TYPES = frozenset({"mamba", "mamba2", "jamba", "granitemoehybrid"})
+"""Model types with recurrent (state-space) layers that Ferry's native modules run, their state in slots
+(engine/models/state_space.py, engine/models/hybrid.py)."""
+
+RECURRENT_TYPES = STATE_SPACE_TYPES | {
+    "bamba", "falcon_h1", "falcon_mamba", "nemotron_h", "zamba", "zamba2", "qwen3_next", "lfm2", "lfm2_moe", "lfm3",
+    "minimax", "rwkv", "recurrent_gemma", "xlstm", "plamo2",
+}  # fmt: skip
+"""Model types whose layers keep a recurrent state per sequence (state-space, linear attention, RNN) rather than
+K and V per token: transformers has them, but a paged cache cannot hold their state."""
+
+
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "recurrent", "mlstm", "slstm"})
+"""Per-layer kinds (`layer_types`, `layers_block_type`) that keep a recurrent state: a hybrid of a family not named
+above (Qwen3.5's gated delta-net, Kimi Linear, OLMo hybrid) is known by them."""
+
+
+def _layer_kinds(config: PretrainedConfig) -> set[str]:
+    kinds: set[str] = set()
+    for attribute in ("layer_types", "layers_block_type"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, list | tuple):
+            kinds |= {kind for kind in value if isinstance(kind, str)}
+    return kinds
+
+
+def _recurrent(config: PretrainedConfig) -> str | None:
+    if config.model_type in STATE_SPACE_TYPES:
+        return None
+    if config.model_type in RECURRENT_TYPES or _layer_kinds(config) & RECURRENT_LAYER_TYPES:
+        return (
+            "recurrent layers (state-space, linear-attention or RNN) of a family Ferry has no native modules for; "
+            f"their per-sequence state runs natively for {', '.join(sorted(STATE_SPACE_TYPES))} only"
+        )
+    return None
+
+
+def _recurrent_on_adapter(config: PretrainedConfig) -> str | None:
+    if config.model_type in STATE_SPACE_TYPES:
+        return "recurrent layers on the transformers adapter, which keeps K and V in pages, not per-sequence state"
+    return None
+
+
 def _layout(config: PretrainedConfig) -> str | None:
     # The paged cache is sized from these: a model without them (or with them per layer) is refused here rather than
     # failing on them later.
@@ -57,12 +100,13 @@ def _layout(config: PretrainedConfig) -> str | None:
         return f"attributes that vary from layer to layer ({', '.join(sorted(varying))})"
     if getattr(config, "num_hidden_layers", None) is None:
         return "a config without num_hidden_layers at its top (a model made of sub-models)"
-    if getattr(config, "num_attention_heads", None) is None:
+    if getattr(config, "num_attention_heads", None) is None and config.model_type not in STATE_SPACE_TYPES:
         return "layers without attention heads (no num_attention_heads: a state-space or recurrent model)"
     return None
 
 
 _REFUSED: tuple[_Check, ...] = (
+    _recurrent,
     _composite,
     _layout,
     _flag("is_encoder_decoder", "an encoder-decoder architecture"),
@@ -102,7 +146,7 @@ def _quantized_on_adapter(config: PretrainedConfig) -> str | None:
     return None
 
 
-_REFUSED_ADAPTER: tuple[_Check, ...] = (_quantized_on_adapter,)
+_REFUSED_ADAPTER: tuple[_Check, ...] = (_quantized_on_adapter, _recurrent_on_adapter)
 """Features the transformers adapter does not run."""
 
 
