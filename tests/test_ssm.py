@@ -62,13 +62,17 @@ def _steps(lengths: list[int], chunk: int, draw_order: np.random.Generator) -> l
     return steps
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 @settings(max_examples=25, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
     chunk=st.integers(1, 24),
     seed=st.integers(0, 2**16),
 )
-def test_any_split_into_steps_matches_running_each_sequence_alone(lengths: list[int], chunk: int, seed: int) -> None:
+def test_any_split_into_steps_matches_running_each_sequence_alone(
+    kernel: bool, lengths: list[int], chunk: int, seed: int
+) -> None:
+    """Through the C++ kernels (engine/kernels/cpu_ssm.cpp) and through torch's ops alike."""
     gen = torch.Generator().manual_seed(seed)
     order = np.random.default_rng(seed)
     seqs = []
@@ -92,7 +96,7 @@ def test_any_split_into_steps_matches_running_each_sequence_alone(lengths: list[
     num_slots = len(lengths) + 2
     slots = order.permutation(num_slots)[: len(lengths)]
     conv_states = torch.full((num_slots, D, K - 1), float("nan"))
-    ssm_states = torch.full((num_slots, D, N), float("inf"))
+    ssm_states = torch.full((num_slots, N, D), float("inf"))
     ssd_states = torch.full((num_slots, H, P, N), float("nan"))
     outs = {name: [[] for _ in lengths] for name in ("conv", "scan", "ssd")}
     for step_seqs in _steps(lengths, chunk, order):
@@ -107,9 +111,9 @@ def test_any_split_into_steps_matches_running_each_sequence_alone(lengths: list[
         def packed(name: str) -> torch.Tensor:
             return torch.cat([seqs[s][name][start : start + n] for s, start, n in step_seqs])  # noqa: B023
 
-        conv = causal_conv(packed("x"), conv_states, weight, bias, step)
-        scan = selective_scan(packed("x"), packed("dt"), A, packed("B"), packed("C"), ssm_states, step)
-        ssd = ssd_scan(packed("x2"), packed("dt2"), A2, packed("B2"), packed("C2"), ssd_states, step)
+        conv = causal_conv(packed("x"), conv_states, weight, bias, step, kernel)
+        scan = selective_scan(packed("x"), packed("dt"), A, packed("B"), packed("C"), ssm_states, step, kernel)
+        ssd = ssd_scan(packed("x2"), packed("dt2"), A2, packed("B2"), packed("C2"), ssd_states, step, kernel)
         for i, (s, _, _) in enumerate(step_seqs):
             rows = slice(int(cu[i]), int(cu[i + 1]))
             outs["conv"][s].append(conv[rows])
@@ -119,7 +123,7 @@ def test_any_split_into_steps_matches_running_each_sequence_alone(lengths: list[
         torch.testing.assert_close(torch.cat(outs["conv"][s]), _reference_conv(seq["x"], weight, bias))
         ys, h = _reference_mamba(seq["x"], seq["dt"], A, seq["B"], seq["C"])
         torch.testing.assert_close(torch.cat(outs["scan"][s]), ys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(ssm_states[slots[s]], h, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ssm_states[slots[s]].T, h, rtol=1e-4, atol=1e-4)
         ys2, h2 = _reference_mamba2(seq["x2"], seq["dt2"], A2, seq["B2"], seq["C2"])
         torch.testing.assert_close(torch.cat(outs["ssd"][s]), ys2, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(ssd_states[slots[s]], h2, rtol=1e-4, atol=1e-4)
@@ -127,8 +131,9 @@ def test_any_split_into_steps_matches_running_each_sequence_alone(lengths: list[
         torch.testing.assert_close(conv_states[slots[s]][:, -len(tail) :], tail.T)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("length", [63, 64, 65, 200])
-def test_ssd_chunk_boundaries(length: int) -> None:
+def test_ssd_chunk_boundaries(length: int, kernel: bool) -> None:
     """A prompt longer than one SSD chunk: the chunk states carry across exactly."""
     gen = torch.Generator().manual_seed(length)
     x, dt = torch.randn(length, H, P, generator=gen), F.softplus(torch.randn(length, H, generator=gen)) * 0.1
@@ -136,7 +141,7 @@ def test_ssd_chunk_boundaries(length: int) -> None:
     A = -torch.rand(H, generator=gen)
     states = torch.zeros(1, H, P, N)
     step = StateStep.of(np.array([0, length]), np.array([0]), np.array([True]), torch.device("cpu"))
-    ys = ssd_scan(x, dt, A, B, C, states, step)
+    ys = ssd_scan(x, dt, A, B, C, states, step, kernel)
     ref, h = _reference_mamba2(x, dt, A, B, C)
     torch.testing.assert_close(ys, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(states[0], h, rtol=1e-4, atol=1e-4)

@@ -2,7 +2,7 @@
 engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`), the
 quantized linears (`cpu_quant_linear.cpp`, engine/kernels/quant_linear.py), RMSNorm (`cpu_norm.cpp`), rotary
 embedding and SiLU-and-multiply (`cpu_pointwise.cpp`), LoRA's products (`cpu_lora.cpp`), a mixture of experts' routed
-rows (`cpu_experts.cpp`). Their shapes are
+rows (`cpu_experts.cpp`), the state-space scans' decode step (`cpu_ssm.cpp`). Their shapes are
 registered for `torch.compile`."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ SOURCES = [
         "cpu_decoder.cpp",
         "cpu_lora.cpp",
         "cpu_experts.cpp",
+        "cpu_ssm.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h", "bfloat16.h")]

@@ -57,7 +57,8 @@ class MambaMixer(nn.Module):
             self.c_layernorm = RMSNorm(state_size, inner_norms_eps)
 
     def cache_spec(self, dtype: torch.dtype) -> RecurrentStateSpec:
-        return RecurrentStateSpec((self.width, self.conv1d.kernel_size[0] - 1), (self.width, self.state_size), dtype)
+        # The scan state state-element-major, `[N, width]`: the CPU kernel runs across channels (engine/layers/ssm.py).
+        return RecurrentStateSpec((self.width, self.conv1d.kernel_size[0] - 1), (self.state_size, self.width), dtype)
 
     def forward(self, hidden: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         step = step_states()

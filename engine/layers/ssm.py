@@ -1,17 +1,18 @@
 """The state-space layers' step maths: a causal convolution and a selective scan over the packed `[T, ...]` row,
 each sequence continuing the state its slot holds (engine/core/state_slots.py) and leaving its new state there.
 
-A step's sequences come in two kinds (`StateStep`): those computing one token (decodes) update their state in
-one batched recurrence step, with no padding; the others (prompt chunks) are gathered into a padded
-`[sequences, longest, ...]` block and scanned together, padding rows contributing nothing (a zero time step
-leaves a state unchanged). A sequence whose step starts at position 0 starts from a zero state, whatever its slot
-held before: a slot is reused without being cleared, and a request resumed after preemption recomputes its state
-from its first token.
+On the CPU each runs as one C++ kernel over the packed row as it is (engine/kernels/cpu_ssm.cpp): a sequence's
+state read from its slot once, carried across its tokens, written back once. The torch path (GPU, and the reference
+the kernels are tested by, tests/test_ssm.py) splits a step's sequences in two kinds (`StateStep`): those computing
+one token (decodes) update their state in one batched recurrence step, with no padding; the others (prompt chunks)
+are gathered into a padded `[sequences, longest, ...]` block and scanned together, padding rows contributing
+nothing (a zero time step leaves a state unchanged). Either way a sequence whose step starts at position 0 starts
+from a zero state, whatever its slot held before: a slot is reused without being cleared, and a request resumed
+after preemption recomputes its state from its first token.
 
-Mamba's selective scan (one decay per channel and state element) runs as a recurrence over the block's positions;
-Mamba2's (one scalar decay per head) as the chunked "state-space duality" form: within a chunk a masked
-attention-like product, across chunks a short recurrence of chunk states. Both are plain torch, in float32; the
-test suite checks them against a position-by-position reference (tests/test_ssm.py).
+Mamba's selective scan (one decay per channel and state element) runs in torch as a recurrence over the block's
+positions; Mamba2's (one scalar decay per head) as the chunked "state-space duality" form: within a chunk a masked
+attention-like product, across chunks a short recurrence of chunk states. Both in float32.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.library import cpu_kernels_take
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class StateStep:
     scan_tokens: torch.Tensor  # [Ts] int64: `scan_index[scan_valid]`, the rows a padded block scatters back to
     has_decodes: bool
     has_scans: bool
+    query_start: torch.Tensor  # [B + 1] int64: every sequence's rows, as the CPU kernels read the step
+    slots: torch.Tensor  # [B] int64
+    fresh: torch.Tensor  # [B] bool
 
     @classmethod
     def of(cls, query_start_loc: np.ndarray, slots: np.ndarray, fresh: np.ndarray, device: torch.device) -> StateStep:
@@ -70,6 +76,9 @@ class StateStep:
             scan_tokens=put(index[valid]),
             has_decodes=bool(one.any()),
             has_scans=bool(longer.any()),
+            query_start=put(query_start_loc),
+            slots=put(slots),
+            fresh=put(fresh, torch.bool),
         )
 
     def padded(self, rows: torch.Tensor) -> torch.Tensor:
@@ -85,11 +94,21 @@ def _start_states(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor
 
 
 def causal_conv(
-    x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, step: StateStep
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    step: StateStep,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """SiLU of the depthwise causal convolution of each sequence's channels `x` `[T, C]` with `weight` `[C, K]`,
     continuing from the last `K - 1` inputs its slot holds (`conv_states` `[slots, C, K - 1]`), which it leaves
-    there updated. Returns `[T, C]`."""
+    there updated. Returns `[T, C]`. `kernel`: the C++ kernel where it runs (engine/kernels/cpu_ssm.cpp); False:
+    torch's ops (the reference the kernel is tested by)."""
+    if kernel and cpu_kernels_take(x) and conv_states.dtype == x.dtype and conv_states.is_contiguous():
+        return torch.ops.ferry_kernels.causal_conv(
+            x, conv_states, weight, bias, step.slots, step.fresh, step.query_start
+        )
     out = torch.empty_like(x)
     width = weight.shape[1]
     if step.has_decodes:
@@ -119,11 +138,18 @@ def selective_scan(
     C: torch.Tensor,
     states: torch.Tensor,
     step: StateStep,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """Mamba's selective scan: per channel d and state element n, `h = exp(dt·A[d, n])·h + dt·B[n]·u[d]`, output
     `Σ_n C[n]·h[d, n]`. `u`, `dt` `[T, D]` (dt after softplus), `A` `[D, N]`, `B`, `C` `[T, N]`, `states`
-    `[slots, D, N]` float32, continued and updated. Returns `[T, D]` float32."""
+    `[slots, N, D]` float32 (state element-major, so the kernel runs across channels), continued and updated.
+    Returns `[T, D]` float32. `kernel`: as `causal_conv`'s."""
     u, dt, B, C = u.float(), dt.float(), B.float(), C.float()
+    if kernel and cpu_kernels_take(states):
+        return torch.ops.ferry_kernels.selective_scan(
+            states, step.slots, step.fresh, step.query_start, u, dt, A.t().contiguous(), B, C
+        )
+    states = states.transpose(1, 2)  # [slots, D, N]: a view, written through
     out = torch.empty_like(u)
     if step.has_decodes:
         rows = step.decode_tokens
@@ -159,18 +185,23 @@ def ssd_scan(
     C: torch.Tensor,
     states: torch.Tensor,
     step: StateStep,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """Mamba2's scan, one scalar decay per head: `h = exp(dt·A[h])·h + dt·x ⊗ B`, output `h·C`. `x` `[T, H, P]`,
-    `dt` `[T, H]` (after softplus), `A` `[H]`, `B`, `C` `[T, G, N]` (groups shared by `H / G` heads each),
-    `states` `[slots, H, P, N]` float32, continued and updated. Returns `[T, H, P]` float32."""
+        `dt` `[T, H]` (after softplus), `A` `[H]`, `B`, `C` `[T, G, N]` (groups shared by `H / G` heads each),
+        `states` `[slots, H, P, N]` float32, continued and updated. Returns `[T, H, P]` float32. `kernel`: as
+    `selective_scan`'s."""
     heads = x.shape[1]
     repeat = heads // B.shape[1]
-    x, dt = x.float(), dt.float()
-    B = B.float().repeat_interleave(repeat, dim=1)  # [T, H, N]
-    C = C.float().repeat_interleave(repeat, dim=1)
+    x, dt, B_groups, C_groups = x.float(), dt.float(), B.float(), C.float()
+    if kernel and cpu_kernels_take(states):
+        return torch.ops.ferry_kernels.ssd_scan(
+            states, step.slots, step.fresh, step.query_start, x, dt, A.contiguous(), B_groups, C_groups
+        )
     out = torch.empty_like(x)
     if step.has_decodes:
         rows = step.decode_tokens
+        B, C = B_groups.repeat_interleave(repeat, dim=1), C_groups.repeat_interleave(repeat, dim=1)  # [T, H, N]
         h = _start_states(states, step.decode_slots, step.decode_fresh)  # [Bd, H, P, N]
         step_dt = dt[rows]  # [Bd, H]
         h = (
@@ -184,8 +215,8 @@ def ssd_scan(
             step.padded(x),
             step.padded(dt),
             A,
-            step.padded(B),
-            step.padded(C),
+            step.padded(B_groups),
+            step.padded(C_groups),
             _start_states(states, step.scan_slots, step.scan_fresh),
         )
         out[step.scan_tokens] = ys[step.scan_valid]
@@ -196,9 +227,14 @@ def ssd_scan(
 def _ssd_chunks(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, h0: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked scan of padded blocks: `x` `[Bs, L, H, P]`, `dt` `[Bs, L, H]`, `B`, `C` `[Bs, L, H, N]`,
-    start states `h0` `[Bs, H, P, N]` -> outputs `[Bs, L, H, P]` and the states after position L - 1."""
+    """The chunked scan of padded blocks: `x` `[Bs, L, H, P]`, `dt` `[Bs, L, H]`, `B`, `C` `[Bs, L, G, N]`, start
+    states `h0` `[Bs, H, P, N]` -> outputs `[Bs, L, H, P]` and the states after position L - 1.
+
+    Laid out `[.., G, R, l, ..]` (R heads per group) so that every product is a batched matmul over contiguous
+    matrices, and C·Bᵀ, which the heads of a group share, is computed once per group."""
     batch, length, heads, width = x.shape
+    groups, size_n = B.shape[2], B.shape[3]
+    per_group = heads // groups
     size = min(SSD_CHUNK, length)
     chunks = -(-length // size)
     pad = chunks * size - length  # zero time steps: no decay, no input
@@ -207,24 +243,27 @@ def _ssd_chunks(
         t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
         return t.reshape(batch, chunks, size, *t.shape[2:])
 
-    xdt = chunked(x * dt[..., None])  # [b, c, l, H, P]
-    B_c, C_c = chunked(B), chunked(C)  # [b, c, l, H, N]
-    log_decay = torch.cumsum(chunked(dt * A), dim=2)  # [b, c, l, H], each position's decay since the chunk start
+    # [b, c, G, R, l, P] inputs scaled by their time steps; [b, c, G, l, N] B and C; [b, c, G, R, l] log decays.
+    xdt = chunked(x * dt[..., None]).view(batch, chunks, size, groups, per_group, width).permute(0, 1, 3, 4, 2, 5)
+    B_c = chunked(B).permute(0, 1, 3, 2, 4)
+    C_c = chunked(C).permute(0, 1, 3, 2, 4)
+    log_decay = torch.cumsum(chunked(dt * A), dim=2)  # each position's decay since its chunk's start
+    log_decay = log_decay.view(batch, chunks, size, groups, per_group).permute(0, 1, 3, 4, 2)
     # Within a chunk: output i reads input j <= i decayed by exp(log_decay[i] - log_decay[j]).
-    gap = log_decay[:, :, :, None, :] - log_decay[:, :, None, :, :]  # [b, c, i, j, H]
+    gap = log_decay[..., :, None] - log_decay[..., None, :]  # [b, c, G, R, i, j]
     causal = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
-    weights = torch.exp(gap.masked_fill(~causal[:, :, None], float("-inf")))
-    weights = weights * torch.einsum("bcihn,bcjhn->bcijh", C_c, B_c)
-    y = torch.einsum("bcijh,bcjhp->bcihp", weights, xdt)
-    # Each chunk's own contribution to the state at its end, then the states at the chunks' starts in turn.
-    to_end = torch.exp(log_decay[:, :, -1:, :] - log_decay)  # [b, c, l, H]
-    added = torch.einsum("bclhn,bclh,bclhp->bchpn", B_c, to_end, xdt)
-    chunk_decay = torch.exp(log_decay[:, :, -1, :])  # [b, c, H]
+    weights = torch.exp(gap.masked_fill(~causal, float("-inf"))) * (C_c @ B_c.transpose(-1, -2)).unsqueeze(3)
+    y = weights @ xdt  # [b, c, G, R, l, P]
+    # Each chunk's own contribution to the state at its end `[b, c, G, R, P, N]`, then the chunks' start states.
+    to_end = torch.exp(log_decay[..., -1:] - log_decay)  # [b, c, G, R, l]
+    added = xdt.transpose(-1, -2) @ (B_c.unsqueeze(3) * to_end[..., None])
+    chunk_decay = torch.exp(log_decay[..., -1])  # [b, c, G, R]
+    h = h0.view(batch, groups, per_group, width, size_n)
     starts = []
-    h = h0
     for c in range(chunks):
         starts.append(h)
-        h = chunk_decay[:, c, :, None, None] * h + added[:, c]
-    start_states = torch.stack(starts, dim=1)  # [b, c, H, P, N]
-    y = y + torch.einsum("bcihn,bchpn->bcihp", C_c, start_states) * torch.exp(log_decay)[..., None]
-    return y.reshape(batch, chunks * size, heads, width)[:, :length], h
+        h = chunk_decay[:, c, ..., None, None] * h + added[:, c]
+    start_states = torch.stack(starts, dim=1)  # [b, c, G, R, P, N]
+    y = y + (C_c.unsqueeze(3) @ start_states.transpose(-1, -2)) * torch.exp(log_decay)[..., None]
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(batch, chunks * size, heads, width)
+    return y[:, :length], h.reshape(batch, heads, width, size_n)

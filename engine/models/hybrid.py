@@ -169,7 +169,7 @@ class HybridCausalLM(RecurrentCausalLM):
         return [layer.mixer for layer in self.model.layers]
 
     def cache_specs(self) -> list[CacheSpec]:
-        dtype = self.embedding.weight.dtype
+        dtype = self.dtype
         return [
             _attention_spec(mixer, dtype) if isinstance(mixer, Attention) else mixer.cache_spec(dtype)  # type: ignore[operator]
             for mixer in self.mixers()

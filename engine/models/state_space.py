@@ -54,6 +54,8 @@ class RecurrentCausalLM(nn.Module):
         self.max_positions = max_positions
         self.num_layers = config.num_hidden_layers
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.dtype = torch.get_default_dtype()
+        """The model's dtype (`empty` builds it under that default): its convolution states'."""
         method = method or UnquantizedLinearMethod()
         self.build(config, method)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, method=head_method or method,
@@ -111,8 +113,7 @@ class RecurrentCausalLM(nn.Module):
         raise NotImplementedError
 
     def cache_specs(self) -> list[CacheSpec]:
-        dtype = self.embedding.weight.dtype
-        return [mixer.cache_spec(dtype) for mixer in self.mixers()]  # type: ignore[operator]
+        return [mixer.cache_spec(self.dtype) for mixer in self.mixers()]  # type: ignore[operator]
 
     def attention_needs(self) -> AttentionNeeds:
         return AttentionNeeds(frozenset())
