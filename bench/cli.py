@@ -291,7 +291,8 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--model",
         default="tiny-llama",
-        help="tiny-llama | small-llama | qwen2.5-0.5b | qwen3-0.6b | qwen3-4b, mamba2-reduced, jamba-reduced, or a local model directory",
+        help="tiny-llama | small-llama | qwen2.5-0.5b | qwen3-0.6b | qwen3-4b | mamba2-reduced | jamba-reduced, or a "
+        "local model directory",
     )
     offline.add_argument(
         "--weights",
