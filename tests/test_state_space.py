@@ -8,15 +8,18 @@ reused), prompt logprobs, admission bounded by the state slots, bfloat16 on the 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.config import EngineStartupError
@@ -24,6 +27,7 @@ from engine.core.observer import StepRecord
 from engine.core.state_slots import StateSlots
 from engine.models.loader import load_model
 from engine.models.support import UnsupportedModelError
+from tests.server_harness import engine_idle, running_server, wait_until
 from tests.test_engine_equivalence import CONFIGS, LOGPROB_TOLERANCE, _prompts, _reference, _run
 
 FAMILIES = ["mamba", "mamba2", "jamba", "granitemoehybrid"]
@@ -94,6 +98,32 @@ class _Running:
 
     def on_step(self, record: StepRecord) -> None:
         self.most = max(self.most, len(record.plan.request_ids))
+
+
+class _Drafts:
+    def __init__(self) -> None:
+        self.planned = 0
+
+    def on_step(self, record: StepRecord) -> None:
+        self.planned += sum(len(drafts) for drafts in record.plan.draft_token_ids)
+
+
+def test_a_prediction_is_not_drafted_from(model_dir: Callable[[str], Path]) -> None:
+    """Predicted Outputs on a recurrent model: no draft is planned (a rejected one would have advanced the state),
+    and the output is exactly what it is without the prediction."""
+    path = model_dir("mamba2")
+    prompts, max_new, expected, _ = _reference(path, "mamba2", 0)
+    drafts = _Drafts()
+    engine = EngineCore(EngineConfig.of(model=str(path), num_pages=512), observers=[drafts])
+    for i, (prompt, n) in enumerate(zip(prompts[:4], max_new, strict=False)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=n), prediction=tuple(expected[i]))
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id] += output.new_token_ids
+    assert [outputs[f"r{i}"] for i in range(4)] == expected[:4]
+    assert drafts.planned == 0
+    engine.close()
 
 
 def test_admission_counts_the_state_slots(model_dir: Callable[[str], Path]) -> None:
@@ -189,3 +219,29 @@ def test_slots_are_never_shared_nor_lost(ops: list[tuple[bool, int]], num_slots:
             held.pop(rid, None)
         slots.check_invariants()
         assert slots.num_free == num_slots - len(held)
+
+
+def test_served_over_http_with_requests_waiting_for_a_slot(model_dir: Callable[[str], Path]) -> None:
+    """`ferry serve` on a hybrid, four concurrent streamed completions through the official client with two state
+    slots: each text is the model's own greedy continuation (transformers' `generate`, decoded), and the engine ends
+    idle."""
+    path = model_dir("jamba")
+    prompts, max_new, expected, _ = _reference(path, "jamba", 0)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    chosen = [0, 3, 5, 9]
+
+    async def complete(client: openai.AsyncOpenAI, i: int) -> str:
+        stream = await client.completions.create(
+            model=path.name, prompt=prompts[i], max_tokens=max_new[i], temperature=0, stream=True
+        )
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run(base_url: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
+        return await asyncio.gather(*(complete(client, i) for i in chosen))
+
+    with running_server(path, "--max-num-seqs", "2") as base_url:
+        texts = asyncio.run(run(base_url))
+        with httpx.Client(base_url=base_url) as http:
+            wait_until(lambda: engine_idle(http))
+    assert texts == [tokenizer.decode(expected[i], skip_special_tokens=True) for i in chosen]

@@ -436,8 +436,11 @@ class EngineCore:
         return read_adapter(path, self.hf_config, self.config.lora.max_lora_rank)
 
     def _admit(self, request: Request) -> None:
-        """Hand a taken request to the scheduler, and to the speculator (a prediction, a source's last look)."""
-        self.speculator.add(request)
+        """Hand a taken request to the scheduler, and to the speculator (a prediction, a source's last look). A
+        model with recurrent state takes no drafts (a rejected one would already have advanced the state): its
+        requests' predictions are not drafted from, and its output is what it would be without them."""
+        if self.kv_cache.states is None:
+            self.speculator.add(request)
         self.scheduler.add(request)
 
     @property
