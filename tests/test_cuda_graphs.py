@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import CpuPagedBackend, TorchPagedBackend
@@ -44,6 +44,7 @@ from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import decode_graphs_estimate, gpu_kv_budget_bytes
 from engine.execution.runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
+from engine.models.state_space import MambaForCausalLM
 from tests.capturable_backend import DensePagedBackend
 from tests.test_attention import attention_runner, fresh_plan
 from tests.test_cpu_attention import needs_kernel
@@ -130,10 +131,15 @@ def test_the_largest_graph_fits_every_step_limit() -> None:
 # -- when graphs run, and why not -----------------------------------------------------------------------------
 
 
-def _loaded(device: str, *, native: bool = True, capturable: bool = True) -> LoadedModel:
+def _mamba() -> MambaForCausalLM:
+    config = AutoConfig.for_model("mamba", hidden_size=16, num_hidden_layers=1, vocab_size=16, state_size=4)
+    return MambaForCausalLM.empty(config, 64, torch.device("meta"), torch.float32)
+
+
+def _loaded(device: str, *, native: bool = True, capturable: bool = True, recurrent: bool = False) -> LoadedModel:
     backend = CpuPagedBackend(load_kernel) if capturable else TorchPagedBackend()
     return LoadedModel(
-        _Shapes(),
+        _mamba() if recurrent else _Shapes(),
         PretrainedConfig(vocab_size=16),
         frozenset(),
         64,
@@ -152,9 +158,10 @@ def _loaded(device: str, *, native: bool = True, capturable: bool = True) -> Loa
         (EngineConfig.of(model="m", tensor_parallel_size=2), _loaded("cuda"), "--tensor-parallel-size 2"),
         (EngineConfig.of(model="m"), _loaded("cuda", native=False), "transformers adapter"),
         (EngineConfig.of(model="m"), _loaded("cuda", capturable=False), "the torch attention backend plans"),
+        (EngineConfig.of(model="m"), _loaded("cuda", recurrent=True), "its state-space layers read"),
         (EngineConfig.of(model="m"), _loaded("cuda"), None),
     ],
-    ids=["enforce-eager", "cpu", "tensor-parallel", "transformers-adapter", "torch-backend", "graphs"],
+    ids=["enforce-eager", "cpu", "tensor-parallel", "transformers-adapter", "torch-backend", "state-space", "graphs"],
 )
 def test_why_an_engine_runs_eagerly(
     config: EngineConfig, loaded: LoadedModel, reason: str | None, caplog: pytest.LogCaptureFixture

@@ -51,6 +51,7 @@ import torch
 
 from engine.config import EngineConfig, EngineStartupError
 from engine.models.loader import LoadedModel
+from engine.models.state_space import RecurrentCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ def eager_reason(config: EngineConfig, loaded: LoadedModel) -> str | None:
         )
     if not loaded.native:
         return "the transformers adapter's modules are not checked for capture (native Llama-family modules only)"
+    if isinstance(loaded.model, RecurrentCausalLM):
+        return "its state-space layers read each step's state slots and branch on the step's shape, eagerly"
     if not loaded.backend.capturable:
         return f"the {loaded.backend.name} attention backend plans each step on the host, which a graph cannot replay"
     return None
