@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
+from torch import nn
 
 from engine.attention.base import AttentionNeeds
 from engine.attention.spec import CacheSpec
@@ -52,3 +53,23 @@ class CausalLM(Protocol):
         """What its layers ask of the attention backend beyond causal attention (sliding windows, soft-capping,
         ALiBi, sinks): the loader selects a backend that computes them, or refuses the one asked for by name."""
         ...
+
+
+Module = TypeVar("Module", bound=nn.Module)
+
+
+def built_empty(make: Callable[[], Module], device: torch.device, dtype: torch.dtype) -> Module:
+    """`make()`'s modules with uninitialised parameters of `dtype` on `device`, for weights to be loaded into.
+
+    Built on the meta device first: nothing is initialised only to be overwritten, and no float32 copy of the
+    parameters ever exists. `dtype` is the default while the modules are made, rather than a cast after: a quantized
+    linear's codes and scales are made in their own dtypes (int8, e4m3, float32) and must stay so. What a model
+    computes rather than loads (rotary tables, a tied head's shared matrix) is the caller's to fill in after."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = make()
+    finally:
+        torch.set_default_dtype(default)
+    return model.to_empty(device=device)

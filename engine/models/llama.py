@@ -47,6 +47,7 @@ from engine.layers.moe import ClampedSwigluExperts, FusedExperts, Routing, is_sp
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, rotary_tables
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from engine.models.base import built_empty
 from engine.models.llama_fused import FusedDecoder
 from engine.quantization import UnsupportedQuantization
 from engine.quantization.base import QuantizedLinearMethod
@@ -362,21 +363,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         head_method: LinearMethod | None = None,
     ) -> LlamaFamilyForCausalLM:
         """The model (with `tp`, this rank's shard of it) with uninitialised parameters of `dtype` on `device`, for
-        weights to be loaded into.
-
-        Built on the meta device first: nothing is initialised only to be overwritten, and no float32 copy of the
-        parameters ever exists. `dtype` is the default while the modules are made, rather than a cast after: a
-        quantized linear's codes and scales are made in their own dtypes (int8, e4m3, float32) and must stay so. The
-        rotary tables, which are computed rather than loaded, are filled in.
-        """
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device("meta"):
-                model = cls(config, max_positions, tp, method, head_method)
-        finally:
-            torch.set_default_dtype(default)
-        model = model.to_empty(device=device)
+        weights to be loaded into (`built_empty`); the rotary tables, which are computed rather than loaded, filled
+        in."""
+        model = built_empty(lambda: cls(config, max_positions, tp, method, head_method), device, dtype)
         if model.tied:
             model.lm_head.tie_to(model.model.embed_tokens)
         with torch.device(device):

@@ -27,6 +27,7 @@ from engine.layers.mamba import Mamba2Mixer, MambaMixer
 from engine.layers.moe import FusedExperts
 from engine.layers.norm import RMSNorm
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from engine.models.base import built_empty
 
 
 class RecurrentCausalLM(nn.Module):
@@ -83,16 +84,9 @@ class RecurrentCausalLM(nn.Module):
         method: LinearMethod | None = None,
         head_method: LinearMethod | None = None,
     ) -> RecurrentCausalLM:
-        """The model with uninitialised parameters of `dtype` on `device`, built on the meta device first (as
-        `LlamaFamilyForCausalLM.empty` is), then `fill_computed` for what is computed rather than loaded."""
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device("meta"):
-                model = cls(config, max_positions, tp, method, head_method)
-        finally:
-            torch.set_default_dtype(default)
-        model = model.to_empty(device=device)
+        """The model with uninitialised parameters of `dtype` on `device` (`built_empty`), then `fill_computed` for
+        what is computed rather than loaded."""
+        model = built_empty(lambda: cls(config, max_positions, tp, method, head_method), device, dtype)
         if model.tied:
             model.lm_head.tie_to(model.embedding)
         with torch.device(device):
