@@ -99,10 +99,12 @@ ARCHITECTURES: dict[str, dict] = {
     # own code needs the masks paged attention does not build.
     "gpt_neo": dict(model_type="gpt_neo", num_heads=4, num_layers=2, attention_types=[[["global", "local"], 1]]),
     "mpt": dict(model_type="mpt", n_heads=4, n_layers=2, d_model=64),
-    # State-space models (native, their state in slots): Mamba; Mamba2 in 2 groups of 4 heads, its chunk shorter than
+    # State-space models (native, their state in slots): Mamba; Falcon-Mamba (Mamba, its time step, B and C
+    # normalised); Mamba2 in 2 groups of 4 heads, its chunk shorter than
     # the prompts; Jamba with Mamba layers (and experts) at 0 and 2, attention at 1 and 3; a Granite 4 hybrid with
     # rotary attention between two Mamba2 layers, experts beside its shared MLP and every multiplier away from 1.
     "mamba": dict(model_type="mamba", state_size=8, time_step_rank=8),
+    "falcon_mamba": dict(model_type="falcon_mamba", state_size=8, time_step_rank=8),
     "mamba2": dict(model_type="mamba2", num_heads=8, head_dim=16, n_groups=2, state_size=8, chunk_size=16),
     "jamba": dict(
         model_type="jamba",

@@ -45,6 +45,7 @@ ARCHS = [
     "deepseek_v3",  # the same with a LoRA'd query, YaRN, sigmoid routing with a correction bias
     "glm4_moe_lite",  # V3's layers, a sparse layer before a dense one
     "mamba",  # state-space layers only: a recurrent state per request in slots, the pages count tokens only
+    "falcon_mamba",  # Mamba with weightless RMSNorms on the time step, B and C
     "mamba2",  # the chunked (SSD) scan, grouped B and C, a gated norm
     "jamba",  # Mamba layers with inner norms and experts beside attention without rotary positions
     "granitemoehybrid",  # Mamba2 layers beside rotary attention, shared MLP plus experts, multipliers

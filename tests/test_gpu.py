@@ -420,3 +420,23 @@ def test_moe_on_cuda_equals_generate_and_replays_from_graphs(model_dir: Callable
         assert outputs[False] == outputs[True], f"{dtype}: graphs and eager disagree"
         if dtype == "float32":
             assert outputs[False] == expected
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "jamba"])
+def test_state_space_on_cuda_equals_generate(model_dir: Callable[[str], Path], arch: str) -> None:
+    """The state-space layers' torch path (the CPU kernels' reference) on a GPU, eagerly (no graphs for them):
+    float32 greedy tokens equal transformers' on the same device, prompts chunked and mixed with decodes."""
+    path = model_dir(arch)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    prompts = [[10 + (i * 7 + j) % 300 for j in range(5 + 9 * i)] for i in range(8)]
+    expected = [
+        hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    config = EngineConfig.of(
+        model=str(path), device="cuda", dtype="float32", num_pages=256, max_batch_tokens=32, debug_checks=True
+    )
+    with EngineCore(config) as engine:
+        assert engine.cuda_graphs is None
+        results = generate_batch(prompts, params=SamplingParams(max_new_tokens=12), engine=engine)
+    assert [results[f"req_{i}"].generated_ids for i in range(len(prompts))] == expected

@@ -22,10 +22,17 @@ from engine.layers.norm import RMSNorm
 from engine.layers.ssm import causal_conv, selective_scan, ssd_scan
 
 
+def _weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Falcon-Mamba's norm of the time step, B and C: RMS-normalised in float32, no weight."""
+    rows = x.float()
+    return (rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class MambaMixer(nn.Module):
     """Mamba's mixer: in_proj to (x, gate), causal convolution of x, x_proj to (time step, B, C), dt_proj, the
-    selective scan, `y + D·x` gated by SiLU(gate), out_proj. `inner_norms`: Jamba's RMSNorms on the time step, B
-    and C (`dt_layernorm`, `b_layernorm`, `c_layernorm`)."""
+    selective scan, `y + D·x` gated by SiLU(gate), out_proj. `inner_norms_eps`: RMSNorms on the time step, B and C
+    before dt_proj and the scan, Jamba's with weights (`dt_layernorm`, `b_layernorm`, `c_layernorm`), Falcon-Mamba's
+    without (`weighted_norms=False`)."""
 
     def __init__(
         self,
@@ -39,6 +46,7 @@ class MambaMixer(nn.Module):
         proj_bias: bool,
         method: LinearMethod,
         inner_norms_eps: float | None = None,
+        weighted_norms: bool = True,
     ) -> None:
         super().__init__()
         self.width, self.state_size, self.rank = width, state_size, time_step_rank
@@ -50,8 +58,9 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(width, state_size), requires_grad=False)
         self.D = nn.Parameter(torch.empty(width), requires_grad=False)
         self.out_proj = ReplicatedLinear(width, hidden, bias=proj_bias, method=method)
-        self.inner_norms = inner_norms_eps is not None
-        if inner_norms_eps is not None:
+        self.inner_norms_eps = inner_norms_eps
+        self.weighted_norms = weighted_norms
+        if inner_norms_eps is not None and weighted_norms:
             self.dt_layernorm = RMSNorm(time_step_rank, inner_norms_eps)
             self.b_layernorm = RMSNorm(state_size, inner_norms_eps)
             self.c_layernorm = RMSNorm(state_size, inner_norms_eps)
@@ -66,8 +75,10 @@ class MambaMixer(nn.Module):
         x, gate = self.in_proj(hidden).chunk(2, dim=-1)  # [T, width] each
         x = causal_conv(x, conv_states, self.conv1d.weight.squeeze(1), self.conv1d.bias, step)
         time_step, B, C = self.x_proj(x).split([self.rank, self.state_size, self.state_size], dim=-1)
-        if self.inner_norms:
+        if self.inner_norms_eps is not None and self.weighted_norms:
             time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
+        elif self.inner_norms_eps is not None:
+            time_step, B, C = (_weightless_rms_norm(t, self.inner_norms_eps) for t in (time_step, B, C))
         dt = F.softplus(self.dt_proj(time_step).float())
         A = -torch.exp(self.A_log.float())
         y = selective_scan(x, dt, A, B, C, scan_states, step)  # [T, width] float32

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.attention.spec import CacheSpec, FullAttentionSpec
+from engine.attention.base import AttentionFeature, AttentionNeeds
+from engine.attention.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
 from engine.layers.linear_method import LinearMethod
 from engine.layers.mamba import Mamba2Mixer, MambaMixer
 from engine.layers.moe import FusedExperts, Routing
@@ -51,8 +52,10 @@ class RoutedExperts(nn.Module):
         return self.experts(x, weights.to(x.dtype).float(), ids)
 
 
-def _attention_spec(attn: Attention, dtype: torch.dtype) -> FullAttentionSpec:
-    return FullAttentionSpec(attn.num_kv_heads, attn.head_dim, dtype)
+def _attention_spec(attn: Attention, dtype: torch.dtype) -> FullAttentionSpec | SlidingWindowSpec:
+    if attn.sliding_window is None:
+        return FullAttentionSpec(attn.num_kv_heads, attn.head_dim, dtype)
+    return SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, dtype, attn.sliding_window)
 
 
 class HybridLayer(nn.Module):
@@ -174,6 +177,11 @@ class HybridCausalLM(RecurrentCausalLM):
             _attention_spec(mixer, dtype) if isinstance(mixer, Attention) else mixer.cache_spec(dtype)  # type: ignore[operator]
             for mixer in self.mixers()
         ]
+
+    def attention_needs(self) -> AttentionNeeds:
+        """A sliding window where an attention layer has one (the paged backends compute the rest as causal)."""
+        windowed = any(isinstance(m, Attention) and m.sliding_window is not None for m in self.mixers())
+        return AttentionNeeds(frozenset({AttentionFeature.SLIDING_WINDOW} if windowed else ()))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden).float()

@@ -45,6 +45,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
     "MambaForCausalLM": MambaForCausalLM,
+    "FalconMambaForCausalLM": MambaForCausalLM,
     "Mamba2ForCausalLM": MambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,

@@ -1,5 +1,6 @@
-"""Native state-space language models: Mamba and Mamba2 (every layer a state-space mixer, no attention), and the
-base that the hybrids beside them build on (engine/models/hybrid.py: Jamba, Granite 4).
+"""Native state-space language models: Mamba, Falcon-Mamba (Mamba, its time step, B and C normalised) and Mamba2
+(every layer a state-space mixer, no attention), and the base that the hybrids beside them build on
+(engine/models/hybrid.py: Jamba, Granite 4).
 
 A recurrent layer's cache is its state, not pages: its `cache_specs` entry is a `RecurrentStateSpec`, which the
 engine allocates as slots (engine/execution/kv_caches.py) and the scheduler hands out one per running request
@@ -167,9 +168,12 @@ class MambaBlock(nn.Module):
 
 
 def mamba_mixer(config: PretrainedConfig, method: LinearMethod) -> MambaMixer:
+    """Mamba's; Falcon-Mamba's normalises its time step, B and C (no weights) before the scan."""
+    falcon = config.model_type == "falcon_mamba"
     return MambaMixer(
         config.hidden_size, config.intermediate_size, config.state_size, config.conv_kernel,
         int(config.time_step_rank), conv_bias=config.use_conv_bias, proj_bias=config.use_bias, method=method,
+        inner_norms_eps=config.mixer_rms_eps if falcon else None, weighted_norms=False,
     )  # fmt: skip
 
 
@@ -183,7 +187,8 @@ def mamba2_mixer(config: PretrainedConfig, method: LinearMethod) -> Mamba2Mixer:
 
 
 class MambaForCausalLM(RecurrentCausalLM):
-    """Mamba (and, with `mixer_of` Mamba2's, Mamba2): embeddings, blocks of RMSNorm and mixer, a final norm."""
+    """Mamba, Falcon-Mamba and Mamba2 (by model type, their mixers): embeddings, blocks of RMSNorm and mixer, a
+    final norm."""
 
     embedding_name = "backbone.embeddings"
 
