@@ -119,6 +119,19 @@ ARCHITECTURES: dict[str, dict] = {
         mamba_d_state=8,
         mamba_dt_rank=8,
     ),
+    # Bamba: Mamba2, attention with half its head dimensions rotary, Mamba2; a dense MLP after each.
+    "bamba": dict(
+        model_type="bamba",
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        attn_layer_indices=[1],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=16,
+        rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"},
+    ),
     "granitemoehybrid": dict(
         model_type="granitemoehybrid",
         num_hidden_layers=3,

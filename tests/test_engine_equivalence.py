@@ -48,6 +48,7 @@ ARCHS = [
     "falcon_mamba",  # Mamba with weightless RMSNorms on the time step, B and C
     "mamba2",  # the chunked (SSD) scan, grouped B and C, a gated norm
     "jamba",  # Mamba layers with inner norms and experts beside attention without rotary positions
+    "bamba",  # Mamba2 layers beside attention with half its head dimensions rotary
     "granitemoehybrid",  # Mamba2 layers beside rotary attention, shared MLP plus experts, multipliers
 ]
 LOGPROB_TOLERANCE = 1e-4

@@ -190,8 +190,8 @@ def test_every_causal_lm_transformers_ships_is_claimed_or_refused_by_name() -> N
     families = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
     assert {*families, "deepseek_v2", "deepseek_v3", "glm4_moe_lite"} <= native
     assert {"gpt2", "gemma2", "phi3"} <= claimed
-    assert {"mamba", "falcon_mamba", "mamba2", "jamba", "granitemoehybrid"} <= native
-    for model_type in ("bamba", "falcon_h1", "nemotron_h", "zamba", "zamba2", "qwen3_next", "rwkv"):
+    assert {"mamba", "falcon_mamba", "mamba2", "jamba", "bamba", "granitemoehybrid"} <= native
+    for model_type in ("falcon_h1", "nemotron_h", "zamba", "zamba2", "qwen3_next", "rwkv"):
         assert verdicts[model_type].startswith("refused: recurrent layers (state-space, linear-attention or RNN)")
     assert verdicts["gpt_neo"] == "refused: attention classes from a table of the model's own with no paged entry"
     assert len(verdicts) + len(TRANSFORMERS_CANNOT_BUILD_ITS_DEFAULT) == len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -30,7 +30,7 @@ from engine.models.support import UnsupportedModelError
 from tests.server_harness import engine_idle, running_server, wait_until
 from tests.test_engine_equivalence import CONFIGS, LOGPROB_TOLERANCE, _prompts, _reference, _run
 
-FAMILIES = ["mamba", "falcon_mamba", "mamba2", "jamba", "granitemoehybrid"]
+FAMILIES = ["mamba", "falcon_mamba", "mamba2", "jamba", "bamba", "granitemoehybrid"]
 
 
 def _assert_exact(outputs: list, logprobs: list, expected: list, expected_logprobs: list, case: str) -> None:
@@ -186,7 +186,7 @@ def test_the_transformers_adapter_is_refused_for_state_models(model_dir: Callabl
 
 
 @pytest.mark.parametrize(
-    "model_type", ["bamba", "falcon_h1", "nemotron_h", "zamba2", "qwen3_next", "qwen3_5_text", "kimi_linear"]
+    "model_type", ["falcon_h1", "nemotron_h", "zamba2", "qwen3_next", "qwen3_5_text", "kimi_linear"]
 )
 def test_recurrent_families_without_native_modules_are_refused_before_any_weight(
     tmp_path: Path, model_type: str

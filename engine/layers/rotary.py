@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -10,11 +12,15 @@ from engine.kernels.library import cpu_kernels_take
 
 
 def rotary_tables(
-    config: PretrainedConfig, max_positions: int, dtype: torch.dtype
+    config: PretrainedConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    module: Callable[[PretrainedConfig], torch.nn.Module] = LlamaRotaryEmbedding,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin `[max_positions, head_dim]`, computed in float32 by the transformers rotary module itself (all rope
-    scaling types), then stored in `dtype`, on the current default device."""
-    rotary = LlamaRotaryEmbedding(config)
+    """cos/sin `[max_positions, rotary_dim]`, computed in float32 by the transformers rotary module itself (all rope
+    scaling types; `module`: a family's own where it turns fewer dimensions than the head's, as Bamba's does), then
+    stored in `dtype`, on the current default device."""
+    rotary = module(config)
     positions = torch.arange(max_positions)[None, :]
     cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
     return cos[0].to(dtype), sin[0].to(dtype)

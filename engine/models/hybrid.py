@@ -1,5 +1,8 @@
 """Hybrid models: attention layers (paged, as the Llama family's) interleaved with state-space ones (slots).
 
+Bamba: Mamba2 mixers and attention (half its head dimensions rotary) by `attn_layer_indices`, each followed by a
+dense SiLU-gated MLP.
+
 Jamba: Mamba mixers with RMSNorms on the time step, B and C, an attention layer every `attn_layer_period` (no
 rotary positions), a mixture of experts every `expert_layer_period` (softmax top-k, not renormalised), a dense
 SiLU-gated MLP elsewhere. Granite 4's hybrids (`granitemoehybrid`): Mamba2 mixers and attention by `layer_types`
@@ -15,10 +18,13 @@ and V say nothing of the state at its end): the engine logs it at start-up.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.models.bamba.modeling_bamba import BambaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.attention.base import AttentionFeature, AttentionNeeds
 from engine.attention.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
@@ -119,17 +125,36 @@ class JambaLayer(HybridLayer):
         return self.feed_forward(x)
 
 
+def _mamba2_mixer(config: PretrainedConfig, method: LinearMethod) -> Mamba2Mixer:
+    """The Mamba2 mixer of a hybrid's config (`mamba_*` options: Granite 4's, Bamba's)."""
+    return Mamba2Mixer(
+        config.hidden_size, int(config.mamba_expand * config.hidden_size), config.mamba_n_heads,
+        config.mamba_d_head, config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv,
+        conv_bias=config.mamba_conv_bias, proj_bias=config.mamba_proj_bias, eps=config.rms_norm_eps,
+        time_step_limit=tuple(config.time_step_limit or (0.0, float("inf"))), method=method,
+    )  # fmt: skip
+
+
+class BambaLayer(HybridLayer):
+    """Bamba: Mamba2 or attention (partial rotary), then a dense SiLU-gated MLP, Jamba's norm names."""
+
+    def __init__(self, config: PretrainedConfig, layer: int, method: LinearMethod) -> None:
+        if config.layers_block_type[layer] == "full_attention":
+            name, mixer = "self_attn", Attention(config, layer, method, None)
+        else:
+            name, mixer = "mamba", _mamba2_mixer(config, method)
+        super().__init__(name, mixer, ("input_layernorm", "pre_ff_layernorm"), config.rms_norm_eps,
+                         config.hidden_size, 1.0)  # fmt: skip
+        self.feed_forward = MLP(config, method, None)
+
+    def feed_forward_of(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(x)
+
+
 class GraniteHybridLayer(HybridLayer):
     def __init__(self, config: PretrainedConfig, layer: int, method: LinearMethod) -> None:
         if config.layers_block_type[layer] in ("linear_attention", "mamba"):
-            width = int(config.mamba_expand * config.hidden_size)
-            name = "mamba"
-            mixer: nn.Module = Mamba2Mixer(
-                config.hidden_size, width, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
-                config.mamba_d_state, config.mamba_d_conv, conv_bias=config.mamba_conv_bias,
-                proj_bias=config.mamba_proj_bias, eps=config.rms_norm_eps,
-                time_step_limit=tuple(config.time_step_limit or (0.0, float("inf"))), method=method,
-            )  # fmt: skip
+            name, mixer = "mamba", _mamba2_mixer(config, method)
         else:
             name, mixer = "self_attn", Attention(config, layer, method, None)
         super().__init__(name, mixer, ("input_layernorm", "post_attention_layernorm"), config.rms_norm_eps,
@@ -154,6 +179,8 @@ class HybridCausalLM(RecurrentCausalLM):
     embedding_name = "model.embed_tokens"
     layer_class: type[HybridLayer]
     final_norm_name: str
+    rotary_module: Callable[[PretrainedConfig], nn.Module] = LlamaRotaryEmbedding
+    """The transformers module the rotary tables are computed by (the family's own where it rotates part of a head)."""
 
     def build(self, config: PretrainedConfig, method: LinearMethod) -> None:
         self.model = nn.Module()
@@ -166,7 +193,7 @@ class HybridCausalLM(RecurrentCausalLM):
 
     def fill_computed(self, dtype: torch.dtype) -> None:
         if self.rotary:
-            self.cos_cache, self.sin_cache = rotary_tables(self.config, self.max_positions, dtype)
+            self.cos_cache, self.sin_cache = rotary_tables(self.config, self.max_positions, dtype, self.rotary_module)
 
     def mixers(self) -> list[nn.Module]:
         return [layer.mixer for layer in self.model.layers]
@@ -222,6 +249,12 @@ class HybridCausalLM(RecurrentCausalLM):
 class JambaForCausalLM(HybridCausalLM):
     layer_class = JambaLayer
     final_norm_name = "final_layernorm"
+
+
+class BambaForCausalLM(HybridCausalLM):
+    layer_class = BambaLayer
+    final_norm_name = "final_layernorm"
+    rotary_module = BambaRotaryEmbedding  # `partial_rotary_factor`: half the head's dimensions
 
 
 class GraniteMoeHybridForCausalLM(HybridCausalLM):

@@ -155,7 +155,12 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary:
+        if self.rotary and cos.shape[-1] < self.head_dim:
+            # Partial rotary (Bamba's half): the first rotary_dim dimensions turn, the rest pass as they are.
+            turned = cos.shape[-1]
+            q = torch.cat([apply_rotary(q[..., :turned], cos, sin), q[..., turned:]], dim=-1)
+            k = torch.cat([apply_rotary(k[..., :turned], cos, sin), k[..., turned:]], dim=-1)
+        elif self.rotary:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks.float()  # the backends read float32 logits
         out = paged_attention(q, k, v, kv_cache, self.scale, self.sliding_window, sinks)

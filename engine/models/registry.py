@@ -22,7 +22,7 @@ from engine.models.base import CausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.gemma3 import Gemma3ForConditionalGeneration
 from engine.models.hf_adapter import TransformersCausalLM
-from engine.models.hybrid import GraniteMoeHybridForCausalLM, JambaForCausalLM
+from engine.models.hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM, JambaForCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
@@ -48,6 +48,7 @@ NATIVE_MODELS: dict[str, type[CausalLM]] = {
     "FalconMambaForCausalLM": MambaForCausalLM,
     "Mamba2ForCausalLM": MambaForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
 }
 """Architectures with modules of Ferry's own."""

@@ -49,7 +49,7 @@ def _composite(config: PretrainedConfig) -> str | None:
     return f"a composite (multimodal) config with {', '.join(parts)}" if "text_config" in parts else None
 
 
-STATE_SPACE_TYPES = frozenset({"mamba", "falcon_mamba", "mamba2", "jamba", "granitemoehybrid"})
+STATE_SPACE_TYPES = frozenset({"mamba", "falcon_mamba", "mamba2", "jamba", "bamba", "granitemoehybrid"})
 """Model types with recurrent (state-space) layers that Ferry's native modules run, their state in slots
 (engine/models/state_space.py, engine/models/hybrid.py)."""
 
