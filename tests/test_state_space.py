@@ -145,6 +145,20 @@ def test_admission_counts_the_state_slots(model_dir: Callable[[str], Path]) -> N
     _assert_exact(outputs, logprobs, expected, expected_logprobs, "three slots")
     assert running.most == 3
     assert engine.is_idle_and_clean()
+    assert engine.stats().kv_cache_usage == 0.0
+    engine.close()
+
+
+def test_a_model_without_attention_reports_its_state_slots_as_cache_usage(model_dir: Callable[[str], Path]) -> None:
+    """Mamba's pages hold no bytes: the cache usage the metrics report is its slots in use (two of four)."""
+    engine = EngineCore(EngineConfig.of(model=str(model_dir("mamba")), num_pages=64, max_num_seqs=4))
+    for i in range(2):
+        engine.add_request(f"r{i}", [11, 40, 7, 99], SamplingParams(max_new_tokens=4))
+    engine.step()
+    assert engine.stats().kv_cache_usage == pytest.approx(0.5)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().kv_cache_usage == 0.0
     engine.close()
 
 

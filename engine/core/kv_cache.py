@@ -145,6 +145,10 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
+        """The fraction of the cache's memory in use: the primary pool's pages, or for a model with no attention
+        layer (pages of no bytes) its state slots."""
+        if self.states is not None and self.layouts[0].page_bytes == 0:
+            return self.states.usage
         return self._primary.usage
 
     @property

@@ -24,6 +24,11 @@ class StateSlots:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def usage(self) -> float:
+        """Fraction of the slots held by running requests."""
+        return 1.0 - len(self._free) / self.num_slots
+
     def slot(self, request_id: str) -> int | None:
         """The slot the request holds; None if it holds none."""
         return self._held.get(request_id)
