@@ -118,6 +118,27 @@ def test_half_precisions_within_their_rounding(dtype: torch.dtype, tolerance: fl
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [None, 120, 40])
+def test_bfloat16_fresh_prompts_through_dense_attention(window: int | None) -> None:
+    """bfloat16 fresh prompts of 32 tokens and more through torch's causal SDPA (`dense_prompts`), the step's other
+    rows (decodes, chunks over cached pages, short prompts) through the kernel in the same call: within bfloat16's
+    rounding of the float32 reference, and the split made once for the step. A window shorter than a prompt sends
+    the whole step to the kernel."""
+    step = _ragged_step(random.Random(5), decodes=12, max_len=200)
+    meta, q, k, v, cache = _inputs(step, 16, 8, 2, 64, window, seed=5)
+    rounded = [t.to(torch.bfloat16).float() for t in (q, k, v)]
+    want = _attend(TorchPagedBackend(), meta, *rounded, tuple(c.to(torch.bfloat16).float() for c in cache), window)
+    got = _attend(CpuPagedBackend(KERNEL, dense_prompts=True), meta, q, k, v, cache, window, torch.bfloat16)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    split = meta.backend_state["prompt_split"]
+    assert [end - first for first, end in split.prompts] == [n for c, n in step if c == 0 and n >= 32]
+    assert split.rest_rows is not None and len(split.rest_rows) == sum(n for c, n in step if c or n < 32)
+    kernel_only = _attend(CpuPagedBackend(KERNEL, dense_prompts=False), meta, q, k, v, cache, window, torch.bfloat16)
+    if window is not None and split.longest > window:
+        torch.testing.assert_close(got, kernel_only, atol=0, rtol=0)
+
+
+@needs_kernel
 def test_threads_split_the_work_without_changing_it() -> None:
     """Items are whole (sequence, query block)s: how they are spread over threads cannot change a bit."""
     step = _ragged_step(random.Random(5), decodes=55, max_len=400)

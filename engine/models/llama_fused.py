@@ -8,7 +8,8 @@ same arguments in the same order, so its output is the eager path's bit for bit 
 
 It serves a model whose every decoder linear is on one of the CPU defaults (`BlockedLinearMethod`, or
 `PackedLinearMethod` where oneDNN multiplies bfloat16), on one rank (the row-parallel all-reduces are Python), and a
-step that the CPU attention kernel computes over caches of the model's dtype with no non-causal spans, LoRA adapters
+step that the CPU attention kernel computes over caches of the model's dtype with no non-causal spans and no
+bfloat16 prompt the backend attends through torch's SDPA (`CpuPagedBackend.attends_prompts_densely`), LoRA adapters
 included (their slots' tensors and the step's slots join the call); anything else runs the eager modules
 (`FusedDecoder.forward` returns None), as does a `torch.compile` trace, which must see the modules.
 """
@@ -75,6 +76,9 @@ class FusedDecoder:
             or not isinstance(step.backend, CpuPagedBackend)
             or kv_caches[0][0].dtype != self.dtype
             or metas[0].token_spans is not None
+            # bfloat16 prompts go to torch's SDPA (engine/attention/cpu_paged.py), which the modules' attention calls:
+            # a prompt step is large products, where the modules' per-op cost does not show.
+            or step.backend.attends_prompts_densely(metas[0], self.dtype)
         ):
             return None
         lora = step.lora
