@@ -17,7 +17,6 @@ and V say nothing of the state at its end): the engine logs it at start-up.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -27,21 +26,15 @@ from transformers.models.bamba.modeling_bamba import BambaRotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.attention.base import AttentionFeature, AttentionNeeds
-from engine.attention.spec import CacheSpec, FullAttentionSpec, SlidingWindowSpec
+from engine.attention.spec import CacheSpec
 from engine.layers.linear_method import LinearMethod
 from engine.layers.mamba import Mamba2Mixer, MambaMixer
 from engine.layers.moe import FusedExperts, Routing
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import rotary_tables
 from engine.layers.vocab import VocabParallelEmbedding
-from engine.models.llama import MLP, Attention
+from engine.models.llama import EXPERT_NAME, MLP, Attention, LlamaFamilyForCausalLM, attention_spec
 from engine.models.state_space import RecurrentCausalLM
-
-_FUSED = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
-          ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}  # fmt: skip
-"""Checkpoint name parts of the projections the attention and MLP modules fuse -> (module part, shard id)."""
-
-_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?:(?P<expert>\d+)\.(?P<part>\w+)_proj\.weight|(?P<stacked>\w+)_proj)$")
 
 
 class RoutedExperts(nn.Module):
@@ -56,12 +49,6 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = self.routing.select(self.router(x).float())
         return self.experts(x, weights.to(x.dtype).float(), ids)
-
-
-def _attention_spec(attn: Attention, dtype: torch.dtype) -> FullAttentionSpec | SlidingWindowSpec:
-    if attn.sliding_window is None:
-        return FullAttentionSpec(attn.num_kv_heads, attn.head_dim, dtype)
-    return SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, dtype, attn.sliding_window)
 
 
 class HybridLayer(nn.Module):
@@ -83,7 +70,8 @@ class HybridLayer(nn.Module):
         return self.get_submodule(self.mixer_name)
 
     def feed_forward_of(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The layer's feed-forward (`feed_forward`, a dense MLP or a mixture of experts); Granite's sums two."""
+        return self.feed_forward(x)
 
     def forward(
         self,
@@ -121,9 +109,6 @@ class JambaLayer(HybridLayer):
             else MLP(config, method, None)
         )
 
-    def feed_forward_of(self, x: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(x)
-
 
 def _mamba2_mixer(config: PretrainedConfig, method: LinearMethod) -> Mamba2Mixer:
     """The Mamba2 mixer of a hybrid's config (`mamba_*` options: Granite 4's, Bamba's)."""
@@ -146,9 +131,6 @@ class BambaLayer(HybridLayer):
         super().__init__(name, mixer, ("input_layernorm", "pre_ff_layernorm"), config.rms_norm_eps,
                          config.hidden_size, 1.0)  # fmt: skip
         self.feed_forward = MLP(config, method, None)
-
-    def feed_forward_of(self, x: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(x)
 
 
 class GraniteHybridLayer(HybridLayer):
@@ -201,7 +183,7 @@ class HybridCausalLM(RecurrentCausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         dtype = self.dtype
         return [
-            _attention_spec(mixer, dtype) if isinstance(mixer, Attention) else mixer.cache_spec(dtype)  # type: ignore[operator]
+            attention_spec(mixer, dtype) if isinstance(mixer, Attention) else mixer.cache_spec(dtype)  # type: ignore[operator]
             for mixer in self.mixers()
         ]
 
@@ -232,17 +214,12 @@ class HybridCausalLM(RecurrentCausalLM):
         return self.model.get_submodule(self.final_norm_name)(hidden)
 
     def _place(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor, object]]:
-        if (expert := _EXPERT.match(name)) is not None:
-            experts = f"{expert['layer']}.experts"
-            if expert["stacked"] == "gate_up":  # [experts, 2 * width, hidden]: gates, then ups
-                gate, up = tensor.chunk(2, dim=1)
-                return [(f"{experts}.all:gate", gate, None), (f"{experts}.all:up", up, None)]
-            if expert["stacked"] == "down":
-                return [(f"{experts}.all:down", tensor, None)]
-            return [(f"{experts}.{expert['expert']}:{expert['part']}", tensor, None)]
-        for part, (fused, shard_id) in _FUSED.items():
-            if part in name:
-                return [(name.replace(part, fused), tensor, shard_id)]
+        """The attention's and MLP's projections into their fused modules, as the Llama family names them (experts
+        are loaded by their names, which are Qwen's already)."""
+        if EXPERT_NAME.match(name) is None:
+            for part, (fused, shard_id) in LlamaFamilyForCausalLM.fused_names.items():
+                if part in name:
+                    return [(name.replace(part, fused), tensor, shard_id)]
         return [(name, tensor, None)]
 
 
@@ -269,8 +246,8 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
             return [(fused, gate, 0), (fused, up, 1)]
         if name.endswith(".shared_mlp.output_linear.weight"):
             return [(name.replace(".output_linear.", ".down_proj."), tensor, None)]
-        if name.endswith(".block_sparse_moe.input_linear.weight"):
-            return super()._place(name.replace(".input_linear.weight", ".experts.gate_up_proj"), tensor)
+        if name.endswith(".block_sparse_moe.input_linear.weight"):  # [experts, 2 * width, hidden]: stacked gate/up
+            return [(name.replace(".input_linear.weight", ".experts.gate_up_proj"), tensor, None)]
         if name.endswith(".block_sparse_moe.output_linear.weight"):
-            return super()._place(name.replace(".output_linear.weight", ".experts.down_proj"), tensor)
+            return [(name.replace(".output_linear.weight", ".experts.down_proj"), tensor, None)]
         return super()._place(name, tensor)

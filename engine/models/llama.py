@@ -61,11 +61,12 @@ _FUSED: dict[str, tuple[str, ShardId]] = {
     ".up_proj.": (".gate_up_proj.", 1),
 }
 
-_EXPERT = re.compile(
-    r"^(?P<layer>.+\.mlp)\.experts\.(?:(?P<expert>\d+)\.(?P<part>\w+)\.weight|(?P<stacked>gate_up_proj|down_proj))$"
+EXPERT_NAME = re.compile(
+    r"^(?P<layer>.+)\.experts\.(?:(?P<expert>\d+)\.(?P<part>\w+)\.weight|(?P<stacked>gate_up_proj|down_proj))$"
 )
 """An expert's matrix (`...mlp.experts.3.gate_proj.weight`), or all experts' stacked (transformers 5's
-`...mlp.experts.gate_up_proj`), once Mixtral's names are Qwen's (`_MIXTRAL_NAMES`)."""
+`...mlp.experts.gate_up_proj`), once a family's names are Qwen's (Mixtral's `_MIXTRAL_NAMES`; the hybrids' in
+engine/models/hybrid.py), under whatever block holds the experts (`mlp`, Jamba's `feed_forward`)."""
 
 _EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
@@ -438,12 +439,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     def cache_specs(self) -> list[CacheSpec]:
         """Each layer's KV cache: full attention, or a sliding window, of this rank's KV heads."""
         dtype = self.cos_cache.dtype
-        return [
-            FullAttentionSpec(attn.num_kv_heads, attn.head_dim, dtype)
-            if attn.sliding_window is None
-            else SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, dtype, attn.sliding_window)
-            for attn in (layer.self_attn for layer in self.model.layers)
-        ]
+        return [attention_spec(layer.self_attn, dtype) for layer in self.model.layers]
 
     def attention_needs(self) -> AttentionNeeds:
         """Sliding windows where a layer has one, and gpt-oss's sinks (the family has no soft-capping or ALiBi)."""
@@ -461,11 +457,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         linear's method processes (packs) its weights as soon as its last shard is in."""
         modules = dict(self.named_modules())
         loaders = (LinearBase, *self.self_loading)
-        plain = {
-            name
-            for name, _ in self.named_parameters()
-            if not isinstance(modules[name.rpartition(".")[0]], (*loaders, FusedExperts))
-        }
+        plain = plain_parameters(self, modules, loaders)
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
@@ -486,8 +478,8 @@ class LlamaFamilyForCausalLM(nn.Module):
                     module.get_parameter("sinks").copy_(tensor.narrow(0, first, module.num_heads))
                     loaded.add(name)
                     continue
-            if (expert := _EXPERT.match(name)) is not None:
-                self._load_expert(modules, expert, tensor)
+            if (expert := EXPERT_NAME.match(name)) is not None:
+                load_expert(modules, expert, tensor)
                 continue
             shard_id = None
             for hf_part, (fused_part, part) in self.fused_names.items():
@@ -503,31 +495,55 @@ class LlamaFamilyForCausalLM(nn.Module):
             else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the native {self.config.model_type}")
             loaded.add(name)
-        missing = (plain - loaded) | {
-            f"{name}.weight" for name, module in modules.items() if isinstance(module, loaders) and not module.loaded
-        }
-        missing |= {
-            f"{name}.{piece}" for name, module in modules.items() if isinstance(module, FusedExperts)
-            for piece in module.missing()
-        }  # fmt: skip
-        if missing:
-            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)}")
+        check_all_loaded(modules, plain, loaded, loaders)
 
-    @staticmethod
-    def _load_expert(modules: dict[str, nn.Module], match: re.Match[str], tensor: torch.Tensor) -> None:
-        """One expert's matrix, or all experts' stacked, into its layer's `FusedExperts`."""
-        experts = modules.get(f"{match['layer']}.experts")
-        if not isinstance(experts, FusedExperts):
-            raise ValueError(f"checkpoint tensor {match.group(0)!r} has no place: {match['layer']} is not sparse here")
-        if match["stacked"] == "gate_up_proj":  # [experts, 2 * width, hidden]: gates, then ups
-            gate, up = tensor.chunk(2, dim=1)
-            parts = [("gate", gate), ("up", up)]
-        elif match["stacked"] == "down_proj":
-            parts = [("down", tensor)]
-        elif match["part"] in _EXPERT_PARTS:
-            parts = [(_EXPERT_PARTS[match["part"]], tensor)]
-        else:
-            raise ValueError(f"checkpoint tensor {match.group(0)!r}: an expert has no {match['part']!r}")
-        expert = None if match["stacked"] else int(match["expert"])
-        for part, matrix in parts:
-            experts.weight_loader(expert, part, matrix)
+
+def attention_spec(attn: Attention, dtype: torch.dtype) -> FullAttentionSpec | SlidingWindowSpec:
+    """An attention layer's KV cache: full attention, or its sliding window, of this rank's KV heads."""
+    if attn.sliding_window is None:
+        return FullAttentionSpec(attn.num_kv_heads, attn.head_dim, dtype)
+    return SlidingWindowSpec(attn.num_kv_heads, attn.head_dim, dtype, attn.sliding_window)
+
+
+def plain_parameters(model: nn.Module, modules: dict[str, nn.Module], loaders: tuple[type, ...]) -> set[str]:
+    """The parameters a checkpoint tensor is copied into as it is: all but those of layers that load their own
+    (`loaders`: linears, `weight_loader` and `loaded`) and of stacked experts."""
+    return {
+        name
+        for name, _ in model.named_parameters()
+        if not isinstance(modules[name.rpartition(".")[0]], (*loaders, FusedExperts))
+    }
+
+
+def check_all_loaded(
+    modules: dict[str, nn.Module], plain: set[str], loaded: set[str], loaders: tuple[type, ...]
+) -> None:
+    """ValueError naming what the checkpoint left unloaded: plain parameters, self-loading layers, experts' pieces."""
+    missing = (plain - loaded) | {
+        f"{name}.weight" for name, module in modules.items() if isinstance(module, loaders) and not module.loaded
+    }
+    missing |= {
+        f"{name}.{piece}" for name, module in modules.items() if isinstance(module, FusedExperts)
+        for piece in module.missing()
+    }  # fmt: skip
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)}")
+
+
+def load_expert(modules: dict[str, nn.Module], match: re.Match[str], tensor: torch.Tensor) -> None:
+    """One expert's matrix, or all experts' stacked (an `EXPERT_NAME` match), into its layer's `FusedExperts`."""
+    experts = modules.get(f"{match['layer']}.experts")
+    if not isinstance(experts, FusedExperts):
+        raise ValueError(f"checkpoint tensor {match.group(0)!r} has no place: {match['layer']} is not sparse here")
+    if match["stacked"] == "gate_up_proj":  # [experts, 2 * width, hidden]: gates, then ups
+        gate, up = tensor.chunk(2, dim=1)
+        parts = [("gate", gate), ("up", up)]
+    elif match["stacked"] == "down_proj":
+        parts = [("down", tensor)]
+    elif match["part"] in _EXPERT_PARTS:
+        parts = [(_EXPERT_PARTS[match["part"]], tensor)]
+    else:
+        raise ValueError(f"checkpoint tensor {match.group(0)!r}: an expert has no {match['part']!r}")
+    expert = None if match["stacked"] else int(match["expert"])
+    for part, matrix in parts:
+        experts.weight_loader(expert, part, matrix)

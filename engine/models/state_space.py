@@ -25,10 +25,10 @@ from engine.distributed.parallel import TensorParallel
 from engine.layers.linear import LinearBase
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from engine.layers.mamba import Mamba2Mixer, MambaMixer
-from engine.layers.moe import FusedExperts
 from engine.layers.norm import RMSNorm
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from engine.models.base import built_empty
+from engine.models.llama import EXPERT_NAME, check_all_loaded, load_expert, plain_parameters
 
 
 class RecurrentCausalLM(nn.Module):
@@ -119,23 +119,20 @@ class RecurrentCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Each checkpoint tensor, renamed by `_place`, to the module that holds it: as the Llama family loads
+        (engine/models/llama.py's helpers), experts included."""
         modules = dict(self.named_modules())
-        plain = {
-            name
-            for name, _ in self.named_parameters()
-            if not isinstance(modules[name.rpartition(".")[0]], LinearBase | FusedExperts)
-        }
+        plain = plain_parameters(self, modules, (LinearBase,))
         loaded: set[str] = set()
         for checkpoint_name, checkpoint_tensor in weights:
             if self.tied and checkpoint_name == "lm_head.weight":
                 continue
             for name, tensor, shard_id in self._place(checkpoint_name, checkpoint_tensor):
+                if (expert := EXPERT_NAME.match(name)) is not None:
+                    load_expert(modules, expert, tensor)
+                    continue
                 module_name, _, param_name = name.rpartition(".")
                 module = modules.get(module_name)
-                if isinstance(module, FusedExperts):
-                    expert, _, part = param_name.partition(":")
-                    module.weight_loader(None if expert == "all" else int(expert), part, tensor)
-                    continue
                 if isinstance(module, LinearBase | VocabParallelEmbedding):
                     module.weight_loader(param_name, tensor, shard_id)  # type: ignore[arg-type]
                 elif name in plain:
@@ -144,15 +141,7 @@ class RecurrentCausalLM(nn.Module):
                     raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no place in the native "
                                      f"{self.config.model_type}")  # fmt: skip
                 loaded.add(name)
-        missing = (plain - loaded) | {
-            f"{name}.weight" for name, module in modules.items() if isinstance(module, LinearBase) and not module.loaded
-        }
-        missing |= {
-            f"{name}.{piece}" for name, module in modules.items() if isinstance(module, FusedExperts)
-            for piece in module.missing()
-        }  # fmt: skip
-        if missing:
-            raise ValueError(f"checkpoint lacks tensors for: {sorted(missing)}")
+        check_all_loaded(modules, plain, loaded, (LinearBase,))
 
 
 class MambaBlock(nn.Module):
