@@ -160,11 +160,11 @@ class StepInputs:
     freed_encodings: tuple[str, ...] = ()
     """Encodings to drop before those are made (the plan's)."""
     graph_size: int | None = None
-    states: StateStep | None = None
-    """A model with recurrent layers: the step's sequences' state slots and token rows (engine/layers/ssm.py)."""
     """Set for a decode step padded to this graph size: `input_ids` and `metas` are that size's static buffers,
     loaded from `buffers` by `run` (rows past the step's sequences are padding), and the forward pass replays its
     graph."""
+    states: StateStep | None = None
+    """A model with recurrent layers: the step's sequences' state slots and token rows (engine/layers/ssm.py)."""
 
     @property
     def meta(self) -> StepMetadata:

@@ -53,12 +53,12 @@ STATE_SPACE_TYPES = frozenset({"mamba", "falcon_mamba", "mamba2", "jamba", "bamb
 """Model types with recurrent (state-space) layers that Ferry's native modules run, their state in slots
 (engine/models/state_space.py, engine/models/hybrid.py)."""
 
-RECURRENT_TYPES = STATE_SPACE_TYPES | {
-    "bamba", "falcon_h1", "falcon_mamba", "nemotron_h", "zamba", "zamba2", "qwen3_next", "lfm2", "lfm2_moe", "lfm3",
-    "minimax", "rwkv", "recurrent_gemma", "xlstm", "plamo2",
-}  # fmt: skip
-"""Model types whose layers keep a recurrent state per sequence (state-space, linear attention, RNN) rather than
-K and V per token: transformers has them, but a paged cache cannot hold their state."""
+UNCLAIMED_RECURRENT_TYPES = frozenset({
+    "falcon_h1", "nemotron_h", "zamba", "zamba2", "qwen3_next", "lfm2", "lfm2_moe", "lfm3", "minimax", "rwkv",
+    "recurrent_gemma", "xlstm", "plamo2",
+})  # fmt: skip
+"""Other model types whose layers keep a recurrent state per sequence (state-space, linear attention, RNN) rather
+than K and V per token: transformers has them, Ferry has no modules that keep their state."""
 
 
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "recurrent", "mlstm", "slstm"})
@@ -78,7 +78,7 @@ def _layer_kinds(config: PretrainedConfig) -> set[str]:
 def _recurrent(config: PretrainedConfig) -> str | None:
     if config.model_type in STATE_SPACE_TYPES:
         return None
-    if config.model_type in RECURRENT_TYPES or _layer_kinds(config) & RECURRENT_LAYER_TYPES:
+    if config.model_type in UNCLAIMED_RECURRENT_TYPES or _layer_kinds(config) & RECURRENT_LAYER_TYPES:
         return (
             "recurrent layers (state-space, linear-attention or RNN) of a family Ferry has no native modules for; "
             f"their per-sequence state runs natively for {', '.join(sorted(STATE_SPACE_TYPES))} only"
