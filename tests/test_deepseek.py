@@ -7,6 +7,7 @@ tests/test_tensor_parallel.py; the latent cache's sizes are checked in tests/tes
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,11 +21,15 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine.attention import CpuPagedBackend, TorchPagedBackend
+from engine.attention.context import StepContext, step_context
+from engine.attention.latent import attend_latent
 from engine.config import EngineStartupError
 from engine.layers.moe import GroupedRouting
 from engine.models.deepseek import DeepseekForCausalLM, Router, check_tensor_parallel
 from engine.models.registry import choose_model_class
 from tests.model_factory import build_model_dir
+from tests.test_cpu_attention import KERNEL, _inputs, _ragged_step
 from tests.test_engine_equivalence import generate_alone
 
 ROUTERS = {
@@ -121,3 +126,50 @@ def test_a_multi_token_prediction_layer_in_the_checkpoint_is_skipped(tmp_path: P
     got = generate_batch([[11, 40, 7, 99]], params=[SamplingParams(max_new_tokens=6)], engine=engine)
     assert got["req_0"].generated_ids == expected[0]
     engine.close()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fresh_prompts_expanded_equal_the_absorbed_form(
+    backend_name: str, dtype: torch.dtype, tolerance: float
+) -> None:
+    """A ragged step (decodes, chunks over cached latents, short and long fresh prompts) through `attend_latent`:
+    fresh prompts of 32 tokens and more expanded into per-head keys and values, the other rows absorbed over the
+    pages, equal the absorbed form over the whole step (the path before expansion) and write the same cache."""
+    if backend_name == "cpu" and KERNEL is None:
+        pytest.skip("the CPU attention kernel does not build here")
+    heads, nope, rope, v_dim, latent = 4, 48, 16, 40, 64
+    step = _ragged_step(random.Random(11), decodes=9, max_len=150)
+    meta, *_ = _inputs(step, 16, heads, 1, latent + rope, None, seed=11)
+    generator = torch.Generator().manual_seed(11)
+    total = sum(n for _, n in step)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.3).to(dtype)
+
+    q_nope, q_pe, lat, k_pe = (
+        rand(total, heads, nope),
+        rand(total, heads, rope),
+        rand(total, latent),
+        rand(total, 1, rope),
+    )
+    w_uk, w_uv = rand(heads, nope, latent), rand(heads, v_dim, latent)
+    pages = meta.page_tables_host.max() + 1
+    cache = rand(int(pages) + 2, 16, 1, latent + rope)
+    scale = (nope + rope) ** -0.5
+
+    # The absorbed form over every row, through the torch backend.
+    want_cache = cache.clone()
+    key = torch.cat([lat.unsqueeze(1), k_pe], dim=-1)
+    query = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], dim=-1)
+    mixed = TorchPagedBackend().forward(query, key, key, (want_cache, want_cache), meta, scale, None)
+    want = torch.bmm(mixed[..., :latent].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    backend = TorchPagedBackend() if backend_name == "torch" else CpuPagedBackend(KERNEL)
+    with step_context(StepContext(backend, [meta], [None], [(cache, cache)])):
+        got = attend_latent(q_nope, q_pe, lat, k_pe, w_uk, w_uv, cache, scale)
+    split = meta.backend_state["prompt_split"]
+    assert [end - first for first, end in split.prompts] == [n for c, n in step if c == 0 and n >= 32]
+    assert split.rest is not None and split.rest.num_seqs == sum(1 for c, n in step if c or n < 32)
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(cache, want_cache, atol=0, rtol=0)

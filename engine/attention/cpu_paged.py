@@ -13,75 +13,30 @@ The step's new K/V are written into their slots first, with `index_copy_` as in 
 prompt reads its own keys from the pages like any other.
 
 Except in bfloat16 on a CPU with bfloat16 dot products (`dense_prompts`): there a fresh prompt of at least
-`DENSE_PROMPT_TOKENS` (a sequence whose every key is computed in this step) is attended by torch's causal
+`DENSE_PROMPT_TOKENS` tokens (a sequence whose every key is computed in this step) is attended by torch's causal
 `scaled_dot_product_attention` over the step's own K/V, which runs its products on the CPU's bfloat16 units
 (AMX tiles where present): 4.5-6x the kernel's float32 scores on a Qwen3 layer's 128- and 400-token prompts here.
 Decodes and chunks over cached pages stay with the kernel, in the same call's remaining rows. The prompts' split
-is computed once a step (the metadata's `backend_state`). Not where a layer needs what the kernel alone computes
+is computed once a step (engine/attention/prompt_split.py). Not where a layer needs what the kernel alone computes
 (soft-capping, ALiBi, sinks, non-causal spans, a window shorter than a prompt, a cache of another dtype).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata, write_kv
+from engine.attention.prompt_split import prompt_split
 from engine.cpu_isa import bf16_dot_products
 
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-DENSE_PROMPT_TOKENS = 32
-"""The shortest fresh prompt attended densely: below it the call costs more than the kernel's rows."""
-
 DENSE_MAX_HEAD = 256
 """The widest head the dense path takes (a latent MLA head of 576 stays with the kernel's own instance)."""
-
-
-@dataclass(frozen=True)
-class PromptSplit:
-    """A step's fresh prompts (attended densely) and the rest of its rows (the kernel's), layer-independent."""
-
-    prompts: list[tuple[int, int]]
-    """(first row, end row) of each fresh prompt of at least DENSE_PROMPT_TOKENS."""
-    longest: int
-    rest_rows: torch.Tensor | None
-    """The other sequences' rows in the packed step (None: every sequence is a dense prompt)."""
-    rest_query_start: torch.Tensor | None  # [R + 1] int32
-    rest_seq_lens: torch.Tensor | None  # [R] int32
-    rest_page_tables: torch.Tensor | None  # [R, pages] int32
-
-    @classmethod
-    def of(cls, meta: StepMetadata) -> PromptSplit:
-        starts = meta.query_start_loc_host
-        dense = [
-            i
-            for i, (new, length) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True))
-            if new == length and new >= DENSE_PROMPT_TOKENS
-        ]
-        prompts = [(starts[i], starts[i + 1]) for i in dense]
-        longest = max((end - first for first, end in prompts), default=0)
-        rest = np.setdiff1d(np.arange(meta.num_seqs), dense)
-        if not prompts or not rest.size:
-            return cls(prompts, longest, None, None, None, None)
-        lens = np.asarray(meta.query_lens_host)[rest]
-        first = np.asarray(starts[:-1])[rest]
-        rows = np.repeat(first - np.cumsum(lens) + lens, lens) + np.arange(lens.sum())
-        device = meta.seq_lens.device
-        index = torch.from_numpy(rest).to(device)
-        return cls(
-            prompts,
-            longest,
-            torch.from_numpy(rows).to(device),
-            torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device),
-            meta.seq_lens.index_select(0, index),
-            meta.page_tables.index_select(0, index),
-        )
 
 
 class CpuPagedBackend(AttentionBackend):
@@ -131,7 +86,7 @@ class CpuPagedBackend(AttentionBackend):
             and sinks is None
             and meta.token_spans is None
         ):
-            split = self._split(meta)
+            split = prompt_split(meta, self)
             if not split.prompts or (sliding_window is not None and split.longest > sliding_window):
                 split = None
         if split is None:
@@ -152,10 +107,11 @@ class CpuPagedBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[first:end] = attended[0].transpose(0, 1)
-        if split.rest_rows is not None:
+        if split.rest is not None:
+            rest = split.rest
             out[split.rest_rows] = self._paged(
-                query.index_select(0, split.rest_rows), kv_cache, split.rest_query_start, split.rest_seq_lens,
-                split.rest_page_tables, scale, sliding_window, None, None, None, None, k_scale, v_scale,
+                query.index_select(0, split.rest_rows), kv_cache, rest.query_start_loc, rest.seq_lens,
+                rest.page_tables, scale, sliding_window, None, None, None, None, k_scale, v_scale,
             )  # fmt: skip
         return out
 
@@ -165,15 +121,7 @@ class CpuPagedBackend(AttentionBackend):
         leaves the step to the modules, whose attention calls `forward`."""
         if not (self.dense_prompts and dtype == torch.bfloat16 and meta.token_spans is None):
             return False
-        return bool(self._split(meta).prompts)
-
-    @staticmethod
-    def _split(meta: StepMetadata) -> PromptSplit:
-        """The step's prompt split, made by the first layer that asks and kept in the metadata for the others."""
-        split = meta.backend_state.get("prompt_split")
-        if split is None:
-            split = meta.backend_state["prompt_split"] = PromptSplit.of(meta)
-        return split
+        return bool(prompt_split(meta, self).prompts)
 
     def _paged(
         self,

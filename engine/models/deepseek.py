@@ -2,16 +2,9 @@
 dense and sparse layers listed): multi-head latent attention over a latent cache, and DeepSeek's mixture of experts,
 on the Llama family's backbone (engine/models/llama.py).
 
-Latent attention (MLA). Each token's keys and values are compressed into one latent `c` of `kv_lora_rank` (normed)
-plus a rotary key part `k_pe` of `qk_rope_head_dim` shared by every head; head h's key is `[W_UK[h] c, k_pe]` and its
-value `W_UV[h] c` (`kv_b_proj` holds W_UK and W_UV). The cache keeps `[c, k_pe]` only (`LatentAttentionSpec`), and
-attention never expands heads: W_UK is absorbed into the query (`q_nope W_UK[h]`, a `[kv_lora_rank]` vector per
-head), so head h's score against a token is `[q_nope W_UK[h], q_pe] . [c, k_pe]`, and W_UV is applied after the
-softmax to the mix of latents. That is attention of every query head over one KV head `[c, k_pe]` whose values are
-its own first `kv_lora_rank` columns: any paged backend computes it as multi-query attention with the latent pages
-passed as both K and V (the value's extra rotary columns come out of the softmax mix and are dropped). The same form
-serves prefill and decode; the scale is transformers' (`qk_head_dim ** -0.5`, times YaRN's `mscale_all_dim` factor
-squared).
+Latent attention (MLA): the layer computes the query, the normed latent and the rotary key, and
+engine/attention/latent.py attends (absorbed over the latent cache for decodes and chunks, expanded for fresh
+prompts); the scale is transformers' (`qk_head_dim ** -0.5`, times YaRN's `mscale_all_dim` factor squared).
 
 DeepSeek lays the rotary dimensions out in interleaved pairs (V2 always, V3 under `rope_interleave`): the rotary rows
 of the query and latent projections are permuted once at load into the halves layout `apply_rotary` rotates, which
@@ -38,7 +31,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.attention.base import AttentionFeature, AttentionNeeds
-from engine.attention.graph_op import paged_attention
+from engine.attention.graph_op import latent_attention
 from engine.attention.spec import CacheSpec, LatentAttentionSpec
 from engine.config import EngineStartupError
 from engine.distributed.parallel import TensorParallel
@@ -157,13 +150,11 @@ class LatentAttention(nn.Module):
         latent = self.kv_a_layernorm(latent.contiguous())  # [T, latent]
         q_pe = apply_rotary(q_pe.contiguous(), cos, sin)
         k_pe = apply_rotary(k_pe.reshape(tokens, 1, self.rope), cos, sin)  # [T, 1, rope]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.w_uk).transpose(0, 1)  # [T, h, latent]
-        query = torch.cat([q_latent, q_pe], dim=-1)  # [T, h, latent + rope]
-        key = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # [T, 1, latent + rope]
-        # The latent pages are the keys and the values (their first `latent` columns): `kv_cache` is one tensor twice.
-        mixed = paged_attention(query, key, key, kv_cache, self.scale, None)  # [T, h, latent + rope]
-        out = torch.bmm(mixed[..., : self.latent].transpose(0, 1), self.kv_b_proj.w_uv.transpose(1, 2))  # [h, T, v]
-        return self.o_proj(out.transpose(0, 1).reshape(tokens, self.num_heads * self.v_dim))
+        # A latent layer's K and V pages are one tensor (engine/execution/kv_caches.py).
+        out = latent_attention(
+            q_nope, q_pe, latent, k_pe, self.kv_b_proj.w_uk, self.kv_b_proj.w_uv, kv_cache[0], self.scale
+        )  # [T, h, v]
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
 
 
 class Router(nn.Module):

@@ -1,0 +1,108 @@
+"""Multi-head latent attention (MLA: DeepSeek V2/V3, GLM-4.7-Flash) over a latent cache, in two forms.
+
+Each token's keys and values are compressed into one latent `c` of `kv_lora_rank` (normed) plus a rotary key part
+`k_pe` shared by every head; head h's key is `[W_UK[h] c, k_pe]` and its value `W_UV[h] c`. The cache keeps
+`[c, k_pe]` only (`LatentAttentionSpec`).
+
+- **Absorbed** (decodes, chunks over cached pages): W_UK is absorbed into the query (`q_nope W_UK[h]`, a
+  `[kv_lora_rank]` vector per head), so head h's score against a token is `[q_nope W_UK[h], q_pe] . [c, k_pe]`,
+  and W_UV is applied after the softmax to the mix of latents. That is attention of every query head over one KV
+  head `[c, k_pe]` whose values are its own first `kv_lora_rank` columns: the step's backend computes it as
+  multi-query attention with the latent pages passed as both K and V (the value's extra rotary columns come out of
+  the mix and are dropped). It reads each cached token once for all heads, which is what decode is bound by.
+- **Expanded** (fresh prompts of `DENSE_PROMPT_TOKENS` and more: every key computed in this step): the prompt's
+  latents become per-head keys `[W_UK[h] c, k_pe]` and values `W_UV[h] c` (one matrix product each, the same cost
+  as the absorbed form's query and output products), and torch's causal SDPA attends heads of `nope + rope` and
+  `v_head_dim` (192 and 128 for V2-Lite/V3) instead of the latent's 576 and 512: a third of the score and mix
+  products, on the CPU's matrix units where it has them. transformers computes this form.
+
+Both give one output; the step's prompts take the second where the cache holds the model's own dtype (a float8
+cache's prompts stay absorbed, so that every query reads the keys as stored) and no non-causal span is entered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, StepMetadata, write_kv
+from engine.attention.context import current_step
+from engine.attention.prompt_split import prompt_split
+
+
+def attend_latent(
+    q_nope: torch.Tensor,  # [T, h, nope]
+    q_pe: torch.Tensor,  # [T, h, rope], rotated
+    latent: torch.Tensor,  # [T, kv_lora_rank], normed
+    k_pe: torch.Tensor,  # [T, 1, rope], rotated
+    w_uk: torch.Tensor,  # [h, nope, kv_lora_rank]
+    w_uv: torch.Tensor,  # [h, v, kv_lora_rank]
+    cache: torch.Tensor,  # [pages, page_size, 1, kv_lora_rank + rope]
+    scale: float,
+) -> torch.Tensor:  # [T, h, v]
+    """Write the step's latents and rotary keys into `cache` and attend, through the active step's backend (and
+    torch's SDPA for its fresh prompts)."""
+    step = current_step()
+    meta = step.by_window[None]
+    key = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # [T, 1, latent + rope]
+    split = None
+    if meta.token_spans is None and cache.dtype == latent.dtype:
+        split = prompt_split(meta, step.backend)
+    if split is None or not split.prompts:
+        return _absorbed(q_nope, q_pe, key, w_uk, w_uv, cache, meta, scale, step.backend)
+    prompt_key = key.index_select(0, split.prompt_rows)
+    write_kv(prompt_key, prompt_key, (cache, cache), meta.slot_mapping.index_select(0, split.prompt_rows))
+    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    for first, end in split.prompts:
+        out[first:end] = _expanded(
+            q_nope[first:end], q_pe[first:end], latent[first:end], k_pe[first:end], w_uk, w_uv, scale
+        )
+    if split.rest is not None:
+        rows = split.rest_rows
+        out[rows] = _absorbed(q_nope[rows], q_pe[rows], key[rows], w_uk, w_uv, cache, split.rest, scale, step.backend)
+    return out
+
+
+def _absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    key: torch.Tensor,  # [T, 1, latent + rope]
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    cache: torch.Tensor,
+    meta: StepMetadata,
+    scale: float,
+    backend: AttentionBackend,
+) -> torch.Tensor:  # [T, h, v]
+    latent = w_uk.shape[2]
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, h, latent]
+    query = torch.cat([q_latent, q_pe], dim=-1)  # [T, h, latent + rope]
+    # The latent pages are the keys and the values (their first `latent` columns): one tensor passed twice.
+    mixed = backend.forward(query, key, key, (cache, cache), meta, scale, None)  # [T, h, latent + rope]
+    out = torch.bmm(mixed[..., :latent].transpose(0, 1), w_uv.transpose(1, 2))  # [h, T, v]
+    return out.transpose(0, 1).contiguous()  # the layout the op declares (its fake's)
+
+
+def _expanded(
+    q_nope: torch.Tensor,  # [L, h, nope]
+    q_pe: torch.Tensor,  # [L, h, rope]
+    latent: torch.Tensor,  # [L, latent]
+    k_pe: torch.Tensor,  # [L, 1, rope]
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [L, h, v]
+    """One fresh prompt's causal attention with its heads' keys and values expanded from its latents."""
+    tokens, heads, nope = q_nope.shape
+    k_nope = (latent @ w_uk.reshape(heads * nope, -1).t()).view(tokens, heads, nope)
+    value = (latent @ w_uv.reshape(heads * w_uv.shape[1], -1).t()).view(tokens, heads, -1)
+    query = torch.cat([q_nope, q_pe], dim=-1)  # [L, h, nope + rope]
+    key = torch.cat([k_nope, k_pe.expand(tokens, heads, -1)], dim=-1)
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+    )  # [1, h, L, v]
+    return attended[0].transpose(0, 1)
