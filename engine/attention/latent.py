@@ -98,11 +98,15 @@ def _expanded(
     value = (latent @ w_uv.reshape(heads * w_uv.shape[1], -1).t()).view(tokens, heads, -1)
     query = torch.cat([q_nope, q_pe], dim=-1)  # [L, h, nope + rope]
     key = torch.cat([k_nope, k_pe.expand(tokens, heads, -1)], dim=-1)
+    v_dim = value.shape[-1]
+    # Values narrower than the keys leave SDPA's fused CPU kernel for its op-by-op path (5x slower at a 388-token
+    # prompt of 16 heads, 192/128): zero columns make them as wide, and come out of the mix as zeros.
+    value = F.pad(value, (0, max(0, query.shape[-1] - v_dim)))
     attended = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),
         key.transpose(0, 1).unsqueeze(0),
         value.transpose(0, 1).unsqueeze(0),
         is_causal=True,
         scale=scale,
-    )  # [1, h, L, v]
-    return attended[0].transpose(0, 1)
+    )  # [1, h, L, nope + rope]
+    return attended[0, ..., :v_dim].transpose(0, 1)
