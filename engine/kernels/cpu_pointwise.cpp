@@ -1,12 +1,16 @@
 // The small per-layer ops of a decoder layer on the CPU, each in one call where torch runs several (each a few us
 // of dispatch, which at one token is most of their cost): rotary embedding and SiLU-and-multiply. Each rounds where
 // the Llama family's modules round (engine/layers/rotary.py, engine/models/llama.py), so bfloat16 results are theirs.
+// The vision encoders' pointwise ops too (engine/layers/activation.py, engine/models/qwen2_vl.py): over an image's
+// thousand patches torch's op-by-op passes, each widening bfloat16 and writing its own result, took two fifths of
+// Qwen2-VL's encoder; here each element is read and written once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "bfloat16.h"
+#include "fast_math.h"
 #include "kernels.h"
 
 #include <cmath>
@@ -40,6 +44,48 @@ void rotate(const T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t toke
           dst[d] = ferry::from_float<T>(a + b);
         }
       }
+    }
+  });
+}
+
+// out = x * cos + rotate_half(x) * sin computed in float32 from float32 tables and rounded to T once: transformers'
+// vision rotary (Qwen2-VL's `apply_rotary_pos_emb_vision`), which widens q and k before rotating them.
+template <typename T>
+void rotate_widened(const T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
+                    int64_t head_stride, const float* cos, const float* sin, T* out) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, heads * dim)), [&](int64_t t0,
+                                                                                                    int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cos + t * dim;
+      const float* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* row = x + t * token_stride + h * head_stride;
+        T* dst = out + (t * heads + h) * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          dst[d] = ferry::from_float<T>(ferry::to_float(row[d]) * c[d] - ferry::to_float(row[d + half]) * s[d]);
+        }
+#pragma omp simd
+        for (int64_t d = half; d < dim; ++d) {
+          dst[d] = ferry::from_float<T>(ferry::to_float(row[d]) * c[d] + ferry::to_float(row[d - half]) * s[d]);
+        }
+      }
+    }
+  });
+}
+
+// out = x * sigmoid(1.702 * x) (transformers' QuickGELUActivation: CLIP's and Qwen2-VL's vision MLPs), rounded to T
+// where torch rounds the expression: the scaled input, the sigmoid, the product.
+template <typename T>
+void quick_gelu_elements(const T* x, int64_t count, T* out) {
+  at::parallel_for(0, count, 16384, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) {
+      const float v = ferry::to_float(x[i]);
+      const float scaled = ferry::to_float(ferry::from_float<T>(v * 1.702f));
+      const float gate = ferry::to_float(ferry::from_float<T>(1.0f / (1.0f + ferry::fast_exp(-scaled))));
+      out[i] = ferry::from_float<T>(v * gate);
     }
   });
 }
@@ -86,6 +132,42 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+at::Tensor rotary_widened(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3,
+              "ferry_kernels.rotary_widened takes [tokens, heads, head_dim] on the CPU");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "float32 tables");
+  const at::Tensor rows = x.stride(2) == 1 ? x : x.contiguous();
+  const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2);
+  TORCH_CHECK(dim % 2 == 0, "head_dim ", dim, " is odd");
+  const at::Tensor c = cos.reshape({tokens, dim}).contiguous();
+  const at::Tensor s = sin.reshape({tokens, dim}).contiguous();
+  at::Tensor out = at::empty({tokens, heads, dim}, rows.options());
+  if (x.scalar_type() == at::kFloat) {
+    rotate_widened(rows.data_ptr<float>(), tokens, heads, dim, rows.stride(0), rows.stride(1), c.data_ptr<float>(),
+                   s.data_ptr<float>(), out.data_ptr<float>());
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rotate_widened(rows.data_ptr<at::BFloat16>(), tokens, heads, dim, rows.stride(0), rows.stride(1),
+                   c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "ferry_kernels.rotary_widened takes float32 or bfloat16, not ", x.scalar_type());
+  }
+  return out;
+}
+
+at::Tensor quick_gelu(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "ferry_kernels.quick_gelu takes a CPU tensor");
+  const at::Tensor elements = x.contiguous();
+  at::Tensor out = at::empty_like(elements);
+  if (x.scalar_type() == at::kFloat) {
+    quick_gelu_elements(elements.data_ptr<float>(), elements.numel(), out.data_ptr<float>());
+  } else if (x.scalar_type() == at::kBFloat16) {
+    quick_gelu_elements(elements.data_ptr<at::BFloat16>(), elements.numel(), out.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "ferry_kernels.quick_gelu takes float32 or bfloat16, not ", x.scalar_type());
+  }
+  return out;
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "ferry_kernels.silu_mul takes [tokens, 2 * width] on the CPU");
@@ -109,9 +191,13 @@ using namespace ferry;
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_widened(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("quick_gelu(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rotary_widened", &rotary_widened);
+  m.impl("quick_gelu", &quick_gelu);
 }

@@ -23,27 +23,9 @@
 #include <vector>
 
 #include "bfloat16.h"
+#include "fast_math.h"
 
 namespace {
-
-// exp(x) as Cephes' expf computes it (relative error about 1e-7, as libm's), in plain arithmetic that vectorises
-// inside an `omp simd` loop, where a call to std::exp stays one scalar call per element: the scans take an exp per
-// state element and token (Mamba's) and the convolution's SiLU one per channel and token.
-inline float fast_exp(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.7f ? 88.7f : x;
-  // Rounded to the nearest integer by adding and taking away 1.5 * 2^23 (std::floor would not vectorise).
-  const float whole = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float f = x - whole * 0.693359375f + whole * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
-  p = p * f * f + f + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(whole) + 127) << 23);
-}
 
 struct Steps {
   const int64_t* starts;  // [B + 1] cumulative query lengths
@@ -112,7 +94,7 @@ void conv_rows(const T* x, int64_t channels, int64_t width, const T* weight, con
         T* dst = out + t * channels + c0;
 #pragma omp simd
         for (int64_t c = 0; c < n; ++c) {
-          dst[c] = ferry::from_float<T>(acc[c] / (1.0f + fast_exp(-acc[c])));
+          dst[c] = ferry::from_float<T>(acc[c] / (1.0f + ferry::fast_exp(-acc[c])));
         }
         std::copy(history.begin() + kBlock, history.end(), history.begin());
       }
@@ -255,7 +237,7 @@ at::Tensor selective_scan(at::Tensor& states, const at::Tensor& slots, const at:
           const float bn = Bp[t * size + n], cn = Cp[t * size + n];
 #pragma omp simd
           for (int64_t d = 0; d < width; ++d) {
-            const float v = s[d] * fast_exp(step[d] * a[d]) + input[d] * bn;
+            const float v = s[d] * ferry::fast_exp(step[d] * a[d]) + input[d] * bn;
             s[d] = v;
             acc[d] += v * cn;
           }

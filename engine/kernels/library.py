@@ -1,9 +1,9 @@
 """Ferry's CPU kernel library: one extension, `torch.ops.ferry_kernels`, built from every source here by
 engine/kernels/build.py (one build, one set of instruction-set flags): the blocked linear (`cpu_linear.cpp`), the
 quantized linears (`cpu_quant_linear.cpp`, engine/kernels/quant_linear.py), RMSNorm (`cpu_norm.cpp`), rotary
-embedding and SiLU-and-multiply (`cpu_pointwise.cpp`), LoRA's products (`cpu_lora.cpp`), a mixture of experts' routed
-rows (`cpu_experts.cpp`), the state-space scans' decode step (`cpu_ssm.cpp`). Their shapes are
-registered for `torch.compile`."""
+embedding and SiLU-and-multiply, and the vision encoders' QuickGELU and float32 rotary (`cpu_pointwise.cpp`), LoRA's
+products (`cpu_lora.cpp`), a mixture of experts' routed rows (`cpu_experts.cpp`), the state-space scans' decode step
+(`cpu_ssm.cpp`). Their shapes are registered for `torch.compile`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ SOURCES = [
         "cpu_ssm.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h", "bfloat16.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h", "bfloat16.h", "fast_math.h")]
 """The kernels' entry points, for the decoder (`cpu_decoder.cpp`), which calls the others; the blocked layouts' tiles,
 shared by the linear kernels."""
 

@@ -37,3 +37,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if cos.dtype == x.dtype and cpu_kernels_take(x):
         return torch.ops.ferry_kernels.rotary(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_rotary_widened(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x` `[T, heads, head_dim]` rotated by float32 `cos`/`sin` `[T, head_dim]` in float32 and rounded back to its
+    dtype once, as transformers' vision encoders rotate (Qwen2-VL's `apply_rotary_pos_emb_vision`): on CPU one
+    kernel call, where torch runs nine ops over float32 copies."""
+    if cpu_kernels_take(x):
+        return torch.ops.ferry_kernels.rotary_widened(x, cos, sin)
+    wide = x.float()
+    return (wide * cos.unsqueeze(-2) + _rotate_half(wide) * sin.unsqueeze(-2)).to(x.dtype)

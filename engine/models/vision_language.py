@@ -22,10 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.activations import QuickGELUActivation
 
 from engine.attention.base import AttentionNeeds
 from engine.attention.spec import CacheSpec
 from engine.distributed.parallel import TensorParallel
+from engine.layers.activation import QuickGELU
 from engine.layers.linear import PatchLinear, adopt_linears
 from engine.layers.linear_method import LinearMethod
 from engine.models.llama import LlamaFamilyForCausalLM
@@ -137,17 +139,20 @@ class VisionLanguageModel(nn.Module):
 
     def adopt_vision_layers(self, method: LinearMethod) -> None:
         """Once the weights are in: the vision modules' linears onto `method` (the language model's: on a CPU the
-        kernels' packed layouts), and a patch embedding that is a convolution of one patch per input onto a
-        matmul (`PatchLinear`). The vision side then runs as the language model's linears do; its maths is the
-        same."""
+        kernels' packed layouts), a patch embedding that is a convolution of one patch per input onto a matmul
+        (`PatchLinear`), and QuickGELU onto the kernels' one pass. The vision side then runs as the language
+        model's layers do; its maths is the same."""
         for name, module in self.named_children():
             if name == "language_model":
                 continue
             adopt_linears(module, method)
-            swaps = [(parent, child_name) for parent in module.modules()
-                     for child_name, child in parent.named_children() if PatchLinear.adopts(child)]  # fmt: skip
-            for parent, child_name in swaps:
-                setattr(parent, child_name, PatchLinear(getattr(parent, child_name)))
+            swaps = [(parent, child_name, child) for parent in module.modules()
+                     for child_name, child in parent.named_children()]  # fmt: skip
+            for parent, child_name, child in swaps:
+                if PatchLinear.adopts(child):
+                    setattr(parent, child_name, PatchLinear(child))
+                elif type(child) is QuickGELUActivation:
+                    setattr(parent, child_name, QuickGELU())
 
     def _vision_dtype_device(self) -> tuple[torch.dtype, torch.device]:
         param = next(p for name, p in self.named_parameters() if not name.startswith("language_model."))
