@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
+from engine.layers.linear_method import PackedLinearMethod, bf16_matmul_native, onednn_linear_available
 from engine.models.checkpoint import SAFETENSORS_INDEX, checkpoint_files
 from engine.models.loader import load_model
 from tests.model_factory import build_model_dir
@@ -82,20 +83,33 @@ def test_auto_dtype_on_cpu_keeps_a_bfloat16_checkpoint_and_widens_the_others(
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_tied_model_keeps_one_embedding_matrix(tmp_path: Path, dtype: str) -> None:
-    """Whatever method the head takes here (the blocked kernel's layout, or the plain one), the matrix exists once
-    in the model, and the embedding's rows are the checkpoint's."""
+    """Where the head's method gives rows back (the blocked kernel's layout, or the plain one) the matrix exists
+    once in the model; a bfloat16 head on a CPU that multiplies bfloat16 takes oneDNN's packed layout and the
+    embedding keeps its own plain copy. Either way the embedding's rows are the checkpoint's and the head's logits
+    transformers' own."""
     tied = build_model_dir(tmp_path / "tied", "llama", tie_word_embeddings=True)
     model = load_model(EngineConfig.of(model=str(tied), dtype=dtype, model_impl="native")).model
     head, embedding = model.lm_head, model.model.embed_tokens
-    assert head.method.embeds_rows
+    onednn = (
+        dtype == "bfloat16"
+        and bf16_matmul_native(torch.device("cpu"))
+        and onednn_linear_available(torch.device("cpu"), torch.bfloat16)
+    )
+    assert isinstance(head.method, PackedLinearMethod) if onednn else head.method.embeds_rows
     tensors = [*model.state_dict(keep_vars=True).values()]
     tensors += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
     size = head.output_size * head.input_size
-    matrices = {t.untyped_storage().data_ptr() for t in tensors if t.numel() >= size and t.dim() >= 2}
-    assert len(matrices) == 1, "the tied matrix is stored once"
+    # oneDNN's packed tensor is opaque (no storage to compare): counted apart.
+    matrices = {t.untyped_storage().data_ptr() for t in tensors if not t.is_mkldnn and t.numel() >= size}
+    assert len(matrices) == 1, "one plain (or blocked) copy of the tied matrix"
+    assert not onednn or head.packed_weight.is_mkldnn, "and oneDNN's packed copy beside it for that head"
     reference = AutoModelForCausalLM.from_pretrained(tied, dtype=getattr(torch, dtype))
     ids = torch.arange(reference.config.vocab_size)
     assert torch.equal(embedding(ids), reference.model.embed_tokens(ids))
+    hidden = torch.randn(5, reference.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(getattr(torch, dtype))
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(head(hidden), reference.lm_head(hidden), atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")

@@ -72,9 +72,11 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(LinearBase):
     """This rank's `[vocab_per_rank, hidden]` rows of the output projection (the logits of its part of the
-    vocabulary). Tied to an embedding, the matrix is stored once: the embedding's loading fills it, the head's
-    method then takes it into its layout, and where that is not the plain one the embedding reads its rows from
-    the head (`embed_rows`); so the method must be one that can give rows back."""
+    vocabulary). Tied to an embedding, the embedding's loading fills the matrix and the head's method then takes
+    it into its layout. Where that layout gives rows back (`embeds_rows`) the matrix is stored once: the plain
+    layout is the embedding's own, and from another one the embedding reads its rows through the head
+    (`embed_rows`). Where it cannot (oneDNN's packed layout, a bfloat16 head on a CPU that multiplies bfloat16:
+    engine/models/loader.py's `_tied_head_method`), the embedding keeps the plain matrix beside the head's."""
 
     def __init__(
         self,
@@ -86,10 +88,6 @@ class ParallelLMHead(LinearBase):
         shard: Shard = ONE_RANK,
         tied: bool = False,
     ) -> None:
-        if tied and not method.embeds_rows:
-            raise ValueError(
-                f"a tied LM head shares the embedding's matrix: {type(method).__name__} cannot give its rows back"
-            )
         super().__init__(hidden_size, -(-vocab_size // shard.size), bias=False, method=method, dtype=dtype, shard=shard)
         self.tied = tied
         self._hand_rows: Callable[[Callable[[torch.Tensor], torch.Tensor]], None] | None = None
@@ -104,7 +102,7 @@ class ParallelLMHead(LinearBase):
 
     def finish_loading(self) -> None:
         super().finish_loading()
-        if self._hand_rows is not None and not self.method.plain_layout:
+        if self._hand_rows is not None and self.method.embeds_rows and not self.method.plain_layout:
             self._hand_rows(self.embed_rows)
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
