@@ -14,61 +14,44 @@
 #include "kernels.h"
 
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
-// out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x[half:], x[:half]); each product and the sum
-// rounded to T, as torch computes the expression.
-template <typename T>
+// out = x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x[half:], x[:half]). `Stepwise`: each product
+// and the sum rounded to T, as torch computes the expression in T (the Llama family's tables are in the model's
+// dtype); otherwise float32 throughout from float32 tables, rounded to T once (transformers' vision rotary, which
+// widens q and k before rotating them).
+template <typename T, typename Table, bool Stepwise>
 void rotate(const T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride,
-            const T* cos, const T* sin, T* out) {
+            const Table* cos, const Table* sin, T* out) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, heads * dim)), [&](int64_t t0,
-                                                                                                    int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* c = cos + t * dim;
-      const T* s = sin + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* row = x + t * token_stride + h * head_stride;
-        T* dst = out + (t * heads + h) * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = ferry::to_float(ferry::from_float<T>(ferry::to_float(row[d]) * ferry::to_float(c[d])));
-          const float b = ferry::to_float(ferry::from_float<T>(-ferry::to_float(row[d + half]) * ferry::to_float(s[d])));
-          dst[d] = ferry::from_float<T>(a + b);
-        }
-#pragma omp simd
-        for (int64_t d = half; d < dim; ++d) {
-          const float a = ferry::to_float(ferry::from_float<T>(ferry::to_float(row[d]) * ferry::to_float(c[d])));
-          const float b = ferry::to_float(ferry::from_float<T>(ferry::to_float(row[d - half]) * ferry::to_float(s[d])));
-          dst[d] = ferry::from_float<T>(a + b);
-        }
-      }
+  const auto term = [](float product) {
+    if constexpr (Stepwise) {
+      return ferry::to_float(ferry::from_float<T>(product));
+    } else {
+      return product;
     }
-  });
-}
-
-// out = x * cos + rotate_half(x) * sin computed in float32 from float32 tables and rounded to T once: transformers'
-// vision rotary (Qwen2-VL's `apply_rotary_pos_emb_vision`), which widens q and k before rotating them.
-template <typename T>
-void rotate_widened(const T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
-                    int64_t head_stride, const float* cos, const float* sin, T* out) {
-  const int64_t half = dim / 2;
+  };
   at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, heads * dim)), [&](int64_t t0,
                                                                                                     int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* c = cos + t * dim;
-      const float* s = sin + t * dim;
+      const Table* c = cos + t * dim;
+      const Table* s = sin + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
         const T* row = x + t * token_stride + h * head_stride;
         T* dst = out + (t * heads + h) * dim;
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
-          dst[d] = ferry::from_float<T>(ferry::to_float(row[d]) * c[d] - ferry::to_float(row[d + half]) * s[d]);
+          const float a = term(ferry::to_float(row[d]) * ferry::to_float(c[d]));
+          const float b = term(-ferry::to_float(row[d + half]) * ferry::to_float(s[d]));
+          dst[d] = ferry::from_float<T>(a + b);
         }
 #pragma omp simd
         for (int64_t d = half; d < dim; ++d) {
-          dst[d] = ferry::from_float<T>(ferry::to_float(row[d]) * c[d] + ferry::to_float(row[d - half]) * s[d]);
+          const float a = term(ferry::to_float(row[d]) * ferry::to_float(c[d]));
+          const float b = term(ferry::to_float(row[d - half]) * ferry::to_float(s[d]));
+          dst[d] = ferry::from_float<T>(a + b);
         }
       }
     }
@@ -111,9 +94,14 @@ void silu_mul_rows(const T* gate_up, int64_t tokens, int64_t width, T* out) {
 
 namespace ferry {
 
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3, "ferry_kernels.rotary takes [tokens, heads, head_dim] on the CPU");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtypes differ");
+// x [tokens, heads, head_dim] rotated by its tokens' cos/sin [tokens, head_dim]: tables in x's dtype, rounded as
+// torch rounds the expression (`rotary`), or float32 tables in float32 rounded once (`rotary_widened`).
+template <bool Widened>
+at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3, name, " takes [tokens, heads, head_dim] on the CPU");
+  const at::ScalarType table_type = Widened ? at::kFloat : x.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == table_type && sin.scalar_type() == table_type, name, ": tables of ",
+              cos.scalar_type(), ", not ", table_type);
   const at::Tensor rows = x.stride(2) == 1 ? x : x.contiguous();
   const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2);
   TORCH_CHECK(dim % 2 == 0, "head_dim ", dim, " is odd");
@@ -121,37 +109,25 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const at::Tensor s = sin.reshape({tokens, dim}).contiguous();
   at::Tensor out = at::empty({tokens, heads, dim}, rows.options());
   if (x.scalar_type() == at::kFloat) {
-    rotate(rows.data_ptr<float>(), tokens, heads, dim, rows.stride(0), rows.stride(1), c.data_ptr<float>(),
-           s.data_ptr<float>(), out.data_ptr<float>());
+    rotate<float, float, !Widened>(rows.data_ptr<float>(), tokens, heads, dim, rows.stride(0), rows.stride(1),
+                                   c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>());
   } else if (x.scalar_type() == at::kBFloat16) {
-    rotate(rows.data_ptr<at::BFloat16>(), tokens, heads, dim, rows.stride(0), rows.stride(1),
-           c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+    using Table = std::conditional_t<Widened, float, at::BFloat16>;
+    rotate<at::BFloat16, Table, !Widened>(rows.data_ptr<at::BFloat16>(), tokens, heads, dim, rows.stride(0),
+                                          rows.stride(1), c.data_ptr<Table>(), s.data_ptr<Table>(),
+                                          out.data_ptr<at::BFloat16>());
   } else {
-    TORCH_CHECK(false, "ferry_kernels.rotary takes float32 or bfloat16, not ", x.scalar_type());
+    TORCH_CHECK(false, name, " takes float32 or bfloat16, not ", x.scalar_type());
   }
   return out;
 }
 
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rotated<false>(x, cos, sin, "ferry_kernels.rotary");
+}
+
 at::Tensor rotary_widened(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3,
-              "ferry_kernels.rotary_widened takes [tokens, heads, head_dim] on the CPU");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "float32 tables");
-  const at::Tensor rows = x.stride(2) == 1 ? x : x.contiguous();
-  const int64_t tokens = rows.size(0), heads = rows.size(1), dim = rows.size(2);
-  TORCH_CHECK(dim % 2 == 0, "head_dim ", dim, " is odd");
-  const at::Tensor c = cos.reshape({tokens, dim}).contiguous();
-  const at::Tensor s = sin.reshape({tokens, dim}).contiguous();
-  at::Tensor out = at::empty({tokens, heads, dim}, rows.options());
-  if (x.scalar_type() == at::kFloat) {
-    rotate_widened(rows.data_ptr<float>(), tokens, heads, dim, rows.stride(0), rows.stride(1), c.data_ptr<float>(),
-                   s.data_ptr<float>(), out.data_ptr<float>());
-  } else if (x.scalar_type() == at::kBFloat16) {
-    rotate_widened(rows.data_ptr<at::BFloat16>(), tokens, heads, dim, rows.stride(0), rows.stride(1),
-                   c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<at::BFloat16>());
-  } else {
-    TORCH_CHECK(false, "ferry_kernels.rotary_widened takes float32 or bfloat16, not ", x.scalar_type());
-  }
-  return out;
+  return rotated<true>(x, cos, sin, "ferry_kernels.rotary_widened");
 }
 
 at::Tensor quick_gelu(const at::Tensor& x) {
