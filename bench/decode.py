@@ -126,13 +126,13 @@ def _decode_seconds(engine: EngineCore, num_seqs: int, options: DecodeOptions) -
 def step_bytes(engine: EngineCore, num_seqs: int, mean_context: float) -> tuple[int, float]:
     """(weight bytes, K/V bytes) one decode step of `num_seqs` sequences reads (see the module docstring)."""
     model = engine.runner.model
-    # A tied table is the LM head's read; buffers (rotary tables) are looked up a row per token, not read whole.
+    # An embedding's own table is looked up a row per token, not read whole (a tied table the head reads is the
+    # head's read: one the head shares, or reads rows from); buffers (rotary tables) likewise.
     weights = weight_bytes(model)
-    if not getattr(engine.hf_config, "tie_word_embeddings", False):
-        embedding = next(
-            m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))
-        )
-        weights -= embedding.numel() * embedding.element_size()
+    embedding = next(m for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding)))
+    table = getattr(embedding, "weight", None)
+    if table is not None and table is not getattr(getattr(model, "lm_head", None), "weight", None):
+        weights -= table.numel() * table.element_size()
     for module in model.modules():
         if isinstance(module, FusedExperts | ClampedSwigluExperts):
             top_k = engine.hf_config.num_experts_per_tok

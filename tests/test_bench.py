@@ -431,6 +431,23 @@ def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([], 50) is None
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_counts_a_tied_table_once_whatever_the_heads_layout(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """A tied table is the head's read, whether the embedding reads rows through the head (one copy) or keeps a
+    plain copy of its own beside oneDNN's packed head (bfloat16 on a CPU that multiplies it): never counted twice."""
+    config = {**NAMED_CONFIGS["tiny-llama"], "tie_word_embeddings": True}
+    monkeypatch.setitem(NAMED_CONFIGS, "tiny-llama-tied", config)
+    options = DecodeOptions(model="tiny-llama-tied", sizes=(1,), context_len=8, steps=2, page_size=8, device="cpu",
+                            dtype=dtype)  # fmt: skip
+    hidden, inter, vocab, layers = (
+        config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers")
+    )
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    [result] = run_decode(options)["results"]
+    element = 4 if dtype == "float32" else 2
+    assert result["weight_bytes"] == element * (layers * per_layer + hidden + vocab * hidden)
+
+
 def test_decode_reports_step_times_and_the_bytes_each_step_reads() -> None:
     options = DecodeOptions(
         model="tiny-llama", sizes=(1, 3), context_len=20, steps=3, page_size=8, device="cpu", graphs=("on", "off")
