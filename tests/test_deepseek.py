@@ -23,7 +23,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.attention import CpuPagedBackend, TorchPagedBackend
 from engine.attention.context import StepContext, step_context
-from engine.attention.latent import attend_latent
+from engine.attention.latent import latent_attention
 from engine.config import EngineStartupError
 from engine.layers.moe import GroupedRouting
 from engine.models.deepseek import DeepseekForCausalLM, Router, check_tensor_parallel
@@ -133,7 +133,7 @@ def test_a_multi_token_prediction_layer_in_the_checkpoint_is_skipped(tmp_path: P
 def test_fresh_prompts_expanded_equal_the_absorbed_form(
     backend_name: str, dtype: torch.dtype, tolerance: float
 ) -> None:
-    """A ragged step (decodes, chunks over cached latents, short and long fresh prompts) through `attend_latent`:
+    """A ragged step (decodes, chunks over cached latents, short and long fresh prompts) through `latent_attention`:
     fresh prompts of 32 tokens and more expanded into per-head keys and values, the other rows absorbed over the
     pages, equal the absorbed form over the whole step (the path before expansion) and write the same cache."""
     if backend_name == "cpu" and KERNEL is None:
@@ -167,7 +167,7 @@ def test_fresh_prompts_expanded_equal_the_absorbed_form(
 
     backend = TorchPagedBackend() if backend_name == "torch" else CpuPagedBackend(KERNEL)
     with step_context(StepContext(backend, [meta], [None], [(cache, cache)])):
-        got = attend_latent(q_nope, q_pe, lat, k_pe, w_uk, w_uv, cache, scale)
+        got = latent_attention(q_nope, q_pe, lat, k_pe, w_uk, w_uv, cache, scale)
     split = meta.backend_state["prompt_split"]
     assert [end - first for first, end in split.prompts] == [n for c, n in step if c == 0 and n >= 32]
     assert split.rest is not None and split.rest.num_seqs == sum(1 for c, n in step if c or n < 32)

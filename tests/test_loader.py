@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
-from engine.layers.linear_method import PackedLinearMethod, bf16_matmul_native, onednn_linear_available
+from engine.layers.linear_method import PackedLinearMethod, onednn_linear_available
 from engine.models.checkpoint import SAFETENSORS_INDEX, checkpoint_files
 from engine.models.loader import load_model
 from tests.model_factory import build_model_dir
@@ -90,11 +90,7 @@ def test_a_tied_model_keeps_one_embedding_matrix(tmp_path: Path, dtype: str) -> 
     tied = build_model_dir(tmp_path / "tied", "llama", tie_word_embeddings=True)
     model = load_model(EngineConfig.of(model=str(tied), dtype=dtype, model_impl="native")).model
     head, embedding = model.lm_head, model.model.embed_tokens
-    onednn = (
-        dtype == "bfloat16"
-        and bf16_matmul_native(torch.device("cpu"))
-        and onednn_linear_available(torch.device("cpu"), torch.bfloat16)
-    )
+    onednn = dtype == "bfloat16" and onednn_linear_available(torch.device("cpu"), torch.bfloat16)
     assert isinstance(head.method, PackedLinearMethod) if onednn else head.method.embeds_rows
     tensors = [*model.state_dict(keep_vars=True).values()]
     tensors += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]

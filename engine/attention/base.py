@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from engine.core.request import Spans
 
@@ -192,6 +193,27 @@ def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor
         bound = torch.finfo(cache.dtype).max
         x = x.clamp(-bound, bound)
     return x.to(cache.dtype)
+
+
+def dense_attention(
+    query: torch.Tensor,  # [L, H, D]: one sequence's rows of the packed step
+    key: torch.Tensor,  # [L, Hkv, D]
+    value: torch.Tensor,  # [L, Hkv, Dv]
+    scale: float,
+    *,
+    causal: bool,
+) -> torch.Tensor:  # [L, H, Dv]
+    """One sequence's queries over keys and values all computed with them (a fresh prompt, an image's patches),
+    causal or every way, with torch's SDPA in the packed rows' layout; grouped-query keys are taken as they are."""
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, H, L, Dv]
+    return attended[0].transpose(0, 1)
 
 
 def write_kv(

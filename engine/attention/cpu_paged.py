@@ -27,9 +27,8 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata, write_kv
+from engine.attention.base import AttentionBackend, AttentionFeature, StepMetadata, dense_attention, write_kv
 from engine.attention.prompt_split import prompt_split
 from engine.cpu_isa import bf16_dot_products
 
@@ -96,17 +95,8 @@ class CpuPagedBackend(AttentionBackend):
             )  # fmt: skip
         out = torch.empty_like(query)
         for first, end in split.prompts:
-            # [1, heads, L, dim]: every key of the prompt is in this step; a window at least the prompt's length
-            # hides nothing from it.
-            attended = F.scaled_dot_product_attention(
-                query[first:end].transpose(0, 1).unsqueeze(0),
-                key[first:end].transpose(0, 1).unsqueeze(0),
-                value[first:end].transpose(0, 1).unsqueeze(0),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[first:end] = attended[0].transpose(0, 1)
+            # Every key of the prompt is in this step; a window at least the prompt's length hides nothing from it.
+            out[first:end] = dense_attention(query[first:end], key[first:end], value[first:end], scale, causal=True)
         if split.rest is not None:
             rest = split.rest
             out[split.rest_rows] = self._paged(

@@ -12,8 +12,8 @@ the model's distinct windows (engine/core/kv_cache.py). Keying by window rather 
 number out of the graph, so one compiled decoder layer serves every layer with the same window.
 
 Eager callers go through the same `paged_attention` function, which calls the backend directly, without the op's
-dispatch (a few microseconds a call). Latent attention (engine/attention/latent.py) is `ferry::latent_attention`
-and `latent_attention` the same way: its absorbed and expanded forms are chosen per step, from the host lists.
+dispatch (a few microseconds a call). Latent attention is `ferry::latent_attention` the same way
+(engine/attention/latent.py): its absorbed and expanded forms are chosen per step, from the host lists.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from engine.attention.context import current_step
-from engine.attention.latent import attend_latent
 
 
 def _attend(
@@ -78,41 +77,3 @@ def paged_attention(
             query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window, sinks
         )
     return _attend(query, key, value, kv_cache[0], kv_cache[1], scale, sliding_window, sinks)
-
-
-_LIBRARY.define(
-    "latent_attention(Tensor q_nope, Tensor q_pe, Tensor latent, Tensor k_pe, Tensor w_uk, Tensor w_uv, "
-    "Tensor(a!) cache, float scale) -> Tensor"
-)
-_LIBRARY.impl("latent_attention", attend_latent, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("ferry::latent_attention", lib=_LIBRARY)
-def _(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    latent: torch.Tensor,
-    k_pe: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    cache: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
-
-
-def latent_attention(
-    q_nope: torch.Tensor,  # [T, h, nope]
-    q_pe: torch.Tensor,  # [T, h, rope], rotated
-    latent: torch.Tensor,  # [T, kv_lora_rank], normed
-    k_pe: torch.Tensor,  # [T, 1, rope], rotated
-    w_uk: torch.Tensor,  # [h, nope, kv_lora_rank]
-    w_uv: torch.Tensor,  # [h, v, kv_lora_rank]
-    cache: torch.Tensor,  # [pages, page_size, 1, kv_lora_rank + rope]: a latent layer's K and V pages
-    scale: float,
-) -> torch.Tensor:  # [T, h, v]
-    """Write the step's latents into `cache` and attend each sequence's queries over its latents
-    (engine/attention/latent.py), through the active step's backend."""
-    if torch.compiler.is_compiling():
-        return torch.ops.ferry.latent_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, cache, scale)
-    return attend_latent(q_nope, q_pe, latent, k_pe, w_uk, w_uv, cache, scale)

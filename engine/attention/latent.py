@@ -25,23 +25,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, StepMetadata, write_kv
+from engine.attention.base import AttentionBackend, StepMetadata, dense_attention, write_kv
 from engine.attention.context import current_step
 from engine.attention.prompt_split import prompt_split
 
 
-def attend_latent(
+def latent_attention(
     q_nope: torch.Tensor,  # [T, h, nope]
     q_pe: torch.Tensor,  # [T, h, rope], rotated
     latent: torch.Tensor,  # [T, kv_lora_rank], normed
     k_pe: torch.Tensor,  # [T, 1, rope], rotated
     w_uk: torch.Tensor,  # [h, nope, kv_lora_rank]
     w_uv: torch.Tensor,  # [h, v, kv_lora_rank]
-    cache: torch.Tensor,  # [pages, page_size, 1, kv_lora_rank + rope]
+    cache: torch.Tensor,  # [pages, page_size, 1, kv_lora_rank + rope]: a latent layer's K and V pages
     scale: float,
 ) -> torch.Tensor:  # [T, h, v]
     """Write the step's latents and rotary keys into `cache` and attend, through the active step's backend (and
-    torch's SDPA for its fresh prompts)."""
+    torch's SDPA for its fresh prompts). A compiled graph holds this as the opaque op `ferry::latent_attention`,
+    which runs this function (as `ferry::layer_attention` runs paged attention: engine/attention/graph_op.py)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.ferry.latent_attention(q_nope, q_pe, latent, k_pe, w_uk, w_uv, cache, scale)
     step = current_step()
     meta = step.by_window[None]
     key = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # [T, 1, latent + rope]
@@ -102,11 +105,26 @@ def _expanded(
     # Values narrower than the keys leave SDPA's fused CPU kernel for its op-by-op path (5x slower at a 388-token
     # prompt of 16 heads, 192/128): zero columns make them as wide, and come out of the mix as zeros.
     value = F.pad(value, (0, max(0, query.shape[-1] - v_dim)))
-    attended = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        key.transpose(0, 1).unsqueeze(0),
-        value.transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-        scale=scale,
-    )  # [1, h, L, nope + rope]
-    return attended[0, ..., :v_dim].transpose(0, 1)
+    return dense_attention(query, key, value, scale, causal=True)[..., :v_dim]
+
+
+_LIBRARY = torch.library.Library("ferry", "FRAGMENT")
+_LIBRARY.define(
+    "latent_attention(Tensor q_nope, Tensor q_pe, Tensor latent, Tensor k_pe, Tensor w_uk, Tensor w_uv, "
+    "Tensor(a!) cache, float scale) -> Tensor"
+)
+_LIBRARY.impl("latent_attention", latent_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ferry::latent_attention", lib=_LIBRARY)
+def _(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.attention.base import AttentionFeature, AttentionNeeds
-from engine.attention.graph_op import latent_attention
+from engine.attention.latent import latent_attention
 from engine.attention.spec import CacheSpec, LatentAttentionSpec
 from engine.config import EngineStartupError
 from engine.distributed.parallel import TensorParallel

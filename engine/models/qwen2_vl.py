@@ -11,12 +11,12 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
+from engine.attention.base import dense_attention
 from engine.layers.linear_method import LinearMethod
 from engine.layers.rotary import apply_rotary_widened
 from engine.models.vision_language import VisionLanguageModel
@@ -49,13 +49,7 @@ class VisionAttention(nn.Module):
         out = torch.empty_like(q)
         bounds = cu_seqlens.tolist()
         for first, end in itertools.pairwise(bounds):
-            attended = F.scaled_dot_product_attention(
-                q[first:end].transpose(0, 1).unsqueeze(0),
-                k[first:end].transpose(0, 1).unsqueeze(0),
-                v[first:end].transpose(0, 1).unsqueeze(0),
-                scale=self.scaling,
-            )  # [1, h, n, d]
-            out[first:end] = attended[0].transpose(0, 1)
+            out[first:end] = dense_attention(q[first:end], k[first:end], v[first:end], self.scaling, causal=False)
         return self.proj(out.reshape(patches, -1))
 
 
