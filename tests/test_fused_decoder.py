@@ -2,8 +2,11 @@
 bit: the same tokens and the same logprobs, in float32 and bfloat16, for every Llama-family variant (biases, Qwen3's
 per-head norms, sliding windows, mixed window groups), over prefill chunks longer than the SiLU kernel's limit and
 batched decodes. bfloat16 runs on oneDNN where the CPU multiplies it and on the blocked kernel elsewhere: .ci/run
-runs this file again with FERRY_CPU_ISA=avx2 for the second. And it runs where it should, and only there (the
-transformers oracle of the fused path itself is tests/test_engine_equivalence.py, which runs at the defaults)."""
+runs this file again with FERRY_CPU_ISA=avx2 for the second. Quantized linears too: every scheme the decoder calls a
+kernel for, quantized at load (`--quantization`) or read from a checkpoint's codes (GPTQ, compressed-tensors W8A8,
+GGUF). And it runs where it should, and only there (the transformers oracle of the fused path itself is
+tests/test_engine_equivalence.py, which runs at the defaults; of the quantized checkpoints, tests/test_quantization.py
+and tests/test_gguf.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +20,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.kernels.library import cpu_kernels_available
+from engine.models.gguf import materialize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels cannot be built here")
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "qwen2_hybrid"]
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -57,6 +62,41 @@ def test_fused_decoder_is_the_eager_path_bit_for_bit(model_dir: Callable[[str], 
     assert fused.keys() == eager.keys()
     for rid in fused:
         assert fused[rid] == eager[rid], rid
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "int8-dynamic"])
+def test_quantized_linears_in_the_fused_decoder_are_the_eager_path_bit_for_bit(
+    model_dir: Callable[[str], Path], quantization: str, dtype: str
+) -> None:
+    path = model_dir("qwen2")  # biases on q, k, v
+    scheme = {"quantization": quantization, "quantization_group_size": 32}  # the tiny model's 64 inputs
+    fused, fused_calls = _run(path, dtype, **scheme)
+    eager, _ = _run(path, dtype, **scheme, enforce_eager=True)
+    assert fused_calls > 0, "the fused decoder never ran"
+    assert fused == eager
+
+
+@pytest.mark.parametrize(
+    "checkpoint",
+    ["quantized/gptq-int4-llama", "quantized/gptq-int8-llama", "quantized/ct-w8a8-llama", "gguf/llama-q4_0.gguf"],
+)
+def test_checkpoint_codes_in_the_fused_decoder_are_the_eager_path_bit_for_bit(
+    checkpoint: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    path = FIXTURES / checkpoint
+    if path.suffix == ".gguf":
+        path = materialize(path, tmp_path_factory.mktemp("gguf-cache"))
+    fused, fused_calls = _run(path, "float32")
+    eager, _ = _run(path, "float32", enforce_eager=True)
+    assert fused_calls > 0, "the fused decoder never ran"
+    assert fused == eager
+
+
+def test_gptq_act_order_keeps_the_modules() -> None:
+    """Its x is gathered into group order before the kernel: no scheme of the decoder's computes that."""
+    engine = EngineCore(EngineConfig.of(model=str(FIXTURES / "quantized/gptq-int4-asym-actorder-qwen2"), cpu_threads=1))
+    assert engine.runner.model.model.fused is None
 
 
 def test_steps_on_another_attention_backend_run_the_modules(tiny_llama: Path) -> None:

@@ -6,8 +6,11 @@
 // pass op for op, calling the very kernels its modules call (kernels.h) with the same arguments, in the same order,
 // in the same dtypes: the result is bit for bit the eager path's. Only the Python between the ops is gone.
 //
-// A linear's weight is in either CPU layout (`project`: the blocked kernel's or oneDNN's). Each layer's tensors
-// come in one flat list, kPerLayer per layer (absent ones None), in the order of `Slot`; attention is the
+// A linear's weight is in a CPU float layout (`project`: the blocked kernel's or oneDNN's) or quantized in one of
+// cpu_quant_linear.cpp's schemes (`Scheme`: engine/layers/linear_method.py's `DecoderScheme`), three tensors a
+// linear whatever its scheme (the weight or its codes, then scales and mins or code sums, None where a scheme has
+// fewer). Each layer's tensors come in one flat list, kPerLayer per layer (absent ones None), in the order of
+// `Slot`, and each layer's linears' schemes in `schemes`, kLinearsPerLayer per layer; attention is the
 // `ferry_attention::paged_attention` op (engine/attention/cpu_paged.cpp, loaded beside this library by the CPU
 // backend), called through the dispatcher with the layer's step metadata (its KV-cache group's).
 //
@@ -26,21 +29,28 @@
 
 namespace {
 
+// A linear's slot is followed by its scales' and its third tensor's (`Linear`).
 enum Slot : int64_t {
   kInputNorm,
   kQkv,
-  kQkvBias,
+  kQkvBias = kQkv + 3,
   kQNorm,  // Qwen3's per-head norms of q and k, before rotary
   kKNorm,
   kOut,
-  kOutBias,
+  kOutBias = kOut + 3,
   kPostNorm,
   kGateUp,
-  kGateUpBias,
+  kGateUpBias = kGateUp + 3,
   kDown,
-  kDownBias,
+  kDownBias = kDown + 3,
   kPerLayer,
 };
+
+// The order of each layer's schemes.
+enum LinearPart : int64_t { kQkvLinear, kOutLinear, kGateUpLinear, kDownLinear, kLinearsPerLayer };
+
+// How a linear's weight is kept: DecoderScheme in engine/layers/linear_method.py, value for value.
+enum Scheme : int64_t { kDense, kInt8, kInt4, kInt8Groups, kW8A8 };
 
 enum LoRAPart : int64_t { kLoraQ, kLoraK, kLoraV, kLoraOut, kLoraGate, kLoraUp, kLoraDown, kLoraParts };
 constexpr int64_t kLoraPerLayer = 2 * kLoraParts;
@@ -77,6 +87,38 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_fe
   return packed_linear.call(x, weight, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
 }
 
+}  // namespace ferry
+
+namespace {
+
+// A linear's three tensors and its scheme: `multiply` calls the kernel its method's `apply` calls.
+struct Linear {
+  int64_t scheme;
+  at::Tensor weight;  // kDense: either float layout; otherwise the codes
+  std::optional<at::Tensor> scales, third;  // the scheme's scales, then its mins or code sums
+
+  at::Tensor multiply(const at::Tensor& x, int64_t out_features, const std::optional<at::Tensor>& bias) const {
+    switch (scheme) {
+      case kDense:
+        return ferry::project(x, weight, out_features, bias);
+      case kInt8:
+        return ferry::int8_linear(x, weight, *scales, *third, out_features, bias);
+      case kInt4:
+        return ferry::int4_linear(x, weight, *scales, *third, out_features, bias);
+      case kInt8Groups:
+        return ferry::int8_group_linear(x, weight, *scales, *third, out_features, bias);
+      case kW8A8:
+        return ferry::w8a8_linear(x, weight, *scales, *third, out_features, bias);
+      default:
+        TORCH_CHECK(false, "no linear scheme ", scheme);
+    }
+  }
+};
+
+}  // namespace
+
+namespace ferry {
+
 
 
 // hidden [T, hidden]: the embedded tokens; cos, sin [T, 1, head_dim]; sizes: heads, kv_heads, head_dim, the MLP's
@@ -84,7 +126,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_fe
 // layer its KV caches, sliding window (0: none), slot mapping and page table.
 at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& final_norm,
-                         at::IntArrayRef sizes, double eps, double scale, at::TensorList key_caches,
+                         at::IntArrayRef schemes, at::IntArrayRef sizes, double eps, double scale,
+                         at::TensorList key_caches,
                          at::TensorList value_caches, at::IntArrayRef windows, at::TensorList slot_mappings,
                          at::TensorList page_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                          const c10::List<std::optional<at::Tensor>>& lora_weights,
@@ -95,6 +138,8 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
   const int64_t silu_max_tokens = sizes[4];
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer, "weights: ", kPerLayer, " per layer");
+  TORCH_CHECK(static_cast<int64_t>(schemes.size()) == layers * kLinearsPerLayer, "schemes: ", kLinearsPerLayer,
+              " per layer");
   for (const size_t size : {value_caches.size(), windows.size(), slot_mappings.size(), page_tables.size()}) {
     TORCH_CHECK(static_cast<int64_t>(size) == layers, "one KV cache pair, window, slot mapping, page table a layer");
   }
@@ -109,6 +154,10 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
   at::Tensor hidden = hidden_in;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const auto w = [&](Slot slot) -> std::optional<at::Tensor> { return weights.get(layer * kPerLayer + slot); };
+    const auto linear = [&](Slot slot, LinearPart part) -> Linear {
+      return {schemes[layer * kLinearsPerLayer + part], *w(slot), w(static_cast<Slot>(slot + 1)),
+              w(static_cast<Slot>(slot + 2))};
+    };
     // out[:, offset:] += the adapters' products of x for `part` (LoRALayer.add in engine/lora/slots.py).
     const auto add_adapters = [&](at::Tensor& out, const at::Tensor& x, LoRAPart part, int64_t offset) {
       if (!adapters) return;
@@ -119,7 +168,7 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
 
     // Attention: Attention.forward in engine/models/llama.py.
     const at::Tensor normed = rms_norm(hidden, *w(kInputNorm), eps);
-    at::Tensor qkv = project(normed, *w(kQkv), q_size + 2 * kv_size, w(kQkvBias));
+    at::Tensor qkv = linear(kQkv, kQkvLinear).multiply(normed, q_size + 2 * kv_size, w(kQkvBias));
     add_adapters(qkv, normed, kLoraQ, 0);
     add_adapters(qkv, normed, kLoraK, q_size);
     add_adapters(qkv, normed, kLoraV, q_size + kv_size);
@@ -142,19 +191,19 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
         attention.call(q, key_cache, value_cache, query_start_loc, seq_lens, page_tables[layer], scale, windows[layer],
                        0.0, std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0);
     const at::Tensor attended_rows = attended.reshape({tokens, q_size});
-    at::Tensor out = project(attended_rows, *w(kOut), hidden.size(1), w(kOutBias));
+    at::Tensor out = linear(kOut, kOutLinear).multiply(attended_rows, hidden.size(1), w(kOutBias));
     add_adapters(out, attended_rows, kLoraOut, 0);
     hidden = at::add(hidden, out);
 
     // MLP: MLP.forward.
     const at::Tensor post_normed = rms_norm(hidden, *w(kPostNorm), eps);
-    at::Tensor gate_up = project(post_normed, *w(kGateUp), 2 * width, w(kGateUpBias));
+    at::Tensor gate_up = linear(kGateUp, kGateUpLinear).multiply(post_normed, 2 * width, w(kGateUpBias));
     add_adapters(gate_up, post_normed, kLoraGate, 0);
     add_adapters(gate_up, post_normed, kLoraUp, width);
     const at::Tensor activated = tokens <= silu_max_tokens
                                      ? silu_mul(gate_up)
                                      : at::mul(at::silu(gate_up.narrow(1, 0, width)), gate_up.narrow(1, width, width));
-    at::Tensor down = project(activated, *w(kDown), hidden.size(1), w(kDownBias));
+    at::Tensor down = linear(kDown, kDownLinear).multiply(activated, hidden.size(1), w(kDownBias));
     add_adapters(down, activated, kLoraDown, 0);
     hidden = at::add(hidden, down);
   }
@@ -167,7 +216,8 @@ using namespace ferry;
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def(
-      "llama_decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor?[] weights, Tensor final_norm, int[] sizes, "
+      "llama_decoder(Tensor hidden, Tensor cos, Tensor sin, Tensor?[] weights, Tensor final_norm, int[] schemes, "
+      "int[] sizes, "
       "float eps, float scale, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, int[] windows, "
       "Tensor[] slot_mappings, Tensor[] page_tables, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor?[] lora_weights, Tensor? lora_slots, Tensor? lora_scalings, int lora_rank) -> Tensor");

@@ -48,6 +48,7 @@
 #include <torch/library.h>
 
 #include "blocked.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>

@@ -18,6 +18,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
                    const std::optional<at::Tensor>& bias);
 
+// cpu_quant_linear.cpp: x @ W.T + b for a quantized weight in each scheme's layout (engine/kernels/quant_linear.py).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& code_sums, int64_t out_features, const std::optional<at::Tensor>& bias);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                       int64_t out_features, const std::optional<at::Tensor>& bias);
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& mins, int64_t out_features, const std::optional<at::Tensor>& bias);
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& code_sums, int64_t out_features, const std::optional<at::Tensor>& bias);
+
 // cpu_experts.cpp: a mixture of experts' routed rows, grouped by expert, through each expert's matrices.
 at::Tensor experts(const at::Tensor& pairs, const at::Tensor& counts, at::TensorList w13, at::TensorList w2,
                    int64_t width, int64_t silu_max_rows, at::TensorList b13, at::TensorList b2, double swiglu_alpha,

@@ -27,6 +27,8 @@ the layout and the arithmetic: the quantized methods (engine/quantization/) are 
 transformers model reads directly takes a method with a plain layout. `embeds_rows` says whether it can give rows
 of its matrix back (`embed_rows`): a tied LM head takes such a method, the embedding looks its rows up through it,
 and the matrix is stored once, in the head's layout (`select_linear_method(..., embeds_rows=True)`).
+`decoder_weight` gives the weight to the C++ decoder stack (engine/models/llama_fused.py) where it runs on one of
+the CPU kernels that decoder calls.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator
+from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +55,30 @@ WIDEN_SLICE = 1 << 20
 never approaches the size of the layer (an LM head of 150k x 896 would be 545 MB at once)."""
 _WIDEN_MIN_ROWS = 3
 """Below this many rows torch's bfloat16 matmul is faster than widening (one row: 0.9 against 1.3 ms, 4864x896)."""
+
+
+class DecoderScheme(IntEnum):
+    """The kernel the C++ decoder stack multiplies a linear's weight with (`Scheme` in engine/kernels/cpu_decoder.cpp,
+    value for value)."""
+
+    DENSE = 0
+    """The blocked kernel's layout or oneDNN's packed one (a float weight)."""
+    INT8 = 1
+    INT4 = 2
+    INT8_GROUPS = 3
+    W8A8 = 4
+
+
+class DecoderWeight(NamedTuple):
+    """A linear's weight as the C++ decoder takes it: the arguments after x of the kernel the method's `apply`
+    calls."""
+
+    scheme: DecoderScheme
+    weight: torch.Tensor
+    """The float layout, or the codes."""
+    scales: torch.Tensor | None = None
+    third: torch.Tensor | None = None
+    """The groups' minimums, or the rows' sums of codes."""
 
 
 class LinearMethod:
@@ -95,6 +123,11 @@ class LinearMethod:
     def embed_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the layer's `[out, in]` matrix, `[*ids.shape, in]`: an embedding lookup."""
         return F.embedding(ids, layer.weight)
+
+    def decoder_weight(self, layer: nn.Module) -> DecoderWeight | None:
+        """The weight for the C++ decoder stack, where `apply` is one of its kernels' ops called on x as it comes
+        (nothing computed around it); None where the decoder cannot compute what `apply` does."""
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -145,6 +178,9 @@ class PackedLinearMethod(LinearMethod):
             return torch.ops.ferry.packed_linear(x, layer.packed_weight, bias)
         return _packed_linear(x, layer.packed_weight, bias)
 
+    def decoder_weight(self, layer: nn.Module) -> DecoderWeight | None:
+        return DecoderWeight(DecoderScheme.DENSE, layer.packed_weight)
+
 
 class BlockedLinearMethod(LinearMethod):
     """The weight in Ferry's blocked layout (engine/kernels/linear.py) and the C++ kernel that streams it: 16 output
@@ -170,6 +206,9 @@ class BlockedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.ferry_kernels.linear(x, layer.blocked_weight, layer.output_size, bias)
+
+    def decoder_weight(self, layer: nn.Module) -> DecoderWeight | None:
+        return DecoderWeight(DecoderScheme.DENSE, layer.blocked_weight)
 
     def embed_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         from engine.kernels.linear import embed_rows

@@ -6,8 +6,10 @@ by one from Python (module calls, views, a dispatch per op) cost as much again: 
 eager forward pass took 675 us of which the kernels were under 300. The C++ decoder runs the same kernels with the
 same arguments in the same order, so its output is the eager path's bit for bit (tests/test_fused_decoder.py).
 
-It serves a model whose every decoder linear is on one of the CPU defaults (`BlockedLinearMethod`, or
-`PackedLinearMethod` where oneDNN multiplies bfloat16), on one rank (the row-parallel all-reduces are Python), and a
+It serves a model whose every decoder linear runs on a kernel it calls (`LinearMethod.decoder_weight`): one of the
+CPU defaults (`BlockedLinearMethod`, or `PackedLinearMethod` where oneDNN multiplies bfloat16) or a quantized
+scheme's (int8, int8-dynamic, int4, and a checkpoint's codes in groups: GPTQ, AWQ, compressed-tensors, GGUF's Q4_0
+and Q8_0; not GPTQ's act order, whose x is gathered first); on one rank (the row-parallel all-reduces are Python), and a
 step that the CPU attention kernel computes over caches of the model's dtype with no non-causal spans and no
 bfloat16 prompt the backend attends through torch's SDPA (`CpuPagedBackend.attends_prompts_densely`), LoRA adapters
 included (their slots' tensors and the step's slots join the call); anything else runs the eager modules
@@ -23,7 +25,7 @@ from engine.attention.context import current_step
 from engine.attention.cpu_paged import CpuPagedBackend
 from engine.kernels.library import cpu_kernels_take
 from engine.layers.linear import LinearBase
-from engine.layers.linear_method import BlockedLinearMethod, PackedLinearMethod
+from engine.layers.linear_method import DecoderWeight
 from engine.lora.slots import LoRALayer
 
 
@@ -34,6 +36,7 @@ class FusedDecoder:
     def __init__(self, backbone: nn.Module, silu_max_tokens: int) -> None:
         first, mlp = backbone.layers[0].self_attn, backbone.layers[0].mlp
         self.weights = [tensor for layer in backbone.layers for tensor in _layer_tensors(layer)]
+        self.schemes = [int(_decoder_weight(linear).scheme) for layer in backbone.layers for linear in _linears(layer)]
         self.final_norm = backbone.norm.weight
         self.sizes = [first.num_heads, first.num_kv_heads, first.head_dim, mlp.intermediate, silu_max_tokens]
         self.eps = backbone.norm.eps
@@ -54,7 +57,7 @@ class FusedDecoder:
         if (
             not cpu_kernels_take(backbone.norm.weight)
             or any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers)  # a mixture of experts
-            or any(not isinstance(linear.method, BlockedLinearMethod | PackedLinearMethod) for linear in linears)
+            or any(linear.method.decoder_weight(linear) is None for linear in linears)
             or any(getattr(linear, "all_reduce", None) is not None for linear in linears)
             or len({(layer.self_attn.scale, layer.input_layernorm.eps) for layer in layers}) != 1
         ):
@@ -90,6 +93,7 @@ class FusedDecoder:
             sin,
             self.weights,
             self.final_norm,
+            self.schemes,
             self.sizes,
             self.eps,
             self.scale,
@@ -107,22 +111,25 @@ class FusedDecoder:
         )
 
 
+def _linears(layer: nn.Module) -> list[LinearBase]:
+    """One layer's linears in the order of `LinearPart` in cpu_decoder.cpp."""
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None]:
-    """One layer's tensors in the order of `Slot` in cpu_decoder.cpp."""
-    attn, mlp = layer.self_attn, layer.mlp
+    """One layer's tensors in the order of `Slot` in cpu_decoder.cpp: each linear's three (`DecoderWeight`'s),
+    then its bias."""
+    attn = layer.self_attn
+    qkv, out, gate_up, down = ([*_decoder_weight(linear)[1:], linear.bias] for linear in _linears(layer))
     return [
         layer.input_layernorm.weight,
-        _weight(attn.qkv_proj),
-        attn.qkv_proj.bias,
+        *qkv,
         attn.q_norm.weight if attn.qk_norm else None,
         attn.k_norm.weight if attn.qk_norm else None,
-        _weight(attn.o_proj),
-        attn.o_proj.bias,
+        *out,
         layer.post_attention_layernorm.weight,
-        _weight(mlp.gate_up_proj),
-        mlp.gate_up_proj.bias,
-        _weight(mlp.down_proj),
-        mlp.down_proj.bias,
+        *gate_up,
+        *down,
     ]
 
 
@@ -142,6 +149,7 @@ def _adapter_tensors(layer: nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
-def _weight(linear: LinearBase) -> torch.Tensor:
-    """The weight as the linear's method keeps it: blocked (3-D) or oneDNN-packed (an mkldnn tensor)."""
-    return linear.blocked_weight if isinstance(linear.method, BlockedLinearMethod) else linear.packed_weight
+def _decoder_weight(linear: LinearBase) -> DecoderWeight:
+    weight = linear.method.decoder_weight(linear)
+    assert weight is not None, "FusedDecoder.of admits only linears the decoder multiplies"
+    return weight

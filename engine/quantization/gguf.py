@@ -22,8 +22,10 @@ import torch
 from torch import nn
 
 from engine.kernels import quant_linear
+from engine.layers.linear_method import DecoderWeight
 from engine.models.gguf import BLOCK
 from engine.quantization.base import QuantizedLinearMethod
+from engine.quantization.grouped import grouped_decoder_weight
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,9 @@ class _FileCodesMethod(QuantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quant_linear.GROUPED[self.bits].linear(x, layer.grouped, layer.output_size, bias)
+
+    def decoder_weight(self, layer: nn.Module) -> DecoderWeight | None:
+        return grouped_decoder_weight(self.bits, layer.grouped)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return quant_linear.GROUPED[self.bits].dequantize(layer.grouped, layer.output_size, layer.input_size)

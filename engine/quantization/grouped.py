@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from engine.kernels import quant_linear
+from engine.layers.linear_method import DecoderScheme, DecoderWeight
 from engine.quantization.base import QuantizedLinearMethod, drop_parameters
 
 
@@ -71,6 +72,11 @@ def kernel_group(input_size: int, group_size: int | None, bits: int) -> int | No
 def scale_dtype(scales: torch.Tensor) -> torch.dtype:
     """float16 where it holds every scale exactly, else bfloat16 (the kernels keep one of the two)."""
     return torch.float16 if torch.equal(scales.to(torch.float16).float(), scales) else torch.bfloat16
+
+
+def grouped_decoder_weight(bits: int, grouped: tuple[torch.Tensor, ...]) -> DecoderWeight:
+    """A layer's codes in groups (`quant_linear.GROUPED[bits]`'s layout) for the C++ decoder stack."""
+    return DecoderWeight(DecoderScheme.INT4 if bits == 4 else DecoderScheme.INT8_GROUPS, *grouped)
 
 
 class GroupedIntMethod(QuantizedLinearMethod):
@@ -153,6 +159,11 @@ class GroupedIntMethod(QuantizedLinearMethod):
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)  # [..., in] in group order
         return quant_linear.GROUPED[self.layout.bits].linear(x, layer.grouped, layer.output_size, bias)
+
+    def decoder_weight(self, layer: nn.Module) -> DecoderWeight | None:
+        if layer.input_order is not None:
+            return None  # x is gathered into group order first
+        return grouped_decoder_weight(self.layout.bits, layer.grouped)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         weight = quant_linear.GROUPED[self.layout.bits].dequantize(layer.grouped, layer.output_size, layer.input_size)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.kernels import quant_linear
+from engine.layers.linear_method import DecoderScheme, DecoderWeight
 from engine.quantization.base import QuantizedLinearMethod
 
 
@@ -37,6 +38,9 @@ class Int4LinearMethod(QuantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quant_linear.int4_linear(x, layer.int4, layer.output_size, bias)
+
+    def decoder_weight(self, layer: nn.Module) -> DecoderWeight | None:
+        return DecoderWeight(DecoderScheme.INT4, *layer.int4)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return quant_linear.dequantize_int4(layer.int4, layer.output_size, layer.input_size)

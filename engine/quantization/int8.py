@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.kernels import quant_linear
+from engine.layers.linear_method import DecoderScheme, DecoderWeight
 from engine.quantization.base import CheckpointQuantizedMethod, QuantizedLinearMethod, drop_parameters
 
 
@@ -30,6 +31,7 @@ class Int8LinearMethod(CheckpointQuantizedMethod):
     """Codes and scales -> the kernel's layout."""
     linear = staticmethod(quant_linear.int8_linear)
     dequantize = staticmethod(quant_linear.dequantize_int8)
+    decoder_scheme = DecoderScheme.INT8
 
     def parameter_specs(self, input_size: int, output_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"weight": ((output_size, input_size), torch.int8), "weight_scale": ((output_size,), torch.float32)}
@@ -45,6 +47,9 @@ class Int8LinearMethod(CheckpointQuantizedMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.linear(x, layer.int8, layer.output_size, bias)
 
+    def decoder_weight(self, layer: nn.Module) -> DecoderWeight | None:
+        return DecoderWeight(self.decoder_scheme, *layer.int8)
+
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return self.dequantize(layer.int8, layer.output_size, layer.input_size)
 
@@ -56,6 +61,7 @@ class W8A8LinearMethod(Int8LinearMethod):
     pack = staticmethod(quant_linear.pack_w8a8)
     linear = staticmethod(quant_linear.w8a8_linear)
     dequantize = staticmethod(quant_linear.dequantize_w8a8)
+    decoder_scheme = DecoderScheme.W8A8
 
 
 class Int8HeadMethod(QuantizedLinearMethod):
