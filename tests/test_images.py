@@ -22,6 +22,7 @@ from engine.core.page_pool import PagePool
 from engine.core.request import ExtraKey, Request, RequestRejected, SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.step import ModelRunnerOutput
+from engine.models.llava import feature_depth
 from engine.models.support import UnsupportedModelError
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.inputs import ImageInput
@@ -143,6 +144,24 @@ def test_an_image_is_encoded_once_and_its_pages_shared_only_with_the_same_image(
         == prompts.generate([{"type": "text", "text": "see"}, {"type": "image"}], [images[0]], MAX_NEW)[0]
     )
     assert (engine.encoder_cache.misses, engine.encoder_cache.hits) == (2, 1)
+
+
+def test_the_vision_tower_stops_at_its_deepest_feature_layer(llava: Path) -> None:
+    """LLaVA reads the second-to-last layer's states: the last layer is neither built nor read (the oracle tests
+    above show the features unchanged)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(llava)
+    depth = config.vision_config.num_hidden_layers
+    engine = EngineCore(EngineConfig.of(model=str(llava), device="cpu"))
+    tower = engine.runner.model.vision_tower
+    assert tower.config.num_hidden_layers == depth - 1
+    assert len(tower.encoder.layers) == depth - 1
+    config.vision_feature_layer = [1, -1, -3]  # several, counted from either end
+    layers, tower_config = feature_depth(config)
+    assert layers == [1, depth, depth - 2]
+    assert tower_config.num_hidden_layers == depth
+    assert config.vision_config.num_hidden_layers == depth, "the model's own config is left as it was"
 
 
 def test_refusals(llava: Path, tmp_path: Path) -> None:

@@ -154,6 +154,11 @@ class VisionLanguageModel(nn.Module):
                 elif type(child) is QuickGELUActivation:
                     setattr(parent, child_name, QuickGELU())
 
+    def unread(self, part: str, name: str) -> bool:
+        """Whether checkpoint tensor `name` of vision module `part` (as the module names it) is left unread: one the
+        family's features never depend on, such as a vision tower's layers past the one its features are read at."""
+        return False
+
     def _vision_dtype_device(self) -> tuple[torch.dtype, torch.device]:
         param = next(p for name, p in self.named_parameters() if not name.startswith("language_model."))
         return param.dtype, param.device
@@ -169,6 +174,7 @@ class VisionLanguageModel(nn.Module):
         for part in sorted({part for _, part, _ in self.PREFIXES if part not in ("language_model", None)}):
             module: nn.Module = getattr(self, part)
             state = {name[len(part) + 1 :]: t for name, t in vision.items() if name.startswith(part + ".")}
+            state = {name: tensor for name, tensor in state.items() if not self.unread(part, name)}
             missing, unexpected = module.load_state_dict(state, strict=False)
             kind = type(self).__name__
             if unexpected:
