@@ -119,17 +119,16 @@ struct Linear {
 
 namespace ferry {
 
-
-
-// hidden [T, hidden]: the embedded tokens; cos, sin [T, 1, head_dim]; sizes: heads, kv_heads, head_dim, the MLP's
-// width, fused_silu_max_tokens (up to this many tokens SiLU-and-multiply is the kernel, as MLP.forward decides); per
-// layer its KV caches, sliding window (0: none), slot mapping and page table.
+// hidden [T, hidden]: the embedded tokens; cos, sin [T, 1, head_dim]; schemes: each linear's `Scheme`, in the order
+// of `LinearPart`; sizes: heads, kv_heads, head_dim, the MLP's width, fused_silu_max_tokens (up to this many tokens
+// SiLU-and-multiply is the kernel, as MLP.forward decides); per layer its KV caches, sliding window (0: none), slot
+// mapping and page table.
 at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                          const c10::List<std::optional<at::Tensor>>& weights, const at::Tensor& final_norm,
                          at::IntArrayRef schemes, at::IntArrayRef sizes, double eps, double scale,
-                         at::TensorList key_caches,
-                         at::TensorList value_caches, at::IntArrayRef windows, at::TensorList slot_mappings,
-                         at::TensorList page_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                         at::TensorList key_caches, at::TensorList value_caches, at::IntArrayRef windows,
+                         at::TensorList slot_mappings, at::TensorList page_tables, const at::Tensor& query_start_loc,
+                         const at::Tensor& seq_lens,
                          const c10::List<std::optional<at::Tensor>>& lora_weights,
                          const std::optional<at::Tensor>& lora_slots, const std::optional<at::Tensor>& lora_scalings,
                          int64_t lora_rank) {
