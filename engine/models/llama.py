@@ -43,9 +43,10 @@ from engine.layers.linear import (
     ShardId,
 )
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
-from engine.layers.moe import ClampedSwigluExperts, FusedExperts, Routing, is_sparse, is_sparse_layer
+from engine.layers.moe import ClampedSwigluExperts, FusedExperts, Routing
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, rotary_tables
+from engine.layers.sparse_layers import is_sparse, is_sparse_layer
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from engine.models.base import built_empty
 from engine.models.llama_fused import FusedDecoder

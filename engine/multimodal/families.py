@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
 from engine.multimodal.inputs import ImageInput
 
@@ -47,6 +46,10 @@ def _tiled_images(config: Any, input_ids: Sequence[int], processed: Mapping[str,
     """LLaVA-NeXT's: `pixel_values` `[images, most tiles, 3, H, W]`, each image's own tiles first (the number
     follows from its size, `image_sizes`); an image's tokens are one run of the image token, as many as its tiles'
     unpadded features."""
+    # LLaVA-NeXT's modelling module (and the torch it imports) only where a NeXT model runs: this module is the
+    # front end's too.
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
     sizes = np.asarray(processed["image_sizes"], dtype=np.int64)
     pixel_values = np.asarray(processed["pixel_values"], dtype=np.float32)
     runs = _runs(input_ids, image_token_id(config))

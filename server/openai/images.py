@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.multimodal.families import GRID_FAMILIES, image_token_id, split_images, tokens_per_grid
 from engine.multimodal.inputs import ImageInput
 from server.media import MediaPolicy, load_image
 from server.openai.errors import APIError, invalid_request
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 IMAGE_PART: dict[str, Any] = {"type": "image"}
 """An image's place in a message's content as chat templates take it."""
@@ -41,6 +42,10 @@ def no_images(images: list[ImageRef]) -> None:
 def model_processor(model_dir: str, config: PretrainedConfig) -> Any:
     """The model's processor: transformers' own, or for Qwen2-VL and Qwen2.5-VL, whose processor classes insist
     on a video processor that needs torchvision (which does not load beside the CPU torch), `GridProcessor`."""
+    # Imported here: transformers' processing modules bring its modelling stack (seconds at start-up), which a
+    # text model's front end never needs.
+    from transformers import AutoProcessor
+
     if config.model_type in GRID_FAMILIES:
         return GridProcessor(model_dir, config)
     return AutoProcessor.from_pretrained(model_dir)
@@ -51,6 +56,8 @@ class GridProcessor:
     placeholder token repeated once per merged square of its patch grid, as `Qwen2VLProcessor` does."""
 
     def __init__(self, model_dir: str, config: PretrainedConfig) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
         self.config = config
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -81,6 +88,8 @@ class ImagePrompts:
     the engine's per-image inputs."""
 
     def __init__(self, model_dir: str, policy: MediaPolicy, max_images: int) -> None:
+        from transformers import AutoConfig
+
         self.config = AutoConfig.from_pretrained(model_dir)
         self.processor = model_processor(model_dir, self.config)
         self.policy = policy
