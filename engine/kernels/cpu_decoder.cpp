@@ -66,31 +66,6 @@ const c10::TypedOperatorHandle<AttentionFn>& attention_op() {
   return op;
 }
 
-}  // namespace
-
-namespace ferry {
-
-using PackedLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                  c10::string_view, c10::List<std::optional<c10::Scalar>>,
-                                  std::optional<c10::string_view>);
-
-// x @ W.T + b for a weight in either layout the CPU linear methods keep (engine/layers/linear_method.py): Ferry's
-// blocked one (BlockedLinearMethod), or oneDNN's packed one (PackedLinearMethod: bfloat16 where the CPU multiplies
-// it), through the op that method calls, with its arguments.
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
-                   const std::optional<at::Tensor>& bias) {
-  if (!weight.is_mkldnn()) {
-    return ferry::linear(x, weight, out_features, bias);
-  }
-  static const auto packed_linear =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<PackedLinearFn>();
-  return packed_linear.call(x, weight, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
-}
-
-}  // namespace ferry
-
-namespace {
-
 // A linear's three tensors and its scheme: `multiply` calls the kernel its method's `apply` calls.
 struct Linear {
   int64_t scheme;
@@ -118,6 +93,23 @@ struct Linear {
 }  // namespace
 
 namespace ferry {
+
+using PackedLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                  c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                  std::optional<c10::string_view>);
+
+// x @ W.T + b for a weight in either layout the CPU linear methods keep (engine/layers/linear_method.py): Ferry's
+// blocked one (BlockedLinearMethod), or oneDNN's packed one (PackedLinearMethod: bfloat16 where the CPU multiplies
+// it), through the op that method calls, with its arguments.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
+                   const std::optional<at::Tensor>& bias) {
+  if (!weight.is_mkldnn()) {
+    return ferry::linear(x, weight, out_features, bias);
+  }
+  static const auto packed_linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<PackedLinearFn>();
+  return packed_linear.call(x, weight, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
+}
 
 // hidden [T, hidden]: the embedded tokens; cos, sin [T, 1, head_dim]; schemes: each linear's `Scheme`, in the order
 // of `LinearPart`; sizes: heads, kv_heads, head_dim, the MLP's width, fused_silu_max_tokens (up to this many tokens
