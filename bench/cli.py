@@ -526,7 +526,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
     perplexity.add_argument("--json", type=Path, default=None)
     perplexity.set_defaults(func=_perplexity)
 
-    from bench.embed import DTYPES, EMBED_SHAPES, EmbedOptions
+    from bench.embed_config import DTYPES, EMBED_SHAPES, EmbedOptions
 
     embed = commands.add_parser(
         "embed",

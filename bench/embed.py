@@ -24,103 +24,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import httpx
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from bench.embed_config import DTYPES, EMBED_SHAPES, QWEN3_EOS, QWEN3_EOS_ID, SYSTEMS, EmbedOptions, EmbedShape
 from bench.report import fmt, format_table, stamp
 from bench.serve import free_port, started_server
-
-ShapeKind = Literal["bert", "qwen3"]
-SYSTEMS = ("ferry", "st", "vllm")
-DTYPES = ("auto", "float32", "bfloat16")
-
-
-@dataclass(frozen=True)
-class EmbedShape:
-    kind: ShapeKind
-    config: dict[str, int | float]
-    """transformers config fields (vocab_size included)."""
-    pooling: Literal["mean", "lasttoken"]
-    normalize: bool
-    checkpoint_dtype: Literal["float32", "bfloat16"]
-    """What the weights are saved in, as the public checkpoint's: `--dtype auto` runs every system in it."""
-    init_std: float
-    """Random weights' std: wide enough that different inputs get clearly different vectors, narrow enough that
-    bfloat16 stays near float32 (Qwen3's 28 layers at 0.05 leave bfloat16 at cosine 0.9987 to float32, at 0.02 at
-    0.9999; BERT's mean pooling wants 0.05 to part inputs)."""
-
-
-_QWEN3_EOS = "<|endoftext|>"
-_QWEN3_EOS_ID = 151643
-"""Qwen3's vocabulary: regular tokens below this, then its special tokens; the embedder appends EOS to every input."""
-
-EMBED_SHAPES: dict[str, EmbedShape] = {
-    # bert-base-uncased's config; mean pooling, as sentence-transformers' bert-base-nli-mean-tokens.
-    "bert-base": EmbedShape(
-        kind="bert",
-        config=dict(
-            vocab_size=30522,
-            hidden_size=768,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            intermediate_size=3072,
-            max_position_embeddings=512,
-            type_vocab_size=2,
-            pad_token_id=0,
-        ),
-        pooling="mean",
-        normalize=False,
-        checkpoint_dtype="float32",
-        init_std=0.05,
-    ),
-    # Qwen3-Embedding-0.6B's config: last-token pooling, normalized, saved in bfloat16.
-    "qwen3-embedding-0.6b": EmbedShape(
-        kind="qwen3",
-        config=dict(
-            vocab_size=151669,
-            hidden_size=1024,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            intermediate_size=3072,
-            max_position_embeddings=32768,
-            rope_theta=1_000_000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            bos_token_id=_QWEN3_EOS_ID,
-            eos_token_id=_QWEN3_EOS_ID,
-            pad_token_id=_QWEN3_EOS_ID,
-        ),
-        pooling="lasttoken",
-        normalize=True,
-        checkpoint_dtype="bfloat16",
-        init_std=0.02,
-    ),
-    # The smoke test's shape: the same files and paths as bert-base, in milliseconds. Head dim 64: vLLM's CPU
-    # attention has no kernel for the test models' 16.
-    "tiny-bert": EmbedShape(
-        kind="bert",
-        config=dict(
-            vocab_size=1000,
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=256,
-            max_position_embeddings=512,
-            type_vocab_size=2,
-            pad_token_id=0,
-        ),
-        pooling="mean",
-        normalize=False,
-        checkpoint_dtype="float32",
-        init_std=0.1,
-    ),
-}
 
 _BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _BERT_CLS, _BERT_SEP = _BERT_SPECIALS.index("[CLS]"), _BERT_SPECIALS.index("[SEP]")
@@ -133,7 +45,7 @@ def _word(token_id: int) -> str:
 def _regular_ids(shape: EmbedShape) -> range:
     """The ids a drawn input's words take: every token but the specials."""
     vocab_size = int(shape.config["vocab_size"])
-    return range(len(_BERT_SPECIALS), vocab_size) if shape.kind == "bert" else range(_QWEN3_EOS_ID)
+    return range(len(_BERT_SPECIALS), vocab_size) if shape.kind == "bert" else range(QWEN3_EOS_ID)
 
 
 def embedder_tokenizer(shape: EmbedShape, max_length: int) -> PreTrainedTokenizerFast:
@@ -163,21 +75,21 @@ def embedder_tokenizer(shape: EmbedShape, max_length: int) -> PreTrainedTokenize
             mask_token="[MASK]",
             model_max_length=max_length,
         )
-    specials = [_QWEN3_EOS, "<|im_start|>", "<|im_end|>"]
-    specials += [f"<|extra_{i}|>" for i in range(vocab_size - _QWEN3_EOS_ID - len(specials))]
+    specials = [QWEN3_EOS, "<|im_start|>", "<|im_end|>"]
+    specials += [f"<|extra_{i}|>" for i in range(vocab_size - QWEN3_EOS_ID - len(specials))]
     vocab = {_word(i): i for i in _regular_ids(shape)}
-    vocab.update({piece: _QWEN3_EOS_ID + i for i, piece in enumerate(specials)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=_QWEN3_EOS))
+    vocab.update({piece: QWEN3_EOS_ID + i for i, piece in enumerate(specials)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=QWEN3_EOS))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(specials)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"$A {_QWEN3_EOS}", special_tokens=[(_QWEN3_EOS, _QWEN3_EOS_ID)]
+        single=f"$A {QWEN3_EOS}", special_tokens=[(QWEN3_EOS, QWEN3_EOS_ID)]
     )
     # Qwen3-Embedding pads on the left, so its last token is the last column.
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token=_QWEN3_EOS,
-        pad_token=_QWEN3_EOS,
+        eos_token=QWEN3_EOS,
+        pad_token=QWEN3_EOS,
         padding_side="left",
         model_max_length=max_length,
     )
@@ -243,7 +155,7 @@ def make_inputs(shape: EmbedShape, count: int, min_len: int, max_len: int, seed:
     for _ in range(count):
         words = [rng.choice(regular) for _ in range(rng.randint(min_len, max_len) - num_specials)]
         texts.append(" ".join(_word(i) for i in words))
-        ids.append([_BERT_CLS, *words, _BERT_SEP] if shape.kind == "bert" else [*words, _QWEN3_EOS_ID])
+        ids.append([_BERT_CLS, *words, _BERT_SEP] if shape.kind == "bert" else [*words, QWEN3_EOS_ID])
     return EmbedInputs(ids, texts)
 
 
@@ -256,35 +168,6 @@ def check_tokenization(model_dir: Path, inputs: EmbedInputs) -> None:
     for i, (got, expected) in enumerate(zip(tokenized, inputs.ids, strict=True)):
         if list(got) != expected:
             raise RuntimeError(f"input {i}: the tokenizer gives {list(got)[:8]}..., the servers get {expected[:8]}...")
-
-
-@dataclass
-class EmbedOptions:
-    model: str = "bert-base"
-    num_inputs: int = 1024
-    min_len: int = 16
-    max_len: int = 512
-    seed: int = 0
-    systems: tuple[str, ...] = SYSTEMS
-    """Each `system` or `system@dtype` (`st@float32`: sentence-transformers in float32 whatever `dtype` says)."""
-    dtype: str = "auto"
-    """Every system's dtype unless its entry names one; `auto`: the checkpoint's (float32 BERT, bfloat16 Qwen3)."""
-    batch_size: int = 32
-    """Inputs per /v1/embeddings request, and `encode`'s batch size."""
-    concurrency: int = 8
-    """Requests in flight at once against a server."""
-    max_batch_tokens: int = 2048
-    """Token budget of one engine step: Ferry's --max-batch-tokens, vLLM's --max-num-batched-tokens."""
-    threads: int | None = None
-    """CPU threads for every system; None: each system's own default."""
-    check_inputs: int = 8
-    min_cosine: float = 0.999
-    vllm_python: Path | None = None
-    workdir: Path = Path(tempfile.gettempdir()) / "ferry-bench-embed"
-    ferry_args: tuple[str, ...] = ()
-    vllm_args: tuple[str, ...] = ()
-    timeout: float = 1800.0
-    startup_timeout: float = 600.0
 
 
 @dataclass

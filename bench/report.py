@@ -7,11 +7,13 @@ import os
 import platform
 import sys
 
-import torch
-import transformers
-
 
 def machine() -> dict[str, object]:
+    # Imported here: the `ferry` command line imports this module (through its subcommands' defaults) and must not
+    # pay for torch and transformers before `ferry serve` has spawned its engine.
+    import torch
+    import transformers
+
     info: dict[str, object] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

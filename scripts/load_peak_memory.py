@@ -83,6 +83,9 @@ def main() -> None:
     config = EngineConfig.of(
         model=args.model_dir, dtype=args.dtype, device="cpu", model_impl="native", quantization=args.quantization
     )
+    # Reading the config first imports its transformers modules (tens of MB of code and tables), which the engine
+    # now imports on its first config rather than with the loader: they are not the load's memory.
+    loader.model_config(config)
     anon_before, rss_before = _anon_bytes(), _max_rss_bytes()
     sampler = _PeakSampler()
     sampler.start()

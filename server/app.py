@@ -28,7 +28,7 @@ from starlette.types import ASGIApp
 from engine.config import EngineConfig
 from engine.models.gguf import DENSE_TYPES, source_info
 from engine.pooling.config import PoolingConfig
-from server.client import EngineClient, EngineDeadError
+from server.client import EngineClient, EngineDeadError, EngineProcess
 from server.lifecycle import Lifecycle, Phase
 from server.lora import LoadLoRAAdapterRequest, ServedAdapter, UnloadLoRAAdapterRequest, startup_registry
 from server.media import MediaPolicy
@@ -151,7 +151,13 @@ def ferry_version() -> str:
 class ServerState:
     """What the routes share: the engine client, the serving logic once loaded, metrics, lifecycle."""
 
-    def __init__(self, engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        settings: ServerSettings,
+        lifecycle: Lifecycle,
+        engine: EngineProcess | None = None,
+    ) -> None:
         self.engine_config = engine_config
         self.settings = settings
         self.lifecycle = lifecycle
@@ -175,6 +181,7 @@ class ServerState:
             step_log=settings.step_log,
             on_stats=self.metrics.observe_engine_stats,
             on_death=lifecycle.fail,
+            engine=engine,
         )
         self.serving: ServingContext | None = None
         self.stored = StoredState(settings)
@@ -192,7 +199,8 @@ class ServerState:
         return True
 
     async def load(self) -> None:
-        """Spawn the engine first, so that it loads the model while this process loads the tokenizer."""
+        """Start the engine first (spawning it, unless `ferry serve` did), so that it loads the model while this
+        process loads the tokenizer."""
         try:
             self.client.start()
             tokenizer = await asyncio.to_thread(
@@ -408,8 +416,12 @@ def resolve_tool_call_parser(setting: str, tokenizer: Tokenizer) -> str | None:
     return None if setting == "none" else setting
 
 
-def create_app(engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:
-    state = ServerState(engine_config, settings, lifecycle)
+def create_app(
+    engine_config: EngineConfig, settings: ServerSettings, lifecycle: Lifecycle, engine: EngineProcess | None = None
+) -> FastAPI:
+    """`engine`: the engine process when it was spawned already (`ferry serve` spawns it before importing this
+    module); the app's start-up spawns it otherwise."""
+    state = ServerState(engine_config, settings, lifecycle, engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

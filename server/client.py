@@ -124,6 +124,47 @@ class RequestGroup:
         self._queue.put_nowait((self._index[output.request_id], output, received))
 
 
+class EngineProcess:
+    """The spawned engine process and the front end's ends of its two pipes."""
+
+    def __init__(self, process: BaseProcess, requests: Connection, outputs: Connection) -> None:
+        self.process = process
+        self.requests = requests
+        """Adds, aborts and the shutdown go down this pipe."""
+        self.outputs = outputs
+        """The ready message, step messages and heartbeats come up this one."""
+
+    @classmethod
+    def spawn(
+        cls, config: EngineConfig, *, log_level: str, log_format: LogFormat, step_log: str | None
+    ) -> EngineProcess:
+        """Spawn the engine process; it starts loading the model at once. Needs no event loop, but must be called
+        from the thread that runs the server: Linux's parent-death signal fires when the *thread* that spawned the
+        child exits, so a short-lived worker thread must not do this."""
+        context = multiprocessing.get_context("spawn")
+        request_reader, request_writer = context.Pipe(duplex=False)
+        output_reader, output_writer = context.Pipe(duplex=False)
+        process = context.Process(
+            target=run_engine_process,
+            args=(config, request_reader, output_writer, os.getpid(), log_level, log_format, step_log),
+            name="ferry-engine",
+        )
+        process.start()
+        # Keep only our ends: once the child exits, its ends close and our reads see EOF at once.
+        request_reader.close()
+        output_writer.close()
+        engine = cls(process, request_writer, output_reader)
+        # If this interpreter exits without a shutdown, multiprocessing's exit hook would join the child, which
+        # ignores SIGTERM and still sees our open pipes: kill it first (hooks run last-registered first).
+        atexit.register(engine.kill)
+        return engine
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
 class EngineClient:
     def __init__(
         self,
@@ -134,7 +175,10 @@ class EngineClient:
         step_log: str | None = None,
         on_stats: StatsCallback | None = None,
         on_death: Callable[[], None] | None = None,
+        engine: EngineProcess | None = None,
     ) -> None:
+        """`engine`: the engine process, where it was spawned before the front end (`ferry serve` does, so that the
+        model loads while the web stack imports); otherwise `start()` spawns it."""
         self.config = config
         self.info: EngineReady | None = None
         self._log_level = log_level
@@ -153,39 +197,28 @@ class EngineClient:
         self._failure: str | None = None
         self._dead = False
         self._closing = False
+        self._engine: EngineProcess | None = None
+        if engine is not None:
+            self._adopt(engine)
 
     # ---------------------------------------------------------------- lifecycle
 
+    def _adopt(self, engine: EngineProcess) -> None:
+        self._engine = engine
+        self._process, self._requests, self._outputs = engine.process, engine.requests, engine.outputs
+
     def start(self) -> None:
-        """Spawn the engine process (it starts loading the model at once); then await `wait_ready()`."""
+        """Attach to the running event loop, spawning the engine process first unless it was handed in (it starts
+        loading the model at once); then await `wait_ready()`."""
+        if self._engine is None:
+            self._adopt(
+                EngineProcess.spawn(
+                    self.config, log_level=self._log_level, log_format=self._log_format, step_log=self._step_log
+                )
+            )
+        assert self._process is not None
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        context = multiprocessing.get_context("spawn")
-        request_reader, request_writer = context.Pipe(duplex=False)
-        output_reader, output_writer = context.Pipe(duplex=False)
-        # Started from the event loop's (main) thread: Linux's parent-death signal fires when the *thread* that
-        # spawned the child exits, so a short-lived worker thread must not do this.
-        self._process = context.Process(
-            target=run_engine_process,
-            args=(
-                self.config,
-                request_reader,
-                output_writer,
-                os.getpid(),
-                self._log_level,
-                self._log_format,
-                self._step_log,
-            ),
-            name="ferry-engine",
-        )
-        self._process.start()
-        # Keep only our ends: once the child exits, its ends close and our reads see EOF at once.
-        request_reader.close()
-        output_writer.close()
-        self._requests, self._outputs = request_writer, output_reader
-        # If this interpreter exits without shutdown(), multiprocessing's exit hook would join the child, which
-        # ignores SIGTERM and still sees our open pipes: kill it first (hooks run last-registered first).
-        atexit.register(self._kill_process)
         self._loop.add_reader(self._process.sentinel, self._on_process_exit)
 
     async def wait_ready(self) -> EngineReady:
@@ -199,13 +232,13 @@ class EngineClient:
         """Ask the engine to exit, then make sure it has (killing it after `timeout`)."""
         self._closing = True
         process = self._process
-        if process is None:
+        if process is None or self._engine is None:
             return
         if process.is_alive():
             with contextlib.suppress(EngineDeadError):
                 self._send(Shutdown())
             await asyncio.to_thread(process.join, timeout)
-        self._kill_process()
+        self._engine.kill()
         self._fail_all(EngineDeadError("The server is shutting down."))
         if self._loop is not None:
             self._loop.remove_reader(process.sentinel)
@@ -215,12 +248,7 @@ class EngineClient:
             await asyncio.to_thread(self._reader.join, timeout)
         if self._outputs is not None:
             self._outputs.close()
-        atexit.unregister(self._kill_process)
-
-    def _kill_process(self) -> None:
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
-            self._process.join()
+        atexit.unregister(self._engine.kill)
 
     # ---------------------------------------------------------------- state
 

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import huggingface_hub
+import huggingface_hub.constants
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 

@@ -62,6 +62,12 @@ def test_each_layer_is_allocated_from_its_own_spec() -> None:
         ((11, 4, 2, 8), torch.float16),
     ]
     assert all(k.shape == v.shape and k.dtype == v.dtype for k, v in caches)
+    # Zero until written (the CPU pages come from memory the system zeroes as it is first touched), each tensor
+    # its own memory, writable.
+    assert all(torch.count_nonzero(t) == 0 for pair in caches for t in pair)
+    assert len({t.data_ptr() for pair in caches for t in pair}) == 2 * len(caches)
+    caches[0][0][3].fill_(1.5)
+    assert caches[0][0].sum().item() == 1.5 * 4 * 4 * 16 and caches[0][1].sum().item() == 0
     # A group's page is what its layers' tensors keep of a page's tokens.
     for g, layout in enumerate(layouts):
         held = sum(caches[layer][0][0].nbytes + caches[layer][1][0].nbytes for layer in layout.layers)

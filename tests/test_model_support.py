@@ -16,8 +16,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from engine import EngineConfig, EngineCore, SamplingParams, UnsupportedModelError, generate_batch
 from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
-from engine.models.loader import load_model, paged_transformers_model
+from engine.models.loader import load_model
 from engine.models.registry import choose_model_class
+from engine.models.transformers_loading import paged_transformers_model
 from tests.model_factory import ARCHITECTURES, build_model_dir
 
 

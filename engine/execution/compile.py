@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from engine.config import CompileLevel, EngineConfig, EngineStartupError
+from engine.kernels.library import cpu_kernels_available
 
 _RECOMPILE_LIMIT = 16
 """Graphs per compiled function: a one-token and a dynamic graph per sliding window (and the bfloat16 widened
@@ -63,6 +64,10 @@ def compile_model(model: nn.Module, level: CompileLevel) -> None:
     """Wrap the native model's decoder for `level`; nothing compiles until the start-up warm-up runs a step
     (`warm_up`, engine/execution/startup.py)."""
     options = {"fullgraph": True, "recompile_limit": _RECOMPILE_LIMIT}
+    if level != "none":
+        # A graph takes the kernels' availability as it is when traced. Marked here, not where the function is
+        # defined: marking imports torch._dynamo (~1.1 s), which an eager engine never needs.
+        torch.compiler.assume_constant_result(cpu_kernels_available)
     if level == "piecewise":
         for layer in model.model.layers:
             layer.compile(**options)

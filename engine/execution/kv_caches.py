@@ -17,7 +17,9 @@ is half a bfloat16 one), and the tensors are allocated in it.
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import numpy as np
 import torch
 
 from engine.attention.spec import (
@@ -103,7 +105,18 @@ def allocate_kv_caches(
             caches.append((conv, torch.zeros((num_state_slots, *spec.ssm_shape), dtype=spec.ssm_dtype, device=device)))
             continue
         shape = (pool_pages[group_of_layer[layer]] + 1, page_size, spec.num_kv_heads, spec.head_size)
-        keys = torch.zeros(shape, dtype=spec.dtype, device=device)
-        values = keys if isinstance(spec, LatentAttentionSpec) else torch.zeros(shape, dtype=spec.dtype, device=device)
+        keys = _pages(shape, spec.dtype, device)
+        values = keys if isinstance(spec, LatentAttentionSpec) else _pages(shape, spec.dtype, device)
         caches.append((keys, values))
     return caches
+
+
+def _pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed pages. On the CPU in memory the operating system zeroes one 4 KiB page at a time as it is first written
+    (numpy's calloc of fresh anonymous memory) rather than filled up front: a pool sized to the machine's memory is
+    mostly unwritten for a long while, and torch.zeros' fill of the demo model's 537 MB pool took 0.4 s of every
+    start. Either way every element reads zero until written (kernels read a padded page's slots under a mask)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(memory).view(dtype).view(shape)

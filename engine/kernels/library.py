@@ -42,8 +42,8 @@ def load_cpu_kernels() -> None:
         raise outcome
 
 
-@torch.compiler.assume_constant_result  # a compiled graph takes the answer as it is when traced
 def cpu_kernels_available() -> bool:
+    """Whether the kernels could be had; a compiled graph takes the answer as traced (engine/execution/compile.py)."""
     try:
         load_cpu_kernels()
     except KernelUnavailable:

@@ -5,21 +5,58 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from engine.kernels.library import cpu_kernels_take
+
+
+class LlamaRotary(nn.Module):
+    """transformers' `LlamaRotaryEmbedding` (the Llama family's and most others' rotary module), stated here on
+    transformers' own rope functions so that an engine start does not import the Llama modelling module and with it
+    transformers' model-loading machinery (~1.7 s). tests/test_rotary.py holds it to the original for every rope
+    type, bit for bit."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        # The names dynamic_rope_update reads and updates.
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        init = _default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    @dynamic_rope_update  # dynamic and longrope scaling pick their frequencies by the largest position
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
+
+
+def _default_rope_parameters(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """Unscaled rope over the whole head: the inverse frequencies, and no attention scaling."""
+    base = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
 def rotary_tables(
     config: PretrainedConfig,
     max_positions: int,
     dtype: torch.dtype,
-    module: Callable[[PretrainedConfig], torch.nn.Module] = LlamaRotaryEmbedding,
+    module: Callable[[PretrainedConfig], nn.Module] = LlamaRotary,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin `[max_positions, rotary_dim]`, computed in float32 by the transformers rotary module itself (all rope
-    scaling types; `module`: a family's own where it turns fewer dimensions than the head's, as Bamba's does), then
-    stored in `dtype`, on the current default device."""
+    """cos/sin `[max_positions, rotary_dim]`, computed in float32 by the rotary module (all rope scaling types;
+    `module`: a family's own where it turns fewer dimensions than the head's, as Bamba's does), then stored in
+    `dtype`, on the current default device (on the meta device, tables of the right shape: meta `arange` runs torch's
+    reference implementation, whose first use imports torch._dynamo, ~1 s of an eager engine's start)."""
+    if torch.get_default_device().type == "meta":
+        with torch.device("cpu"):
+            rotary_dim = rotary_tables(config, 1, dtype, module)[0].shape[-1]
+        return torch.empty(max_positions, rotary_dim, dtype=dtype), torch.empty(max_positions, rotary_dim, dtype=dtype)
     rotary = module(config)
     positions = torch.arange(max_positions)[None, :]
     cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)

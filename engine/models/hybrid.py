@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.bamba.modeling_bamba import BambaRotaryEmbedding
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.attention.base import AttentionFeature, AttentionNeeds
 from engine.attention.spec import CacheSpec
@@ -31,7 +30,7 @@ from engine.layers.linear_method import LinearMethod
 from engine.layers.mamba import Mamba2Mixer, MambaMixer
 from engine.layers.moe import FusedExperts, Routing
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import rotary_tables
+from engine.layers.rotary import LlamaRotary, rotary_tables
 from engine.layers.vocab import VocabParallelEmbedding
 from engine.models.llama import EXPERT_NAME, MLP, Attention, LlamaFamilyForCausalLM, attention_spec
 from engine.models.state_space import RecurrentCausalLM
@@ -161,8 +160,8 @@ class HybridCausalLM(RecurrentCausalLM):
     embedding_name = "model.embed_tokens"
     layer_class: type[HybridLayer]
     final_norm_name: str
-    rotary_module: Callable[[PretrainedConfig], nn.Module] = LlamaRotaryEmbedding
-    """The transformers module the rotary tables are computed by (the family's own where it rotates part of a head)."""
+    rotary_module: Callable[[PretrainedConfig], nn.Module] = LlamaRotary
+    """The module the rotary tables are computed by (transformers' own for a family that rotates part of a head)."""
 
     def build(self, config: PretrainedConfig, method: LinearMethod) -> None:
         self.model = nn.Module()

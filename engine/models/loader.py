@@ -6,45 +6,28 @@ import ctypes
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import (
-    MODEL_FOR_CAUSAL_LM_MAPPING,
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    GenerationConfig,
-    Mxfp4Config,
-    PretrainedConfig,
-    PreTrainedModel,
-)
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
 from engine.distributed.parallel import TensorParallel
 from engine.execution.compile import check_compile_level, compile_model
-from engine.layers.linear import LinearBase, adopt_linears
+from engine.layers.linear import LinearBase
 from engine.layers.linear_method import (
     LinearMethod,
-    PackedLinearMethod,
     UnquantizedLinearMethod,
-    onednn_linear_available,
     select_linear_method,
 )
 from engine.layers.moe import PackedOnLoad
 from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
-from engine.models.encoder import TransformersEncoder
 from engine.models.gguf import gguf_tensors, source_file
-from engine.models.hf_adapter import ATTN_IMPLEMENTATION, TransformersCausalLM
-from engine.models.hf_attention import replace_own_attention
 from engine.models.llama import check_tensor_parallel
 from engine.models.registry import (
     ADAPTED_VISION_MODELS,
@@ -53,9 +36,9 @@ from engine.models.registry import (
     VISION_MODELS,
     VISION_TEXT_TYPES,
     architecture,
-    choose_model_class,
+    runs_native,
 )
-from engine.models.support import STATE_SPACE_TYPES, UnsupportedModelError, dequantized_at_load, unsupported_feature
+from engine.models.support import STATE_SPACE_TYPES, UnsupportedModelError, unsupported_feature
 from engine.models.vision_language import LanguageModelAlone, VisionLanguageModel
 from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
@@ -251,7 +234,7 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
             )
         # A sentence-transformers save of a decoder (its base model's weights): the causal LM's modules run it.
         hf_config.architectures = [causal]
-    native = choose_model_class(hf_config, config.model.model_impl) is not TransformersCausalLM
+    native = runs_native(hf_config, config.model.model_impl)
     if hf_config.model_type in STATE_SPACE_TYPES:
         _check_state_space(config, hf_config)
     check_compile_level(config, native=native, device=resolve_device(config.model.device))
@@ -376,10 +359,14 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
             f"({', '.join(sorted(NATIVE_MODELS))})",
         )
     if pooling is not None and pooling.bidirectional:
-        model = _load_encoder(config, hf_config, pooling, dtype, device, method)
+        from engine.models.transformers_loading import load_encoder  # imports transformers' modelling (seconds)
+
+        model = load_encoder(config, hf_config, pooling, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
     elif architecture(full_config) in ADAPTED_VISION_MODELS:
-        model = _load_adapted_vision_model(config, full_config, dtype, device, method)
+        from engine.models.transformers_loading import load_adapted_vision_model
+
+        model = load_adapted_vision_model(config, full_config, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
     elif native:
         arch = architecture(full_config)
@@ -410,7 +397,9 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
             tensors = _checkpoint_tensors(config.model.path)
             model.load_weights(_as_causal_lm(tensors) if base_checkpoint else tensors)
     else:
-        model = _load_transformers_model(config, hf_config, dtype, device, method)
+        from engine.models.transformers_loading import load_transformers_model
+
+        model = load_transformers_model(config, hf_config, dtype, device, method)
         backend = _backend_for(config, model, device, dtype)
     if isinstance(model, VisionLanguageModel) and not isinstance(method, UnquantizedLinearMethod):
         model.adopt_vision_layers(method)  # the CPU kernels' layouts (never --quantization's)
@@ -469,117 +458,6 @@ def _as_causal_lm(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
     """A base model's tensors named as its causal LM names them."""
     for name, tensor in tensors:
         yield f"model.{name}", tensor
-
-
-def _load_encoder(
-    config: EngineConfig,
-    hf_config: PretrainedConfig,
-    pooling: PoolingConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    method: LinearMethod,
-) -> TransformersEncoder:
-    """An encoder (or its classifier) through transformers' `from_pretrained`, its linears adopted into the CPU
-    kernels' layouts, its attention on the paged backend (engine/models/encoder.py)."""
-    auto = AutoModelForSequenceClassification if pooling.kind == "classify" else AutoModel
-    hf_config._attn_implementation = ATTN_IMPLEMENTATION
-    if config.model.load_format == "dummy":
-        hf_model = auto.from_config(hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-    else:
-        hf_model = auto.from_pretrained(config.model.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
-    hf_model = hf_model.eval().to(device)
-    # An encoder only ever computes whole inputs, hundreds of rows a step: there oneDNN's packed layout multiplies
-    # float32 1.45x as fast as the blocked kernel, whose strength is streaming weights for a few decode rows
-    # (2,048 x 768 x 3,072 on this Intel CPU: 282 against 200 GFLOP/s on two cores).
-    if onednn_linear_available(device, dtype):
-        method = PackedLinearMethod()
-    if not isinstance(method, UnquantizedLinearMethod):
-        adopt_linears(hf_model, method)
-    return TransformersEncoder(hf_model)
-
-
-def paged_transformers_model(
-    hf_config: PretrainedConfig, build: Callable[[PretrainedConfig], PreTrainedModel]
-) -> PreTrainedModel:
-    """transformers' model of `hf_config`, made by `build` with Ferry's paged attention as its attention
-    implementation; UnsupportedModelError for a model that looks its attention classes up in a table of its own,
-    which has no paged entry."""
-    hf_config._attn_implementation = ATTN_IMPLEMENTATION
-    try:
-        return build(hf_config)
-    except KeyError as error:
-        if error.args != (ATTN_IMPLEMENTATION,):
-            raise
-        raise UnsupportedModelError(
-            hf_config.model_type, "attention classes from a table of the model's own with no paged entry"
-        ) from error
-
-
-def _load_adapted_vision_model(
-    config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, method: LinearMethod
-) -> nn.Module:
-    """An image model whose language model has no native modules (Gemma 3): transformers' whole model with paged
-    attention, its language model and head driven through the adapter, its vision modules as they are."""
-    model_class = VISION_MODELS[architecture(hf_config)]
-    # Paged attention for the language model; the vision tower's attention is transformers' own (sdpa).
-    attention = {"text_config": ATTN_IMPLEMENTATION, "vision_config": "sdpa"}
-    if config.model.load_format == "dummy":
-        hf_model = AutoModelForImageTextToText.from_config(hf_config, dtype=dtype, attn_implementation=attention)
-    else:
-        hf_model = AutoModelForImageTextToText.from_pretrained(
-            config.model.path, dtype=dtype, attn_implementation=attention
-        )
-    hf_model = hf_model.eval().to(device)
-    replace_own_attention(hf_model)
-    # The language model with its head, as transformers' causal LM of the text config holds them (made on the meta
-    # device, then given the loaded model's modules: nothing is allocated twice).
-    text_config = hf_model.config.text_config
-    with torch.device("meta"):
-        causal_lm = AutoModelForCausalLM.from_config(text_config, attn_implementation=ATTN_IMPLEMENTATION)
-    causal_lm.model = hf_model.model.language_model
-    causal_lm.lm_head = hf_model.lm_head
-    language_model = TransformersCausalLM(causal_lm)
-    language_model.check_runs_exactly()
-    if not isinstance(method, UnquantizedLinearMethod):
-        adopt_linears(causal_lm, method)
-    return model_class(hf_config, language_model, hf_model.model.vision_tower, hf_model.model.multi_modal_projector)
-
-
-def _load_transformers_model(
-    config: EngineConfig,
-    hf_config: PretrainedConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    method: LinearMethod,
-) -> TransformersCausalLM:
-    if config.model.load_format == "dummy":
-        hf_model = paged_transformers_model(
-            hf_config,
-            lambda hf_config: AutoModelForCausalLM.from_config(
-                hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-            ),
-        )
-    else:
-        options = {}
-        if dequantized_at_load(hf_config):
-            # Explicitly: where triton's MXFP4 kernels are installed transformers would run the experts on them.
-            logger.info("MXFP4 experts dequantized to %s as they load", dtype)
-            options["quantization_config"] = Mxfp4Config(dequantize=True)
-        hf_model = paged_transformers_model(
-            hf_config,
-            lambda _: AutoModelForCausalLM.from_pretrained(
-                config.model.path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **options
-            ),
-        )
-    # Built (or loaded) in `dtype` on the CPU, then moved: loading straight onto a GPU (`device_map`) would need
-    # accelerate.
-    hf_model = hf_model.eval().to(device)
-    replace_own_attention(hf_model)
-    model = TransformersCausalLM(hf_model)
-    model.check_runs_exactly()
-    if not isinstance(method, UnquantizedLinearMethod):
-        adopt_linears(hf_model, method)
-    return model
 
 
 def _backend_for(config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype) -> AttentionBackend:

@@ -7,59 +7,81 @@ A natively implemented architecture runs on its own modules; any other, and any 
 
 Adding a family is one file and one line: write `engine/models/<family>.py` with a class implementing
 `engine/models/base.py`'s `CausalLM` (build it on engine/layers/ and give it the `empty(...)` constructor and
-`load_weights` that `LlamaFamilyForCausalLM` has), then add `"<Architecture>ForCausalLM": <Class>` to
-`NATIVE_MODELS` below.
+`load_weights` that `LlamaFamilyForCausalLM` has), then add
+`"<Architecture>ForCausalLM": "engine.models.<family>:<Class>"` to `_NATIVE_PATHS` below.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.models.base import CausalLM
-from engine.models.deepseek import DeepseekForCausalLM
-from engine.models.gemma3 import Gemma3ForConditionalGeneration
-from engine.models.hf_adapter import TransformersCausalLM
-from engine.models.hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM, JambaForCausalLM
-from engine.models.llama import LlamaFamilyForCausalLM
-from engine.models.llava import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
-from engine.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
-from engine.models.state_space import MambaForCausalLM
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
+
+
+class Classes(Mapping[str, type[CausalLM]]):
+    """Architecture name -> class, each given as "module:Class" and imported when it is first looked up: an engine
+    imports the one family it runs. Several families build on transformers' modelling modules, which import its
+    model-loading machinery (torch.distributed's tensors, torch._dynamo, scipy): seconds of start-up no other
+    model should pay."""
+
+    def __init__(self, paths: dict[str, str]) -> None:
+        self._paths = paths
+
+    def __getitem__(self, name: str) -> type[CausalLM]:
+        module, _, attribute = self._paths[name].partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
 
 TRANSFORMERS = "TransformersForCausalLM"
 """The fallback's entry: any causal LM transformers has, through paged attention."""
 
-NATIVE_MODELS: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaFamilyForCausalLM,
-    "Qwen2ForCausalLM": LlamaFamilyForCausalLM,
-    "Qwen3ForCausalLM": LlamaFamilyForCausalLM,
-    "MistralForCausalLM": LlamaFamilyForCausalLM,
-    "MixtralForCausalLM": LlamaFamilyForCausalLM,
-    "Qwen2MoeForCausalLM": LlamaFamilyForCausalLM,
-    "Qwen3MoeForCausalLM": LlamaFamilyForCausalLM,
-    "GptOssForCausalLM": LlamaFamilyForCausalLM,
-    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
-    "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
-    "MambaForCausalLM": MambaForCausalLM,
-    "FalconMambaForCausalLM": MambaForCausalLM,
-    "Mamba2ForCausalLM": MambaForCausalLM,
-    "JambaForCausalLM": JambaForCausalLM,
-    "BambaForCausalLM": BambaForCausalLM,
-    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+_LLAMA = "engine.models.llama:LlamaFamilyForCausalLM"
+_DEEPSEEK = "engine.models.deepseek:DeepseekForCausalLM"
+_MAMBA = "engine.models.state_space:MambaForCausalLM"
+_NATIVE_PATHS = {
+    "LlamaForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "MixtralForCausalLM": _LLAMA,
+    "Qwen2MoeForCausalLM": _LLAMA,
+    "Qwen3MoeForCausalLM": _LLAMA,
+    "GptOssForCausalLM": _LLAMA,
+    "DeepseekV2ForCausalLM": _DEEPSEEK,
+    "DeepseekV3ForCausalLM": _DEEPSEEK,
+    "Glm4MoeLiteForCausalLM": _DEEPSEEK,
+    "MambaForCausalLM": _MAMBA,
+    "FalconMambaForCausalLM": _MAMBA,
+    "Mamba2ForCausalLM": _MAMBA,
+    "JambaForCausalLM": "engine.models.hybrid:JambaForCausalLM",
+    "BambaForCausalLM": "engine.models.hybrid:BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM": "engine.models.hybrid:GraniteMoeHybridForCausalLM",
 }
+
+NATIVE_MODELS = Classes(_NATIVE_PATHS)
 """Architectures with modules of Ferry's own."""
 
-VISION_MODELS: dict[str, type[CausalLM]] = {
-    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
-    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
-    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
-    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
-    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
-}
+VISION_MODELS = Classes(
+    {
+        "LlavaForConditionalGeneration": "engine.models.llava:LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration": "engine.models.llava:LlavaNextForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration": "engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration": "engine.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
+        "Gemma3ForConditionalGeneration": "engine.models.gemma3:Gemma3ForConditionalGeneration",
+    }
+)
 """Image models (engine/models/vision_language.py): a vision encoder in front of a native language model, whose
 `text_config` names one of `VISION_TEXT_TYPES`."""
 
@@ -69,7 +91,7 @@ VISION_TEXT_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_vl_text", "qw
 ADAPTED_VISION_MODELS = frozenset({"Gemma3ForConditionalGeneration"})
 """Image models whose language model runs on transformers' modules through the adapter (no native modules)."""
 
-MODELS: dict[str, type[CausalLM]] = {**NATIVE_MODELS, TRANSFORMERS: TransformersCausalLM}
+MODELS = Classes({**_NATIVE_PATHS, TRANSFORMERS: "engine.models.hf_adapter:TransformersCausalLM"})
 
 BASE_MODELS: dict[str, str] = {
     "LlamaModel": "LlamaForCausalLM",
@@ -91,18 +113,23 @@ def architecture(config: PretrainedConfig) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)
 
 
-def choose_model_class(config: PretrainedConfig, model_impl: ModelImpl) -> type[CausalLM]:
-    """The class that runs `config`'s model under `model_impl`; raises UnsupportedModelError, naming the
-    feature, for a model the chosen implementation cannot run exactly."""
-    native = NATIVE_MODELS.get(architecture(config))
-    if model_impl == "native" and native is None:
+def runs_native(config: PretrainedConfig, model_impl: ModelImpl) -> bool:
+    """Whether `config`'s model runs on its native modules under `model_impl` (else on the transformers fallback);
+    raises UnsupportedModelError, naming the feature, for a model the chosen implementation cannot run exactly."""
+    native = architecture(config) in NATIVE_MODELS
+    if model_impl == "native" and not native:
         raise UnsupportedModelError(
             config.model_type,
             f"--model-impl native (native modules exist for {', '.join(sorted(NATIVE_MODELS))}; this model is "
             f"{architecture(config)})",
         )
-    use_native = native is not None and (
+    use_native = native and (
         model_impl == "native" or (model_impl == "auto" and unsupported_feature(config, native=True) is None)
     )
     check_supported(config, native=use_native)
-    return native if use_native and native is not None else MODELS[TRANSFORMERS]
+    return use_native
+
+
+def choose_model_class(config: PretrainedConfig, model_impl: ModelImpl) -> type[CausalLM]:
+    """The class that runs `config`'s model under `model_impl` (see `runs_native`)."""
+    return MODELS[architecture(config) if runs_native(config, model_impl) else TRANSFORMERS]

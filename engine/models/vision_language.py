@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.activations import QuickGELUActivation
 
 from engine.attention.base import AttentionNeeds
 from engine.attention.spec import CacheSpec
@@ -142,6 +141,10 @@ class VisionLanguageModel(nn.Module):
         kernels' packed layouts), a patch embedding that is a convolution of one patch per input onto a matmul
         (`PatchLinear`), and QuickGELU onto the kernels' one pass. The vision side then runs as the language
         model's layers do; its maths is the same."""
+        # Imported here: transformers.activations imports its model-loading machinery (~0.6 s), which a text model's
+        # start (this module is the loader's) would pay for nothing; an image model has imported it by now.
+        from transformers.activations import QuickGELUActivation
+
         for name, module in self.named_children():
             if name == "language_model":
                 continue

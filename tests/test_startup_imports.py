@@ -1,0 +1,61 @@
+"""What a start imports (issue 32's start-up target): each heavy import below cost `ferry serve` on the demo model
+between 0.4 and 2.4 s. Checked in fresh interpreters, since this test session has imported everything already."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.server_harness import REPO_ROOT
+
+# transformers' modelling modules (and with them torch._dynamo, scipy and triton) and torch._dynamo itself: what the
+# transformers fallback, image models and torch.compile need, and a native text model does not.
+FALLBACK_ONLY = (
+    "torch._dynamo",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "scipy",
+    "triton",
+)
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running `code`."""
+    script = f"import json, sys\n{code}\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=120
+    )
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_the_command_line_imports_neither_torch_nor_transformers() -> None:
+    """`ferry serve` spawns its engine process right after parsing its flags: the parser (both subcommands' flags,
+    their defaults included) must not import what the engine process imports again anyway."""
+    modules = _modules_after(
+        "from ferry.cli import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+        "try:\n    main(['bench', 'embed', '--help'])\nexcept SystemExit:\n    pass"
+    )
+    assert "ferry.cli" in modules and "bench.embed_config" in modules
+    assert not {"torch", "transformers"} & modules
+
+
+def test_a_native_model_starts_without_the_fallback_machinery() -> None:
+    modules = _modules_after(
+        "from engine import EngineConfig, EngineCore\nEngineCore(EngineConfig.of(model='server/default_model'))"
+    )
+    assert "engine.models.llama" in modules
+    assert not set(FALLBACK_ONLY) & modules
+    # The other families' modules stay unimported too.
+    assert not {"engine.models.hybrid", "engine.models.llava", "engine.models.transformers_loading"} & modules
+
+
+def test_the_fallback_still_gets_its_machinery() -> None:
+    """The lazy imports must not leave the fallback without what it uses: a model under --model-impl transformers
+    loads its modelling modules."""
+    modules = _modules_after(
+        "from engine import EngineConfig, EngineCore\n"
+        "EngineCore(EngineConfig.of(model='server/default_model', model_impl='transformers'))"
+    )
+    assert {"transformers.modeling_utils", "engine.models.transformers_loading"} <= modules
