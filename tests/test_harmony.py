@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,10 +20,11 @@ import pytest
 from openai import OpenAI
 from openai_harmony import HarmonyEncoding, Message, Role
 
+from engine.core.structured import CompiledGrammar, GrammarCompiler
 from server.openai.errors import APIError
 from server.openai.harmony import Harmony, HarmonyDelta, load_encoding
-from server.openai.structured import json_object_constraint
-from server.openai.tools import ForcedFunction
+from server.openai.structured import Constraint, json_object_constraint, json_schema_constraint, regex_constraint
+from server.openai.tools import ForcedFunction, FunctionTool
 from tests.harmony_model import ANSWER, ARGUMENTS, QUESTION, REASONING, RESULT, WEATHER, build_harmony_model_dir
 from tests.server_harness import running_server
 
@@ -148,25 +150,87 @@ def test_what_harmony_cannot_honour_is_refused_by_the_field(encoding: HarmonyEnc
     with pytest.raises(APIError) as refused:
         harmony.render([{"role": "user", "content": "x"}], [], "minimal", "messages")
     assert refused.value.info.param == "reasoning_effort" and "'low', 'medium' or 'high'" in refused.value.info.message
-    with pytest.raises(APIError) as refused:
-        harmony.offered_tools([WEATHER], ForcedFunction("get_weather"), None)
-    assert refused.value.info.param == "tool_choice"
-    with pytest.raises(APIError) as refused:
-        harmony.offered_tools([WEATHER], "auto", json_object_constraint("response_format"))
+    with pytest.raises(APIError) as refused:  # a call the model must make, and an answer in a format: one or other
+        harmony.constraint([WEATHER], "required", json_object_constraint("response_format"))
     assert refused.value.info.param == "response_format"
-    assert harmony.offered_tools([WEATHER], "none", None) == []
+    with pytest.raises(APIError) as refused:  # the answer is one channel of several: JSON formats only
+        harmony.constraint([WEATHER], "auto", regex_constraint("[a-z]+", "structured_outputs.regex"))
+    assert refused.value.info.param == "structured_outputs.regex"
+    assert harmony.offered_tools([WEATHER], "none") == []
     with pytest.raises(APIError) as refused:  # what every tool is checked for
-        harmony.offered_tools([WEATHER, WEATHER], "auto", None)
+        harmony.offered_tools([WEATHER, WEATHER], "auto")
     assert refused.value.info.param == "tools"
+
+
+OTHER = FunctionTool("get_time", "The time in a city", {"type": "object", "properties": {"zone": {"type": "integer"}},
+                                                        "required": ["zone"]})  # fmt: skip
+SCHEMA = {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"]}
+
+
+def test_each_choice_makes_its_constraint(encoding: HarmonyEncoding) -> None:
+    harmony = Harmony(encoding)
+    answer = json_schema_constraint(SCHEMA, "response_format.json_schema.schema")
+    assert harmony.constraint([WEATHER], "auto", None) is None  # a free reply
+    assert harmony.constraint([WEATHER], "none", None) is None
+
+    def spec(constraint: Constraint | None) -> tuple[dict[str, Any], str]:
+        assert constraint is not None and constraint.output.kind == "harmony"
+        return json.loads(constraint.output.spec), constraint.param
+
+    calls = {WEATHER.name: WEATHER.arguments_schema, OTHER.name: OTHER.arguments_schema}
+    assert spec(harmony.constraint([WEATHER, OTHER], "required", None)) == ({"answer": None, "calls": calls},
+                                                                            "tool_choice")  # fmt: skip
+    named = harmony.constraint([WEATHER, OTHER], ForcedFunction(OTHER.name), None, tool_choice_param="tool_choice")
+    assert spec(named) == ({"answer": None, "calls": {OTHER.name: OTHER.arguments_schema}}, "tool_choice")
+    assert spec(harmony.constraint([WEATHER], "auto", answer)) == (
+        {"answer": SCHEMA, "calls": {WEATHER.name: WEATHER.arguments_schema}}, answer.param)  # fmt: skip
+    assert spec(harmony.constraint([], "none", json_object_constraint("response_format"))) == (
+        {"answer": {"type": "object"}, "calls": {}}, "response_format")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_harmony_model_dir(tmp_path_factory.mktemp("gpt_oss_harmony"))
+
+
+def _accepts(compiled: CompiledGrammar, encoding: HarmonyEncoding, reply: str) -> bool:
+    """Whether the grammar lets a model write `reply` (Harmony's text, special tokens by name) and then stop."""
+    matcher = compiled.matcher()
+    return all(matcher.consume_token(t) for t in encoding.encode(reply, allowed_special="all")) and (
+        matcher.is_accepting()
+    )
+
+
+def test_the_grammar_follows_harmonys_channels(model_dir: Path, encoding: HarmonyEncoding) -> None:
+    """Compiled for the model's own tokenizer: reasoning is free, the last message is what the constraint asks."""
+    harmony = Harmony(encoding)
+    compiler = GrammarCompiler(str(model_dir))
+    answer = json_schema_constraint(SCHEMA, "response_format")
+    either = compiler.compile(harmony.constraint([WEATHER], "auto", answer).output)  # type: ignore[union-attr]
+    call_only = compiler.compile(harmony.constraint([WEATHER, OTHER], ForcedFunction(OTHER.name), None).output)  # type: ignore[union-attr]
+    reasoning = "<|channel|>analysis<|message|>Any text: {not json}<|end|><|start|>assistant"
+    final = '<|channel|>final<|message|>{"sky": "sunny"}<|return|>'
+    weather = f"<|channel|>commentary <|constrain|>json<|message|>{ARGUMENTS}<|call|>"
+    time = '<|channel|>commentary <|constrain|>json<|message|>{"zone": 2}<|call|>'
+    assert _accepts(either, encoding, reasoning + final)
+    assert _accepts(either, encoding, final)
+    assert _accepts(either, encoding, reasoning + " to=functions.get_weather" + weather)
+    assert not _accepts(either, encoding, reasoning + reasoning + final)  # gpt-oss reasons once a turn
+    assert not _accepts(either, encoding, reasoning + "<|channel|>final<|message|>Sunny.<|return|>")
+    assert not _accepts(either, encoding, reasoning + '<|channel|>final<|message|>{"sky": 1}<|return|>')
+    assert not _accepts(either, encoding, reasoning + " to=functions.get_time" + time)  # not offered here
+    assert not _accepts(either, encoding, reasoning + '<|channel|>final<|message|>{"sky": "sunny"}')  # not ended
+    assert _accepts(call_only, encoding, reasoning + " to=functions.get_time" + time)
+    assert not _accepts(call_only, encoding, reasoning + " to=functions.get_weather" + weather)
+    assert not _accepts(call_only, encoding, reasoning + final)
 
 
 # -- the tool loop through the SDK ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    model = build_harmony_model_dir(tmp_path_factory.mktemp("gpt_oss_harmony"))
-    with running_server(model, "--num-pages", "64") as url:
+def base_url(model_dir: Path) -> Iterator[str]:
+    with running_server(model_dir, "--num-pages", "64") as url:
         yield url
 
 
@@ -264,18 +328,79 @@ def test_responses_tool_loop(base_url: str, stream: bool) -> None:
     assert second.output_text == ANSWER
 
 
-def test_structured_output_is_refused_with_a_400(base_url: str) -> None:
-    response = httpx.post(
+def _chat(base_url: str, messages: list[dict[str, Any]], **fields: Any) -> httpx.Response:
+    return httpx.post(
         f"{base_url}/v1/chat/completions",
-        json={
-            "model": _client(base_url).models.list().data[0].id,
-            "messages": [{"role": "user", "content": QUESTION}],
-            "response_format": {"type": "json_object"},
-        },
+        json={"model": _client(base_url).models.list().data[0].id, "messages": messages, **fields},
         timeout=60,
     )
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "response_format"
+
+
+def test_a_required_call_is_made_where_the_model_would_answer(base_url: str) -> None:
+    """On the second turn the model answers; `required` holds it to a call, whose arguments follow the schema."""
+    message = _client(base_url).chat.completions.create(
+        model=_client(base_url).models.list().data[0].id, messages=_second_turn("call_0"), tools=TOOLS,
+        tool_choice="required", max_tokens=64,
+    ).choices[0]  # fmt: skip
+    assert message.finish_reason == "tool_calls"
+    (call,) = message.message.tool_calls
+    assert call.function.name == WEATHER.name
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    assert message.message.reasoning_content == REASONING[1]  # reasoning stays free
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_is_called_with_its_reasoning(base_url: str, stream: bool) -> None:
+    forced = {"type": "function", "function": {"name": WEATHER.name}}
+    if not stream:
+        choice = _chat(base_url, [{"role": "user", "content": QUESTION}], tools=TOOLS, tool_choice=forced).json()
+        message = choice["choices"][0]["message"]
+        assert message["tool_calls"][0]["function"] == {"name": WEATHER.name, "arguments": ARGUMENTS}
+        assert message["reasoning_content"] == REASONING[0]
+        return
+    chunks = _client(base_url).chat.completions.create(
+        model=_client(base_url).models.list().data[0].id, messages=[{"role": "user", "content": QUESTION}],
+        tools=TOOLS, tool_choice=forced, stream=True,
+    )  # fmt: skip
+    arguments = "".join(
+        call.function.arguments or "" for chunk in chunks for call in (chunk.choices[0].delta.tool_calls or [])
+    )
+    assert arguments == ARGUMENTS
+
+
+def test_a_json_answer_after_free_reasoning(base_url: str) -> None:
+    """Where the model would write anything, a response format holds it to an answer of that schema after its
+    reasoning, in the chat API and the Responses API."""
+    schema = {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"]}
+    response = _chat(
+        base_url, [{"role": "user", "content": QUESTION}], max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}},
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    body = response.json()
+    choice = body["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"])["sky"], str)
+    else:  # the budget ran out inside the answer: what came is a prefix of the schema's JSON
+        assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith('{"sky": "')
+    # Without tools the prompt is not the scripted one: the model reasons in text of its own, on its channel.
+    assert choice["message"]["reasoning_content"]
+    assert not choice["message"].get("tool_calls")
+    client = _client(base_url)
+    reply = client.responses.create(
+        model=client.models.list().data[0].id, input=QUESTION, max_output_tokens=48,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema}},
+    )  # fmt: skip
+    assert [item.type for item in reply.output] == ["reasoning", "message"]
+    assert reply.output_text.startswith('{"sky": "')
+
+
+def test_what_the_grammar_cannot_follow_is_a_400(base_url: str) -> None:
+    question = [{"role": "user", "content": QUESTION}]
+    regex = _chat(base_url, question, structured_outputs={"regex": "[a-z]+"})
+    assert regex.status_code == 400 and regex.json()["error"]["param"] == "structured_outputs.regex"
+    both = _chat(base_url, question, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "response_format"
 
 
 def test_tokenize_counts_the_harmony_prompt(base_url: str, encoding: HarmonyEncoding) -> None:

@@ -41,7 +41,7 @@ class QueueFull(RuntimeError):
     """The waiting queue is at `max_queue_size`; the caller may retry later."""
 
 
-StructuredOutputKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_calls"]
+StructuredOutputKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_calls", "harmony"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,11 @@ class StructuredOutput:
       "text": false}`: one call (or several, `parallel`) each a JSON object between `begin` and `end`; or, where
       `answer` is given, a JSON answer of that schema instead; or, with `text`, any text that does not start
       with `begin` (a model free to answer, whose calls must be valid once it starts one).
+    - `harmony`: a reply in gpt-oss's Harmony format (its special tokens by name), as a JSON object: `{"answer":
+      <schema> or null, "calls": {"<function>": <schema of its arguments>, ...}}`: an analysis (reasoning)
+      message or none, then either a call to one of `calls` (a commentary message to `functions.<function>`, its
+      arguments JSON of that schema, ending with `<|call|>`) or, where `answer` is given, a final message whose
+      text is JSON of that schema (ending with `<|return|>`).
 
     Once the constraint is satisfied only the request's EOS and stop tokens may follow, so the request ends with
     `stop`; `ignore_eos` and `min_new_tokens` cannot go with it.
@@ -85,7 +90,7 @@ def _structured_output_problem(kind: str, spec: str) -> str | None:
         return "json_object takes no spec (it means any JSON object)" if spec.strip() else None
     if not spec.strip():
         return f"the {kind} structured output needs a non-empty spec"
-    if kind not in ("json_schema", "choice", "tool_calls"):
+    if kind not in ("json_schema", "choice", "tool_calls", "harmony"):
         return None
     try:
         value = json.loads(spec)
@@ -95,6 +100,8 @@ def _structured_output_problem(kind: str, spec: str) -> str | None:
         return f"a JSON schema must be a JSON object, got {type(value).__name__}"
     if kind == "tool_calls":
         return _tool_calls_problem(value)
+    if kind == "harmony":
+        return _harmony_problem(value)
     if kind == "choice" and not (
         isinstance(value, list) and value and all(isinstance(item, str) and item for item in value)
     ):
@@ -113,6 +120,20 @@ def _tool_calls_problem(value: object) -> str | None:
         return "a tool_calls spec's call must be a JSON schema object, its answer one or null"
     if not isinstance(value["parallel"], bool):
         return "a tool_calls spec's parallel must be true or false"
+    return None
+
+
+def _harmony_problem(value: object) -> str | None:
+    if not isinstance(value, dict) or set(value) != {"answer", "calls"}:
+        return "a harmony spec is a JSON object with answer and calls"
+    answer, calls = value["answer"], value["calls"]
+    if not (answer is None or isinstance(answer, dict)):
+        return "a harmony spec's answer must be a JSON schema object or null"
+    if not isinstance(calls, dict) or not all(isinstance(name, str) and name and isinstance(schema, dict)
+                                              for name, schema in calls.items()):  # fmt: skip
+        return "a harmony spec's calls must map function names to JSON schema objects"
+    if answer is None and not calls:
+        return "a harmony spec needs an answer, calls, or both"
     return None
 
 

@@ -161,6 +161,8 @@ class GrammarCompiler:
         schema, calls = _json_shape(structured_output)
         if calls is not None:
             grammar = _tool_calls_grammar(calls, schema)
+        elif structured_output.kind == "harmony":
+            grammar = _harmony_grammar(json.loads(structured_output.spec))
         elif schema is not None:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         else:
@@ -216,19 +218,44 @@ def _json_shape(structured_output: StructuredOutput) -> tuple[Any, TaggedCalls |
 def _tool_calls_grammar(calls: TaggedCalls, answer: Any) -> str:
     """Lark for tagged calls (one, or one or more), or a JSON answer where one is allowed. `%json` takes the
     schema with the same JSON options as a plain JSON constraint; Lark string literals take JSON's escapes."""
-
-    def embedded(schema: Any) -> str:
-        return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-
     lines = [
         "start: calls" + (" | answer" if answer is not None else "") + (" | TEXT" if calls.text else ""),
         "calls: call+" if calls.repeat else "calls: call",
-        f"call: {json.dumps(calls.begin)} {embedded(calls.schema)} {json.dumps(calls.end)}",
+        f"call: {json.dumps(calls.begin)} {_embedded(calls.schema)} {json.dumps(calls.end)}",
     ]
     if answer is not None:
-        lines.append(f"answer: {embedded(answer)}")
+        lines.append(f"answer: {_embedded(answer)}")
     if calls.text:
         lines.append(f"TEXT: /{_not_starting_with(calls.begin)}/")
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+
+
+def _embedded(schema: Any) -> str:
+    """A JSON Schema inside Lark, compiled with the same JSON options as a plain JSON constraint."""
+    return "%json " + json.dumps({**_close_objects(schema), "x-guidance": JSON_OPTIONS})
+
+
+def _harmony_grammar(spec: dict[str, Any]) -> str:
+    """Lark for a gpt-oss reply (`harmony` in engine/core/request.py): its reasoning, then the message the constraint
+    asks for. The prompt ends where the assistant's first header starts, so the reply opens with `<|channel|>`, or
+    with ` to=functions.<name>` for a call; a message after the first starts with `<|start|>assistant`. `<|...|>`
+    are the tokenizer's special tokens, which no text lexeme can match, so an analysis text ends exactly at its
+    `<|end|>`."""
+    last = []
+    rules = ['analysis: <|channel|> "analysis" <|message|> TEXT <|end|>', "TEXT: /(?s:.*)/"]
+    if spec["answer"] is not None:
+        last.append("final")
+        rules.append(f'final: <|channel|> "final" <|message|> {_embedded(spec["answer"])} <|return|>')
+    for i, (name, schema) in enumerate(spec["calls"].items()):
+        last.append(f"call{i}")
+        # The header as gpt-oss writes a call (and as the prompt renders earlier ones): recipient, then channel.
+        rules.append(
+            f'call{i}: {json.dumps(" to=functions." + name)} <|channel|> "commentary " <|constrain|> "json" '
+            f"<|message|> {_embedded(schema)} <|call|>"
+        )
+    # One analysis message at most, as gpt-oss reasons once a turn: a model held off the message it would write next
+    # could otherwise go on reasoning in message after message until its budget ran out.
+    lines = ['start: (analysis <|start|> "assistant")? last', "last: " + " | ".join(last), *rules]
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
 
 

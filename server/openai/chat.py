@@ -52,11 +52,12 @@ async def serve_chat_completion(ctx: ServingContext, body: ChatCompletionRequest
     ctx.check_images(image_refs)
     images: tuple[ImageInput, ...] = ()
     if ctx.harmony is not None:
-        tools = ctx.harmony.offered_tools(body.function_tools(), body.tool_choice_value(), answer)
+        tools = ctx.harmony.offered_tools(body.function_tools(), body.tool_choice_value())
+        constraint = ctx.harmony.constraint(tools, body.tool_choice_value(), answer)
         effort = body.template_kwargs(ctx.template_options).get(EFFORT_VARIABLE)
         prompt = ctx.harmony.render(messages, tools, effort, "messages")
         harmony = dataclasses.replace(ctx.harmony, calls=bool(tools))
-        tool_use = constraint = splitter = None
+        tool_use = splitter = None
     else:
         harmony = None
         tool_use = ctx.tool_use(body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls)

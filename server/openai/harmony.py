@@ -42,7 +42,7 @@ from openai_harmony import (
 )
 
 from server.openai.errors import invalid_request, unsupported_parameter
-from server.openai.structured import Constraint
+from server.openai.structured import Constraint, conflicting_constraints, harmony_constraint
 from server.openai.tool_parsers.base import ToolCallDelta, new_call_id
 from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode, resolve_tool_use
 
@@ -89,27 +89,43 @@ class Harmony:
         self,
         tools: Sequence[FunctionTool],
         choice: ToolChoiceMode | ForcedFunction | None,
-        constraint: Constraint | None,
         *,
         tool_choice_param: str = "tool_choice",
         parameters_field: str = "function.parameters",
     ) -> list[FunctionTool]:
-        """The tools a reply may call: all of them under `auto`, none under `none`, checked as every tool is
-        (`resolve_tool_use`). A call the model must make, or an answer in a format, would need a grammar over
-        Harmony's channels, which Ferry does not build: those requests are refused by the field that asks."""
+        """The tools the prompt offers: all of them, none under `none`; checked as every tool is
+        (`resolve_tool_use`)."""
         resolve_tool_use(
             tools, choice, None, "harmony", choice_param=tool_choice_param, parameters_field=parameters_field
         )
-        if constraint is not None:
-            raise unsupported_parameter(
-                constraint.param, "structured output with gpt-oss's Harmony format (its answer is one channel of "
-                "several; the grammar would have to follow them)."
-            )  # fmt: skip
-        if isinstance(choice, ForcedFunction) or choice == "required":
-            raise unsupported_parameter(
-                tool_choice_param, "a required or named tool with gpt-oss's Harmony format: use 'auto'."
-            )
         return [] if choice == "none" else list(tools)
+
+    def constraint(
+        self,
+        tools: Sequence[FunctionTool],
+        choice: ToolChoiceMode | ForcedFunction | None,
+        answer: Constraint | None,
+        *,
+        tool_choice_param: str = "tool_choice",
+    ) -> Constraint | None:
+        """The grammar a reply follows, over Harmony's channels (reasoning stays free): a call the model must make
+        (`required`: any offered tool; a named function: that one), or an answer in a JSON format (`answer`, the
+        request's response format), which under `auto` may also be a call. None where the reply is free."""
+        forced = choice == "required" or isinstance(choice, ForcedFunction)
+        if forced and answer is not None:
+            raise conflicting_constraints(tool_choice_param, answer.param)
+        if answer is not None and answer.output.kind not in ("json_schema", "json_object"):
+            raise unsupported_parameter(
+                answer.param, "with gpt-oss's Harmony format an answer can be held to a JSON schema or a JSON object "
+                "(its answer is one channel of several), not to a regex, a choice or a grammar."
+            )  # fmt: skip
+        if not forced and answer is None:
+            return None
+        callable_tools = [] if choice == "none" else list(tools)
+        if isinstance(choice, ForcedFunction):
+            callable_tools = [tool for tool in tools if tool.name == choice.name]
+        calls = {tool.name: tool.arguments_schema for tool in callable_tools}
+        return harmony_constraint(answer, calls, tool_choice_param if forced else answer.param)
 
     def render(
         self,

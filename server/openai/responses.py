@@ -90,14 +90,15 @@ async def serve_response(ctx: ServingContext, body: ResponsesRequest, request: R
     tool_use = harmony = None
     if ctx.harmony is not None:
         tools = ctx.harmony.offered_tools(
-            body.function_tools(), body.tool_choice_value(), format_constraint, parameters_field="parameters"
+            body.function_tools(), body.tool_choice_value(), parameters_field="parameters"
         )
+        constraint = ctx.harmony.constraint(tools, body.tool_choice_value(), format_constraint)
         harmony = dataclasses.replace(ctx.harmony, calls=bool(tools))
     else:
         tool_use = ctx.tool_use(
             body.function_tools(), body.tool_choice_value(), body.parallel_tool_calls, parameters_field="parameters"
         )
-    constraint = tool_use.constraint(format_constraint) if tool_use else format_constraint
+        constraint = tool_use.constraint(format_constraint) if tool_use else format_constraint
     owner = request_owner(request)
     turn = _turn_items(body.input)
     earlier = await _earlier_items(ctx, owner, body)

@@ -59,6 +59,15 @@ def tool_calls_constraint(
     return _constraint("tool_calls", json.dumps(spec), param)
 
 
+def harmony_constraint(answer: Constraint | None, calls: dict[str, dict[str, Any]], param: str) -> Constraint:
+    """A gpt-oss reply in Harmony's channels: reasoning, then a call to one of `calls` (function name -> arguments
+    schema) or, where `answer` (a JSON constraint) is given, a final answer of that JSON."""
+    answer_schema = None
+    if answer is not None:
+        answer_schema = {"type": "object"} if answer.output.kind == "json_object" else json.loads(answer.output.spec)
+    return _constraint("harmony", json.dumps({"answer": answer_schema, "calls": calls}), param)
+
+
 def json_object_constraint(param: str) -> Constraint:
     return _constraint("json_object", "", param)
 
