@@ -316,6 +316,9 @@ class EngineClient:
             except (EOFError, OSError):
                 break
             self._last_message = time.monotonic()
+            if isinstance(message, EngineFailed):
+                # Kept here, not on the loop: the process's exit may be handled before a scheduled _handle runs.
+                self._failure = message.message
             try:
                 self._loop.call_soon_threadsafe(self._handle, message)
             except RuntimeError:  # the loop is closed: the server is gone
@@ -364,6 +367,14 @@ class EngineClient:
         if self._dead or self._closing:
             return
         self._dead = True
+        # What the engine said before dying (`EngineFailed`) is the reason: read it all first.
+        if self._reader is None and self._outputs is not None:
+            # Spawned early (`ferry serve`) and dead before the reader started: it is still in the pipe.
+            with contextlib.suppress(EOFError, OSError):
+                while self._outputs.poll(0):
+                    self._handle(self._outputs.recv())
+        elif self._reader is not None:
+            self._reader.join(timeout=1.0)  # it reads up to the pipe's end, which the dead process has closed
         # The sentinel fires as the process closes its files, a moment before it can be reaped.
         self._process.join(timeout=1.0)
         exitcode = self._process.exitcode

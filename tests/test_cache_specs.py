@@ -66,6 +66,7 @@ def test_each_layer_is_allocated_from_its_own_spec() -> None:
     # its own memory, writable.
     assert all(torch.count_nonzero(t) == 0 for pair in caches for t in pair)
     assert len({t.data_ptr() for pair in caches for t in pair}) == 2 * len(caches)
+    assert all(t.data_ptr() % 64 == 0 for pair in caches for t in pair)  # as torch's allocator aligns
     caches[0][0][3].fill_(1.5)
     assert caches[0][0].sum().item() == 1.5 * 4 * 4 * 16 and caches[0][1].sum().item() == 0
     # A group's page is what its layers' tensors keep of a page's tokens.

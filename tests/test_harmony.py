@@ -221,6 +221,10 @@ def test_the_grammar_follows_harmonys_channels(model_dir: Path, encoding: Harmon
     assert not _accepts(either, encoding, reasoning + " to=functions.get_time" + time)  # not offered here
     assert not _accepts(either, encoding, reasoning + '<|channel|>final<|message|>{"sky": "sunny"}')  # not ended
     assert _accepts(call_only, encoding, reasoning + " to=functions.get_time" + time)
+    # The recipient after the channel, without the space or the content type: as Harmony's examples write calls.
+    assert _accepts(call_only, encoding, '<|channel|>commentary to=functions.get_time<|message|>{"zone": 2}<|call|>')
+    after = f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{ARGUMENTS}<|call|>"
+    assert _accepts(either, encoding, reasoning + after)
     assert not _accepts(call_only, encoding, reasoning + " to=functions.get_weather" + weather)
     assert not _accepts(call_only, encoding, reasoning + final)
 
@@ -350,22 +354,27 @@ def test_a_required_call_is_made_where_the_model_would_answer(base_url: str) -> 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_named_tool_is_called_with_its_reasoning(base_url: str, stream: bool) -> None:
+def test_a_named_tool_is_called_where_the_model_would_answer(base_url: str, stream: bool) -> None:
+    """On the second turn the model answers; naming the tool makes it call it (which tool among several a name picks
+    is the grammar's test above: with other tools offered the prompt is not this model's script)."""
     forced = {"type": "function", "function": {"name": WEATHER.name}}
     if not stream:
-        choice = _chat(base_url, [{"role": "user", "content": QUESTION}], tools=TOOLS, tool_choice=forced).json()
-        message = choice["choices"][0]["message"]
-        assert message["tool_calls"][0]["function"] == {"name": WEATHER.name, "arguments": ARGUMENTS}
-        assert message["reasoning_content"] == REASONING[0]
-        return
-    chunks = _client(base_url).chat.completions.create(
-        model=_client(base_url).models.list().data[0].id, messages=[{"role": "user", "content": QUESTION}],
-        tools=TOOLS, tool_choice=forced, stream=True,
-    )  # fmt: skip
-    arguments = "".join(
-        call.function.arguments or "" for chunk in chunks for call in (chunk.choices[0].delta.tool_calls or [])
-    )
-    assert arguments == ARGUMENTS
+        response = _chat(base_url, _second_turn("call_0"), tools=TOOLS, tool_choice=forced, max_tokens=64)
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        assert choice["message"]["reasoning_content"] == REASONING[1]
+    else:
+        chunks = _client(base_url).chat.completions.create(
+            model=_client(base_url).models.list().data[0].id, messages=_second_turn("call_0"), tools=TOOLS,
+            tool_choice=forced, stream=True, max_tokens=64,
+        )  # fmt: skip
+        calls = [call for chunk in chunks if chunk.choices for call in (chunk.choices[0].delta.tool_calls or [])]
+        name = next(call.function.name for call in calls if call.function and call.function.name)
+        arguments = "".join(call.function.arguments or "" for call in calls if call.function)
+    assert name == WEATHER.name
+    assert isinstance(json.loads(arguments)["city"], str)
 
 
 def test_a_json_answer_after_free_reasoning(base_url: str) -> None:

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from transformers import AutoConfig
 
 from engine.models.base import CausalLM
 from engine.models.hf_adapter import TransformersCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
-from engine.models.registry import MODELS, NATIVE_MODELS, TRANSFORMERS, architecture, choose_model_class
+from engine.models.registry import MODELS, NATIVE_MODELS, TRANSFORMERS, VISION_MODELS, architecture, choose_model_class
 from engine.models.support import UnsupportedModelError
+from tests.server_harness import REPO_ROOT
 
 
 def _config(model_type: str, **overrides: object) -> AutoConfig:
@@ -50,3 +54,20 @@ def test_every_registered_class_has_the_protocol_methods() -> None:
     assert all(hasattr(CausalLM, m) for m in methods)
     for cls in MODELS.values():
         assert all(callable(getattr(cls, m, None)) for m in methods), cls
+
+
+def test_every_image_model_path_resolves_to_a_class() -> None:
+    for name, cls in VISION_MODELS.items():
+        assert isinstance(cls, type) and name.endswith("ForConditionalGeneration"), name
+
+
+def test_asking_whether_an_architecture_is_native_imports_nothing() -> None:
+    """The registry's classes load when looked up, and only then: `in` must not import a family's module (a hybrid
+    family's imports transformers' modelling machinery, seconds of an engine's start)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom engine.models.registry import NATIVE_MODELS\n"
+         "assert 'JambaForCausalLM' in NATIVE_MODELS and 'GPT2LMHeadModel' not in NATIVE_MODELS\n"
+         "print('engine.models.hybrid' in sys.modules, 'engine.models.llama' in sys.modules)"],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    assert done.stdout.split() == ["False", "False"]

@@ -190,3 +190,30 @@ def test_drain_timeout_fails_what_is_left_and_exits_0(model_dir: Callable[[str],
         *_, error = sse_payloads(asyncio.run(run()))
         assert error["error"]["code"] == "shutting_down"
         assert server.process.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("attach_at_once", [False, True])
+def test_an_engine_dead_before_the_front_end_attaches_says_why(tmp_path: Path, attach_at_once: bool) -> None:
+    """`ferry serve` spawns its engine before the front end's imports: an engine that fails at start may be gone
+    before the client reads its pipe, and its reason (EngineFailed) must still reach the death's message."""
+    from engine.config import EngineConfig
+    from server.client import EngineClient, EngineDeadError, EngineProcess
+
+    config = EngineConfig.of(model=str(tmp_path))  # no config.json: the engine fails to load it
+    engine = EngineProcess.spawn(config, log_level="critical", log_format="text", step_log=None)
+    if not attach_at_once:
+        engine.process.join(120)
+        assert engine.process.exitcode == 1
+
+    async def attach() -> str:
+        client = EngineClient(config, engine=engine)
+        client.start()
+        if not attach_at_once:
+            await asyncio.sleep(0.2)  # the sentinel fires before the reader starts, as while a tokenizer loads
+        with pytest.raises(EngineDeadError) as died:
+            await asyncio.wait_for(client.wait_ready(), 120)
+        await client.shutdown()
+        return str(died.value)
+
+    message = asyncio.run(attach())
+    assert "died (exit code 1)" in message and "not a model directory" in message, message

@@ -129,8 +129,7 @@ def _harmony_problem(value: object) -> str | None:
     answer, calls = value["answer"], value["calls"]
     if not (answer is None or isinstance(answer, dict)):
         return "a harmony spec's answer must be a JSON schema object or null"
-    if not isinstance(calls, dict) or not all(isinstance(name, str) and name and isinstance(schema, dict)
-                                              for name, schema in calls.items()):  # fmt: skip
+    if not isinstance(calls, dict) or not all(name and isinstance(schema, dict) for name, schema in calls.items()):
         return "a harmony spec's calls must map function names to JSON schema objects"
     if answer is None and not calls:
         return "a harmony spec needs an answer, calls, or both"

@@ -50,7 +50,8 @@ class CompiledGrammar:
     answer_schema: Any = None
     """The JSON Schema a JSON answer follows, as compiled (objects closed): a `json_schema` or `json_object`
     constraint's, or a `tool_calls` one's `answer`. With `tagged_calls`, what lets an answer close within its
-    token budget (engine/sampling/token_masks.py BudgetClosing); both None for regex, choice and grammar."""
+    token budget (engine/sampling/token_masks.py BudgetClosing); both None for regex, choice, grammar and harmony
+    (a gpt-oss reply's JSON comes after its reasoning: one cut short by its budget stays cut)."""
     tagged_calls: TaggedCalls | None = None
     """A `tool_calls` constraint's calls."""
 
@@ -202,7 +203,7 @@ def _load_tokenizer(directory: str, vocab_size: int | None, eos_token_ids: list[
 
 def _json_shape(structured_output: StructuredOutput) -> tuple[Any, TaggedCalls | None]:
     """The JSON answer's schema (objects closed) and the tagged calls a constraint allows; (None, None) for a
-    regex, choice or grammar."""
+    regex, choice, grammar or harmony constraint."""
     kind = structured_output.kind
     if kind == "json_schema":
         return _close_objects(json.loads(structured_output.spec)), None
@@ -248,10 +249,12 @@ def _harmony_grammar(spec: dict[str, Any]) -> str:
         rules.append(f'final: <|channel|> "final" <|message|> {_embedded(spec["answer"])} <|return|>')
     for i, (name, schema) in enumerate(spec["calls"].items()):
         last.append(f"call{i}")
-        # The header as gpt-oss writes a call (and as the prompt renders earlier ones): recipient, then channel.
+        recipient = json.dumps(" to=functions." + name)
+        # The recipient before the channel (as the prompt renders earlier calls) or after it (as Harmony's own
+        # examples show gpt-oss writing them); the content type optional, as the format has it.
         rules.append(
-            f'call{i}: {json.dumps(" to=functions." + name)} <|channel|> "commentary " <|constrain|> "json" '
-            f"<|message|> {_embedded(schema)} <|call|>"
+            f'call{i}: ({recipient} <|channel|> "commentary" | <|channel|> "commentary" {recipient}) " "? '
+            f'(<|constrain|> "json")? <|message|> {_embedded(schema)} <|call|>'
         )
     # One analysis message at most, as gpt-oss reasons once a turn: a model held off the message it would write next
     # could otherwise go on reasoning in message after message until its budget ran out.

@@ -112,11 +112,18 @@ def allocate_kv_caches(
 
 
 def _pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed pages. On the CPU in memory the operating system zeroes one 4 KiB page at a time as it is first written
-    (numpy's calloc of fresh anonymous memory) rather than filled up front: a pool sized to the machine's memory is
-    mostly unwritten for a long while, and torch.zeros' fill of the demo model's 537 MB pool took 0.4 s of every
-    start. Either way every element reads zero until written (kernels read a padded page's slots under a mask)."""
+    """Zeroed pages. On the CPU in memory the operating system zeroes as it is first written (numpy's calloc of fresh
+    anonymous memory: 4 KiB pages, or 2 MiB ones where numpy asks for huge pages) rather than filled up front: a pool
+    sized to the machine's memory is mostly unwritten for a long while, and torch.zeros' fill of the demo model's
+    537 MB pool took 0.4 s of every start. Either way every element reads zero until written (kernels read a padded
+    page's slots under a mask). The pool is committed as it fills, not at start. Aligned to 64 bytes, as torch's own
+    allocator aligns (numpy's buffer may start 16 bytes into a cache line)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
-    return torch.from_numpy(memory).view(dtype).view(shape)
+    size = math.prod(shape) * dtype.itemsize
+    memory = np.zeros(size + _ALIGNMENT, dtype=np.uint8)
+    start = -memory.ctypes.data % _ALIGNMENT
+    return torch.from_numpy(memory[start : start + size]).view(dtype).view(shape)
+
+
+_ALIGNMENT = 64

@@ -37,6 +37,9 @@ class Classes(Mapping[str, type[CausalLM]]):
         module, _, attribute = self._paths[name].partition(":")
         return getattr(importlib.import_module(module), attribute)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._paths  # Mapping's own would look the class up, importing its module
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._paths)
 

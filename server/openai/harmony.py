@@ -119,13 +119,17 @@ class Harmony:
                 answer.param, "with gpt-oss's Harmony format an answer can be held to a JSON schema or a JSON object "
                 "(its answer is one channel of several), not to a regex, a choice or a grammar."
             )  # fmt: skip
-        if not forced and answer is None:
-            return None
+        if not forced:
+            if answer is None:
+                return None
+            param = answer.param
+        else:
+            param = tool_choice_param
         callable_tools = [] if choice == "none" else list(tools)
         if isinstance(choice, ForcedFunction):
             callable_tools = [tool for tool in tools if tool.name == choice.name]
         calls = {tool.name: tool.arguments_schema for tool in callable_tools}
-        return harmony_constraint(answer, calls, tool_choice_param if forced else answer.param)
+        return harmony_constraint(answer, calls, param)
 
     def render(
         self,
