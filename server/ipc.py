@@ -1,9 +1,10 @@
 """The engine process's pipes: what travels over them, and the two messages of the process's own lifecycle.
 
-The engine's protocol (`AddRequests`, `AbortRequests`, `Shutdown` in; one `StepMessage` per step and a
-`Heartbeat` while idle out) is defined by the engine, in `engine/core/driver.py`; the server only pickles those
-messages over two multiprocessing pipes. It adds `EngineReady` (sent once the model is loaded) and
-`EngineFailed` (sent just before the process dies of an exception).
+The engine's protocol (`AddRequests`, `AbortRequests`, `Shutdown` in; a `StepMessage` per step, one answering adds
+before the step that runs them, and a `Heartbeat` while idle out) is defined by the engine, in
+`engine/core/driver.py`; the server only pickles those messages over two multiprocessing pipes. It adds
+`EngineReady` (sent once the model is loaded) and `EngineFailed` (sent just before the process dies of an
+exception).
 """
 
 from __future__ import annotations

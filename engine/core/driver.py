@@ -2,14 +2,16 @@
 
 Every way of running the engine goes through `EngineLoop`: `generate_batch` (in the calling thread), the
 `ContinuousBatchingManager` (a background thread) and the server's engine process (over pipes). Each supplies
-an `Inbox` that the loop drains between steps, and a `publish` callback that receives one message per step.
+an `Inbox` that the loop drains between steps, and a `publish` callback that receives a message per step (and one
+answering the adds before the step that runs them).
 The transports differ; the protocol, defined here, does not.
 
-Loop: take the waiting messages (adds, aborts, shutdown), run one step when there is work, publish ONE
-`StepMessage` with every request's deltas, the requests accepted and rejected since the last message, and the
-engine's statistics. When there is nothing to do it waits on the inbox and publishes a `Heartbeat` each time
-the wait ends empty, so a watcher can tell the loop is alive; each pass that does not step keeps the engine's
-tensor-parallel ranks alive instead (`EngineCore.keep_alive`).
+Loop: take the waiting messages (adds, aborts, shutdown); answer the adds decided since the last pass in one
+`StepMessage` of their acceptances and rejections, before the step that runs them; run one step when there is work
+and publish ONE `StepMessage` with every request's deltas and the engine's statistics. When there is nothing to do
+it waits on the inbox and publishes a `Heartbeat` each time the wait ends empty, so a watcher can tell the loop is
+alive; each pass that does not step keeps the engine's tensor-parallel ranks alive instead
+(`EngineCore.keep_alive`).
 
 Every add is answered once, accepted or rejected. A request with structured output is answered when its grammar
 has compiled (rejected if the constraint is invalid or unsupported, so the front end can still answer 400); the
@@ -103,7 +105,8 @@ class StepMessage:
     stats: EngineStats
     outputs: list[StepOutput] = field(default_factory=list)
     accepted: list[str] = field(default_factory=list)
-    """Requests added since the previous message; they precede their own outputs."""
+    """Requests added since the previous message, answered in a message of their own before the step that runs
+    them (so they always precede their own outputs)."""
     rejected: list[Rejection] = field(default_factory=list)
 
 
@@ -154,15 +157,20 @@ class EngineLoop:
             if compiling and not busy and not messages:
                 engine.wait_for_grammars(GRAMMAR_POLL_INTERVAL_S)
             self._settle_grammars()
+            answered = bool(self._accepted or self._rejected)
+            if answered:
+                # Answered before the step that runs them: a server starts each accepted response (its headers and
+                # first event) while the step computes, instead of after it.
+                self.publish(StepMessage(engine.stats(), [], self._accepted, self._rejected))
+                self._accepted, self._rejected = [], []
             # Pending aborts count as unfinished: their final ABORT outputs (and freed pages) come from a step.
             stepped = engine.has_unfinished()
             outputs = engine.step() if stepped else []
             if not stepped:
                 engine.keep_alive()
-            if stepped or self._accepted or self._rejected:
-                self.publish(StepMessage(engine.stats(), outputs, self._accepted, self._rejected))
-                self._accepted, self._rejected = [], []
-            elif engine.num_awaiting_grammar:
+            if stepped:
+                self.publish(StepMessage(engine.stats(), outputs))
+            elif answered or engine.num_awaiting_grammar:
                 continue
             elif draining:
                 return
