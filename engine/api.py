@@ -84,7 +84,7 @@ def generate_batch(
     ]
     with tqdm(total=len(inputs), disable=not progress_bar, desc="generate_batch") as bar:
         batch = _Batch(engine, requests, bar)
-        EngineLoop(engine, batch, batch.publish).run()
+        batch.run()
     return batch.results
 
 
@@ -111,7 +111,7 @@ def pool_batch(
         for i, (ids, t) in enumerate(zip(inputs, types, strict=True))
     ]
     batch = _Batch(engine, requests, tqdm(total=len(inputs), disable=True))
-    EngineLoop(engine, batch, batch.publish).run()
+    batch.run()
     results = [batch.results[request.request_id] for request in requests]
     for result in results:
         if result.pooled is None:
@@ -128,6 +128,20 @@ class _Batch:
         self.results = {r.request_id: GenerationOutput(r.request_id, list(r.prompt_ids)) for r in requests}
         self.num_finished = 0
         self.bar = bar
+
+    def run(self) -> None:
+        """Until every request finished. A rejection raises (RequestRejected) as soon as it is answered, which may
+        be before the step that runs the batch's other requests: those are ended first, so the engine is left
+        without them for the next call."""
+        try:
+            EngineLoop(self.engine, self, self.publish).run()
+        except BaseException:
+            for request_id, output in self.results.items():
+                if not output.finished:
+                    self.engine.abort_request(request_id)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
 
     def receive(self, timeout: float, limit: int) -> list[EngineInput]:
         if self.num_finished == len(self.results):

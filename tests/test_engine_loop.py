@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections import deque
 from pathlib import Path
 
-from engine import EngineConfig, EngineCore, SamplingParams
+import pytest
+
+from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.driver import AddRequests, EngineInput, EngineLoop, EngineOutput, EngineRequest, Shutdown, StepMessage
+from engine.core.request import RequestRejected
 
 DEMO = Path(__file__).resolve().parents[1] / "server" / "default_model"
 
@@ -37,3 +40,14 @@ def test_adds_are_answered_before_the_step_that_runs_them() -> None:
     generated = [t for m in steps for o in m.outputs for t in o.new_token_ids]
     assert len(generated) == 3 and steps[-1].outputs[-1].finished
     assert all(not m.accepted and not m.rejected for m in steps[1:])
+
+
+def test_a_rejected_prompt_leaves_the_engine_clean_for_the_next_batch() -> None:
+    """The rejection raises as soon as it is answered, before the batch's other requests ran: they are ended, so
+    the engine (and their ids) are free for the next call."""
+    engine = EngineCore(EngineConfig.of(model=str(DEMO)))
+    with pytest.raises(RequestRejected):
+        generate_batch([[1, 2, 3], [1] * (engine.max_model_len + 1)], engine=engine)
+    assert engine.is_idle_and_clean()
+    again = generate_batch([[1, 2, 3]], engine=engine, params=SamplingParams(max_new_tokens=2))
+    assert len(again["req_0"].generated_ids) == 2
