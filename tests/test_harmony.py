@@ -344,7 +344,7 @@ def test_a_required_call_is_made_where_the_model_would_answer(base_url: str) -> 
     """On the second turn the model answers; `required` holds it to a call, whose arguments follow the schema."""
     message = _client(base_url).chat.completions.create(
         model=_client(base_url).models.list().data[0].id, messages=_second_turn("call_0"), tools=TOOLS,
-        tool_choice="required", max_tokens=64,
+        tool_choice="required", max_tokens=128,
     ).choices[0]  # fmt: skip
     assert message.finish_reason == "tool_calls"
     (call,) = message.message.tool_calls
@@ -360,7 +360,7 @@ def test_a_named_tool_is_called_where_the_model_would_answer(base_url: str, stre
     is the grammar's test above: with other tools offered the prompt is not this model's script)."""
     forced = {"type": "function", "function": {"name": WEATHER.name}}
     if not stream:
-        response = _chat(base_url, _second_turn("call_0"), tools=TOOLS, tool_choice=forced, max_tokens=64)
+        response = _chat(base_url, _second_turn("call_0"), tools=TOOLS, tool_choice=forced, max_tokens=128)
         choice = response.json()["choices"][0]
         assert choice["finish_reason"] == "tool_calls", choice
         (call,) = choice["message"]["tool_calls"]
@@ -369,7 +369,7 @@ def test_a_named_tool_is_called_where_the_model_would_answer(base_url: str, stre
     else:
         chunks = _client(base_url).chat.completions.create(
             model=_client(base_url).models.list().data[0].id, messages=_second_turn("call_0"), tools=TOOLS,
-            tool_choice=forced, stream=True, max_tokens=64,
+            tool_choice=forced, stream=True, max_tokens=128,
         )  # fmt: skip
         calls = [call for chunk in chunks if chunk.choices for call in (chunk.choices[0].delta.tool_calls or [])]
         name = next(call.function.name for call in calls if call.function and call.function.name)
@@ -379,30 +379,42 @@ def test_a_named_tool_is_called_where_the_model_would_answer(base_url: str, stre
 
 
 def test_a_json_answer_after_free_reasoning(base_url: str) -> None:
-    """Where the model would write anything, a response format holds it to an answer of that schema after its
-    reasoning, in the chat API and the Responses API."""
+    """On the second turn the model reasons, then answers in words; with a response format its reply is either an
+    answer of the schema's JSON or (a call stays allowed under `auto`) a call with valid arguments, never words, in
+    the chat API and the Responses API. Which of the two this tiny model picks varies with its training run."""
     schema = {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"]}
     response = _chat(
-        base_url, [{"role": "user", "content": QUESTION}], max_tokens=48,
+        base_url, _second_turn("call_0"), tools=TOOLS, max_tokens=64,
         response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}},
     )  # fmt: skip
     assert response.status_code == 200, response.text
-    body = response.json()
-    choice = body["choices"][0]
-    if choice["finish_reason"] == "stop":
+    choice = response.json()["choices"][0]
+    assert choice["message"]["reasoning_content"]
+    if choice["finish_reason"] == "tool_calls":
+        (call,) = choice["message"]["tool_calls"]
+        assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    elif choice["finish_reason"] == "stop":
         assert isinstance(json.loads(choice["message"]["content"])["sky"], str)
     else:  # the budget ran out inside the answer: what came is a prefix of the schema's JSON
-        assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith('{"sky": "')
-    # Without tools the prompt is not the scripted one: the model reasons in text of its own, on its channel.
-    assert choice["message"]["reasoning_content"]
-    assert not choice["message"].get("tool_calls")
+        assert choice["finish_reason"] == "length" and choice["message"]["content"].startswith('{"sky": "'), choice
     client = _client(base_url)
+    tools = [{"type": "function", "name": WEATHER.name, "description": WEATHER.description,
+              "parameters": WEATHER.parameters}]  # fmt: skip
     reply = client.responses.create(
-        model=client.models.list().data[0].id, input=QUESTION, max_output_tokens=48,
+        model=client.models.list().data[0].id, tools=tools, max_output_tokens=64, store=False,
         text={"format": {"type": "json_schema", "name": "weather", "schema": schema}},
+        input=[
+            {"role": "user", "content": QUESTION},
+            {"type": "function_call", "call_id": "call_0", "name": WEATHER.name, "arguments": ARGUMENTS},
+            {"type": "function_call_output", "call_id": "call_0", "output": RESULT},
+        ],
     )  # fmt: skip
-    assert [item.type for item in reply.output] == ["reasoning", "message"]
-    assert reply.output_text.startswith('{"sky": "')
+    kinds = [item.type for item in reply.output]
+    assert kinds in (["reasoning", "message"], ["reasoning", "function_call"]), kinds
+    if kinds[1] == "message":
+        assert reply.output_text.startswith('{"sky": "')
+    else:
+        assert isinstance(json.loads(reply.output[1].arguments)["city"], str)
 
 
 def test_what_the_grammar_cannot_follow_is_a_400(base_url: str) -> None:
