@@ -187,9 +187,6 @@ class EngineClient:
         self._on_stats = on_stats
         self._on_death = on_death
         self._routes: dict[str, RequestGroup] = {}
-        self._process: BaseProcess | None = None
-        self._requests: Connection | None = None
-        self._outputs: Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._ready: asyncio.Future[EngineReady] | None = None
@@ -197,29 +194,20 @@ class EngineClient:
         self._failure: str | None = None
         self._dead = False
         self._closing = False
-        self._engine: EngineProcess | None = None
-        if engine is not None:
-            self._adopt(engine)
+        self._engine = engine
 
     # ---------------------------------------------------------------- lifecycle
-
-    def _adopt(self, engine: EngineProcess) -> None:
-        self._engine = engine
-        self._process, self._requests, self._outputs = engine.process, engine.requests, engine.outputs
 
     def start(self) -> None:
         """Attach to the running event loop, spawning the engine process first unless it was handed in (it starts
         loading the model at once); then await `wait_ready()`."""
         if self._engine is None:
-            self._adopt(
-                EngineProcess.spawn(
-                    self.config, log_level=self._log_level, log_format=self._log_format, step_log=self._step_log
-                )
+            self._engine = EngineProcess.spawn(
+                self.config, log_level=self._log_level, log_format=self._log_format, step_log=self._step_log
             )
-        assert self._process is not None
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        self._loop.add_reader(self._process.sentinel, self._on_process_exit)
+        self._loop.add_reader(self._engine.process.sentinel, self._on_process_exit)
 
     async def wait_ready(self) -> EngineReady:
         """Wait until the engine's model is loaded; raise EngineDeadError if the process dies first."""
@@ -231,30 +219,29 @@ class EngineClient:
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit, then make sure it has (killing it after `timeout`)."""
         self._closing = True
-        process = self._process
-        if process is None or self._engine is None:
+        engine = self._engine
+        if engine is None:
             return
+        process = engine.process
         if process.is_alive():
             with contextlib.suppress(EngineDeadError):
                 self._send(Shutdown())
             await asyncio.to_thread(process.join, timeout)
-        self._engine.kill()
+        engine.kill()
         self._fail_all(EngineDeadError("The server is shutting down."))
         if self._loop is not None:
             self._loop.remove_reader(process.sentinel)
-        if self._requests is not None:
-            self._requests.close()
+        engine.requests.close()
         if self._reader is not None:
             await asyncio.to_thread(self._reader.join, timeout)
-        if self._outputs is not None:
-            self._outputs.close()
-        atexit.unregister(self._engine.kill)
+        engine.outputs.close()
+        atexit.unregister(engine.kill)
 
     # ---------------------------------------------------------------- state
 
     @property
     def alive(self) -> bool:
-        return self._process is not None and not self._dead and self._process.is_alive()
+        return self._engine is not None and not self._dead and self._engine.process.is_alive()
 
     @property
     def healthy(self) -> bool:
@@ -293,10 +280,10 @@ class EngineClient:
                 self._send(AbortRequests(request_ids))
 
     def _send(self, message: object) -> None:
-        if self._requests is None or self._dead:
+        if self._engine is None or self._dead:
             raise EngineDeadError("The engine is not running.")
         try:
-            self._requests.send(message)
+            self._engine.requests.send(message)
         except OSError as exc:
             raise EngineDeadError("The engine process is gone.") from exc
 
@@ -309,10 +296,10 @@ class EngineClient:
 
     def _read_loop(self) -> None:
         """Reader thread: block on the pipe, hand each message to the event loop."""
-        assert self._outputs is not None and self._loop is not None
+        assert self._engine is not None and self._loop is not None
         while True:
             try:
-                message = self._outputs.recv()
+                message = self._engine.outputs.recv()
             except (EOFError, OSError):
                 break
             self._last_message = time.monotonic()
@@ -361,23 +348,24 @@ class EngineClient:
             self._on_stats(message.stats)
 
     def _on_process_exit(self) -> None:
-        assert self._process is not None and self._loop is not None
+        assert self._engine is not None and self._loop is not None
+        process, outputs = self._engine.process, self._engine.outputs
         # The sentinel stays readable once the process is gone: stop watching it before anything else.
-        self._loop.remove_reader(self._process.sentinel)
+        self._loop.remove_reader(process.sentinel)
         if self._dead or self._closing:
             return
         self._dead = True
         # What the engine said before dying (`EngineFailed`) is the reason: read it all first.
-        if self._reader is None and self._outputs is not None:
+        if self._reader is None:
             # Spawned early (`ferry serve`) and dead before the reader started: it is still in the pipe.
             with contextlib.suppress(EOFError, OSError):
-                while self._outputs.poll(0):
-                    self._handle(self._outputs.recv())
+                while outputs.poll(0):
+                    self._handle(outputs.recv())
         elif self._reader is not None:
             self._reader.join(timeout=1.0)  # it reads up to the pipe's end, which the dead process has closed
         # The sentinel fires as the process closes its files, a moment before it can be reaped.
-        self._process.join(timeout=1.0)
-        exitcode = self._process.exitcode
+        process.join(timeout=1.0)
+        exitcode = process.exitcode
         reason = f"The engine process died (exit code {exitcode})."
         if self._failure:
             reason += " " + self._failure.strip().splitlines()[-1]

@@ -42,7 +42,7 @@ from openai_harmony import (
 )
 
 from server.openai.errors import invalid_request, unsupported_parameter
-from server.openai.structured import Constraint, conflicting_constraints, harmony_constraint
+from server.openai.structured import JSON_KINDS, Constraint, conflicting_constraints, harmony_constraint
 from server.openai.tool_parsers.base import ToolCallDelta, new_call_id
 from server.openai.tools import ForcedFunction, FunctionTool, ToolChoiceMode, resolve_tool_use
 
@@ -114,7 +114,7 @@ class Harmony:
         forced = choice == "required" or isinstance(choice, ForcedFunction)
         if forced and answer is not None:
             raise conflicting_constraints(tool_choice_param, answer.param)
-        if answer is not None and answer.output.kind not in ("json_schema", "json_object"):
+        if answer is not None and answer.output.kind not in JSON_KINDS:
             raise unsupported_parameter(
                 answer.param, "with gpt-oss's Harmony format an answer can be held to a JSON schema or a JSON object "
                 "(its answer is one channel of several), not to a regex, a choice or a grammar."

@@ -52,20 +52,32 @@ def tool_calls_constraint(
 ) -> Constraint:
     """Calls in the model's own format (each call object between the `tags`); or where `answer` (a JSON
     constraint) is given, that JSON answer instead; or with `text`, any text that does not start a call."""
-    answer_schema = None
-    if answer is not None:
-        answer_schema = {"type": "object"} if answer.output.kind == "json_object" else json.loads(answer.output.spec)
-    spec = {"begin": tags[0], "end": tags[1], "call": call, "parallel": parallel, "answer": answer_schema, "text": text}
+    spec = {
+        "begin": tags[0],
+        "end": tags[1],
+        "call": call,
+        "parallel": parallel,
+        "answer": _schema(answer),
+        "text": text,
+    }
     return _constraint("tool_calls", json.dumps(spec), param)
 
 
 def harmony_constraint(answer: Constraint | None, calls: dict[str, dict[str, Any]], param: str) -> Constraint:
     """A gpt-oss reply in Harmony's channels: reasoning, then a call to one of `calls` (function name -> arguments
     schema) or, where `answer` (a JSON constraint) is given, a final answer of that JSON."""
-    answer_schema = None
-    if answer is not None:
-        answer_schema = {"type": "object"} if answer.output.kind == "json_object" else json.loads(answer.output.spec)
-    return _constraint("harmony", json.dumps({"answer": answer_schema, "calls": calls}), param)
+    return _constraint("harmony", json.dumps({"answer": _schema(answer), "calls": calls}), param)
+
+
+JSON_KINDS = ("json_schema", "json_object")
+"""The constraints an answer beside tool calls may take: JSON, which a call grammar can embed."""
+
+
+def _schema(answer: Constraint | None) -> dict[str, Any] | None:
+    """A JSON constraint's schema (any object for `json_object`); None for no answer."""
+    if answer is None:
+        return None
+    return {"type": "object"} if answer.output.kind == "json_object" else json.loads(answer.output.spec)
 
 
 def json_object_constraint(param: str) -> Constraint:

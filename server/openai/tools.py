@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from server.openai.errors import invalid_request
 from server.openai.structured import (
+    JSON_KINDS,
     Constraint,
     check_json_schema,
     conflicting_constraints,
@@ -106,7 +107,7 @@ class ToolUse:
         if forced and answer is not None:
             raise conflicting_constraints(param, answer.param)
         tags = self.tags
-        if self.choice == "auto" and answer is not None and tags is not None and answer.output.kind in _JSON_KINDS:
+        if self.choice == "auto" and answer is not None and tags is not None and answer.output.kind in JSON_KINDS:
             return tool_calls_constraint(tags, _tagged_call_schema(self.tools), self.parallel, answer, param)
         if self.choice == "auto" and answer is None and tags is not None and self.strict_auto:
             return tool_calls_constraint(tags, _tagged_call_schema(self.tools), self.parallel, None, param, text=True)
@@ -140,9 +141,6 @@ class ToolUse:
         if choice == "auto" and self.parser is not None:
             return TOOL_CALL_PARSERS[self.parser]
         return None
-
-
-_JSON_KINDS = ("json_schema", "json_object")
 
 
 def resolve_tool_use(
