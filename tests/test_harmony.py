@@ -344,7 +344,7 @@ def test_a_required_call_is_made_where_the_model_would_answer(base_url: str) -> 
     """On the second turn the model answers; `required` holds it to a call, whose arguments follow the schema."""
     message = _client(base_url).chat.completions.create(
         model=_client(base_url).models.list().data[0].id, messages=_second_turn("call_0"), tools=TOOLS,
-        tool_choice="required", max_tokens=128,
+        tool_choice="required", max_tokens=128, temperature=0,
     ).choices[0]  # fmt: skip
     assert message.finish_reason == "tool_calls"
     (call,) = message.message.tool_calls
@@ -360,7 +360,9 @@ def test_a_named_tool_is_called_where_the_model_would_answer(base_url: str, stre
     is the grammar's test above: with other tools offered the prompt is not this model's script)."""
     forced = {"type": "function", "function": {"name": WEATHER.name}}
     if not stream:
-        response = _chat(base_url, _second_turn("call_0"), tools=TOOLS, tool_choice=forced, max_tokens=128)
+        response = _chat(
+            base_url, _second_turn("call_0"), tools=TOOLS, tool_choice=forced, max_tokens=128, temperature=0
+        )
         choice = response.json()["choices"][0]
         assert choice["finish_reason"] == "tool_calls", choice
         (call,) = choice["message"]["tool_calls"]
@@ -369,7 +371,7 @@ def test_a_named_tool_is_called_where_the_model_would_answer(base_url: str, stre
     else:
         chunks = _client(base_url).chat.completions.create(
             model=_client(base_url).models.list().data[0].id, messages=_second_turn("call_0"), tools=TOOLS,
-            tool_choice=forced, stream=True, max_tokens=128,
+            tool_choice=forced, stream=True, max_tokens=128, temperature=0,
         )  # fmt: skip
         calls = [call for chunk in chunks if chunk.choices for call in (chunk.choices[0].delta.tool_calls or [])]
         name = next(call.function.name for call in calls if call.function and call.function.name)
@@ -384,7 +386,7 @@ def test_a_json_answer_after_free_reasoning(base_url: str) -> None:
     the chat API and the Responses API. Which of the two this tiny model picks varies with its training run."""
     schema = {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"]}
     response = _chat(
-        base_url, _second_turn("call_0"), tools=TOOLS, max_tokens=64,
+        base_url, _second_turn("call_0"), tools=TOOLS, max_tokens=64, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}},
     )  # fmt: skip
     assert response.status_code == 200, response.text
@@ -401,7 +403,7 @@ def test_a_json_answer_after_free_reasoning(base_url: str) -> None:
     tools = [{"type": "function", "name": WEATHER.name, "description": WEATHER.description,
               "parameters": WEATHER.parameters}]  # fmt: skip
     reply = client.responses.create(
-        model=client.models.list().data[0].id, tools=tools, max_output_tokens=64, store=False,
+        model=client.models.list().data[0].id, tools=tools, max_output_tokens=64, store=False, temperature=0,
         text={"format": {"type": "json_schema", "name": "weather", "schema": schema}},
         input=[
             {"role": "user", "content": QUESTION},
@@ -409,12 +411,13 @@ def test_a_json_answer_after_free_reasoning(base_url: str) -> None:
             {"type": "function_call_output", "call_id": "call_0", "output": RESULT},
         ],
     )  # fmt: skip
+    # The grammar lets the one analysis message be skipped: a reasoning item may or may not come first.
     kinds = [item.type for item in reply.output]
-    assert kinds in (["reasoning", "message"], ["reasoning", "function_call"]), kinds
-    if kinds[1] == "message":
+    assert kinds[:-1] in ([], ["reasoning"]) and kinds[-1] in ("message", "function_call"), kinds
+    if kinds[-1] == "message":
         assert reply.output_text.startswith('{"sky": "')
     else:
-        assert isinstance(json.loads(reply.output[1].arguments)["city"], str)
+        assert isinstance(json.loads(reply.output[-1].arguments)["city"], str)
 
 
 def test_what_the_grammar_cannot_follow_is_a_400(base_url: str) -> None:
