@@ -59,3 +59,9 @@ def bf16_dot_products() -> bool:
     """Whether the CPU kernels take AVX512-BF16's bfloat16 dot products (`vdpbf16ps`): an AVX-512 build on a CPU
     that has them. The blocked linear then keeps bfloat16 weights in pairs along k (engine/kernels/linear.py)."""
     return cpu_capability() == "AVX512" and "avx512_bf16" in cpu_flags()
+
+
+def amx_tiles() -> bool:
+    """Whether the CPU has AMX's bfloat16 tiles, which oneDNN multiplies many rows with (Intel Xeon 4th generation
+    on)."""
+    return "amx_bf16" in cpu_flags()

@@ -1,6 +1,7 @@
 """bfloat16 on CPU: the engine's packed, paged forward agrees with transformers' own bfloat16 forward within
-bfloat16's rounding, whichever linear path this CPU takes (oneDNN-packed bfloat16 where the CPU has bfloat16
-arithmetic, `WidenedLinearMethod` where it has not)."""
+bfloat16's rounding, whichever linear path this CPU takes (oneDNN-packed bfloat16 where the CPU has AMX, the blocked
+kernel's bfloat16 dot products where it has AVX512-BF16 without AMX, `WidenedLinearMethod` where it has no bfloat16
+arithmetic and no kernel)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine.cpu_isa import amx_tiles, bf16_dot_products
 from engine.layers.linear import LinearBase, adopt_linears
 from engine.layers.linear_method import (
     BlockedLinearMethod,
@@ -80,15 +82,11 @@ def test_bfloat16_engine_agrees_with_transformers_bfloat16(
     )
     engine = EngineCore(config)
     linears = [m for m in engine.runner.model.modules() if isinstance(m, LinearBase)]
-    # A tied LM head takes the blocked layout wherever bfloat16 packs for oneDNN: only untied ones are checked.
+    # A tied LM head takes the blocked layout wherever the kernel runs: only untied ones are checked. oneDNN where it
+    # multiplies bfloat16 faster than the kernel (AMX, or bfloat16 arithmetic without the kernel's dot products).
     kernel = blocked_linear_available(torch.device("cpu"), torch.bfloat16)
-    want = (
-        PackedLinearMethod
-        if bf16_matmul_native(torch.device("cpu"))
-        else BlockedLinearMethod
-        if kernel
-        else WidenedLinearMethod
-    )
+    onednn = bf16_matmul_native(torch.device("cpu")) and (amx_tiles() or not bf16_dot_products() or not kernel)
+    want = PackedLinearMethod if onednn else BlockedLinearMethod if kernel else WidenedLinearMethod
     assert linears and all(isinstance(m.method, want) for m in linears if not getattr(m, "tied", False))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     prompts, _ = _prompts(hf.config.vocab_size)

@@ -35,10 +35,11 @@ needs_kernel = pytest.mark.skipif(bool(UNAVAILABLE), reason=f"the CPU kernels do
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (37, 19), (100, 256)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (37, 19), (52, 64), (100, 256), (200, 256)])
 def test_the_kernel_computes_what_linear_does(dtype: torch.dtype, out_features: int, in_features: int) -> None:
-    """Every tile height (1 to 8 rows and their remainders), the chunk boundary (48 rows), a short last block, an
-    odd input width, a bias, inputs of three dimensions; float32 sums, rounded once to bfloat16. bfloat16 of even
+    """Every tile height (1 to 8 rows and their remainders), the chunk boundary (48 rows), a short last block (alone,
+    and last of a few-row tile's several blocks: 52 outputs), several blocks at once and single ones after them,
+    an odd input width, a bias, inputs of three dimensions; float32 sums, rounded once to bfloat16. bfloat16 of even
     width takes the paired layout and its dot products where the CPU has them (.ci/run runs this file on both
     paths)."""
     generator = torch.Generator().manual_seed(out_features)

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
-from engine.layers.linear_method import PackedLinearMethod, onednn_linear_available
+from engine.layers.linear_method import PackedLinearMethod, select_linear_method
 from engine.models.checkpoint import SAFETENSORS_INDEX, checkpoint_files
 from engine.models.loader import load_model
 from tests.model_factory import build_model_dir
@@ -84,13 +84,13 @@ def test_auto_dtype_on_cpu_keeps_a_bfloat16_checkpoint_and_widens_the_others(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_tied_model_keeps_one_embedding_matrix(tmp_path: Path, dtype: str) -> None:
     """Where the head's method gives rows back (the blocked kernel's layout, or the plain one) the matrix exists
-    once in the model; a bfloat16 head on a CPU that multiplies bfloat16 takes oneDNN's packed layout and the
-    embedding keeps its own plain copy. Either way the embedding's rows are the checkpoint's and the head's logits
-    transformers' own."""
+    once in the model; a bfloat16 head where oneDNN multiplies bfloat16 faster (`select_linear_method`: with AMX)
+    takes oneDNN's packed layout and the embedding keeps its own plain copy. Either way the embedding's rows are
+    the checkpoint's and the head's logits transformers' own."""
     tied = build_model_dir(tmp_path / "tied", "llama", tie_word_embeddings=True)
     model = load_model(EngineConfig.of(model=str(tied), dtype=dtype, model_impl="native")).model
     head, embedding = model.lm_head, model.model.embed_tokens
-    onednn = dtype == "bfloat16" and onednn_linear_available(torch.device("cpu"), torch.bfloat16)
+    onednn = isinstance(select_linear_method(torch.device("cpu"), getattr(torch, dtype)), PackedLinearMethod)
     assert isinstance(head.method, PackedLinearMethod) if onednn else head.method.embeds_rows
     tensors = [*model.state_dict(keep_vars=True).values()]
     tensors += [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]

@@ -20,7 +20,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.request import LoRARequest
 from engine.layers.linear import Shard
-from engine.layers.linear_method import BlockedLinearMethod, PackedLinearMethod, select_linear_method
+from engine.layers.linear_method import (
+    BlockedLinearMethod,
+    PackedLinearMethod,
+    onednn_linear_available,
+    select_linear_method,
+)
 from engine.layers.moe import ClampedSwigluExperts, FusedExperts, Routing, clamped_swiglu_experts, every_expert
 from engine.lora.adapter import AdapterError, read_adapter
 from engine.models.llama import MLP, LlamaFamilyForCausalLM, SparseMoeBlock
@@ -48,8 +53,10 @@ def _each_expert_alone(
 
 
 def _expected_kernel(dtype: torch.dtype) -> str:
-    """The experts' kernel: the one the dense linears of `dtype` take on this CPU, or grouped_mm (float16, which no
-    CPU kernel takes: the path CUDA runs)."""
+    """The experts' kernel: oneDNN wherever it multiplies bfloat16, else the one the dense linears of `dtype` take on
+    this CPU, or grouped_mm (float16, which no CPU kernel takes: the path CUDA runs)."""
+    if dtype == torch.bfloat16 and onednn_linear_available(torch.device("cpu"), dtype):
+        return "onednn"
     method = select_linear_method(torch.device("cpu"), dtype)
     kernels = {PackedLinearMethod: "onednn", BlockedLinearMethod: "blocked"}
     return kernels.get(type(method), "grouped_mm")

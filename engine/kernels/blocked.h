@@ -4,10 +4,10 @@
 //
 // - `Acc`: one block's 16 float32 accumulators of one row (with lane-wise arithmetic), and `load`, a block's 16
 //   weights at one k widened to float32 (from float32, bfloat16 or int8).
-// - `tile` / `pair_tile`: a tile of up to kTileRows rows times one block, float32 multiply-adds or, where the CPU
-//   has AVX512-BF16, bfloat16 dot products of weights in pairs along k.
-// - `for_blocks`: the rows in chunks of kChunkRows that stay in L2 while every block streams past them once, the
-//   blocks spread over the threads.
+// - `tile` / `pair_tile`: a tile of up to kTileRows rows times one block (or, for few rows, `streams` blocks at
+//   once), float32 multiply-adds or, where the CPU has AVX512-BF16, bfloat16 dot products of weights in pairs along k.
+// - `for_blocks` / `for_block_runs`: the rows in chunks of kChunkRows that stay in L2 while every block streams past
+//   them once, the blocks spread over the threads.
 //
 // The instruction set comes from the build flags (engine/kernels/build.py): AVX-512, AVX2 with FMA, or plain C++.
 
@@ -160,33 +160,61 @@ constexpr int split() {
 #endif
 }
 
-// Rows [0, Rows) of one tile times one block: x rows are `ldx` apart, `valid` of the block's 16 outputs are real;
-// k split over `split<Rows, OneRow>()` accumulators a row, summed at the end.
-template <int Rows, typename W, int OneRow = 4>
+// Blocks a tile of `Rows` rows streams at once where the rows are few (decode): one core keeps more of memory's
+// lines in flight from several sequential streams than from one (a stream's hardware prefetcher stops at every
+// 4 KiB page). Measured on 24 cold layers of a 280M Llama in bfloat16, one row, two threads of a Zen 4 EPYC: one
+// stream 24-28 GB/s, two 33-37, four 40-44 (llama.cpp's matrix-vector product: 43). AVX2's 16 registers hold
+// fewer accumulators.
+template <int Rows>
+constexpr int streams() {
+#if defined(__AVX512F__)
+  return Rows <= 2 ? 4 : 2;
+#else
+  return Rows == 1 ? 4 : Rows <= 3 ? 2 : 1;
+#endif
+}
+
+// A tile's accumulators a row and block when it streams `blocks` blocks, from `split` for one: twice the chains of
+// one block over them all (one row of four bfloat16 blocks: 8 chains, 42.6 GB/s in the measure above; 4 chains:
+// 31.1), that many registers being free beside fewer rows.
+constexpr int with_streams(int split, int blocks) { return blocks == 1 ? split : std::max(1, 2 * split / blocks); }
+
+// Rows [0, Rows) of one tile times `Blocks` consecutive blocks, `block_stride` weights apart: x rows are `ldx`
+// apart, block j's outputs (and its scale and bias) at 16 j, `valid` of the last block's 16 outputs are real (the
+// others are whole); k split over `with_streams(split<Rows, OneRow>(), Blocks)` accumulators a row and block,
+// summed at the end.
+template <int Rows, typename W, int OneRow = 4, int Blocks = 1>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t k_size, const float* scale, const float* bias,
-                 int64_t valid, float* out, int64_t ldo) {
-  constexpr int Split = split<Rows, OneRow>();
-  Acc acc[Rows][Split];
+                 int64_t valid, float* out, int64_t ldo, int64_t block_stride = 0) {
+  constexpr int Split = with_streams(split<Rows, OneRow>(), Blocks);
+  Acc acc[Blocks][Rows][Split];
   int64_t k = 0;
   for (; k + Split <= k_size; k += Split) {
     for (int s = 0; s < Split; ++s) {
-      const Acc wk = load(w + (k + s) * kBlock);
-      for (int r = 0; r < Rows; ++r) acc[r][s].fma(x[r * ldx + k + s], wk);
+      for (int j = 0; j < Blocks; ++j) {
+        const Acc wk = load(w + j * block_stride + (k + s) * kBlock);
+        for (int r = 0; r < Rows; ++r) acc[j][r][s].fma(x[r * ldx + k + s], wk);
+      }
     }
   }
   for (; k < k_size; ++k) {
-    const Acc wk = load(w + k * kBlock);
-    for (int r = 0; r < Rows; ++r) acc[r][0].fma(x[r * ldx + k], wk);
-  }
-  for (int r = 0; r < Rows; ++r) {
-    float lanes[kBlock];
-    acc[r][0].store(lanes);
-    for (int s = 1; s < Split; ++s) {
-      float more[kBlock];
-      acc[r][s].store(more);
-      for (int64_t j = 0; j < kBlock; ++j) lanes[j] += more[j];
+    for (int j = 0; j < Blocks; ++j) {
+      const Acc wk = load(w + j * block_stride + k * kBlock);
+      for (int r = 0; r < Rows; ++r) acc[j][r][0].fma(x[r * ldx + k], wk);
     }
-    finish(lanes, scale, bias, valid, out + r * ldo);
+  }
+  for (int j = 0; j < Blocks; ++j) {
+    for (int r = 0; r < Rows; ++r) {
+      float lanes[kBlock];
+      acc[j][r][0].store(lanes);
+      for (int s = 1; s < Split; ++s) {
+        float more[kBlock];
+        acc[j][r][s].store(more);
+        for (int64_t l = 0; l < kBlock; ++l) lanes[l] += more[l];
+      }
+      finish(lanes, scale == nullptr ? nullptr : scale + j * kBlock, bias == nullptr ? nullptr : bias + j * kBlock,
+             j == Blocks - 1 ? valid : kBlock, out + r * ldo + j * kBlock);
+    }
   }
 }
 
@@ -217,57 +245,76 @@ inline void with_rows(int64_t rows, Tile&& tile) {
 // The paired layout's tile (bfloat16 weights on a CPU with AVX512-BF16): each k pair of a block is one vector of 16
 // outputs x 2 weights, and one `vdpbf16ps` adds both products of every output (exact products of bfloat16 values,
 // summed in float32, denormals flushed), where the widening path takes a load, a widen, a shift and an FMA per k.
-// Rows are bfloat16, k is even.
-template <int Rows>
+// Rows are bfloat16, k is even; `Blocks`, `block_stride` and `valid` as `tile`'s.
+template <int Rows, int Blocks = 1>
 inline void pair_tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k_size, const float* scale,
-                      const float* bias, int64_t valid, float* out, int64_t ldo) {
-  constexpr int Split = Rows <= 2 ? 4 : Rows <= 4 ? 2 : 1;
+                      const float* bias, int64_t valid, float* out, int64_t ldo, int64_t block_stride = 0) {
+  constexpr int Split = with_streams(Rows <= 2 ? 4 : Rows <= 4 ? 2 : 1, Blocks);
   const auto x_pair = [&](int r, int64_t p) {
     int32_t bits;
     std::memcpy(&bits, x + r * ldx + 2 * p, sizeof bits);
     return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
   };
-  const auto weights = [&](int64_t p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + p * 2 * kBlock)); };
-  __m512 acc[Rows][Split];
-  for (auto& row : acc) {
-    for (auto& a : row) a = _mm512_setzero_ps();
+  const auto weights = [&](int j, int64_t p) {
+    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * block_stride + p * 2 * kBlock));
+  };
+  __m512 acc[Blocks][Rows][Split];
+  for (auto& block : acc) {
+    for (auto& row : block) {
+      for (auto& a : row) a = _mm512_setzero_ps();
+    }
   }
   const int64_t pairs = k_size / 2;
   int64_t p = 0;
   for (; p + Split <= pairs; p += Split) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (p + 16) * 2 * kBlock), _MM_HINT_T0);
+    // One stream runs ahead of its prefetcher at page ends; several streams (Blocks > 1) cover for each other, and
+    // prefetches there only take line fill buffers from them.
+    if constexpr (Blocks == 1) _mm_prefetch(reinterpret_cast<const char*>(w + (p + 16) * 2 * kBlock), _MM_HINT_T0);
     for (int s = 0; s < Split; ++s) {
-      const __m512bh wp = weights(p + s);
-      for (int r = 0; r < Rows; ++r) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], wp, x_pair(r, p + s));
+      for (int j = 0; j < Blocks; ++j) {
+        const __m512bh wp = weights(j, p + s);
+        for (int r = 0; r < Rows; ++r) acc[j][r][s] = _mm512_dpbf16_ps(acc[j][r][s], wp, x_pair(r, p + s));
+      }
     }
   }
   for (; p < pairs; ++p) {
-    const __m512bh wp = weights(p);
-    for (int r = 0; r < Rows; ++r) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wp, x_pair(r, p));
+    for (int j = 0; j < Blocks; ++j) {
+      const __m512bh wp = weights(j, p);
+      for (int r = 0; r < Rows; ++r) acc[j][r][0] = _mm512_dpbf16_ps(acc[j][r][0], wp, x_pair(r, p));
+    }
   }
-  for (int r = 0; r < Rows; ++r) {
-    __m512 sum = acc[r][0];
-    for (int s = 1; s < Split; ++s) sum = _mm512_add_ps(sum, acc[r][s]);
-    float lanes[kBlock];
-    _mm512_storeu_ps(lanes, sum);
-    finish(lanes, scale, bias, valid, out + r * ldo);
+  for (int j = 0; j < Blocks; ++j) {
+    for (int r = 0; r < Rows; ++r) {
+      __m512 sum = acc[j][r][0];
+      for (int s = 1; s < Split; ++s) sum = _mm512_add_ps(sum, acc[j][r][s]);
+      float lanes[kBlock];
+      _mm512_storeu_ps(lanes, sum);
+      finish(lanes, scale == nullptr ? nullptr : scale + j * kBlock, bias == nullptr ? nullptr : bias + j * kBlock,
+             j == Blocks - 1 ? valid : kBlock, out + r * ldo + j * kBlock);
+    }
   }
 }
 #endif
 
-// Calls `block(b, m0, m1)` for every block b < `num_blocks` and every chunk [m0, m1) of at most kChunkRows of the
-// `m_size` rows: chunk by chunk, the blocks spread over the threads.
-template <typename Block>
-void for_blocks(int64_t m_size, int64_t k_size, int64_t num_blocks, Block&& block) {
+// Calls `run(b0, b1, m0, m1)` for every chunk [m0, m1) of at most kChunkRows of the `m_size` rows and, within it,
+// every run of blocks [b0, b1) a thread takes: chunk by chunk, the blocks spread over the threads.
+template <typename Run>
+void for_block_runs(int64_t m_size, int64_t k_size, int64_t num_blocks, Run&& run) {
   for (int64_t m0 = 0; m0 < m_size; m0 += kChunkRows) {
     const int64_t m1 = std::min(m_size, m0 + kChunkRows);
     // A block's work is 16 outputs of the chunk's rows (k * rows * 16 multiply-adds): a thread takes at least 32k,
     // about 2 us, so that even one row of a small layer spreads over the threads.
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k_size * (m1 - m0) * kBlock));
-    at::parallel_for(0, num_blocks, grain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) block(b, m0, m1);
-    });
+    at::parallel_for(0, num_blocks, grain, [&](int64_t b0, int64_t b1) { run(b0, b1, m0, m1); });
   }
+}
+
+// Calls `block(b, m0, m1)` for every block b < `num_blocks` and every chunk [m0, m1) as `for_block_runs` spreads them.
+template <typename Block>
+void for_blocks(int64_t m_size, int64_t k_size, int64_t num_blocks, Block&& block) {
+  for_block_runs(m_size, k_size, num_blocks, [&](int64_t b0, int64_t b1, int64_t m0, int64_t m1) {
+    for (int64_t b = b0; b < b1; ++b) block(b, m0, m1);
+  });
 }
 
 }  // namespace ferry::blocked

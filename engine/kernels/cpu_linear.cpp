@@ -33,36 +33,55 @@ namespace {
 
 using namespace ferry::blocked;
 
-template <typename W>
-inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t k_size, const float* bias,
-                      int64_t valid, float* out, int64_t ldo) {
-  with_rows(rows, [&](auto n) { tile<decltype(n)::value>(x, ldx, w, k_size, nullptr, bias, valid, out, ldo); });
-}
-
-#if defined(__AVX512BF16__)
-inline void pair_tile_rows(int64_t rows, const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t k_size,
-                           const float* bias, int64_t valid, float* out, int64_t ldo) {
-  with_rows(rows,
-            [&](auto n) { pair_tile<decltype(n)::value>(x, ldx, w, k_size, nullptr, bias, valid, out, ldo); });
-}
-#endif
-
-// Rows x [m, k] times every block (`block_size` weights apart) of `packed`: `tile(rows, x, ldx, w, k, bias, valid,
-// out, ldo)` computes one tile of rows times one block.
+// Rows x [m, k] times every block (`block_size` weights apart) of `packed`: `tile(rows, blocks, x, ldx, w, k, bias,
+// valid, out, ldo, block_size)` computes one tile of `rows` rows times `blocks` consecutive blocks from w (both
+// std::integral_constant), `valid` of the last block's outputs real. A chunk of one tile's rows or fewer (decode)
+// takes its blocks `streams<rows>()` at a time; more rows take them one at a time, every tile of the chunk's rows
+// by a block while it is in cache (two blocks a tile measured no faster there: the products bound it, not memory).
 template <typename X, typename W, typename Tile>
 void blocked_linear(const X* x, int64_t m_size, int64_t k_size, const W* packed, int64_t block_size,
                     int64_t num_blocks, int64_t out_features, const float* bias, float* out, Tile tile) {
-  for_blocks(m_size, k_size, num_blocks, [&](int64_t b, int64_t m0, int64_t m1) {
-    const W* w = packed + b * block_size;
+  const auto blocks_at = [&](auto rows, auto blocks, int64_t b, int64_t m) {
     const int64_t n0 = b * kBlock;
-    const int64_t valid = std::min(kBlock, out_features - n0);
-    const float* block_bias = bias == nullptr ? nullptr : bias + n0;
-    for (int64_t m = m0; m < m1; m += kTileRows) {
-      const int64_t rows = std::min<int64_t>(kTileRows, m1 - m);
-      tile(rows, x + m * k_size, k_size, w, k_size, block_bias, valid, out + m * out_features + n0, out_features);
+    const int64_t valid = std::min(kBlock, out_features - n0 - (decltype(blocks)::value - 1) * kBlock);
+    tile(rows, blocks, x + m * k_size, k_size, packed + b * block_size, k_size, bias == nullptr ? nullptr : bias + n0,
+         valid, out + m * out_features + n0, out_features, block_size);
+  };
+  for_block_runs(m_size, k_size, num_blocks, [&](int64_t b0, int64_t b1, int64_t m0, int64_t m1) {
+    if (m1 - m0 <= kTileRows) {
+      with_rows(m1 - m0, [&](auto rows) {
+        constexpr int kStreams = streams<decltype(rows)::value>();
+        int64_t b = b0;
+        for (; b + kStreams <= b1; b += kStreams) blocks_at(rows, std::integral_constant<int, kStreams>{}, b, m0);
+        for (; b < b1; ++b) blocks_at(rows, std::integral_constant<int, 1>{}, b, m0);
+      });
+      return;
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t m = m0; m < m1; m += kTileRows) {
+        with_rows(std::min<int64_t>(kTileRows, m1 - m),
+                  [&](auto rows) { blocks_at(rows, std::integral_constant<int, 1>{}, b, m); });
+      }
     }
   });
 }
+
+// The widening tile (float32 rows; float32 or bfloat16 weights) and the paired one, as `blocked_linear` calls them.
+template <typename W>
+inline void widening_tile(auto rows, auto blocks, const float* x, int64_t ldx, const W* w, int64_t k_size,
+                          const float* bias, int64_t valid, float* out, int64_t ldo, int64_t block_stride) {
+  tile<decltype(rows)::value, W, 4, decltype(blocks)::value>(x, ldx, w, k_size, nullptr, bias, valid, out, ldo,
+                                                             block_stride);
+}
+
+#if defined(__AVX512BF16__)
+inline void paired_tile(auto rows, auto blocks, const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
+                        int64_t k_size, const float* bias, int64_t valid, float* out, int64_t ldo,
+                        int64_t block_stride) {
+  pair_tile<decltype(rows)::value, decltype(blocks)::value>(x, ldx, w, k_size, nullptr, bias, valid, out, ldo,
+                                                            block_stride);
+}
+#endif
 
 }  // namespace
 
@@ -101,16 +120,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
       TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "the paired layout holds bfloat16 weights");
       blocked_linear(rows.data_ptr<at::BFloat16>(), m_size, k_size, packed.data_ptr<at::BFloat16>(),
                      packed.size(1) * 2 * kBlock, num_blocks, out_features, bias_data, out.data_ptr<float>(),
-                     pair_tile_rows);
+                     [](auto... args) { paired_tile(args...); });
 #else
       TORCH_CHECK(false, "the paired bfloat16 layout needs the kernels built for AVX512-BF16");
 #endif
     } else if (packed.scalar_type() == at::kFloat) {
       blocked_linear(rows.data_ptr<float>(), m_size, k_size, packed.data_ptr<float>(), k_size * kBlock, num_blocks,
-                     out_features, bias_data, out.data_ptr<float>(), tile_rows<float>);
+                     out_features, bias_data, out.data_ptr<float>(), [](auto... args) { widening_tile<float>(args...); });
     } else {
       blocked_linear(rows.data_ptr<float>(), m_size, k_size, packed.data_ptr<at::BFloat16>(), k_size * kBlock,
-                     num_blocks, out_features, bias_data, out.data_ptr<float>(), tile_rows<at::BFloat16>);
+                     num_blocks, out_features, bias_data, out.data_ptr<float>(),
+                     [](auto... args) { widening_tile<at::BFloat16>(args...); });
     }
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());

@@ -24,7 +24,13 @@ from transformers import PretrainedConfig
 
 from engine.kernels.library import cpu_kernels_available
 from engine.layers.linear import ONE_RANK, Shard
-from engine.layers.linear_method import ROWS_HINT, BlockedLinearMethod, PackedLinearMethod, select_linear_method
+from engine.layers.linear_method import (
+    ROWS_HINT,
+    BlockedLinearMethod,
+    PackedLinearMethod,
+    onednn_linear_available,
+    select_linear_method,
+)
 
 EXPERT_PARTS = ("gate", "up", "down")
 """An expert's three matrices: `gate` and `up` `[width, hidden]`, `down` `[hidden, width]` (nn.Linear's layout)."""
@@ -281,6 +287,10 @@ def cpu_pack(weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | 
     experts: the dense linears' layout there (`select_linear_method`), or None where that loop cannot be had."""
     if weights.device.type != "cpu" or not cpu_kernels_available():
         return None
+    if weights.dtype == torch.bfloat16 and onednn_linear_available(weights.device, weights.dtype):
+        # oneDNN wherever it multiplies bfloat16, as before the dense linears left it on CPUs without AMX: their
+        # gain there was measured on dense layers' steps, not on the expert loop's few rows an expert.
+        return onednn_pack
     method = select_linear_method(weights.device, weights.dtype)
     if isinstance(method, PackedLinearMethod):
         return onednn_pack
