@@ -471,8 +471,8 @@ def _tied_head_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
     so the matrix is stored once, in the head's layout (the plain layout oneDNN's packing would leave cost the demo
     model about 10% of its offline throughput: a 4096 x 256 float32 head through MKL's sgemm, 2.3 ms a step against
     0.5 ms in the blocked layout). A bfloat16 head takes what the model's linears take, rows not asked back: on a CPU
-    that multiplies bfloat16 oneDNN's packed layout, the embedding keeping its own plain copy (elsewhere the blocked
-    or the plain layout, one copy), since the blocked kernel's paired tiles, bound by their broadcasts, took 1.05x
+    with AMX oneDNN's packed layout, the embedding keeping its own plain copy (elsewhere the blocked or the plain
+    layout, one copy), since the blocked kernel's paired tiles, bound by their broadcasts, took 1.05x
     (one row) to 3.5x (32 rows) oneDNN's time on a 151,936 x 1,536 head (`python scripts/bench_linear.py`,
     BENCHMARKS.md "Images"), a quarter of a batched Qwen2-VL run, for one more copy of the vocabulary's matrix."""
     return select_linear_method(device, dtype, embeds_rows=dtype != torch.bfloat16)
