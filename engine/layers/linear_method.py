@@ -10,14 +10,15 @@ the layout and the arithmetic: the quantized methods (engine/quantization/) are 
   for float32, and for bfloat16 except where oneDNN multiplies it faster (AMX). It streams the weights at memory
   bandwidth for a few rows (decode) and keeps pace with oneDNN for many.
 - `PackedLinearMethod`: the weight packed once for oneDNN: bfloat16 on a CPU with AMX (or bfloat16 arithmetic the
-  kernel has no dot products for), and the fallback where the kernel cannot be built. On CPU, `F.linear` goes to MKL's sgemm, which on AMD
-  processors takes a slower code path: 75-100 GFLOP/s on one core of the AMD EPYC we measure on, against 190-245
-  GFLOP/s for oneDNN with the weight in its blocked layout (the LM head of the tiny benchmark model: 5.0 ms instead
-  of 13.9 ms for 64 rows). The maths is the same; the sums are taken in another order (about 1e-5 relative).
-  `torch.ops.mkldnn._linear_pointwise` and `_reorder_linear_weight` are the ops torch's own inductor uses for
-  packed CPU linears. Inside a `torch.compile` graph (engine/execution/compile.py) a packed linear is the opaque op
-  `ferry::packed_linear`: inductor lowers `_linear_pointwise` itself only for weights it froze into constants,
-  which a graph shared by every decoder layer cannot have (each layer's weight is an input of the same graph).
+  kernel has no dot products for), and the fallback where the kernel cannot be built. On CPU, `F.linear` goes to
+  MKL's sgemm, which on AMD processors takes a slower code path: 75-100 GFLOP/s on one core of the AMD EPYC we
+  measure on, against 190-245 GFLOP/s for oneDNN with the weight in its blocked layout (the LM head of the tiny
+  benchmark model: 5.0 ms instead of 13.9 ms for 64 rows). The maths is the same; the sums are taken in another
+  order (about 1e-5 relative). `torch.ops.mkldnn._linear_pointwise` and `_reorder_linear_weight` are the ops torch's
+  own inductor uses for packed CPU linears. Inside a `torch.compile` graph (engine/execution/compile.py) a packed
+  linear is the opaque op `ferry::packed_linear`: inductor lowers `_linear_pointwise` itself only for weights it
+  froze into constants, which a graph shared by every decoder layer cannot have (each layer's weight is an input of
+  the same graph).
 - `WidenedLinearMethod`: bfloat16 on a CPU without bfloat16 arithmetic (AVX2 only: no AVX512-BF16, AMX or
   AVX-NE-CONVERT) where the kernel cannot be built: oneDNN cannot pack it there and torch's own bfloat16 matmul is
   a loop of dot products whose cost grows with every row (64 rows of a 4864x896 layer: 55 ms, against 9 ms in
