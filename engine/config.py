@@ -319,11 +319,13 @@ class ExecutionConfig:
     """CUDA: the largest decode step (in sequences) replayed from a graph, capped by max_num_seqs and
     max_batch_tokens; graphs are captured for 1, 2, 4, 8, then every 8 up to 64, then every 16 up to it, and a
     step is padded to the next size. Larger steps run eagerly."""
-    cpu_threads: int | None = field(default=1, metadata=_SCHEDULING)
-    """CPU: torch threads in the engine process (None, from Python, leaves torch's setting alone). One by default,
-    and more helps only on cores nothing else uses: a step is many small ops, and OpenMP barriers across threads
-    stall whenever another process competes for the cores (measured on 2 cores: 756 tok/s with 1 thread,
-    17 tok/s with 2 while a second process ran)."""
+    cpu_threads: int | None = field(default=0, metadata={**_SCHEDULING, "flag_default": 1})
+    """CPU: torch threads in the engine process for a decode-sized step (None, from Python, leaves torch's setting
+    alone). `ferry serve` takes 1: its front end streams every token on the other core, and OpenMP barriers across
+    threads stall whenever another process competes for the cores (measured on 2 cores: 756 tok/s with 1 thread,
+    17 tok/s with 2 while a second process ran). In process (the library's default, 0) every core this rank has:
+    nothing else shares them (offline on 2 cores, 64 requests of the tiny Llama: 1.23-1.28x vLLM-CPU's best with
+    both cores, 0.77-0.90x with one)."""
     cpu_prefill_threads: int | None = field(default=None, metadata=_SCHEDULING)
     """CPU: torch threads for a step of at least 256 tokens (one with prefill chunks), cpu_threads for the others.
     Such a step is long and compute-bound, so more threads pay off even beside a busy front end, and a burst of new
@@ -343,8 +345,8 @@ class ExecutionConfig:
             raise ValueError(f"compile must be one of {', '.join(get_args(CompileLevel))}, got {self.compile!r}")
         if self.cuda_graph_max_seqs < 1:
             raise ValueError(f"cuda_graph_max_seqs must be >= 1, got {self.cuda_graph_max_seqs}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_threads is not None and self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0 (0: every core), got {self.cpu_threads}")
         if self.cpu_prefill_threads is not None and self.cpu_prefill_threads < 1:
             raise ValueError(f"cpu_prefill_threads must be >= 1, got {self.cpu_prefill_threads}")
         if self.cpu_wide_model_bytes < 0:

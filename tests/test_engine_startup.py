@@ -4,6 +4,7 @@ is skipped)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -15,10 +16,17 @@ from engine.attention import TorchPagedBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
 from engine.core.engine_core import EngineCore
 from engine.core.request import RequestRejected, SamplingParams
-from engine.execution.cpu_threads import FEW_SEQS, PREFILL_STEP_TOKENS, SHORT_PREFILL_TOKENS, step_threads
+from engine.execution.cpu_threads import (
+    FEW_SEQS,
+    PREFILL_STEP_TOKENS,
+    SHORT_PREFILL_TOKENS,
+    decode_threads,
+    step_threads,
+)
 from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import largest_step_lengths, run_largest_step
 from engine.models.loader import load_model, weight_bytes
+from server.cli import add_serve_parser, build_engine_config
 
 
 def test_a_cache_too_small_for_an_asked_max_model_len_refuses_to_start(tiny_llama: Path) -> None:
@@ -97,6 +105,24 @@ def test_prefill_threads_are_every_core_unless_asked_or_off(tiny_llama: Path) ->
         EngineConfig.of(model=str(tiny_llama), cpu_prefill_threads=0)
 
 
+def test_an_engine_in_process_decodes_on_every_core_and_a_server_on_one(tiny_llama: Path) -> None:
+    """The library's default (0) is every core the rank has, so one count for every step; `ferry serve`'s flag
+    defaults to 1 (its front end takes the other core); a negative count is refused."""
+    cores = len(os.sched_getaffinity(0))
+    offline = EngineConfig.of(model=str(tiny_llama))
+    assert offline.execution.cpu_threads == 0 and decode_threads(offline) == cores
+    assert step_threads(offline, torch.device("cpu"), 2**20) is None, "no more prefill threads than decode threads"
+    two_ranks = EngineConfig.of(model=str(tiny_llama), tensor_parallel_size=2)
+    assert decode_threads(two_ranks) == max(1, cores // 2), "a node's cores shared among its ranks"
+    assert decode_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=None)) is None
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    served = build_engine_config(parser.parse_args(["serve", "--model", str(tiny_llama)]))
+    assert served.execution.cpu_threads == 1
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig.of(model=str(tiny_llama), cpu_threads=-1)
+
+
 def test_a_large_model_runs_every_step_on_the_prefill_threads(tiny_llama: Path) -> None:
     cpu = torch.device("cpu")
     config = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=1000)
@@ -108,7 +134,7 @@ def test_a_large_model_runs_every_step_on_the_prefill_threads(tiny_llama: Path) 
         EngineConfig.of(model=str(tiny_llama), cpu_wide_model_bytes=-1)
     # Through the engine: the tiny model's weights against a bound at them and one just above.
     weights = weight_bytes(load_model(EngineConfig.of(model=str(tiny_llama))).model)
-    for bound, decode_threads in ((weights, 2), (weights + 1, 1)):
+    for bound, expected in ((weights, 2), (weights + 1, 1)):
         wide = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=bound)
         threads: list[int] = []
         with EngineCore(wide) as engine:
@@ -116,7 +142,7 @@ def test_a_large_model_runs_every_step_on_the_prefill_threads(tiny_llama: Path) 
             engine.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=3))
             while engine.has_unfinished():
                 engine.step()
-        assert threads == [decode_threads] * 3, bound
+        assert threads == [expected] * 3, bound
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

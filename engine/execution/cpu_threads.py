@@ -1,9 +1,9 @@
-"""CPU threads by step size: a small step runs on `cpu_threads`, a step of PREFILL_STEP_TOKENS or more on
-`cpu_prefill_threads` (by default every core this rank has), so that decode steps leave a core to the front end
-and prefill steps take them all, and so does a step of a few sequences with a prompt chunk of SHORT_PREFILL_TOKENS
-or more (the front end has little to stream then: its first token is what it waits for). A model of
-`cpu_wide_model_bytes` or more runs every step on the prefill threads (its steps are long: they stream the
-weights)."""
+"""CPU threads by step size: a small step runs on `cpu_threads` (0: every core this rank has), a step of
+PREFILL_STEP_TOKENS or more on `cpu_prefill_threads` (by default every core this rank has), so that decode steps
+leave a core to the front end and prefill steps take them all, and so does a step of a few sequences with a prompt
+chunk of SHORT_PREFILL_TOKENS or more (the front end has little to stream then: its first token is what it waits
+for). A model of `cpu_wide_model_bytes` or more runs every step on the prefill threads (its steps are long: they
+stream the weights)."""
 
 from __future__ import annotations
 
@@ -37,17 +37,29 @@ class StepThreads(NamedTuple):
         torch.set_num_threads(self.large if large else self.small)
 
 
+def rank_cores(config: EngineConfig) -> int:
+    """The cores this process may use, shared among the tensor-parallel ranks of its node."""
+    ranks_here = config.parallel.tensor_parallel_size // config.parallel.nnodes
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
+
+
+def decode_threads(config: EngineConfig) -> int | None:
+    """`cpu_threads` with 0 (every core) resolved to this rank's cores; None leaves torch's setting alone."""
+    threads = config.execution.cpu_threads
+    return rank_cores(config) if threads == 0 else threads
+
+
 def step_threads(config: EngineConfig, device: torch.device, weight_bytes: int) -> StepThreads | None:
     """The thread counts of small and large steps on CPU for a model (this rank's shard) of `weight_bytes`; None
     where every step keeps one count (a GPU, cpu_threads None, or no more prefill threads than cpu_threads)."""
     execution = config.execution
-    if device.type != "cpu" or execution.cpu_threads is None:
+    small = decode_threads(config)
+    if device.type != "cpu" or small is None:
         return None
     prefill = execution.cpu_prefill_threads
     if prefill is None:
-        ranks_here = config.parallel.tensor_parallel_size // config.parallel.nnodes
-        prefill = max(1, len(os.sched_getaffinity(0)) // ranks_here)
-    if prefill <= execution.cpu_threads:
+        prefill = rank_cores(config)
+    if prefill <= small:
         return None
     wide = 0 < execution.cpu_wide_model_bytes <= weight_bytes
-    return StepThreads(prefill if wide else execution.cpu_threads, prefill)
+    return StepThreads(prefill if wide else small, prefill)

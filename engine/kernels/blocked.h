@@ -296,12 +296,12 @@ inline void pair_tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
 }
 #endif
 
-// Calls `run(b0, b1, m0, m1)` for every chunk [m0, m1) of at most kChunkRows of the `m_size` rows and, within it,
+// Calls `run(b0, b1, m0, m1)` for every chunk [m0, m1) of at most `chunk_rows` of the `m_size` rows and, within it,
 // every run of blocks [b0, b1) a thread takes: chunk by chunk, the blocks spread over the threads.
 template <typename Run>
-void for_block_runs(int64_t m_size, int64_t k_size, int64_t num_blocks, Run&& run) {
-  for (int64_t m0 = 0; m0 < m_size; m0 += kChunkRows) {
-    const int64_t m1 = std::min(m_size, m0 + kChunkRows);
+void for_block_runs(int64_t m_size, int64_t k_size, int64_t num_blocks, Run&& run, int64_t chunk_rows = kChunkRows) {
+  for (int64_t m0 = 0; m0 < m_size; m0 += chunk_rows) {
+    const int64_t m1 = std::min(m_size, m0 + chunk_rows);
     // A block's work is 16 outputs of the chunk's rows (k * rows * 16 multiply-adds): a thread takes at least 32k,
     // about 2 us, so that even one row of a small layer spreads over the threads.
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k_size * (m1 - m0) * kBlock));

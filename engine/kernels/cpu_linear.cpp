@@ -63,7 +63,7 @@ void blocked_linear(const X* x, int64_t m_size, int64_t k_size, const W* packed,
                   [&](auto rows) { blocks_at(rows, std::integral_constant<int, 1>{}, b, m); });
       }
     }
-  });
+  }, kChunkRows * static_cast<int64_t>(sizeof(float) / sizeof(X)));  // as many bytes of bfloat16 rows as of float32
 }
 
 // The widening tile (float32 rows; float32 or bfloat16 weights) and the paired one, as `blocked_linear` calls them.

@@ -18,6 +18,7 @@ from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
 from engine.distributed.parallel import TensorParallel
 from engine.execution.compile import check_compile_level, compile_model
+from engine.execution.cpu_threads import decode_threads
 from engine.layers.linear import LinearBase
 from engine.layers.linear_method import (
     LinearMethod,
@@ -330,8 +331,9 @@ def load_model(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     full_config, native, pooling = model_config(config)
     hf_config = text_config(full_config)
     device = resolve_device(config.model.device) if tp is None else tp.device
-    if device.type == "cpu" and config.execution.cpu_threads is not None:
-        torch.set_num_threads(config.execution.cpu_threads)
+    threads = decode_threads(config)
+    if device.type == "cpu" and threads is not None:
+        torch.set_num_threads(threads)
     dtype = resolve_dtype(config.model.dtype, device, checkpoint_dtype(full_config))
     limit = getattr(hf_config, "max_position_embeddings", None)
     if limit is not None and hf_config.model_type in ("roberta", "xlm-roberta"):
