@@ -163,14 +163,16 @@ constexpr int split() {
 // Blocks a tile of `Rows` rows streams at once where the rows are few (decode): one core keeps more of memory's
 // lines in flight from several sequential streams than from one (a stream's hardware prefetcher stops at every
 // 4 KiB page). Measured on 24 cold layers of a 280M Llama in bfloat16, one row, two threads of a Zen 4 EPYC: one
-// stream 24-28 GB/s, two 33-37, four 40-44 (llama.cpp's matrix-vector product: 43). AVX2's 16 registers hold
-// fewer accumulators.
+// stream 24-28 GB/s, two 33-37, four 40-44 (llama.cpp's matrix-vector product: 43). An AVX2 build streams one:
+// its 16 registers hold a quarter of the accumulators, and on the same machine with the AVX2 flags four blocks
+// (with or without spilling) came out level with one within the noise (0.60-0.62 against 0.48-0.62 of oneDNN's
+// time for one float32 row).
 template <int Rows>
 constexpr int streams() {
 #if defined(__AVX512F__)
   return Rows <= 2 ? 4 : 2;
 #else
-  return Rows == 1 ? 4 : Rows <= 3 ? 2 : 1;
+  return 1;
 #endif
 }
 
