@@ -289,9 +289,10 @@ def select_linear_method(device: torch.device, dtype: torch.dtype, *, embeds_row
     cannot be had. With `embeds_rows`, one that can give rows of the matrix back (a tied LM head's).
 
     Without AMX, AVX512-BF16's dot products in the blocked kernel's paired layout stream a decode step's weights
-    1.6x as fast as oneDNN's packed layout and keep within 6% of it for a prompt's rows (24 cold layers of a 280M
-    Llama on a Zen 4 EPYC, two threads: one row 16.4 against 26.9 ms, 32 rows 50.5 against 53.3, 136 rows 186
-    against 176)."""
+    1.3-1.6x as fast as oneDNN's packed layout and keep within 10% of it for a prompt's rows (a 280M Llama's 96
+    linears out of cache on a Zen 4 EPYC, two threads, BENCHMARKS.md "Several blocks in flight": one row 19.7
+    against 26.3 ms, 32 rows 53.1 against 49.9, 136 rows 205 against 186; a 136-token prefill in process 239.6
+    against 240.0 ms)."""
     native_bf16 = dtype == torch.bfloat16 and bf16_matmul_native(device)
     onednn_faster = native_bf16 and (amx_tiles() or not bf16_dot_products())
     if (embeds_rows or not onednn_faster) and blocked_linear_available(device, dtype):
