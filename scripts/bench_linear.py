@@ -102,7 +102,7 @@ def _model_passes(args: argparse.Namespace, dtypes: list[torch.dtype]) -> None:
             name: [_layer(method, torch.randn(out, in_).to(dtype)) for in_, out in shapes]
             for name, method in methods.items()
         }
-        weight_bytes = sum(in_ * out for in_, out in shapes) * torch.empty(0, dtype=dtype).element_size()
+        weight_bytes = sum(in_ * out for in_, out in shapes) * dtype.itemsize
         for rows in map(int, args.rows.split(",")):
             xs = {in_: torch.randn(rows, in_).to(dtype) for in_, _ in shapes}
             times: dict[str, list[float]] = {name: [] for name in methods}

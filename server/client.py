@@ -361,7 +361,7 @@ class EngineClient:
             with contextlib.suppress(EOFError, OSError):
                 while outputs.poll(0):
                     self._handle(outputs.recv())
-        elif self._reader is not None:
+        else:
             self._reader.join(timeout=1.0)  # it reads up to the pipe's end, which the dead process has closed
         # The sentinel fires as the process closes its files, a moment before it can be reaped.
         process.join(timeout=1.0)
