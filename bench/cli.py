@@ -364,7 +364,9 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="timed runs per system (and floor replays); the median is reported, each one kept in the JSON",
     )
-    offline.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    offline.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads of every system (default: each system's own)"
+    )
     offline.add_argument(
         "--compile",
         choices=get_args(CompileLevel),

@@ -62,9 +62,11 @@ def build_engine(
     enforce_eager: bool = False,
     quantization: str = "none",
     model_impl: str = "auto",
+    cpu_threads: int | None = None,
 ) -> EngineCore:
     """`model_impl="transformers"`: the transformers fallback (the `ferry-fallback` system), for families that
-    also have native modules."""
+    also have native modules. `cpu_threads` None keeps the torch threads `--threads` set; 0 is the engine's own
+    default (decode threads that follow the load)."""
     from engine import EngineConfig, EngineCore
 
     config = EngineConfig.of(
@@ -78,7 +80,7 @@ def build_engine(
         max_batch_tokens=max_batch_tokens,
         max_num_seqs=slots,
         max_queue_size=0,
-        cpu_threads=None,  # every system runs with the thread count --threads set
+        cpu_threads=cpu_threads,
         async_scheduling=async_scheduling,
         compile=compile,
         enforce_eager=enforce_eager,

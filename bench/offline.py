@@ -218,6 +218,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
                 compile=options.compile,
                 enforce_eager=options.enforce_eager,
                 quantization=options.quantization,
+                cpu_threads=None if options.threads is not None else 0,
             )
             startup_seconds = time.perf_counter() - started
             if options.warmup:

@@ -319,26 +319,21 @@ class ExecutionConfig:
     """CUDA: the largest decode step (in sequences) replayed from a graph, capped by max_num_seqs and
     max_batch_tokens; graphs are captured for 1, 2, 4, 8, then every 8 up to 64, then every 16 up to it, and a
     step is padded to the next size. Larger steps run eagerly."""
-    cpu_threads: int | None = field(default=0, metadata={**_SCHEDULING, "flag_default": 1})
-    """CPU: torch threads in the engine process for a decode-sized step (None, from Python, leaves torch's setting
-    alone). `ferry serve` takes 1: its front end streams every token on the other core, and OpenMP barriers across
-    threads stall whenever another process competes for the cores (measured on 2 cores: 756 tok/s with 1 thread,
-    17 tok/s with 2 while a second process ran). In process (the library's default, 0) every core this rank has:
-    nothing else shares them (offline on 2 cores, 64 requests of the tiny Llama: 1.23-1.28x vLLM-CPU's best with
-    both cores, 0.77-0.90x with one)."""
+    cpu_threads: int | None = field(default=0, metadata=_SCHEDULING)
+    """CPU: torch threads in the engine process for a decode-sized step. 0 follows the load: every core of this
+    rank (shared among the tensor-parallel ranks of a node) that other processes leave free, measured over the last
+    quarter second (engine/execution/cpu_threads.py). With two OpenMP threads every op ends in a barrier that stalls
+    whenever another process holds a core, so a busy machine gets fewer threads (measured on 2 cores: 802 tok/s on
+    one thread, 323 on two beside a busy process); an idle one gets every core (offline on 2 cores, 64 requests of
+    the tiny Llama: 1.20x vLLM-CPU with both, 0.64x with one). Under `ferry serve` the front end and its clients
+    are the others. None (from Python) leaves torch's setting alone."""
     cpu_prefill_threads: int | None = field(default=None, metadata=_SCHEDULING)
     """CPU: torch threads for a step of at least 256 tokens (one with prefill chunks), cpu_threads for the others.
     Such a step is long and compute-bound, so more threads pay off even beside a busy front end, and a burst of new
     prompts gets its first tokens sooner (measured on 2 cores serving the demo model at concurrency 32: TTFT p99
     665 -> 409 ms, throughput unchanged, where 2 threads for every step cost 21% of it). None: every core this
-    process may use (shared among the tensor-parallel ranks of a node); at most cpu_threads turns it off, and so
-    does cpu_threads None."""
-    cpu_wide_model_bytes: int = field(default=64 * 2**20, metadata=_SCHEDULING)
-    """CPU: a model (this rank's shard) of at least this many weight bytes runs every step on cpu_prefill_threads,
-    decodes included. Each of its steps streams the weights for milliseconds, long beside the front end's work for
-    the step's tokens, and one core cannot stream DRAM at the machine's bandwidth: measured on 2 cores serving a
-    280M Llama in bfloat16 (558 MB) at concurrency 1, 8 and 32, 36.5 -> 46.0, 130 -> 193 and 179 -> 249 tok/s, where
-    the demo model's (16 MB) short steps lose 21% at concurrency 32 on two threads. 0: never."""
+    process may use (shared among the tensor-parallel ranks of a node); at most a fixed cpu_threads turns it off,
+    and so does cpu_threads None."""
 
     def __post_init__(self) -> None:
         if self.compile not in get_args(CompileLevel):
@@ -346,11 +341,9 @@ class ExecutionConfig:
         if self.cuda_graph_max_seqs < 1:
             raise ValueError(f"cuda_graph_max_seqs must be >= 1, got {self.cuda_graph_max_seqs}")
         if self.cpu_threads is not None and self.cpu_threads < 0:
-            raise ValueError(f"cpu_threads must be >= 0 (0: every core), got {self.cpu_threads}")
+            raise ValueError(f"cpu_threads must be >= 0 (0: follow the load), got {self.cpu_threads}")
         if self.cpu_prefill_threads is not None and self.cpu_prefill_threads < 1:
             raise ValueError(f"cpu_prefill_threads must be >= 1, got {self.cpu_prefill_threads}")
-        if self.cpu_wide_model_bytes < 0:
-            raise ValueError(f"cpu_wide_model_bytes must be >= 0, got {self.cpu_wide_model_bytes}")
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,7 @@
 
 Every field becomes `--field-name`: its type from the annotation (`bool` -> `--x/--no-x`, `Literal[...]` ->
 choices, `X | None` -> X, `tuple[X, ...]` -> one or more X, a class with `from_json` -> its JSON text, a class
-with `from_flag` -> the text that method reads), its default from the field (or from `metadata["flag_default"]`,
-where the command line's differs from the library's), its help from the field's attribute
+with `from_flag` -> the text that method reads), its default from the field, its help from the field's attribute
 docstring (the string right after it), its help section from `metadata["group"]`, and other names it accepts from
 `metadata["aliases"]`. A tuple field with `metadata["repeatable"]` collects the values of every use of its flag
 (`--x a b --x c`); any other flag's last use wins. A field with `metadata["flag"] = False` is left to the caller.
@@ -52,7 +51,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict[str, argp
             flag_name(field.name),
             *field.metadata.get("aliases", ()),
             dest=field.name,
-            default=field.metadata.get("flag_default", field.default),
+            default=field.default,
             # argparse %-formats help texts (for `%(default)s`): a literal % must be doubled.
             help=docs[field.name].replace("%", "%%"),
             **options,

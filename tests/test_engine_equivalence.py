@@ -4,6 +4,7 @@ prompt run alone through the model's own `generate` (float32, CPU), and so do th
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.kv_cache import sliding_pool_pages
 from engine.core.observer import StepRecord
-from engine.execution.cpu_threads import SHORT_PREFILL_TOKENS, step_threads
-from engine.models.loader import weight_bytes
+from engine.execution.cpu_threads import FreeCores
 
 ARCHS = [
     "llama",
@@ -204,21 +204,29 @@ def test_compiled_greedy_equals_generate(
     warmed_up = counters["stats"]["unique_graphs"]
     # A one-token graph and a dynamic one, and the dynamic one again on the prefill threads where a step can take
     # them (a graph is compiled for a thread count): of the whole decoder, or of a layer per sliding window.
-    threads = step_threads(config, torch.device("cpu"), weight_bytes(engine.runner.model))
-    per_kind = 3 if threads is not None and config.scheduler.max_batch_tokens >= SHORT_PREFILL_TOKENS else 2
+    # Decode threads that follow the load get graphs for each count they may take (every core, or one fewer).
+    cores = len(os.sched_getaffinity(0))
+    decode_counts = {cores, max(1, cores - 1)}
+    assert engine.runner.step_threads is None or engine.runner.step_threads.large == cores
+    per_kind = 2 * len(decode_counts)
     # Piecewise: a graph per kind of layer (its sliding window; an MLP or a mixture of experts).
     layers = engine.runner.model.model.layers
     kinds = len({(layer.self_attn.sliding_window, type(layer.mlp)) for layer in layers})
     graphs = per_kind if level == "full" else per_kind * kinds
     assert warmed_up - before == graphs
     params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
-    results = generate_batch(prompts, params=params, engine=engine)
-    assert counters["stats"]["unique_graphs"] == warmed_up, "a step recompiled after the warm-up"
-    for i, want in enumerate(expected):
-        got = results[f"req_{i}"]
-        assert got.generated_ids == want, f"{arch}/{setup}/{level}: request {i} diverged"
-        worst = max(abs(t.logprob - w) for t, w in zip(got.logprobs, expected_logprobs[i], strict=True))
-        assert worst <= LOGPROB_TOLERANCE, f"{arch}/{setup}/{level}: request {i}: a logprob is {worst:.2e} off"
+    small = engine.runner.step_threads.small if engine.runner.step_threads is not None else None
+    # Once on each decode count (pinned, as the load would pick it): none compiles a graph.
+    for count in sorted(decode_counts) if isinstance(small, FreeCores) else [None]:
+        if isinstance(small, FreeCores):
+            small.pinned = count
+        results = generate_batch(prompts, params=params, engine=engine)
+        assert counters["stats"]["unique_graphs"] == warmed_up, f"a step recompiled after the warm-up ({count})"
+        for i, want in enumerate(expected):
+            got = results[f"req_{i}"]
+            assert got.generated_ids == want, f"{arch}/{setup}/{level}: request {i} diverged"
+            worst = max(abs(t.logprob - w) for t, w in zip(got.logprobs, expected_logprobs[i], strict=True))
+            assert worst <= LOGPROB_TOLERANCE, f"{arch}/{setup}/{level}: request {i}: a logprob is {worst:.2e} off"
     assert engine.is_idle_and_clean()
     if setup == "preempt":
         assert engine.scheduler.num_preemptions > 0

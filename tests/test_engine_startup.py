@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import engine.attention as attention
 from engine.attention import TorchPagedBackend, select_backend
@@ -18,14 +23,19 @@ from engine.core.engine_core import EngineCore
 from engine.core.request import RequestRejected, SamplingParams
 from engine.execution.cpu_threads import (
     FEW_SEQS,
+    LOAD_WINDOW_SECONDS,
     PREFILL_STEP_TOKENS,
     SHORT_PREFILL_TOKENS,
+    FreeCores,
+    StepThreads,
+    busy_ticks,
     decode_threads,
+    free_cores,
     step_threads,
 )
 from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import largest_step_lengths, run_largest_step
-from engine.models.loader import load_model, weight_bytes
+from engine.models.loader import load_model
 from server.cli import add_serve_parser, build_engine_config
 
 
@@ -89,60 +99,142 @@ def test_the_profiling_step_runs_through_a_runner(tiny_llama: Path) -> None:
 def test_prefill_threads_are_every_core_unless_asked_or_off(tiny_llama: Path) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cores = len(os.sched_getaffinity(0))
-    small = 2**20
     config = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=3)
-    assert step_threads(config, cpu, small) == (1, 3)
-    assert step_threads(config, cuda, small) is None, "a GPU step's threads only launch kernels"
+    assert step_threads(config, cpu) == (1, 3)
+    assert step_threads(config, cuda) is None, "a GPU step's threads only launch kernels"
     auto = EngineConfig.of(model=str(tiny_llama), cpu_threads=1)
-    assert step_threads(auto, cpu, small) == ((1, cores) if cores > 1 else None)
+    assert step_threads(auto, cpu) == ((1, cores) if cores > 1 else None)
     two_ranks = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, tensor_parallel_size=2)
-    assert step_threads(two_ranks, cpu, small) == ((1, cores // 2) if cores >= 4 else None), "a node's cores shared"
+    assert step_threads(two_ranks, cpu) == ((1, cores // 2) if cores >= 4 else None), "a node's cores shared"
     same = EngineConfig.of(model=str(tiny_llama), cpu_threads=2, cpu_prefill_threads=2)
-    assert step_threads(same, cpu, small) is None
+    assert step_threads(same, cpu) is None
     unset = EngineConfig.of(model=str(tiny_llama), cpu_threads=None, cpu_prefill_threads=4)
-    assert step_threads(unset, cpu, small) is None
+    assert step_threads(unset, cpu) is None
     with pytest.raises(ValueError, match="cpu_prefill_threads"):
         EngineConfig.of(model=str(tiny_llama), cpu_prefill_threads=0)
 
 
-def test_an_engine_in_process_decodes_on_every_core_and_a_server_on_one(tiny_llama: Path) -> None:
-    """The library's default (0) is every core the rank has, so one count for every step; `ferry serve`'s flag
-    defaults to 1 (its front end takes the other core); a negative count is refused."""
+def test_decode_threads_follow_the_load_by_default_in_process_and_served(tiny_llama: Path) -> None:
+    """0, the default of the library and of `ferry serve`: every free core, any count down to one, every core for
+    a prefill; compiled, every core or one fewer (a graph per count); a negative count is refused."""
     cores = len(os.sched_getaffinity(0))
     offline = EngineConfig.of(model=str(tiny_llama))
     assert offline.execution.cpu_threads == 0 and decode_threads(offline) == cores
-    assert step_threads(offline, torch.device("cpu"), 2**20) is None, "no more prefill threads than decode threads"
+    threads = step_threads(offline, torch.device("cpu"))
+    compiled = step_threads(EngineConfig.of(model=str(tiny_llama), compile="piecewise"), torch.device("cpu"))
+    if cores == 1:
+        assert threads is None and compiled is None, "one core: nothing to follow"
+    else:
+        assert isinstance(threads, StepThreads) and isinstance(threads.small, FreeCores)
+        assert (list(threads.small.counts()), threads.large) == (list(range(cores, 0, -1)), cores)
+        assert isinstance(compiled, StepThreads) and isinstance(compiled.small, FreeCores)
+        assert list(compiled.small.counts()) == [cores, cores - 1]
     two_ranks = EngineConfig.of(model=str(tiny_llama), tensor_parallel_size=2)
     assert decode_threads(two_ranks) == max(1, cores // 2), "a node's cores shared among its ranks"
     assert decode_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=None)) is None
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     served = build_engine_config(parser.parse_args(["serve", "--model", str(tiny_llama)]))
-    assert served.execution.cpu_threads == 1
+    assert served.execution.cpu_threads == 0
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineConfig.of(model=str(tiny_llama), cpu_threads=-1)
 
 
-def test_a_large_model_runs_every_step_on_the_prefill_threads(tiny_llama: Path) -> None:
-    cpu = torch.device("cpu")
-    config = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=1000)
-    assert step_threads(config, cpu, 999) == (1, 2)
-    assert step_threads(config, cpu, 1000) == (2, 2)
-    off = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=0)
-    assert step_threads(off, cpu, 10**12) == (1, 2)
-    with pytest.raises(ValueError, match="cpu_wide_model_bytes"):
-        EngineConfig.of(model=str(tiny_llama), cpu_wide_model_bytes=-1)
-    # Through the engine: the tiny model's weights against a bound at them and one just above.
-    weights = weight_bytes(load_model(EngineConfig.of(model=str(tiny_llama))).model)
-    for bound, expected in ((weights, 2), (weights + 1, 1)):
-        wide = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=2, cpu_wide_model_bytes=bound)
-        threads: list[int] = []
-        with EngineCore(wide) as engine:
-            engine.runner.model.register_forward_pre_hook(lambda *_, seen=threads: seen.append(torch.get_num_threads()))
-            engine.add_request("r", [5, 6, 7], SamplingParams(max_new_tokens=3))
+def test_free_cores_are_those_the_others_leave() -> None:
+    assert [free_cores(load, 2, 2) for load in (0.0, 0.3, 0.31, 1.0, 1.3, 1.31, 9.0)] == [2, 2, 1, 1, 1, 1, 1]
+    assert [free_cores(load, 16, 16) for load in (0.2, 0.8, 3.2)] == [16, 15, 13]
+    # Two ranks of 8 on 16 cores: the other rank's 8 busy cores leave this one its share.
+    assert [free_cores(load, 16, 8) for load in (0.0, 8.0, 8.4)] == [8, 8, 7]
+
+
+@given(
+    others=st.floats(0, 64, allow_nan=False),
+    more=st.floats(0, 64, allow_nan=False),
+    cores=st.integers(1, 64),
+    ranks=st.integers(1, 8),
+)
+def test_free_cores_are_at_least_one_at_most_the_share_and_fewer_as_load_grows(
+    others: float, more: float, cores: int, ranks: int
+) -> None:
+    share = max(1, cores // ranks)
+    count = free_cores(others, cores, share)
+    assert 1 <= count <= share
+    assert free_cores(others + more, cores, share) <= count
+
+
+def test_busy_ticks_count_the_processs_cpus_without_idle_or_io_wait() -> None:
+    stat = (
+        "cpu  40 2 10 500 9 4 6 8 0 0\n"
+        "cpu0 10 1 5 200 7 2 3 4 0 0\n"
+        "cpu1 30 1 5 300 2 2 3 4 0 0\n"
+        "cpu12 100 0 0 0 0 0 0 0 0 0\n"
+        "intr 12345 0 0\nctxt 999\n"
+    )
+    assert busy_ticks(stat, {0}) == 10 + 1 + 5 + 2 + 3 + 4
+    assert busy_ticks(stat, {0, 1}) == 25 + 30 + 1 + 5 + 2 + 3 + 4
+    assert busy_ticks(stat, {1, 12}) == 45 + 100
+    assert busy_ticks(stat, set()) == 0
+
+
+class _Machine:
+    """A /proc/stat, a clock and the engine's own CPU time that a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now, self.busy_ticks, self.own = 100.0, 0, 0.0
+
+    def stat(self) -> str:
+        return f"cpu0 {self.busy_ticks} 0 0 0 0 0 0 0 0 0\ncpu1 0 0 0 0 0 0 0 0 0 0\n"
+
+    def run(self, seconds: float, busy_cores: float, own_cores: float) -> None:
+        self.now += seconds
+        self.busy_ticks += round(seconds * busy_cores * os.sysconf("SC_CLK_TCK"))
+        self.own += seconds * own_cores
+
+
+def test_free_cores_are_measured_once_a_window_over_it() -> None:
+    machine = _Machine()
+    free = FreeCores({0, 1}, 2, read_stat=machine.stat, clock=lambda: machine.now, own_seconds=lambda: machine.own)
+    machine.run(LOAD_WINDOW_SECONDS / 2, busy_cores=2.0, own_cores=0.5)
+    assert free.update() == 2, "every core until a window has passed"
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=1.0)
+    assert free.update() == 1, "the others kept 1.17 cores busy since it started"
+    machine.run(LOAD_WINDOW_SECONDS / 2, busy_cores=1.0, own_cores=1.0)
+    assert free.update() == 1, "not measured again within the window"
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=1.2, own_cores=1.0)
+    assert free.update() == 2, "the others went quiet: 0.13 cores since"
+    free.pinned = 1
+    assert free.update() == 1
+    free.pinned = None
+    floor = FreeCores({0, 1}, 2, 2, read_stat=machine.stat, clock=lambda: machine.now, own_seconds=lambda: machine.own)
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=0.0)
+    assert (floor.update(), free.update()) == (2, 1), "never below the fewest it may pick"
+
+
+def _busy_process() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not Path("/proc/stat").exists(), reason="one core, or no /proc")
+def test_a_busy_process_beside_the_engine_takes_a_decode_thread(tiny_llama: Path) -> None:
+    """Measured from this machine's /proc/stat: a process spinning beside an engine that follows the load leaves its
+    decode steps one core fewer, while a prompt-sized step still takes every core."""
+    cores = len(os.sched_getaffinity(0))
+    busy = _busy_process()
+    try:
+        with EngineCore(EngineConfig.of(model=str(tiny_llama))) as engine:
+            threads: list[tuple[int, int]] = []  # (tokens, torch threads) of each forward pass
+            engine.runner.model.register_forward_pre_hook(
+                lambda _, args: threads.append((args[0].shape[0], torch.get_num_threads()))
+            )
+            time.sleep(LOAD_WINDOW_SECONDS * 1.5)  # a window of the busy process
+            engine.add_request("r", list(range(3, 3 + PREFILL_STEP_TOKENS)), SamplingParams(max_new_tokens=4))
             while engine.has_unfinished():
                 engine.step()
-        assert threads == [expected] * 3, bound
+    finally:
+        busy.kill()
+        busy.wait()
+    assert threads[0] == (PREFILL_STEP_TOKENS, cores), "a prefill: every core"
+    assert [n for _, n in threads[1:]] and all(n <= cores - 1 for _, n in threads[1:]), threads
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -57,8 +57,7 @@ def test_every_engine_option_is_a_documented_flag(capsys: pytest.CaptureFixture[
 def test_defaults_are_the_engine_defaults(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     args = serve_parser().parse_args(["serve", "--model", str(tmp_path)])
-    # But for the decode threads: a server's front end takes a core (engine.config's cpu_threads).
-    assert cli.build_engine_config(args) == EngineConfig.of(model=str(tmp_path), cpu_threads=1)
+    assert cli.build_engine_config(args) == EngineConfig.of(model=str(tmp_path))
     settings = cli.build_settings(args)
     assert (settings.host, settings.port, settings.api_key) == ("127.0.0.1", 8000, None)
 
@@ -117,8 +116,7 @@ def test_every_field_is_one_flag_with_its_default_and_help(cls: type) -> None:
             continue
         action = actions[field.name]
         assert action.option_strings[0] == flag_name(field.name), field.name
-        # A flag's default is the field's, unless the command line's is set apart (`flag_default`: cpu_threads).
-        assert action.default == field.metadata.get("flag_default", field.default), field.name
+        assert action.default == field.default, field.name
         assert action.help and action.help.strip(), field.name
 
 
@@ -205,14 +203,7 @@ def test_every_flag_round_trips_into_the_dataclass(cls: type, tmp_path: Path, mo
     values = {f.name: FORMATTED.get(f.name) or _other_value(hints[f.name], f.default) for f in flag_fields(cls)}
     args = serve_parser().parse_args(["serve", "--model", str(tmp_path), *_argv(values)])
     if cls in PART_CLASSES.values():
-        # The other parts' flags keep the command line's defaults, which differ from the library's for cpu_threads.
-        flag_defaults = {
-            f.name: f.metadata["flag_default"]
-            for part in PART_CLASSES.values()
-            for f in flag_fields(part)
-            if "flag_default" in f.metadata
-        }
-        assert cli.build_engine_config(args) == EngineConfig.of(model=str(tmp_path), **{**flag_defaults, **values})
+        assert cli.build_engine_config(args) == EngineConfig.of(model=str(tmp_path), **values)
     else:
         assert cli.build_settings(args) == ServerSettings(**values)
 

@@ -1,18 +1,32 @@
-"""CPU threads by step size: a small step runs on `cpu_threads` (0: every core this rank has), a step of
-PREFILL_STEP_TOKENS or more on `cpu_prefill_threads` (by default every core this rank has), so that decode steps
-leave a core to the front end and prefill steps take them all, and so does a step of a few sequences with a prompt
-chunk of SHORT_PREFILL_TOKENS or more (the front end has little to stream then: its first token is what it waits
-for). A model of `cpu_wide_model_bytes` or more runs every step on the prefill threads (its steps are long: they
-stream the weights)."""
+"""CPU threads by step size and by the load beside the engine.
+
+A decode-sized step runs on `cpu_threads`; 0 (the default) follows the load: every core of this rank that other
+processes leave free, measured from /proc/stat over the last LOAD_WINDOW_SECONDS (`FreeCores`). With two OpenMP
+threads every op of a step ends in a barrier, and a barrier whose other thread has lost its core to another process
+waits for a time slice, so a step of many small ops collapses on a busy machine (measured on 2 cores: 802 tok/s on
+one thread, 323 on two beside one busy process); on an idle machine two threads stream the weights ~1.4x faster.
+Under `ferry serve` the others are the front end and its clients: a lone stream of a large model leaves the second
+core free, while 32 streams of the demo model keep the front end busy on it.
+
+A step of PREFILL_STEP_TOKENS or more runs on `cpu_prefill_threads` (by default every core this rank has), and so
+does a step of a few sequences with a prompt chunk of SHORT_PREFILL_TOKENS or more (the front end has little to
+stream then: its first token is what it waits for): such steps are long and compute-bound, each op big beside a
+barrier's wait."""
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 PREFILL_STEP_TOKENS = 256
 """A CPU step of at least this many tokens runs on `cpu_prefill_threads` (measured on the demo model: 256 and 512
@@ -23,10 +37,95 @@ FEW_SEQS = 4
 one 136-token prompt alone on the demo model takes 6.2 ms on two threads against 11.3 on one (in process), so
 a lone user's first token comes sooner; at concurrency 8 or more the rule above decides as before."""
 
+LOAD_WINDOW_SECONDS = 0.25
+"""How often the load beside the engine is measured: /proc/stat counts in 10 ms ticks, so a quarter second
+resolves a twentieth of a core, and the count follows a change of load within a few hundred decode steps."""
+SHARED_CORE_LOAD = 0.3
+"""Other processes' load, in cores, that leaves every core free: the rest of it, rounded up, takes cores away.
+Measured on 2 cores serving the demo model to a local client at concurrency 1, the front end and the client took
+0.42 of a core, and two decode threads there were no faster than one (743 / 529 against 761 / 564 tok/s in two
+pairs); a lone stream of a 280M model costs them a few hundredths."""
+
+
+def free_cores(others: float, cores: int, rank_cores: int) -> int:
+    """Threads for this rank, of the `cores` it shares with its node's other ranks (`rank_cores` its own share), when
+    other processes keep `others` cores busy: the free cores, at least one, at most the rank's share."""
+    taken = math.ceil(max(0.0, others - SHARED_CORE_LOAD))
+    return max(1, min(rank_cores, cores - taken))
+
+
+def busy_ticks(proc_stat: str, cpus: set[int]) -> int:
+    """The ticks the CPUs `cpus` spent busy (not idle, not waiting for I/O), from the text of /proc/stat. Stolen
+    ticks count as busy: the hypervisor gave that time to someone else."""
+    busy = 0
+    for line in proc_stat.splitlines():
+        name, _, counts = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(count) for count in counts.split()[:8])
+        busy += user + nice + system + irq + softirq + steal
+    return busy
+
+
+def read_proc_stat() -> str:
+    with open("/proc/stat") as file:
+        return file.read()
+
+
+class FreeCores:
+    """The cores of this rank that other processes leave free: each LOAD_WINDOW_SECONDS (checked when asked), the
+    busy time of the process's CPUs less its own CPU time gives the others' load."""
+
+    def __init__(
+        self,
+        cpus: set[int],
+        rank_cores: int,
+        fewest: int = 1,
+        read_stat: Callable[[], str] = read_proc_stat,
+        clock: Callable[[], float] = time.monotonic,
+        own_seconds: Callable[[], float] = time.process_time,
+    ) -> None:
+        self.cpus = cpus
+        """The CPUs the process may run on, shared with the node's other ranks."""
+        self.rank_cores = rank_cores
+        self.fewest = fewest
+        """The fewest threads it picks, however busy the machine."""
+        self.pinned: int | None = None
+        """A count every step takes while set (the compile warm-up's, one graph per count)."""
+        self._read_stat, self._clock, self._own_seconds = read_stat, clock, own_seconds
+        self._ticks_per_second = os.sysconf("SC_CLK_TCK")
+        self.count = rank_cores
+        """Threads for the next decode step: every core until a window has been measured."""
+        self._since = self._sample()
+
+    def counts(self) -> range:
+        """Every count it may pick, most first."""
+        return range(self.rank_cores, self.fewest - 1, -1)
+
+    def _sample(self) -> tuple[float, int, float]:
+        return self._clock(), busy_ticks(self._read_stat(), self.cpus), self._own_seconds()
+
+    def update(self) -> int:
+        """The count for this step: `pinned`, or `count` measured anew once a window has passed since the last
+        measurement."""
+        if self.pinned is not None:
+            return self.pinned
+        now = self._clock()
+        if now - self._since[0] < LOAD_WINDOW_SECONDS:
+            return self.count
+        then, (now, busy, own) = self._since, self._sample()
+        others = ((busy - then[1]) / self._ticks_per_second - (own - then[2])) / (now - then[0])
+        count = max(self.fewest, free_cores(others, len(self.cpus), self.rank_cores))
+        if count != self.count:
+            logger.debug("decode threads %d -> %d: other processes keep %.2f cores busy", self.count, count, others)
+        self.count = count
+        self._since = (now, busy, own)
+        return self.count
+
 
 class StepThreads(NamedTuple):
-    small: int
-    """Threads for a decode-sized step."""
+    small: int | FreeCores
+    """Threads for a decode-sized step: a fixed count, or the free cores."""
     large: int
     """Threads for a prefill-sized step (see the module's docstring)."""
 
@@ -34,7 +133,10 @@ class StepThreads(NamedTuple):
         """Set the count for a step of `num_tokens` over `num_seqs` sequences. Per thread in torch: call it on the
         thread that runs the step (the runner's own under async scheduling)."""
         large = num_tokens >= PREFILL_STEP_TOKENS or (num_seqs <= FEW_SEQS and num_tokens >= SHORT_PREFILL_TOKENS)
-        torch.set_num_threads(self.large if large else self.small)
+        if large:
+            torch.set_num_threads(self.large)
+        else:
+            torch.set_num_threads(self.small if isinstance(self.small, int) else self.small.update())
 
 
 def rank_cores(config: EngineConfig) -> int:
@@ -44,22 +146,25 @@ def rank_cores(config: EngineConfig) -> int:
 
 
 def decode_threads(config: EngineConfig) -> int | None:
-    """`cpu_threads` with 0 (every core) resolved to this rank's cores; None leaves torch's setting alone."""
+    """The decode threads to start with: `cpu_threads`, or this rank's cores where it follows the load (0); None
+    leaves torch's setting alone."""
     threads = config.execution.cpu_threads
     return rank_cores(config) if threads == 0 else threads
 
 
-def step_threads(config: EngineConfig, device: torch.device, weight_bytes: int) -> StepThreads | None:
-    """The thread counts of small and large steps on CPU for a model (this rank's shard) of `weight_bytes`; None
-    where every step keeps one count (a GPU, cpu_threads None, or no more prefill threads than cpu_threads)."""
+def step_threads(config: EngineConfig, device: torch.device) -> StepThreads | None:
+    """The thread counts of small and large steps on CPU; None where every step keeps one count (a GPU,
+    cpu_threads None, a rank of one core, or a fixed cpu_threads at least the prefill threads)."""
     execution = config.execution
-    small = decode_threads(config)
-    if device.type != "cpu" or small is None:
+    if device.type != "cpu" or execution.cpu_threads is None:
         return None
-    prefill = execution.cpu_prefill_threads
-    if prefill is None:
-        prefill = rank_cores(config)
-    if prefill <= small:
-        return None
-    wide = 0 < execution.cpu_wide_model_bytes <= weight_bytes
-    return StepThreads(prefill if wide else small, prefill)
+    cores = rank_cores(config)
+    prefill = execution.cpu_prefill_threads or cores
+    # /proc/stat is Linux's: elsewhere a rank that follows the load takes its cores, as on an idle machine.
+    if execution.cpu_threads == 0 and cores > 1 and os.path.exists("/proc/stat"):
+        # A compiled graph is specialized to its thread count, and the warm-up compiles one for each count that
+        # can come: two, every core or one fewer (a core left to a busy front end).
+        fewest = 1 if execution.compile == "none" else cores - 1
+        return StepThreads(FreeCores(os.sched_getaffinity(0), cores, fewest), prefill)
+    small = execution.cpu_threads or cores
+    return StepThreads(small, prefill) if prefill > small else None

@@ -47,7 +47,7 @@ from engine.execution.prompt_logprobs import prompt_rows, score_prompts
 from engine.layers.ssm import StateStep
 from engine.lora.batch import LoRABatch
 from engine.lora.manager import lora_manager
-from engine.models.loader import LoadedModel, weight_bytes
+from engine.models.loader import LoadedModel
 from engine.multimodal.inputs import ImageInput
 from engine.sampling.sampler import Sampler, SampleResult
 from engine.sampling.token_masks import GrammarState, StepGrammars
@@ -82,7 +82,8 @@ class ModelRunner:
         self.samples = loaded.rank == 0
         """False on a tensor-parallel rank other than 0: it runs its shard of each step and keeps no grammar state,
         since the driver samples."""
-        self._step_threads = step_threads(config, device, weight_bytes(model))
+        self.step_threads = step_threads(config, device)
+        """CPU: the thread count of each step, by its size and the load beside the engine."""
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
             for layer in layout.layers:
@@ -144,10 +145,10 @@ class ModelRunner:
         if inputs is None:
             return ModelRunnerOutput()
         started = time.perf_counter()
-        if self._step_threads is not None:
+        if self.step_threads is not None:
             # The images it encodes count as tokens of work: a one-token chunk beside an image is a large step.
             encoded = sum(image.length for image in inputs.encodes)
-            self._step_threads.use_for(len(inputs.input_ids) + encoded, len(inputs.meta.seq_lens))
+            self.step_threads.use_for(len(inputs.input_ids) + encoded, len(inputs.meta.seq_lens))
         logits, pooled = self.forward_and_pool(inputs)
         forwarded = time.perf_counter()
         forward_seconds = forwarded - started
