@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.core.kv_cache import sliding_pool_pages
 from engine.core.observer import StepRecord
-from engine.execution.cpu_threads import FreeCores
 
 ARCHS = [
     "llama",
@@ -204,10 +203,9 @@ def test_compiled_greedy_equals_generate(
     warmed_up = counters["stats"]["unique_graphs"]
     # A one-token graph and a dynamic one, and the dynamic one again on the prefill threads where a step can take
     # them (a graph is compiled for a thread count): of the whole decoder, or of a layer per sliding window.
-    # Decode threads that follow the load get graphs for each count they may take (every core, or one fewer).
+    # Threads that follow the load get graphs for each count they may take (every core, or one fewer).
     cores = len(os.sched_getaffinity(0))
     decode_counts = {cores, max(1, cores - 1)}
-    assert engine.runner.step_threads is None or engine.runner.step_threads.large == cores
     per_kind = 2 * len(decode_counts)
     # Piecewise: a graph per kind of layer (its sliding window; an MLP or a mixture of experts).
     layers = engine.runner.model.model.layers
@@ -215,11 +213,11 @@ def test_compiled_greedy_equals_generate(
     graphs = per_kind if level == "full" else per_kind * kinds
     assert warmed_up - before == graphs
     params = [SamplingParams(max_new_tokens=n, logprobs=True) for n in max_new]
-    small = engine.runner.step_threads.small if engine.runner.step_threads is not None else None
-    # Once on each decode count (pinned, as the load would pick it): none compiles a graph.
-    for count in sorted(decode_counts) if isinstance(small, FreeCores) else [None]:
-        if isinstance(small, FreeCores):
-            small.pinned = count
+    free = engine.runner.step_threads.free if engine.runner.step_threads is not None else None
+    # Once on each count (pinned, as the load would pick it): none compiles a graph.
+    for count in sorted(decode_counts) if free is not None else [None]:
+        if free is not None:
+            free.pinned = count
         results = generate_batch(prompts, params=params, engine=engine)
         assert counters["stats"]["unique_graphs"] == warmed_up, f"a step recompiled after the warm-up ({count})"
         for i, want in enumerate(expected):

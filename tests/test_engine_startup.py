@@ -22,8 +22,10 @@ from engine.config import EngineConfig, EngineStartupError
 from engine.core.engine_core import EngineCore
 from engine.core.request import RequestRejected, SamplingParams
 from engine.execution.cpu_threads import (
+    DECODE_SHARED_LOAD,
     FEW_SEQS,
     LOAD_WINDOW_SECONDS,
+    PREFILL_SHARED_LOAD,
     PREFILL_STEP_TOKENS,
     SHORT_PREFILL_TOKENS,
     FreeCores,
@@ -100,12 +102,12 @@ def test_prefill_threads_are_every_core_unless_asked_or_off(tiny_llama: Path) ->
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cores = len(os.sched_getaffinity(0))
     config = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, cpu_prefill_threads=3)
-    assert step_threads(config, cpu) == (1, 3)
+    assert step_threads(config, cpu) == (1, 3, None)
     assert step_threads(config, cuda) is None, "a GPU step's threads only launch kernels"
-    auto = EngineConfig.of(model=str(tiny_llama), cpu_threads=1)
-    assert step_threads(auto, cpu) == ((1, cores) if cores > 1 else None)
-    two_ranks = EngineConfig.of(model=str(tiny_llama), cpu_threads=1, tensor_parallel_size=2)
-    assert step_threads(two_ranks, cpu) == ((1, cores // 2) if cores >= 4 else None), "a node's cores shared"
+    auto = step_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=1), cpu)
+    assert auto is None if cores == 1 else auto[:2] == (1, 0) and isinstance(auto.free, FreeCores)
+    two_ranks = step_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=1, tensor_parallel_size=2), cpu)
+    assert two_ranks is None if cores < 4 else two_ranks.free is not None and two_ranks.free.rank_cores == cores // 2
     same = EngineConfig.of(model=str(tiny_llama), cpu_threads=2, cpu_prefill_threads=2)
     assert step_threads(same, cpu) is None
     unset = EngineConfig.of(model=str(tiny_llama), cpu_threads=None, cpu_prefill_threads=4)
@@ -115,8 +117,8 @@ def test_prefill_threads_are_every_core_unless_asked_or_off(tiny_llama: Path) ->
 
 
 def test_decode_threads_follow_the_load_by_default_in_process_and_served(tiny_llama: Path) -> None:
-    """0, the default of the library and of `ferry serve`: every free core, any count down to one, every core for
-    a prefill; compiled, every core or one fewer (a graph per count); a negative count is refused."""
+    """0 and None, the defaults of the library and of `ferry serve`: the free cores, any count down to one;
+    compiled, every core or one fewer (a graph per count); a negative count is refused."""
     cores = len(os.sched_getaffinity(0))
     offline = EngineConfig.of(model=str(tiny_llama))
     assert offline.execution.cpu_threads == 0 and decode_threads(offline) == cores
@@ -125,10 +127,10 @@ def test_decode_threads_follow_the_load_by_default_in_process_and_served(tiny_ll
     if cores == 1:
         assert threads is None and compiled is None, "one core: nothing to follow"
     else:
-        assert isinstance(threads, StepThreads) and isinstance(threads.small, FreeCores)
-        assert (list(threads.small.counts()), threads.large) == (list(range(cores, 0, -1)), cores)
-        assert isinstance(compiled, StepThreads) and isinstance(compiled.small, FreeCores)
-        assert list(compiled.small.counts()) == [cores, cores - 1]
+        assert isinstance(threads, StepThreads) and threads[:2] == (0, 0) and threads.free is not None
+        assert list(threads.free.counts()) == list(range(cores, 0, -1))
+        assert isinstance(compiled, StepThreads) and compiled.free is not None
+        assert list(compiled.free.counts()) == [cores, cores - 1]
     two_ranks = EngineConfig.of(model=str(tiny_llama), tensor_parallel_size=2)
     assert decode_threads(two_ranks) == max(1, cores // 2), "a node's cores shared among its ranks"
     assert decode_threads(EngineConfig.of(model=str(tiny_llama), cpu_threads=None)) is None
@@ -145,6 +147,8 @@ def test_free_cores_are_those_the_others_leave() -> None:
     assert [free_cores(load, 16, 16) for load in (0.2, 0.8, 3.2)] == [16, 15, 13]
     # Two ranks of 8 on 16 cores: the other rank's 8 busy cores leave this one its share.
     assert [free_cores(load, 16, 8) for load in (0.0, 8.0, 8.4)] == [8, 8, 7]
+    # A prefill shares a core with a front end that waits for it, and gives it up to a process that holds it.
+    assert [free_cores(load, 2, 2, PREFILL_SHARED_LOAD) for load in (0.42, 0.7, 0.9, 1.05)] == [2, 2, 2, 1]
 
 
 @given(
@@ -160,6 +164,7 @@ def test_free_cores_are_at_least_one_at_most_the_share_and_fewer_as_load_grows(
     count = free_cores(others, cores, share)
     assert 1 <= count <= share
     assert free_cores(others + more, cores, share) <= count
+    assert count <= free_cores(others, cores, share, PREFILL_SHARED_LOAD), "a prefill gives up a core last"
 
 
 def test_busy_ticks_count_the_processs_cpus_without_idle_or_io_wait() -> None:
@@ -195,19 +200,22 @@ def test_free_cores_are_measured_once_a_window_over_it() -> None:
     machine = _Machine()
     free = FreeCores({0, 1}, 2, read_stat=machine.stat, clock=lambda: machine.now, own_seconds=lambda: machine.own)
     machine.run(LOAD_WINDOW_SECONDS / 2, busy_cores=2.0, own_cores=0.5)
-    assert free.update() == 2, "every core until a window has passed"
-    machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=1.0)
-    assert free.update() == 1, "the others kept 1.17 cores busy since it started"
+    assert free.count(DECODE_SHARED_LOAD) == 2, "every core until a window has passed"
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=1.5, own_cores=1.0)
+    assert free.count(DECODE_SHARED_LOAD) == 1, "the others kept 0.83 cores busy since it started"
+    assert free.count(PREFILL_SHARED_LOAD) == 2, "not enough to hold a core through a prefill"
     machine.run(LOAD_WINDOW_SECONDS / 2, busy_cores=1.0, own_cores=1.0)
-    assert free.update() == 1, "not measured again within the window"
+    assert free.count(DECODE_SHARED_LOAD) == 1, "not measured again within the window"
     machine.run(LOAD_WINDOW_SECONDS, busy_cores=1.2, own_cores=1.0)
-    assert free.update() == 2, "the others went quiet: 0.13 cores since"
-    free.pinned = 1
-    assert free.update() == 1
+    assert free.count(DECODE_SHARED_LOAD) == 2, "the others went quiet: 0.13 cores since"
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=0.9)
+    assert (free.count(DECODE_SHARED_LOAD), free.count(PREFILL_SHARED_LOAD)) == (1, 1), "a core held: 1.1"
+    free.pinned = 2
+    assert free.count(DECODE_SHARED_LOAD) == 2
     free.pinned = None
     floor = FreeCores({0, 1}, 2, 2, read_stat=machine.stat, clock=lambda: machine.now, own_seconds=lambda: machine.own)
     machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=0.0)
-    assert (floor.update(), free.update()) == (2, 1), "never below the fewest it may pick"
+    assert (floor.count(DECODE_SHARED_LOAD), free.count(DECODE_SHARED_LOAD)) == (2, 1), "never below its fewest"
 
 
 def _busy_process() -> subprocess.Popen[bytes]:
@@ -217,7 +225,7 @@ def _busy_process() -> subprocess.Popen[bytes]:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not Path("/proc/stat").exists(), reason="one core, or no /proc")
 def test_a_busy_process_beside_the_engine_takes_a_decode_thread(tiny_llama: Path) -> None:
     """Measured from this machine's /proc/stat: a process spinning beside an engine that follows the load leaves its
-    decode steps one core fewer, while a prompt-sized step still takes every core."""
+    steps, decodes and prefills alike, one core fewer."""
     cores = len(os.sched_getaffinity(0))
     busy = _busy_process()
     try:
@@ -233,8 +241,8 @@ def test_a_busy_process_beside_the_engine_takes_a_decode_thread(tiny_llama: Path
     finally:
         busy.kill()
         busy.wait()
-    assert threads[0] == (PREFILL_STEP_TOKENS, cores), "a prefill: every core"
-    assert [n for _, n in threads[1:]] and all(n <= cores - 1 for _, n in threads[1:]), threads
+    assert threads[0][0] == PREFILL_STEP_TOKENS and len(threads) == 4, threads
+    assert all(n <= cores - 1 for _, n in threads), threads
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

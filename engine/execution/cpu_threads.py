@@ -8,14 +8,14 @@ one thread, 323 on two beside one busy process); on an idle machine two threads 
 Under `ferry serve` the others are the front end and its clients: a lone stream of a large model leaves the second
 core free, while 32 streams of the demo model keep the front end busy on it.
 
-A step of PREFILL_STEP_TOKENS or more runs on `cpu_prefill_threads` (by default every core this rank has), and so
-does a step of a few sequences with a prompt chunk of SHORT_PREFILL_TOKENS or more (the front end has little to
-stream then: its first token is what it waits for): such steps are long and compute-bound, each op big beside a
-barrier's wait."""
+A step of PREFILL_STEP_TOKENS or more runs on `cpu_prefill_threads`, and so does a step of a few sequences with a
+prompt chunk of SHORT_PREFILL_TOKENS or more (the front end has little to stream then: its first token is what it
+waits for). Such steps are long and compute-bound, each op big beside a barrier's wait, and while one runs the
+front end and its clients wait for its tokens; by default (None) they take every core but those other processes
+keep busy throughout (PREFILL_SHARED_LOAD)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -25,8 +25,6 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig
-
-logger = logging.getLogger(__name__)
 
 PREFILL_STEP_TOKENS = 256
 """A CPU step of at least this many tokens runs on `cpu_prefill_threads` (measured on the demo model: 256 and 512
@@ -40,17 +38,23 @@ a lone user's first token comes sooner; at concurrency 8 or more the rule above 
 LOAD_WINDOW_SECONDS = 0.25
 """How often the load beside the engine is measured: /proc/stat counts in 10 ms ticks, so a quarter second
 resolves a twentieth of a core, and the count follows a change of load within a few hundred decode steps."""
-SHARED_CORE_LOAD = 0.3
-"""Other processes' load, in cores, that leaves every core free: the rest of it, rounded up, takes cores away.
-Measured on 2 cores serving the demo model to a local client at concurrency 1, the front end and the client took
-0.42 of a core, and two decode threads there were no faster than one (743 / 529 against 761 / 564 tok/s in two
-pairs); a lone stream of a 280M model costs them a few hundredths."""
+DECODE_SHARED_LOAD = 0.3
+"""Other processes' load, in cores, that leaves every core free to a decode step: the rest of it, rounded up, takes
+cores away. Measured on 2 cores serving the demo model to a local client at concurrency 1, the front end and the
+client took 0.42 of a core, and two decode threads there were no faster than one (743 / 529 against 761 / 564 tok/s
+in two pairs); a lone stream of a 280M model costs them a few hundredths."""
+PREFILL_SHARED_LOAD = 0.9
+"""The same for a prefill-sized step: a core is taken from it only by a load that holds it nearly throughout. At
+concurrency 32 on the demo model (2 cores) the front end and its client took 0.7 of a core, and a second prefill
+thread there cut TTFT p99 665 -> 409 ms; beside a process spinning on a core, a 136-token prompt of the 280M
+bfloat16 model came sooner on one thread than on two (TTFT p50 491 / 546 against 866 / 1,037 ms)."""
 
 
-def free_cores(others: float, cores: int, rank_cores: int) -> int:
+def free_cores(others: float, cores: int, rank_cores: int, shared_load: float = DECODE_SHARED_LOAD) -> int:
     """Threads for this rank, of the `cores` it shares with its node's other ranks (`rank_cores` its own share), when
-    other processes keep `others` cores busy: the free cores, at least one, at most the rank's share."""
-    taken = math.ceil(max(0.0, others - SHARED_CORE_LOAD))
+    other processes keep `others` cores busy: the free cores, at least one, at most the rank's share. A core is
+    taken by each whole core of load beyond `shared_load`."""
+    taken = math.ceil(max(0.0, others - shared_load))
     return max(1, min(rank_cores, cores - taken))
 
 
@@ -89,54 +93,51 @@ class FreeCores:
         """The CPUs the process may run on, shared with the node's other ranks."""
         self.rank_cores = rank_cores
         self.fewest = fewest
-        """The fewest threads it picks, however busy the machine."""
+        """The fewest threads it gives, however busy the machine."""
         self.pinned: int | None = None
-        """A count every step takes while set (the compile warm-up's, one graph per count)."""
+        """A count it gives every step while set (the compile warm-up's, one graph per count)."""
+        self.others = 0.0
+        """Cores that other processes kept busy over the last window: none until one has been measured."""
         self._read_stat, self._clock, self._own_seconds = read_stat, clock, own_seconds
         self._ticks_per_second = os.sysconf("SC_CLK_TCK")
-        self.count = rank_cores
-        """Threads for the next decode step: every core until a window has been measured."""
         self._since = self._sample()
 
     def counts(self) -> range:
-        """Every count it may pick, most first."""
+        """Every count it may give, most first."""
         return range(self.rank_cores, self.fewest - 1, -1)
+
+    def count(self, shared_load: float) -> int:
+        """Threads for a step that shares a core with `shared_load` of other load (see `free_cores`); the others'
+        load is measured anew once a window has passed since the last measurement."""
+        if self.pinned is not None:
+            return self.pinned
+        now = self._clock()
+        if now - self._since[0] >= LOAD_WINDOW_SECONDS:
+            then, (now, busy, own) = self._since, self._sample()
+            self.others = max(0.0, ((busy - then[1]) / self._ticks_per_second - (own - then[2])) / (now - then[0]))
+            self._since = (now, busy, own)
+        return max(self.fewest, free_cores(self.others, len(self.cpus), self.rank_cores, shared_load))
 
     def _sample(self) -> tuple[float, int, float]:
         return self._clock(), busy_ticks(self._read_stat(), self.cpus), self._own_seconds()
 
-    def update(self) -> int:
-        """The count for this step: `pinned`, or `count` measured anew once a window has passed since the last
-        measurement."""
-        if self.pinned is not None:
-            return self.pinned
-        now = self._clock()
-        if now - self._since[0] < LOAD_WINDOW_SECONDS:
-            return self.count
-        then, (now, busy, own) = self._since, self._sample()
-        others = ((busy - then[1]) / self._ticks_per_second - (own - then[2])) / (now - then[0])
-        count = max(self.fewest, free_cores(others, len(self.cpus), self.rank_cores))
-        if count != self.count:
-            logger.debug("decode threads %d -> %d: other processes keep %.2f cores busy", self.count, count, others)
-        self.count = count
-        self._since = (now, busy, own)
-        return self.count
-
 
 class StepThreads(NamedTuple):
-    small: int | FreeCores
-    """Threads for a decode-sized step: a fixed count, or the free cores."""
+    small: int
+    """Threads for a decode-sized step; 0: the free cores."""
     large: int
-    """Threads for a prefill-sized step (see the module's docstring)."""
+    """Threads for a prefill-sized step (see the module's docstring); 0: the free cores."""
+    free: FreeCores | None
+    """Where a count follows the load: the measurement."""
 
     def use_for(self, num_tokens: int, num_seqs: int) -> None:
         """Set the count for a step of `num_tokens` over `num_seqs` sequences. Per thread in torch: call it on the
         thread that runs the step (the runner's own under async scheduling)."""
         large = num_tokens >= PREFILL_STEP_TOKENS or (num_seqs <= FEW_SEQS and num_tokens >= SHORT_PREFILL_TOKENS)
-        if large:
-            torch.set_num_threads(self.large)
-        else:
-            torch.set_num_threads(self.small if isinstance(self.small, int) else self.small.update())
+        count = self.large if large else self.small
+        if count == 0 and self.free is not None:
+            count = self.free.count(PREFILL_SHARED_LOAD if large else DECODE_SHARED_LOAD)
+        torch.set_num_threads(count)
 
 
 def rank_cores(config: EngineConfig) -> int:
@@ -154,17 +155,17 @@ def decode_threads(config: EngineConfig) -> int | None:
 
 def step_threads(config: EngineConfig, device: torch.device) -> StepThreads | None:
     """The thread counts of small and large steps on CPU; None where every step keeps one count (a GPU,
-    cpu_threads None, a rank of one core, or a fixed cpu_threads at least the prefill threads)."""
+    cpu_threads None, or fixed counts with no more prefill threads than decode threads)."""
     execution = config.execution
     if device.type != "cpu" or execution.cpu_threads is None:
         return None
     cores = rank_cores(config)
-    prefill = execution.cpu_prefill_threads or cores
-    # /proc/stat is Linux's: elsewhere a rank that follows the load takes its cores, as on an idle machine.
-    if execution.cpu_threads == 0 and cores > 1 and os.path.exists("/proc/stat"):
+    small, large = execution.cpu_threads, execution.cpu_prefill_threads or 0
+    # /proc/stat is Linux's: elsewhere a count that follows the load takes the rank's cores, as on an idle machine.
+    if 0 in (small, large) and cores > 1 and os.path.exists("/proc/stat"):
         # A compiled graph is specialized to its thread count, and the warm-up compiles one for each count that
         # can come: two, every core or one fewer (a core left to a busy front end).
         fewest = 1 if execution.compile == "none" else cores - 1
-        return StepThreads(FreeCores(os.sched_getaffinity(0), cores, fewest), prefill)
-    small = execution.cpu_threads or cores
-    return StepThreads(small, prefill) if prefill > small else None
+        return StepThreads(small, large, FreeCores(os.sched_getaffinity(0), cores, fewest))
+    small, large = small or cores, large or cores
+    return StepThreads(small, large, None) if large > small else None

@@ -25,7 +25,7 @@ from engine.core.request import SamplingParams
 from engine.core.step import NewRequest, SchedulerOutput
 from engine.core.structured import GrammarCompiler
 from engine.distributed.parallel import TensorParallel
-from engine.execution.cpu_threads import SHORT_PREFILL_TOKENS, FreeCores
+from engine.execution.cpu_threads import SHORT_PREFILL_TOKENS
 from engine.execution.cuda_graphs import CaptureReport, start_decode_graphs
 from engine.execution.kv_caches import kv_cache_dtype, kv_cache_groups, layer_specs, state_bytes_per_sequence
 from engine.execution.memory import kv_cache_budget_bytes
@@ -166,8 +166,8 @@ _WARM_UP_TOKENS = (1, 2, 16, SHORT_PREFILL_TOKENS)
 size, which makes the token dimension dynamic (for 2 tokens and more), then a larger step, which must reuse it. A
 bfloat16 `WidenedLinearMethod` (the fallback without the blocked kernel) branches on 3 rows, so there 16 gets a
 third graph. The last, a lone prompt's size, runs on the prefill threads (engine/execution/cpu_threads.py), and a
-graph is compiled for a thread count: the dynamic graph again, for them. Decode threads that follow the load run
-the sizes once for each count they may take."""
+graph is compiled for a thread count: the dynamic graph again, for them. Threads that follow the load run the
+sizes once for each count they may take."""
 
 
 def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
@@ -184,15 +184,15 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
     new = NewRequest(
         request_id, prompt, (), SamplingParams(), frozenset(), 0, (pages,) * (max(runner.group_of_layer) + 1)
     )
-    # Decode threads that follow the load take a few counts (engine/execution/cpu_threads.py): each its graphs.
-    small = runner.step_threads.small if runner.step_threads is not None else None
-    counts = small.counts() if isinstance(small, FreeCores) else (None,)
+    # Threads that follow the load take a few counts (engine/execution/cpu_threads.py): each its graphs.
+    free = runner.step_threads.free if runner.step_threads is not None else None
+    counts = free.counts() if free is not None else (None,)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     started = time.perf_counter()
     try:
         for count, n in itertools.product(counts, sizes):
-            if isinstance(small, FreeCores):
-                small.pinned = count
+            if free is not None:
+                free.pinned = count
             # Each step (re)computes the sequence's first n positions: the runner takes plans as they come.
             runner.execute(
                 SchedulerOutput(
@@ -210,8 +210,8 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
             "--compile none runs the model eagerly"
         ) from error
     finally:
-        if isinstance(small, FreeCores):
-            small.pinned = None
+        if free is not None:
+            free.pinned = None
         runner.execute(SchedulerOutput(finished_ids=(request_id,)))
     logger.info(
         "compiled (--compile %s): %d graphs in %.1f s",
