@@ -331,9 +331,10 @@ class ExecutionConfig:
     """CPU: torch threads for a step of at least 256 tokens (one with prefill chunks), or of at most 4 sequences with
     64 or more; cpu_threads for the others. Such a step is long and compute-bound, and the front end waits for its
     tokens, so a second core pays off even beside a busy front end (measured on 2 cores serving the demo model at
-    concurrency 32: TTFT p99 665 -> 409 ms). None: every core of this rank but those other processes keep busy
-    nearly throughout (beside a spinning process a 280M model's prompt came sooner on one thread: TTFT 491 against
-    866 ms); a fixed count at most a fixed cpu_threads turns it off, and so does cpu_threads None."""
+    concurrency 32: TTFT p99 665 -> 409 ms). None: every core of this rank but those that processes other than the
+    engine's parent (the front end) keep busy (beside a spinning process a 280M model's prompt came sooner on one
+    thread: TTFT 491 against 866 ms); a fixed count at most a fixed cpu_threads turns it off, and so does
+    cpu_threads None."""
 
     def __post_init__(self) -> None:
         if self.compile not in get_args(CompileLevel):

@@ -22,7 +22,6 @@ from engine.config import EngineConfig, EngineStartupError
 from engine.core.engine_core import EngineCore
 from engine.core.request import RequestRejected, SamplingParams
 from engine.execution.cpu_threads import (
-    DECODE_SHARED_LOAD,
     FEW_SEQS,
     LOAD_WINDOW_SECONDS,
     PREFILL_SHARED_LOAD,
@@ -147,8 +146,8 @@ def test_free_cores_are_those_the_others_leave() -> None:
     assert [free_cores(load, 16, 16) for load in (0.2, 0.8, 3.2)] == [16, 15, 13]
     # Two ranks of 8 on 16 cores: the other rank's 8 busy cores leave this one its share.
     assert [free_cores(load, 16, 8) for load in (0.0, 8.0, 8.4)] == [8, 8, 7]
-    # A prefill shares a core with a front end that waits for it, and gives it up to a process that holds it.
-    assert [free_cores(load, 2, 2, PREFILL_SHARED_LOAD) for load in (0.42, 0.7, 0.9, 1.05)] == [2, 2, 2, 1]
+    # A prefill shares a core with more of a load (that of processes other than the front end, which waits for it).
+    assert [free_cores(load, 2, 2, PREFILL_SHARED_LOAD) for load in (0.3, 0.6, 0.61, 1.0)] == [2, 2, 1, 1]
 
 
 @given(
@@ -182,40 +181,62 @@ def test_busy_ticks_count_the_processs_cpus_without_idle_or_io_wait() -> None:
 
 
 class _Machine:
-    """A /proc/stat, a clock and the engine's own CPU time that a test moves by hand."""
+    """A /proc/stat, a clock, the engine's own CPU time and its parent's, which a test moves by hand."""
 
     def __init__(self) -> None:
-        self.now, self.busy_ticks, self.own = 100.0, 0, 0.0
+        self.now, self.busy_ticks, self.own, self.parent = 100.0, 0, 0.0, 0.0
 
     def stat(self) -> str:
         return f"cpu0 {self.busy_ticks} 0 0 0 0 0 0 0 0 0\ncpu1 0 0 0 0 0 0 0 0 0 0\n"
 
-    def run(self, seconds: float, busy_cores: float, own_cores: float) -> None:
+    def run(self, seconds: float, busy_cores: float, own_cores: float, parent_cores: float = 0.0) -> None:
         self.now += seconds
         self.busy_ticks += round(seconds * busy_cores * os.sysconf("SC_CLK_TCK"))
         self.own += seconds * own_cores
+        self.parent += seconds * parent_cores
+
+    def free_cores(self, fewest: int = 1) -> FreeCores:
+        return FreeCores(
+            {0, 1},
+            2,
+            fewest,
+            read_stat=self.stat,
+            clock=lambda: self.now,
+            own_seconds=lambda: self.own,
+            parent_seconds=lambda: self.parent,
+        )
 
 
 def test_free_cores_are_measured_once_a_window_over_it() -> None:
     machine = _Machine()
-    free = FreeCores({0, 1}, 2, read_stat=machine.stat, clock=lambda: machine.now, own_seconds=lambda: machine.own)
+    free = machine.free_cores()
     machine.run(LOAD_WINDOW_SECONDS / 2, busy_cores=2.0, own_cores=0.5)
-    assert free.count(DECODE_SHARED_LOAD) == 2, "every core until a window has passed"
+    assert free.count(large=False) == 2, "every core until a window has passed"
     machine.run(LOAD_WINDOW_SECONDS, busy_cores=1.5, own_cores=1.0)
-    assert free.count(DECODE_SHARED_LOAD) == 1, "the others kept 0.83 cores busy since it started"
-    assert free.count(PREFILL_SHARED_LOAD) == 2, "not enough to hold a core through a prefill"
+    assert free.count(large=False) == 1, "the others kept 0.83 cores busy since it started"
     machine.run(LOAD_WINDOW_SECONDS / 2, busy_cores=1.0, own_cores=1.0)
-    assert free.count(DECODE_SHARED_LOAD) == 1, "not measured again within the window"
+    assert free.count(large=False) == 1, "not measured again within the window"
     machine.run(LOAD_WINDOW_SECONDS, busy_cores=1.2, own_cores=1.0)
-    assert free.count(DECODE_SHARED_LOAD) == 2, "the others went quiet: 0.13 cores since"
-    machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=0.9)
-    assert (free.count(DECODE_SHARED_LOAD), free.count(PREFILL_SHARED_LOAD)) == (1, 1), "a core held: 1.1"
+    assert free.count(large=False) == 2, "the others went quiet: 0.13 cores since"
     free.pinned = 2
-    assert free.count(DECODE_SHARED_LOAD) == 2
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=0.5)
+    assert free.count(large=False) == 2, "pinned"
     free.pinned = None
-    floor = FreeCores({0, 1}, 2, 2, read_stat=machine.stat, clock=lambda: machine.now, own_seconds=lambda: machine.own)
+    assert free.count(large=False) == 1
+    floor = machine.free_cores(fewest=2)
     machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=0.0)
-    assert (floor.count(DECODE_SHARED_LOAD), free.count(DECODE_SHARED_LOAD)) == (2, 1), "never below its fewest"
+    assert (floor.count(large=False), free.count(large=False)) == (2, 1), "never below its fewest"
+
+
+def test_a_prefill_leaves_a_core_to_a_busy_process_but_not_to_the_front_end_that_waits_for_it() -> None:
+    machine = _Machine()
+    free = machine.free_cores()
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=1.0, parent_cores=0.5)
+    assert (free.count(large=False), free.count(large=True)) == (1, 2), "the parent's 0.5 and 0.5 more"
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=1.3, parent_cores=0.0)
+    assert (free.count(large=False), free.count(large=True)) == (1, 1), "0.7 cores of a process apart"
+    machine.run(LOAD_WINDOW_SECONDS, busy_cores=1.4, own_cores=1.0, parent_cores=0.3)
+    assert (free.count(large=False), free.count(large=True)) == (1, 2), "0.4, the parent's 0.3 of it"
 
 
 def _busy_process() -> subprocess.Popen[bytes]:

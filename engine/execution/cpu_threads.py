@@ -11,8 +11,8 @@ core free, while 32 streams of the demo model keep the front end busy on it.
 A step of PREFILL_STEP_TOKENS or more runs on `cpu_prefill_threads`, and so does a step of a few sequences with a
 prompt chunk of SHORT_PREFILL_TOKENS or more (the front end has little to stream then: its first token is what it
 waits for). Such steps are long and compute-bound, each op big beside a barrier's wait, and while one runs the
-front end and its clients wait for its tokens; by default (None) they take every core but those other processes
-keep busy throughout (PREFILL_SHARED_LOAD)."""
+front end waits for its tokens; by default (None) they take every core but those that processes other than the
+front end keep busy (PREFILL_SHARED_LOAD)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ DECODE_SHARED_LOAD = 0.3
 cores away. Measured on 2 cores serving the demo model to a local client at concurrency 1, the front end and the
 client took 0.42 of a core, and two decode threads there were no faster than one (743 / 529 against 761 / 564 tok/s
 in two pairs); a lone stream of a 280M model costs them a few hundredths."""
-PREFILL_SHARED_LOAD = 0.9
-"""The same for a prefill-sized step: a core is taken from it only by a load that holds it nearly throughout. At
-concurrency 32 on the demo model (2 cores) the front end and its client took 0.7 of a core, and a second prefill
-thread there cut TTFT p99 665 -> 409 ms; beside a process spinning on a core, a 136-token prompt of the 280M
-bfloat16 model came sooner on one thread than on two (TTFT p50 491 / 546 against 866 / 1,037 ms)."""
+PREFILL_SHARED_LOAD = 0.6
+"""The same for a prefill-sized step, of the load of processes other than the engine's parent (under `ferry serve`
+its front end, which waits for the prefill's tokens). At concurrency 32 on the demo model (2 cores) the front end
+took a third of a core to half of one, its client as much, and a second prefill thread there cut TTFT p99 665 ->
+409 ms; beside a process spinning on a core, a 136-token prompt of the 280M bfloat16 model came sooner on one
+thread than on two (TTFT p50 491 / 546 against 866 / 1,037 ms), and that process keeps two thirds of a core even
+while both threads compete with it."""
 
 
 def free_cores(others: float, cores: int, rank_cores: int, shared_load: float = DECODE_SHARED_LOAD) -> int:
@@ -76,9 +78,22 @@ def read_proc_stat() -> str:
         return file.read()
 
 
+def process_seconds(pid: int) -> float:
+    """The CPU time process `pid` has spent (its user and system time, from /proc); 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            stat = file.read()
+    except OSError:
+        return 0.0
+    # The command name, in parentheses, may hold spaces: the fields after it are space-separated.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class FreeCores:
     """The cores of this rank that other processes leave free: each LOAD_WINDOW_SECONDS (checked when asked), the
-    busy time of the process's CPUs less its own CPU time gives the others' load."""
+    busy time of the process's CPUs less its own CPU time gives the others' load, and less its parent's too the
+    load of those that do not wait for the engine."""
 
     def __init__(
         self,
@@ -88,6 +103,7 @@ class FreeCores:
         read_stat: Callable[[], str] = read_proc_stat,
         clock: Callable[[], float] = time.monotonic,
         own_seconds: Callable[[], float] = time.process_time,
+        parent_seconds: Callable[[], float] = lambda: process_seconds(os.getppid()),
     ) -> None:
         self.cpus = cpus
         """The CPUs the process may run on, shared with the node's other ranks."""
@@ -98,7 +114,10 @@ class FreeCores:
         """A count it gives every step while set (the compile warm-up's, one graph per count)."""
         self.others = 0.0
         """Cores that other processes kept busy over the last window: none until one has been measured."""
-        self._read_stat, self._clock, self._own_seconds = read_stat, clock, own_seconds
+        self.parent = 0.0
+        """Of them, the cores the parent process kept busy."""
+        self._read_stat, self._clock = read_stat, clock
+        self._own_seconds, self._parent_seconds = own_seconds, parent_seconds
         self._ticks_per_second = os.sysconf("SC_CLK_TCK")
         self._since = self._sample()
 
@@ -106,20 +125,27 @@ class FreeCores:
         """Every count it may give, most first."""
         return range(self.rank_cores, self.fewest - 1, -1)
 
-    def count(self, shared_load: float) -> int:
-        """Threads for a step that shares a core with `shared_load` of other load (see `free_cores`); the others'
-        load is measured anew once a window has passed since the last measurement."""
+    def count(self, large: bool) -> int:
+        """Threads for a decode-sized step, or a prefill-sized one (`large`; see DECODE_SHARED_LOAD and
+        PREFILL_SHARED_LOAD); the load is measured anew once a window has passed since the last measurement."""
         if self.pinned is not None:
             return self.pinned
         now = self._clock()
         if now - self._since[0] >= LOAD_WINDOW_SECONDS:
-            then, (now, busy, own) = self._since, self._sample()
-            self.others = max(0.0, ((busy - then[1]) / self._ticks_per_second - (own - then[2])) / (now - then[0]))
-            self._since = (now, busy, own)
-        return max(self.fewest, free_cores(self.others, len(self.cpus), self.rank_cores, shared_load))
+            (then, busy_then, own_then, parent_then), sample = self._since, self._sample()
+            now, busy, own, parent = sample
+            busy_seconds = (busy - busy_then) / self._ticks_per_second
+            self.others = max(0.0, (busy_seconds - (own - own_then)) / (now - then))
+            self.parent = min(self.others, max(0.0, (parent - parent_then) / (now - then)))
+            self._since = sample
+        if large:
+            count = free_cores(self.others - self.parent, len(self.cpus), self.rank_cores, PREFILL_SHARED_LOAD)
+        else:
+            count = free_cores(self.others, len(self.cpus), self.rank_cores, DECODE_SHARED_LOAD)
+        return max(self.fewest, count)
 
-    def _sample(self) -> tuple[float, int, float]:
-        return self._clock(), busy_ticks(self._read_stat(), self.cpus), self._own_seconds()
+    def _sample(self) -> tuple[float, int, float, float]:
+        return self._clock(), busy_ticks(self._read_stat(), self.cpus), self._own_seconds(), self._parent_seconds()
 
 
 class StepThreads(NamedTuple):
@@ -136,7 +162,7 @@ class StepThreads(NamedTuple):
         large = num_tokens >= PREFILL_STEP_TOKENS or (num_seqs <= FEW_SEQS and num_tokens >= SHORT_PREFILL_TOKENS)
         count = self.large if large else self.small
         if count == 0 and self.free is not None:
-            count = self.free.count(PREFILL_SHARED_LOAD if large else DECODE_SHARED_LOAD)
+            count = self.free.count(large)
         torch.set_num_threads(count)
 
 
