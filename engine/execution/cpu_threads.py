@@ -112,10 +112,10 @@ class FreeCores:
         """The fewest threads it gives, however busy the machine."""
         self.pinned: int | None = None
         """A count it gives every step while set (the compile warm-up's, one graph per count)."""
-        self.others = 0.0
-        """Cores that other processes kept busy over the last window: none until one has been measured."""
+        self.others = (0.0, 0.0)
+        """Cores that other processes kept busy over the last two windows, the last last: none until measured."""
         self.parent = 0.0
-        """Of them, the cores the parent process kept busy."""
+        """Of the last window's, the cores the parent process kept busy."""
         self._read_stat, self._clock = read_stat, clock
         self._own_seconds, self._parent_seconds = own_seconds, parent_seconds
         self._ticks_per_second = os.sysconf("SC_CLK_TCK")
@@ -126,7 +126,8 @@ class FreeCores:
         return range(self.rank_cores, self.fewest - 1, -1)
 
     def count(self, large: bool) -> int:
-        """Threads for a decode-sized step, or a prefill-sized one (`large`; see DECODE_SHARED_LOAD and
+        """Threads for a decode-sized step (by the busier of the last two windows: fewer at once, more after two
+        quiet windows), or a prefill-sized one (`large`, by the last; see DECODE_SHARED_LOAD and
         PREFILL_SHARED_LOAD); the load is measured anew once a window has passed since the last measurement."""
         if self.pinned is not None:
             return self.pinned
@@ -135,13 +136,16 @@ class FreeCores:
             (then, busy_then, own_then, parent_then), sample = self._since, self._sample()
             now, busy, own, parent = sample
             busy_seconds = (busy - busy_then) / self._ticks_per_second
-            self.others = max(0.0, (busy_seconds - (own - own_then)) / (now - then))
-            self.parent = min(self.others, max(0.0, (parent - parent_then) / (now - then)))
+            others = max(0.0, (busy_seconds - (own - own_then)) / (now - then))
+            self.others = (self.others[1], others)
+            self.parent = min(others, max(0.0, (parent - parent_then) / (now - then)))
             self._since = sample
         if large:
-            count = free_cores(self.others - self.parent, len(self.cpus), self.rank_cores, PREFILL_SHARED_LOAD)
+            count = free_cores(self.others[1] - self.parent, len(self.cpus), self.rank_cores, PREFILL_SHARED_LOAD)
         else:
-            count = free_cores(self.others, len(self.cpus), self.rank_cores, DECODE_SHARED_LOAD)
+            # The busier of two windows: a window spent mostly on prefills, while the front end waited for them,
+            # would otherwise hand the next one's decodes a core the front end then wants back.
+            count = free_cores(max(self.others), len(self.cpus), self.rank_cores, DECODE_SHARED_LOAD)
         return max(self.fewest, count)
 
     def _sample(self) -> tuple[float, int, float, float]:
