@@ -48,6 +48,7 @@ SNAPSHOT_SAMPLES = (
     "request_rejected_total",
     "tensor_parallel_size",
     "model_weight_bytes",
+    "cpu_threads",
 )
 
 
@@ -93,6 +94,11 @@ class ServerMetrics:
         )
         self.kv_cache_usage_perc = gauge(
             "ferry:kv_cache_usage_perc", "Fraction of KV-cache pages in use by requests (1 means 100 percent)."
+        ).labels(model_name)
+        self.cpu_threads = gauge(
+            "ferry:cpu_threads",
+            "Torch threads the engine's last CPU step ran on: by the step's size and, by default, the cores other "
+            "processes leave free (--cpu-threads, --cpu-prefill-threads); 0 on a GPU.",
         ).labels(model_name)
         self.prompt_tokens = counter("ferry:prompt_tokens", "Prompt tokens of admitted requests.").labels(model_name)
         self.generation_tokens = counter(
@@ -185,6 +191,7 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.cpu_threads.set(stats.cpu_threads)
         last = self._last_stats
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))

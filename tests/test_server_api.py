@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -436,7 +437,7 @@ METRIC_NAMES = [
     "ferry:prefix_cache_queries_total", "ferry:prefix_cache_hits_total", "ferry:num_preemptions_total",
     "ferry:time_to_first_token_seconds_count", "ferry:inter_token_latency_seconds_count",
     "ferry:e2e_request_latency_seconds_count", "ferry:request_queue_time_seconds_count",
-    "ferry:iteration_tokens_total_count", "ferry:request_rejected_total",
+    "ferry:iteration_tokens_total_count", "ferry:request_rejected_total", "ferry:cpu_threads",
 ]  # fmt: skip
 
 
@@ -469,3 +470,5 @@ def test_metrics_parse_and_move_by_the_right_amounts(http: httpx.Client) -> None
     assert delta("ferry:iteration_tokens_total_count") >= 7
     assert delta("ferry:prefix_cache_queries_total") >= 5
     assert delta("ferry:request_rejected_total", reason="invalid") == 1
+    # The server's engine runs on the CPU: its last step's torch threads, at least one, at most the cores.
+    assert 1 <= metric(after, "ferry:cpu_threads") <= len(os.sched_getaffinity(0))

@@ -97,7 +97,7 @@ def test_ui_flag() -> None:
 def test_metrics_json_is_the_twin_of_metrics() -> None:
     metrics = ServerMetrics("m")
     assert metrics.snapshot()["prefix_cache_hit_rate"] is None  # nothing looked up yet
-    metrics.observe_engine_stats(EngineStats(2, 3, 100, 60, 0.4, 64, 16, 1, 5, 8))
+    metrics.observe_engine_stats(EngineStats(2, 3, 100, 60, 0.4, 64, 16, 1, 5, 8, cpu_threads=2))
     metrics.prompt_tokens.inc(64)
     metrics.generation_tokens.inc(7)
     metrics.count_success("stop")
@@ -107,10 +107,11 @@ def test_metrics_json_is_the_twin_of_metrics() -> None:
     samples = parse_metrics(metrics.render().decode())
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "request_success_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "num_preemptions_total", "request_rejected_total"):  # fmt: skip
+                 "prefix_cache_hits_total", "num_preemptions_total", "request_rejected_total",
+                 "cpu_threads"):  # fmt: skip
         assert snapshot[name] == metric(samples, f"ferry:{name}"), name
     assert (snapshot["num_requests_running"], snapshot["generation_tokens_total"]) == (2, 7)
-    assert snapshot["request_success_total"] == 2
+    assert snapshot["request_success_total"] == 2 and snapshot["cpu_threads"] == 2
     assert snapshot["prefix_cache_hit_rate"] == 0.25
     assert snapshot["model_name"] == "m" and snapshot["time"] > 0
 

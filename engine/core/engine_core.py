@@ -639,6 +639,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps,
             last_step_tokens=self._last_step_tokens,
+            cpu_threads=self.runner.cpu_threads,
             **self.scheduler.lora_adapters(),
             **self.speculator.counters(),
             **self._encoder_counters(),

@@ -18,6 +18,9 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     last_step_tokens: int
+    cpu_threads: int = 0
+    """Torch threads the last step ran on, on CPU (engine/execution/cpu_threads.py: by the step's size and, by
+    default, the load beside the engine); 0 on a GPU."""
     running_lora_adapters: tuple[str, ...] = ()
     """Names of the LoRA adapters the running requests use (vLLM's `vllm:lora_requests_info` labels)."""
     waiting_lora_adapters: tuple[str, ...] = ()

@@ -160,14 +160,15 @@ class StepThreads(NamedTuple):
     free: FreeCores | None
     """Where a count follows the load: the measurement."""
 
-    def use_for(self, num_tokens: int, num_seqs: int) -> None:
-        """Set the count for a step of `num_tokens` over `num_seqs` sequences. Per thread in torch: call it on the
-        thread that runs the step (the runner's own under async scheduling)."""
+    def use_for(self, num_tokens: int, num_seqs: int) -> int:
+        """Set the count for a step of `num_tokens` over `num_seqs` sequences, and return it. Per thread in torch:
+        call it on the thread that runs the step (the runner's own under async scheduling)."""
         large = num_tokens >= PREFILL_STEP_TOKENS or (num_seqs <= FEW_SEQS and num_tokens >= SHORT_PREFILL_TOKENS)
         count = self.large if large else self.small
         if count == 0 and self.free is not None:
             count = self.free.count(large)
         torch.set_num_threads(count)
+        return count
 
 
 def rank_cores(config: EngineConfig) -> int:

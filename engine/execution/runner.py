@@ -84,6 +84,8 @@ class ModelRunner:
         since the driver samples."""
         self.step_threads = step_threads(config, device)
         """CPU: the thread count of each step, by its size and the load beside the engine."""
+        self.cpu_threads = torch.get_num_threads() if device.type == "cpu" else 0
+        """Torch threads the last step ran on (0 on a GPU)."""
         self.group_of_layer = [0] * model.num_layers
         for g, layout in enumerate(layouts):
             for layer in layout.layers:
@@ -148,7 +150,7 @@ class ModelRunner:
         if self.step_threads is not None:
             # The images it encodes count as tokens of work: a one-token chunk beside an image is a large step.
             encoded = sum(image.length for image in inputs.encodes)
-            self.step_threads.use_for(len(inputs.input_ids) + encoded, len(inputs.meta.seq_lens))
+            self.cpu_threads = self.step_threads.use_for(len(inputs.input_ids) + encoded, len(inputs.meta.seq_lens))
         logits, pooled = self.forward_and_pool(inputs)
         forwarded = time.perf_counter()
         forward_seconds = forwarded - started
