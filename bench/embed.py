@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerFast
 from bench.embed_config import DTYPES, EMBED_SHAPES, QWEN3_EOS, QWEN3_EOS_ID, SYSTEMS, EmbedOptions, EmbedShape
 from bench.report import fmt, format_table, stamp
 from bench.serve import free_port, started_server
+from engine.execution.cpu_threads import CLOCK_TICKS, busy_ticks, read_proc_stat
 
 _BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _BERT_CLS, _BERT_SEP = _BERT_SPECIALS.index("[CLS]"), _BERT_SPECIALS.index("[SEP]")
@@ -197,15 +198,9 @@ def parse_system(entry: str, default_dtype: str) -> tuple[str, str]:
     return system, dtype
 
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
 def _busy_cpu_seconds() -> float:
     """CPU seconds the whole machine spent busy since boot (/proc/stat: all but idle and iowait)."""
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (
-        int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
-    )
-    return (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
+    return busy_ticks(read_proc_stat()) / CLOCK_TICKS
 
 
 def _tree_cpu_seconds(root: int) -> float:
@@ -218,7 +213,7 @@ def _tree_cpu_seconds(root: int) -> float:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             pid = int(stat.parent.name)
             parents[pid] = int(fields[1])
-            seconds[pid] = sum(int(v) for v in fields[11:15]) / _CLOCK_TICKS  # utime stime cutime cstime
+            seconds[pid] = sum(int(v) for v in fields[11:15]) / CLOCK_TICKS  # utime stime cutime cstime
     tree, frontier = {root}, [root]
     while frontier:
         parent = frontier.pop()

@@ -178,6 +178,7 @@ def test_busy_ticks_count_the_processs_cpus_without_idle_or_io_wait() -> None:
     assert busy_ticks(stat, {0, 1}) == 25 + 30 + 1 + 5 + 2 + 3 + 4
     assert busy_ticks(stat, {1, 12}) == 45 + 100
     assert busy_ticks(stat, set()) == 0
+    assert busy_ticks(stat) == 25 + 45 + 100, "every CPU's line, the machine's total line left out"
 
 
 class _Machine:

@@ -60,13 +60,17 @@ def free_cores(others: float, cores: int, rank_cores: int, shared_load: float = 
     return max(1, min(rank_cores, cores - taken))
 
 
-def busy_ticks(proc_stat: str, cpus: set[int]) -> int:
-    """The ticks the CPUs `cpus` spent busy (not idle, not waiting for I/O), from the text of /proc/stat. Stolen
-    ticks count as busy: the hypervisor gave that time to someone else."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+"""/proc's time unit: ticks a second."""
+
+
+def busy_ticks(proc_stat: str, cpus: set[int] | None = None) -> int:
+    """The ticks the CPUs `cpus` (None: every CPU) spent busy (not idle, not waiting for I/O), from the text of
+    /proc/stat. Stolen ticks count as busy: the hypervisor gave that time to someone else."""
     busy = 0
     for line in proc_stat.splitlines():
         name, _, counts = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+        if not name.startswith("cpu") or name == "cpu" or (cpus is not None and int(name[3:]) not in cpus):
             continue
         user, nice, system, _idle, _iowait, irq, softirq, steal = (int(count) for count in counts.split()[:8])
         busy += user + nice + system + irq + softirq + steal
@@ -87,7 +91,7 @@ def process_seconds(pid: int) -> float:
         return 0.0
     # The command name, in parentheses, may hold spaces: the fields after it are space-separated.
     fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 class FreeCores:
@@ -118,7 +122,6 @@ class FreeCores:
         """Of the last window's, the cores the parent process kept busy."""
         self._read_stat, self._clock = read_stat, clock
         self._own_seconds, self._parent_seconds = own_seconds, parent_seconds
-        self._ticks_per_second = os.sysconf("SC_CLK_TCK")
         self._since = self._sample()
 
     def counts(self) -> range:
@@ -135,7 +138,7 @@ class FreeCores:
         if now - self._since[0] >= LOAD_WINDOW_SECONDS:
             (then, busy_then, own_then, parent_then), sample = self._since, self._sample()
             now, busy, own, parent = sample
-            busy_seconds = (busy - busy_then) / self._ticks_per_second
+            busy_seconds = (busy - busy_then) / CLOCK_TICKS
             others = max(0.0, (busy_seconds - (own - own_then)) / (now - then))
             self.others = (self.others[1], others)
             self.parent = min(others, max(0.0, (parent - parent_then) / (now - then)))

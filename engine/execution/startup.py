@@ -190,7 +190,7 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     started = time.perf_counter()
     try:
-        for count, n in itertools.product(counts, sizes):
+        for i, (count, n) in enumerate(itertools.product(counts, sizes)):
             if free is not None:
                 free.pinned = count
             # Each step (re)computes the sequence's first n positions: the runner takes plans as they come.
@@ -201,7 +201,7 @@ def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
                     num_new_tokens=(n,),
                     token_ids=(prompt[:n],),
                     samples=(True,),
-                    new_requests=(new,) if (count, n) == (counts[0], sizes[0]) else (),
+                    new_requests=(new,) if i == 0 else (),
                 )
             )
     except Exception as error:  # dynamo and inductor raise many types; each is a reason this level cannot run here
