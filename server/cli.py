@@ -135,6 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # The web stack is imported only after the engine process is spawned (below), and not at the top: spawn re-runs
     # the `ferry` script's imports in the engine process, this module among them, and the engine needs neither the
     # web stack nor the tokenizer libraries.
+    from server.collector import paused_collector
     from server.logs import configure_logging
 
     engine_config = build_engine_config(args)
@@ -150,13 +151,14 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_node(engine_config)
     engine = _spawn_engine(engine_config, settings)
 
-    import uvicorn
+    with paused_collector():
+        import uvicorn
 
-    from server.app import create_app
-    from server.lifecycle import FerryServer, Lifecycle
-    from server.lora import LoRAStartupError
-    from server.state.database import database_url
-    from server.state.keys import read_keys
+        from server.app import create_app
+        from server.lifecycle import FerryServer, Lifecycle
+        from server.lora import LoRAStartupError
+        from server.state.database import database_url
+        from server.state.keys import read_keys
 
     lifecycle = Lifecycle(settings.drain_timeout)
     try:

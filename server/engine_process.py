@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.core.driver import EngineInput, EngineLoop, Shutdown
 from engine.core.step_log import StepLog
 from engine.distributed.lifetime import die_with_parent
+from server.collector import paused_collector
 from server.ipc import EngineFailed, EngineReady
 from server.logs import configure_logging
 from server.settings import LogFormat
@@ -46,14 +47,16 @@ def run_engine_process(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level, log_format, label="engine")
     try:
-        from engine.core.engine_core import EngineCore  # imported here: the front end never needs torch for this module
+        with paused_collector():
+            from engine.core.engine_core import EngineCore  # imported here: the front end never needs torch
 
         engine = EngineCore(config, observers=[StepLog(Path(step_log))] if step_log else ())
     except Exception:
         logger.exception("Engine failed to start")
         _report_failure(outputs)
         sys.exit(1)
-    # Everything allocated so far lives for the whole process: keep the collector from rescanning it.
+    # Everything allocated so far lives for the whole process: keep the collector from rescanning it (this pass
+    # scans what the model's load made; the imports' objects are frozen already).
     gc.collect()
     gc.freeze()
     try:

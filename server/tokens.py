@@ -13,8 +13,10 @@ from typing import Any
 
 import jinja2
 import jinja2.meta
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
+
+from server.tokenizer_class import load_tokenizer
 
 # A byte-level token that ends inside a multi-byte UTF-8 character decodes to U+FFFD until the token carrying
 # the rest of the character arrives; text ending in it is held back rather than streamed.
@@ -41,7 +43,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Tokenizer:
-        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+        return cls(load_tokenizer(str(model_dir)))
 
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         """`max_length`: at most that many tokens, cut as the tokenizer truncates (its special tokens kept)."""

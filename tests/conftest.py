@@ -23,6 +23,9 @@ if not torch.cuda.is_available():
 # user's own; a test that restarts a server on the same state passes --state-dir itself.
 if "FERRY_STATE_DIR" not in os.environ:
     os.environ["FERRY_STATE_DIR"] = tempfile.mkdtemp(prefix="ferry-test-state-")
+# So is what Ferry derives from models (GGUF directories, tokenizer classes), one record per temporary model.
+if "FERRY_CACHE_DIR" not in os.environ:
+    os.environ["FERRY_CACHE_DIR"] = tempfile.mkdtemp(prefix="ferry-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,10 @@ between 0.4 and 2.4 s. Checked in fresh interpreters, since this test session ha
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.server_harness import REPO_ROOT
 
@@ -20,11 +22,17 @@ FALLBACK_ONLY = (
 )
 
 
-def _modules_after(code: str) -> set[str]:
-    """The modules a fresh interpreter holds after running `code`."""
+def _modules_after(code: str, env: dict[str, str] | None = None) -> set[str]:
+    """The modules a fresh interpreter holds after running `code` (with `env` added to the environment)."""
     script = f"import json, sys\n{code}\nprint(json.dumps(sorted(sys.modules)))"
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
     )
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -59,3 +67,16 @@ def test_the_fallback_still_gets_its_machinery() -> None:
         "EngineCore(EngineConfig.of(model='server/default_model', model_impl='transformers'))"
     )
     assert {"transformers.modeling_utils", "engine.models.transformers_loading"} <= modules
+
+
+def test_a_warm_front_end_imports_neither_torch_nor_the_auto_classes(tmp_path: Path) -> None:
+    """The front end's web stack and its tokenizer, the second time a model's tokenizer loads: the class recorded
+    the first time (server/tokenizer_class.py) spares it AutoTokenizer and, through transformers' config classes,
+    torch (1.7-2.2 s of its start on the demo model)."""
+    load = "import server.app\nfrom server.tokens import Tokenizer\nTokenizer.load('server/default_model')"
+    env = {"FERRY_CACHE_DIR": str(tmp_path)}
+    first = _modules_after(load, env)
+    assert "transformers.models.auto.tokenization_auto" in first
+    warm = _modules_after(load, env)
+    assert "transformers.tokenization_utils_tokenizers" in warm
+    assert not {"torch", "transformers.models.auto.tokenization_auto", "transformers.configuration_utils"} & warm
