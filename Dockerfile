@@ -64,8 +64,11 @@ COPY --from=cpu-builder /opt/venv /opt/venv
 USER 10001
 WORKDIR /home/ferry
 # Built now, into the image's ~/.cache/torch_extensions, so a container starts without a build; a node whose CPU
-# has another instruction set (AVX2 against AVX-512) builds its own at first start (about 25 s, then cached).
-RUN python -c "from engine.attention.cpu_kernel import load_kernel; load_kernel()"
+# has another instruction set (AVX2 against AVX-512) builds its own at first start (about 25 s, then cached). And
+# the embedded model's tokenizer class, recorded into ~/.cache/ferry so that the front end's start skips
+# transformers' AutoTokenizer and torch (server/tokenizer_class.py).
+RUN python -c "from engine.attention.cpu_kernel import load_kernel; load_kernel()" \
+    && python -c "from server.cli import DEFAULT_MODEL_DIR; from server.tokens import Tokenizer; Tokenizer.load(DEFAULT_MODEL_DIR)"
 VOLUME ["/models"]
 EXPOSE 8000
 # /health is liveness (engine process alive and stepping). Python instead of curl: nothing to install.
@@ -128,6 +131,8 @@ RUN apt-get update \
 COPY --from=gpu-builder /opt/venv /opt/venv
 USER 10001
 WORKDIR /home/ferry
+# The embedded model's tokenizer class, recorded as in the CPU image.
+RUN python -c "from server.cli import DEFAULT_MODEL_DIR; from server.tokens import Tokenizer; Tokenizer.load(DEFAULT_MODEL_DIR)"
 VOLUME ["/models"]
 EXPOSE 8000
 # Loading a large model takes minutes: failures during start-period do not count.
