@@ -23,7 +23,6 @@ from engine.layers.linear import Shard
 from engine.layers.linear_method import (
     BlockedLinearMethod,
     PackedLinearMethod,
-    onednn_linear_available,
     select_linear_method,
 )
 from engine.layers.moe import ClampedSwigluExperts, FusedExperts, Routing, clamped_swiglu_experts, every_expert
@@ -53,10 +52,9 @@ def _each_expert_alone(
 
 
 def _expected_kernel(dtype: torch.dtype) -> str:
-    """The experts' kernel: oneDNN wherever it multiplies bfloat16, else the one the dense linears of `dtype` take on
-    this CPU, or grouped_mm (float16, which no CPU kernel takes: the path CUDA runs)."""
-    if dtype == torch.bfloat16 and onednn_linear_available(torch.device("cpu"), dtype):
-        return "onednn"
+    """The experts' kernel: the one the dense linears of `dtype` take on this CPU (oneDNN's packed layout for bfloat16
+    with AMX or without bfloat16 dot products, the blocked kernel otherwise), or grouped_mm (float16, which no CPU
+    kernel takes: the path CUDA runs)."""
     method = select_linear_method(torch.device("cpu"), dtype)
     kernels = {PackedLinearMethod: "onednn", BlockedLinearMethod: "blocked"}
     return kernels.get(type(method), "grouped_mm")

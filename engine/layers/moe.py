@@ -178,13 +178,14 @@ class PackedOnLoad(nn.Module):
 class FusedExperts(PackedOnLoad):
     """`num_experts` SiLU-gated MLPs of width `width` (this rank's `width / shard.size`), as two stacked tensors.
 
-    On a CPU each expert's matrices are packed, once the last one is in, for oneDNN's packed layout where the CPU
-    multiplies bfloat16 itself, else for the blocked kernel the model's dense linears use in that dtype
-    (`cpu_pack`), and a step multiplies each routed expert's tokens with it. Measured on the Xeon (AVX512-BF16, with
-    the AMX oneDNN uses), one 1536 x 2048 bfloat16 expert on one thread: oneDNN 293 us for one row, 291 for 16, 467
-    for 64 (862 GFLOP/s); the blocked kernel 268, 1061, 3964 (its bfloat16 dot products top out near 100 GFLOP/s);
-    `grouped_mm` over all experts took 1.2-3x oneDNN's time. Elsewhere (CUDA, float16) the stacked tensors and
-    `grouped_mm`.
+    On a CPU each expert's matrices are packed, once the last one is in, in the layout the model's dense linears
+    take in that dtype (`cpu_pack`), and a step multiplies each routed expert's tokens with it. Measured on the Xeon
+    (AVX512-BF16, with the AMX oneDNN uses), one 1536 x 2048 bfloat16 expert on one thread: oneDNN 293 us for one
+    row, 291 for 16, 467 for 64 (862 GFLOP/s); the blocked kernel 268, 1061, 3964 (its bfloat16 dot products top out
+    near 100 GFLOP/s); `grouped_mm` over all experts took 1.2-3x oneDNN's time. On a Zen 4 EPYC (AVX512-BF16, no
+    AMX), against oneDNN's layout, the blocked kernel's paired layout took the MoE rows against vLLM-CPU from 0.97x
+    to 1.10x (DeepSeek-V2-Lite's layers, decode-heavy) and 1.01x to 1.08x (Qwen3-30B-A3B's), and a prefill-heavy row
+    from 1.14x to 1.02x (BENCHMARKS.md). Elsewhere (CUDA, float16) the stacked tensors and `grouped_mm`.
     """
 
     def __init__(self, num_experts: int, hidden: int, width: int, shard: Shard = ONE_RANK) -> None:
@@ -283,18 +284,16 @@ def every_expert(
 
 def cpu_pack(weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """How to pack one expert's `[out, in]` matrix of `weights`' dtype and device for the CPU kernels' loop over
-    experts: oneDNN's packed layout wherever it multiplies bfloat16, else the dense linears' blocked layout
-    (`select_linear_method`), or None where that loop cannot be had."""
+    experts: the layout the model's dense linears take (`select_linear_method`), the blocked kernel's or oneDNN's
+    packed one, or None where that loop cannot be had."""
     if weights.device.type != "cpu" or not cpu_kernels_available():
         return None
-    if weights.dtype == torch.bfloat16 and onednn_linear_available(weights.device, weights.dtype):
-        # Where oneDNN multiplies bfloat16, with or without AMX: the dense linears' gain from the blocked kernel
-        # without AMX was measured on dense layers' steps, not on the expert loop's few rows an expert.
-        return onednn_pack
     if isinstance(select_linear_method(weights.device, weights.dtype), BlockedLinearMethod):
         from engine.kernels.linear import pack
 
         return pack
+    if weights.dtype == torch.bfloat16 and onednn_linear_available(weights.device, weights.dtype):
+        return onednn_pack
     return None
 
 
