@@ -9,7 +9,8 @@ cannot be read or written only sends the start back to `AutoTokenizer`.
 
 The record's key covers everything `AutoTokenizer`'s choice reads: the directory (its path is matched against
 checkpoint names), its file names (Mistral's files select another backend), config.json, tokenizer_config.json and
-tokenizer.json (a ByteLevel pre-tokenizer overrides a declared LlamaTokenizer), and transformers' version.
+tokenizer.json (a ByteLevel pre-tokenizer overrides a declared LlamaTokenizer), and the versions of transformers and
+of the tokenizer backends' packages.
 A tokenizer with its own code (`auto_map`) is never recorded: its class comes from the checkpoint.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -25,7 +27,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import transformers
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from server.model_source import ferry_cache_dir
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 KEYED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
 """The files whose bytes AutoTokenizer's choice of class depends on."""
+KEYED_PACKAGES = ("transformers", "tokenizers", "sentencepiece", "tiktoken", "mistral_common")
+"""The packages whose presence and version AutoTokenizer's choice depends on (Mistral's backend needs
+mistral-common; a class is only found where its backend's package is installed)."""
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
@@ -42,7 +46,11 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     tokenizer_config = _read_json(Path(model_dir) / "tokenizer_config.json")
     if "auto_map" in tokenizer_config:
         return _auto_tokenizer(model_dir)
-    record = records_dir() / f"{record_key(model_dir)}.json"
+    try:
+        record = records_dir() / f"{record_key(model_dir)}.json"
+    except (OSError, RuntimeError) as exc:  # an unlistable directory; no home directory to find the cache in
+        logger.warning("Cannot key a tokenizer-class record for %s (%s): asking AutoTokenizer", model_dir, exc)
+        return _auto_tokenizer(model_dir)
     tokenizer_class = _recorded_class(record)
     if tokenizer_class is not None:
         # AutoTokenizer's own call, keyword for keyword: a local directory's revision stays None.
@@ -61,13 +69,20 @@ def records_dir() -> Path:
 def record_key(model_dir: str) -> str:
     digest = hashlib.sha256()
     directory = Path(model_dir)
-    for part in (transformers.__version__, model_dir, os.path.abspath(model_dir), *sorted(os.listdir(directory))):
+    for part in (*map(_version, KEYED_PACKAGES), model_dir, os.path.abspath(model_dir), *sorted(os.listdir(directory))):
         digest.update(part.encode() + b"\0")
     for name in KEYED_FILES:
         path = directory / name
         digest.update(path.read_bytes() if path.is_file() else b"absent")
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return f"{package} {importlib.metadata.version(package)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{package} absent"
 
 
 def _auto_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
@@ -81,6 +96,10 @@ def _recorded_class(record: Path) -> type[PreTrainedTokenizerBase] | None:
     """The class the record names; None when there is no record or it no longer names a tokenizer class."""
     try:
         names = json.loads(record.read_text(encoding="utf-8"))
+        # AutoTokenizer's classes (code of a checkpoint's own is never recorded) are transformers': a record
+        # naming another module is not imported.
+        if not names["module"].startswith("transformers."):
+            raise ValueError(f"{names['module']} is not a transformers module")
         tokenizer_class = getattr(importlib.import_module(names["module"]), names["name"])
     except FileNotFoundError:
         return None
@@ -104,6 +123,7 @@ def _write_record(record: Path, tokenizer_class: type[Any]) -> None:
         logger.warning("Cannot record the tokenizer class in %s (%s)", record.parent, exc)
         return
     try:
+        os.fchmod(descriptor, 0o644)  # mkstemp's 0600 would keep the record from a cache's other users
         with os.fdopen(descriptor, "w", encoding="utf-8") as f:
             json.dump(names, f)
         os.replace(temporary, record)

@@ -23,6 +23,7 @@ from engine.layers.linear import Shard
 from engine.layers.linear_method import (
     BlockedLinearMethod,
     PackedLinearMethod,
+    onednn_linear_available,
     select_linear_method,
 )
 from engine.layers.moe import ClampedSwigluExperts, FusedExperts, Routing, clamped_swiglu_experts, every_expert
@@ -104,6 +105,32 @@ def test_experts_equal_each_expert_alone_and_split_over_ranks(
     torch.testing.assert_close(got.float(), want, **tolerance)
     halves = [experts(Shard(rank, 2))(x.to(dtype), weights, ids).float() for rank in range(2)]
     torch.testing.assert_close(halves[0] + halves[1], want, **tolerance)
+
+
+@pytest.mark.skipif(
+    not onednn_linear_available(torch.device("cpu"), torch.bfloat16), reason="oneDNN multiplies no bfloat16 here"
+)
+def test_bfloat16_experts_in_either_layout_equal_each_expert_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts take the dense linears' layout, which depends on the CPU (oneDNN's with AMX, the paired blocked one
+    with AVX512-BF16 alone): both layouts run here, whichever this CPU picks, the other chosen as on the other kind."""
+    generator = torch.Generator().manual_seed(11)
+    tokens, num_experts, hidden, width = 21, 6, 64, 32
+    x = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+    w13 = torch.randn(num_experts, 2 * width, hidden, generator=generator).to(torch.bfloat16)
+    w2 = torch.randn(num_experts, hidden, width, generator=generator).to(torch.bfloat16)
+    weights, ids = Routing(2, renormalize=True).select(torch.randn(tokens, num_experts, generator=generator))
+    want = _each_expert_alone(x.float(), w13.float(), w2.float(), weights, ids)
+    methods = {"onednn": PackedLinearMethod(), "blocked": BlockedLinearMethod()}
+    for kernel, method in methods.items():
+        monkeypatch.setattr("engine.layers.moe.select_linear_method", lambda *args, method=method: method)
+        module = FusedExperts(num_experts, hidden, width).to(torch.bfloat16)
+        for expert in range(num_experts):
+            module.weight_loader(expert, "gate", w13[expert, :width])
+            module.weight_loader(expert, "up", w13[expert, width:])
+            module.weight_loader(expert, "down", w2[expert])
+        assert module.loaded and module.kernel == kernel
+        got = module(x, weights, ids).float()
+        torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
 
 
 def test_every_expert_equals_each_expert_alone() -> None:

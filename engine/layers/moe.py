@@ -27,7 +27,7 @@ from engine.layers.linear import ONE_RANK, Shard
 from engine.layers.linear_method import (
     ROWS_HINT,
     BlockedLinearMethod,
-    onednn_linear_available,
+    PackedLinearMethod,
     select_linear_method,
 )
 
@@ -288,13 +288,12 @@ def cpu_pack(weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | 
     packed one, or None where that loop cannot be had."""
     if weights.device.type != "cpu" or not cpu_kernels_available():
         return None
-    if isinstance(select_linear_method(weights.device, weights.dtype), BlockedLinearMethod):
+    method = select_linear_method(weights.device, weights.dtype)
+    if isinstance(method, BlockedLinearMethod):
         from engine.kernels.linear import pack
 
         return pack
-    if weights.dtype == torch.bfloat16 and onednn_linear_available(weights.device, weights.dtype):
-        return onednn_pack
-    return None
+    return onednn_pack if isinstance(method, PackedLinearMethod) else None
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
