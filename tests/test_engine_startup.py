@@ -182,26 +182,23 @@ def test_busy_ticks_count_the_processs_cpus_without_idle_or_io_wait() -> None:
 
 
 class _Machine:
-    """A /proc/stat, a clock, the engine's own CPU time and its parent's, which a test moves by hand."""
+    """A machine's busy time, a clock, the engine's own CPU time and its parent's, which a test moves by hand."""
 
     def __init__(self) -> None:
-        self.now, self.busy_ticks, self.own, self.parent = 100.0, 0, 0.0, 0.0
-
-    def stat(self) -> str:
-        return f"cpu0 {self.busy_ticks} 0 0 0 0 0 0 0 0 0\ncpu1 0 0 0 0 0 0 0 0 0 0\n"
+        self.now, self.busy, self.own, self.parent = 100.0, 0.0, 0.0, 0.0
 
     def run(self, seconds: float, busy_cores: float, own_cores: float, parent_cores: float = 0.0) -> None:
         self.now += seconds
-        self.busy_ticks += round(seconds * busy_cores * os.sysconf("SC_CLK_TCK"))
+        self.busy += seconds * busy_cores
         self.own += seconds * own_cores
         self.parent += seconds * parent_cores
 
     def free_cores(self, fewest: int = 1) -> FreeCores:
         return FreeCores(
-            {0, 1},
             2,
+            2,
+            lambda: self.busy,
             fewest,
-            read_stat=self.stat,
             clock=lambda: self.now,
             own_seconds=lambda: self.own,
             parent_seconds=lambda: self.parent,

@@ -1,7 +1,9 @@
 """CPU threads by step size and by the load beside the engine.
 
 A decode-sized step runs on `cpu_threads`; 0 (the default) follows the load: every core of this rank that other
-processes leave free, measured from /proc/stat over the last LOAD_WINDOW_SECONDS (`FreeCores`). With two OpenMP
+processes leave free, measured from /proc/stat over the last LOAD_WINDOW_SECONDS (`FreeCores`). A rank's cores are
+its CPUs, or the whole cores of its cgroup's CPU quota where that is fewer (a container's CPU limit: see
+engine/execution/cgroup.py), and there the load is the cgroup's own. With two OpenMP
 threads every op of a step ends in a barrier, and a barrier whose other thread has lost its core to another process
 waits for a time slice, so a step of many small ops collapses on a busy machine (measured on 2 cores: 802 tok/s on
 one thread, 323 on two beside one busy process); on an idle machine two threads stream the weights ~1.4x faster.
@@ -25,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig
+from engine.execution.cgroup import cpu_quota, quota_cores
 
 PREFILL_STEP_TOKENS = 256
 """A CPU step of at least this many tokens runs on `cpu_prefill_threads` (measured on the demo model: 256 and 512
@@ -77,9 +80,10 @@ def busy_ticks(proc_stat: str, cpus: set[int] | None = None) -> int:
     return busy
 
 
-def read_proc_stat() -> str:
+def machine_busy_seconds(cpus: set[int]) -> float:
+    """The CPU time the CPUs `cpus` have spent busy, in seconds, from /proc/stat."""
     with open("/proc/stat") as file:
-        return file.read()
+        return busy_ticks(file.read(), cpus) / CLOCK_TICKS
 
 
 def process_seconds(pid: int) -> float:
@@ -101,17 +105,19 @@ class FreeCores:
 
     def __init__(
         self,
-        cpus: set[int],
+        cores: int,
         rank_cores: int,
+        busy_seconds: Callable[[], float],
         fewest: int = 1,
-        read_stat: Callable[[], str] = read_proc_stat,
         clock: Callable[[], float] = time.monotonic,
         own_seconds: Callable[[], float] = time.process_time,
         parent_seconds: Callable[[], float] = lambda: process_seconds(os.getppid()),
     ) -> None:
-        self.cpus = cpus
-        """The CPUs the process may run on, shared with the node's other ranks."""
+        self.cores = cores
+        """The cores the process may use, shared with the node's other ranks: its CPUs, or its cgroup's quota."""
         self.rank_cores = rank_cores
+        self._busy_seconds = busy_seconds
+        """The CPU time spent so far on those cores by every process (`machine_busy_seconds`, or the cgroup's)."""
         self.fewest = fewest
         """The fewest threads it gives, however busy the machine."""
         self.pinned: int | None = None
@@ -120,7 +126,7 @@ class FreeCores:
         """Cores that other processes kept busy over the last two windows, the last last: none until measured."""
         self.parent = 0.0
         """Of the last window's, the cores the parent process kept busy."""
-        self._read_stat, self._clock = read_stat, clock
+        self._clock = clock
         self._own_seconds, self._parent_seconds = own_seconds, parent_seconds
         self._since = self._sample()
 
@@ -138,21 +144,20 @@ class FreeCores:
         if now - self._since[0] >= LOAD_WINDOW_SECONDS:
             (then, busy_then, own_then, parent_then), sample = self._since, self._sample()
             now, busy, own, parent = sample
-            busy_seconds = (busy - busy_then) / CLOCK_TICKS
-            others = max(0.0, (busy_seconds - (own - own_then)) / (now - then))
+            others = max(0.0, ((busy - busy_then) - (own - own_then)) / (now - then))
             self.others = (self.others[1], others)
             self.parent = min(others, max(0.0, (parent - parent_then) / (now - then)))
             self._since = sample
         if large:
-            count = free_cores(self.others[1] - self.parent, len(self.cpus), self.rank_cores, PREFILL_SHARED_LOAD)
+            count = free_cores(self.others[1] - self.parent, self.cores, self.rank_cores, PREFILL_SHARED_LOAD)
         else:
             # The busier of two windows: a window spent mostly on prefills, while the front end waited for them,
             # would otherwise hand the next one's decodes a core the front end then wants back.
-            count = free_cores(max(self.others), len(self.cpus), self.rank_cores, DECODE_SHARED_LOAD)
+            count = free_cores(max(self.others), self.cores, self.rank_cores, DECODE_SHARED_LOAD)
         return max(self.fewest, count)
 
-    def _sample(self) -> tuple[float, int, float, float]:
-        return self._clock(), busy_ticks(self._read_stat(), self.cpus), self._own_seconds(), self._parent_seconds()
+    def _sample(self) -> tuple[float, float, float, float]:
+        return self._clock(), self._busy_seconds(), self._own_seconds(), self._parent_seconds()
 
 
 class StepThreads(NamedTuple):
@@ -174,10 +179,30 @@ class StepThreads(NamedTuple):
         return count
 
 
+def node_cores() -> int:
+    """The cores this process may use: its CPUs, or fewer where its cgroup's CPU quota allows fewer."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = quota_cores(cpu_quota())
+    return cpus if quota is None else min(cpus, quota)
+
+
 def rank_cores(config: EngineConfig) -> int:
     """The cores this process may use, shared among the tensor-parallel ranks of its node."""
     ranks_here = config.parallel.tensor_parallel_size // config.parallel.nnodes
-    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
+    return max(1, node_cores() // ranks_here)
+
+
+def load_source() -> tuple[int, Callable[[], float]] | None:
+    """The cores the load is measured over and the CPU time spent on them: under a cgroup CPU quota, the quota's
+    cores and the cgroup's own time (its other processes are what take from the quota); otherwise this process's
+    CPUs from /proc/stat. None where neither can be read (not Linux): a count that follows the load then takes the
+    rank's cores, as on an idle machine."""
+    quota, cpus = cpu_quota(), os.sched_getaffinity(0)
+    if quota is not None and quota.usage is not None and quota.cores < len(cpus):
+        return max(1, int(quota.cores)), quota.usage_seconds
+    # The machine's CPUs: also under a quota that no cpuacct group counts alone (v1's controllers mounted apart),
+    # which still caps the rank's cores (`node_cores`) while the load that takes them is the machine's.
+    return (len(cpus), lambda: machine_busy_seconds(cpus)) if os.path.exists("/proc/stat") else None
 
 
 def decode_threads(config: EngineConfig) -> int | None:
@@ -195,11 +220,10 @@ def step_threads(config: EngineConfig, device: torch.device) -> StepThreads | No
         return None
     cores = rank_cores(config)
     small, large = execution.cpu_threads, execution.cpu_prefill_threads or 0
-    # /proc/stat is Linux's: elsewhere a count that follows the load takes the rank's cores, as on an idle machine.
-    if 0 in (small, large) and cores > 1 and os.path.exists("/proc/stat"):
+    if 0 in (small, large) and cores > 1 and (load := load_source()) is not None:
         # A compiled graph is specialized to its thread count, and the warm-up compiles one for each count that
         # can come: two, every core or one fewer (a core left to a busy front end).
         fewest = 1 if execution.compile == "none" else cores - 1
-        return StepThreads(small, large, FreeCores(os.sched_getaffinity(0), cores, fewest))
+        return StepThreads(small, large, FreeCores(load[0], cores, load[1], fewest))
     small, large = small or cores, large or cores
     return StepThreads(small, large, None) if large > small else None
