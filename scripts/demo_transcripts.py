@@ -231,11 +231,19 @@ class Param:
 
 
 @dataclass(frozen=True)
+class Result:
+    """A tool's result: the text the tool returns, and its fields (what a typed final answer copies)."""
+
+    text: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Call:
     """What one tool use looks like once names are drawn: the call's arguments, its result and the answer."""
 
     arguments: dict[str, Any]
-    result: str
+    result: Result
     answer: str
 
 
@@ -254,9 +262,9 @@ class Family:
     draw_pair: Callable[[random.Random, list[str]], tuple[str, Call, Call]] | None = None
 
 
-def _result(rng: random.Random, fields: dict[str, Any], text: str) -> str:
+def _result(rng: random.Random, fields: dict[str, Any], text: str) -> Result:
     """A tool's result as tools return it: JSON most of the time, sometimes a plain sentence fragment."""
-    return text if rng.random() < 0.25 else json.dumps(fields)
+    return Result(text if rng.random() < 0.25 else json.dumps(fields), fields)
 
 
 def _weather_call(rng: random.Random, names: list[str], city: str) -> Call:
@@ -565,8 +573,64 @@ def exchange(rng: random.Random, offered: list[Offered], qa_pairs: list[tuple[li
         question, call = chosen.family.draw(rng, chosen.names)
         calls, answer = [call], call.answer
     messages = [{"role": "user", "content": question}, _call_message(chosen.tool["function"]["name"], calls)]
-    messages += [{"role": "tool", "tool_call_id": f"call_{i}", "content": call.result} for i, call in enumerate(calls)]
+    messages += [
+        {"role": "tool", "tool_call_id": f"call_{i}", "content": call.result.text} for i, call in enumerate(calls)
+    ]
     return [*messages, {"role": "assistant", "content": answer}]
+
+
+OUTPUT_TOOL_NAMES = ("final_result", "final_output", "final_answer", "submit_answer", "respond")
+OUTPUT_TOOL_DESCRIPTIONS = (
+    "The final response which ends this conversation",
+    "Give the final answer.",
+    "Submit the result.",
+    "The typed result the agents are asked for.",
+)
+OUTPUT_TOOL_REPLIES = ("Final result processed.", "Done.", "OK")
+
+
+def _typed_answer(rng: random.Random, call: Call) -> dict[str, Any] | None:
+    """What a typed result holds: one or more of the tool result's plain fields, in their order (a schema such as
+    `Report(city, temperature)` over a weather result); None where the result has none."""
+    plain = [key for key, value in call.result.fields.items() if isinstance(value, str | int | float)]
+    if not plain:
+        return None
+    kept = set(rng.sample(plain, rng.randint(1, len(plain))))
+    return {key: call.result.fields[key] for key in plain if key in kept}
+
+
+def _output_tool(rng: random.Random, answer: dict[str, Any]) -> Tool:
+    types = {str: "string", int: "integer", float: "number"}
+    params = [
+        (key, Param((key,), types[type(value)], key.replace("_", " ").capitalize())) for key, value in answer.items()
+    ]
+    return tool_schema(rng, rng.choice(OUTPUT_TOOL_NAMES), rng.choice(OUTPUT_TOOL_DESCRIPTIONS), params)
+
+
+def typed_exchange(rng: random.Random, offered: list[Offered]) -> tuple[list[Message], list[Tool]]:
+    """A question one offered tool answers, ending in a typed result as agent frameworks ask for one: half the time
+    through an output tool offered beside the others (pydantic-ai's `final_result`: called with the fields copied
+    from the tool's result, then acknowledged), half as a JSON object for the final answer (the Agents SDK's
+    `response_format`, which the prompt does not show: the grammar holds the model to `{`, so the model must copy
+    the values after it). The tools offered, the output tool among them, are returned with the messages."""
+    tools = [o.tool for o in offered]
+    for _ in range(8):
+        chosen = rng.choice(offered)
+        question, call = chosen.family.draw(rng, chosen.names)
+        answer = _typed_answer(rng, call)
+        if answer is not None:
+            break
+    else:
+        return [], tools
+    messages = [{"role": "user", "content": question}, _call_message(chosen.tool["function"]["name"], [call])]
+    messages.append({"role": "tool", "tool_call_id": "call_0", "content": call.result.text})
+    if rng.random() < 0.5:
+        return [*messages, {"role": "assistant", "content": json.dumps(answer)}], tools
+    output = _output_tool(rng, answer)
+    tools.insert(rng.randint(0, len(tools)), output)
+    finish = {"id": "call_1", "type": "function", "function": {"name": output["function"]["name"], "arguments": answer}}
+    messages.append({"role": "assistant", "content": "", "tool_calls": [finish]})
+    return [*messages, {"role": "tool", "tool_call_id": "call_1", "content": rng.choice(OUTPUT_TOOL_REPLIES)}], tools
 
 
 _ECHO_ASKS = ["Repeat after me: {}", "Say {}", "Copy this: {}", "Please repeat: {}", "Echo {}"]
