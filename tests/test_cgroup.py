@@ -19,6 +19,15 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def _tree(tmp_path: Path, groups: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A /proc/self/cgroup of `groups` and a cgroup file system of `files` (path under the root -> text)."""
+    proc, root = tmp_path / "cgroup", tmp_path / "fs"
+    _write(proc, groups)
+    for name, text in files.items():
+        _write(root / name, text)
+    return root, proc
+
+
 def test_v2_takes_the_tightest_limit_on_the_groups_path(tmp_path: Path) -> None:
     proc = tmp_path / "cgroup"
     _write(proc, "0::/kubepods/pod1/ctr\n")
@@ -38,11 +47,7 @@ def test_v2_takes_the_tightest_limit_on_the_groups_path(tmp_path: Path) -> None:
 
 
 def test_v2_inside_a_cgroup_namespace_reads_its_root(tmp_path: Path) -> None:
-    proc = tmp_path / "cgroup"
-    _write(proc, "0::/\n")
-    root = tmp_path / "fs"
-    _write(root / "cpu.max", "50000 100000\n")
-    _write(root / "cpu.stat", "usage_usec 42\n")
+    root, proc = _tree(tmp_path, "0::/\n", {"cpu.max": "50000 100000\n", "cpu.stat": "usage_usec 42\n"})
     quota = cpu_quota(root, proc)
     assert quota is not None and quota.cores == 0.5 and quota_cores(quota) == 1, "at least one core"
 
@@ -61,12 +66,9 @@ def test_no_limit_no_files_or_no_proc_is_none(tmp_path: Path) -> None:
 
 def test_v1_separate_and_joint_mounts_and_a_containers_own_view(tmp_path: Path) -> None:
     # As on this project's machines: cpu and cpuacct mounted apart, the process in the root group.
-    proc = tmp_path / "cgroup"
-    _write(proc, "9:name=systemd:/\n4:memory:/x\n2:cpuacct:/\n1:cpu:/\n0::/\n")
-    root = tmp_path / "fs"
-    _write(root / "cpu/cpu.cfs_quota_us", "-1\n")
-    _write(root / "cpu/cpu.cfs_period_us", "100000\n")
-    _write(root / "cpuacct/cpuacct.usage", "3000000000\n")
+    groups = "9:name=systemd:/\n4:memory:/x\n2:cpuacct:/\n1:cpu:/\n0::/\n"
+    files = {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n", "cpuacct/cpuacct.usage": "3\n"}
+    root, proc = _tree(tmp_path, groups, files)
     assert cpu_quota(root, proc) is None, "-1: no limit"
     _write(root / "cpu/cpu.cfs_quota_us", "300000\n")
     assert cpu_quota(root, proc) == CpuQuota(3.0, None), "cpuacct's groups apart: none counts the limited one"
