@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerFast
 from bench.embed_config import DTYPES, EMBED_SHAPES, QWEN3_EOS, QWEN3_EOS_ID, SYSTEMS, EmbedOptions, EmbedShape
 from bench.report import fmt, format_table, stamp
 from bench.serve import free_port, started_server
-from engine.execution.cpu_threads import CLOCK_TICKS, busy_ticks, read_proc_stat
+from engine.execution.cpu_threads import CLOCK_TICKS, machine_busy_seconds
 
 _BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _BERT_CLS, _BERT_SEP = _BERT_SPECIALS.index("[CLS]"), _BERT_SPECIALS.index("[SEP]")
@@ -200,7 +200,7 @@ def parse_system(entry: str, default_dtype: str) -> tuple[str, str]:
 
 def _busy_cpu_seconds() -> float:
     """CPU seconds the whole machine spent busy since boot (/proc/stat: all but idle and iowait)."""
-    return busy_ticks(read_proc_stat()) / CLOCK_TICKS
+    return machine_busy_seconds()
 
 
 def _tree_cpu_seconds(root: int) -> float:

@@ -80,8 +80,8 @@ def busy_ticks(proc_stat: str, cpus: set[int] | None = None) -> int:
     return busy
 
 
-def machine_busy_seconds(cpus: set[int]) -> float:
-    """The CPU time the CPUs `cpus` have spent busy, in seconds, from /proc/stat."""
+def machine_busy_seconds(cpus: set[int] | None = None) -> float:
+    """The CPU time the CPUs `cpus` (None: every CPU) have spent busy, in seconds, from /proc/stat."""
     with open("/proc/stat") as file:
         return busy_ticks(file.read(), cpus) / CLOCK_TICKS
 
