@@ -3,10 +3,10 @@
 A decode-sized step runs on `cpu_threads`; 0 (the default) follows the load: every core of this rank that other
 processes leave free, measured from /proc/stat over the last LOAD_WINDOW_SECONDS (`FreeCores`). A rank's cores are
 its CPUs, or the whole cores of its cgroup's CPU quota where that is fewer (a container's CPU limit: see
-engine/execution/cgroup.py), and there the load is the cgroup's own. With two OpenMP
-threads every op of a step ends in a barrier, and a barrier whose other thread has lost its core to another process
-waits for a time slice, so a step of many small ops collapses on a busy machine (measured on 2 cores: 802 tok/s on
-one thread, 323 on two beside one busy process); on an idle machine two threads stream the weights ~1.4x faster.
+engine/execution/cgroup.py), and there the load is the cgroup's own. With two OpenMP threads every op of a step
+ends in a barrier, and a barrier whose other thread has lost its core to another process waits for a time slice,
+so a step of many small ops collapses on a busy machine (measured on 2 cores: 802 tok/s on one thread, 323 on two
+beside one busy process); on an idle machine two threads stream the weights ~1.4x faster.
 Under `ferry serve` the others are the front end and its clients: a lone stream of a large model leaves the second
 core free, while 32 streams of the demo model keep the front end busy on it.
 
@@ -198,8 +198,8 @@ def load_source() -> tuple[int, Callable[[], float]] | None:
     CPUs from /proc/stat. None where neither can be read (not Linux): a count that follows the load then takes the
     rank's cores, as on an idle machine."""
     quota, cpus = cpu_quota(), os.sched_getaffinity(0)
-    if quota is not None and quota.usage is not None and quota.cores < len(cpus):
-        return max(1, int(quota.cores)), quota.usage_seconds
+    if quota is not None and quota.usage is not None and (cores := quota_cores(quota)) < len(cpus):
+        return cores, quota.usage_seconds
     # The machine's CPUs: also under a quota that no cpuacct group counts alone (v1's controllers mounted apart),
     # which still caps the rank's cores (`node_cores`) while the load that takes them is the machine's.
     return (len(cpus), lambda: machine_busy_seconds(cpus)) if os.path.exists("/proc/stat") else None
