@@ -607,21 +607,20 @@ def _output_tool(rng: random.Random, answer: dict[str, Any]) -> Tool:
     return tool_schema(rng, rng.choice(OUTPUT_TOOL_NAMES), rng.choice(OUTPUT_TOOL_DESCRIPTIONS), params)
 
 
-def typed_exchange(rng: random.Random, offered: list[Offered]) -> tuple[list[Message], list[Tool]]:
+def typed_exchange(rng: random.Random, offered: list[Offered]) -> tuple[list[Message], list[Tool]] | None:
     """A question one offered tool answers, ending in a typed result as agent frameworks ask for one: half the time
     through an output tool offered beside the others (pydantic-ai's `final_result`: called with the fields copied
     from the tool's result, then acknowledged), half as a JSON object for the final answer (the Agents SDK's
     `response_format`, which the prompt does not show: the grammar holds the model to `{`, so the model must copy
-    the values after it). The tools offered, the output tool among them, are returned with the messages."""
+    the values after it). The tools offered, the output tool among them, are returned with the messages; None
+    where no offered tool's result has a plain field to type (the documentation search alone)."""
     tools = [o.tool for o in offered]
-    for _ in range(8):
-        chosen = rng.choice(offered)
+    for chosen in rng.sample(offered, len(offered)):
         question, call = chosen.family.draw(rng, chosen.names)
-        answer = _typed_answer(rng, call)
-        if answer is not None:
+        if (answer := _typed_answer(rng, call)) is not None:
             break
     else:
-        return [], tools
+        return None
     messages = [{"role": "user", "content": question}, _call_message(chosen.tool["function"]["name"], [call])]
     messages.append({"role": "tool", "tool_call_id": "call_0", "content": call.result.text})
     if rng.random() < 0.5:
