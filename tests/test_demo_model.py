@@ -281,3 +281,32 @@ def test_template_renders_replayed_arguments_as_they_are(tokenizer: PreTrainedTo
 def _mostly_words(text: str) -> bool:
     letters_and_spaces = sum(ch.isascii() and (ch.isalpha() or ch == " ") for ch in text)
     return len(text) > 0 and letters_and_spaces / len(text) >= 0.8
+
+
+def test_training_leaves_a_json_answers_opening_brace_to_the_grammar(
+    tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A typed JSON answer's prompt reads like a sentence answer's: learning its `{` taught the model to answer a
+    plain weather question in JSON. Phase 3 learns everything after the `{` and leaves the `{` to the grammar;
+    a sentence answer after a tool's result is learned from its first token."""
+    import random
+
+    monkeypatch.syspath_prepend(str(MODEL_DIR.parents[1] / "scripts"))
+    import train_demo_model as training
+
+    assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
+    seen = {"json": 0, "sentence": 0}
+    for seed in range(300):
+        ids, labels = training.phase3_example(random.Random(seed), tokenizer, [(["What is x?"], "x is y.")], ["word"])
+        if ids[-1] != tokenizer.eos_token_id:
+            continue  # cut at the context: its last answer is not whole
+        start = len(ids) - ids[::-1].index(assistant)  # the last answer's first token
+        answer = tokenizer.decode(ids[start:])
+        after_result = "</tool_response>" in tokenizer.decode(ids[max(0, start - 24) : start])
+        if answer.startswith("{"):
+            seen["json"] += 1
+            assert labels[start] == -100 and labels[start + 1 :] == ids[start + 1 :], answer
+        elif after_result and answer[:1].isalpha():
+            seen["sentence"] += 1
+            assert labels[start:] == ids[start:], answer
+    assert seen["json"] >= 5 and seen["sentence"] >= 20, seen
