@@ -663,11 +663,11 @@ def phase3_example(
         typed = demo_transcripts.typed_exchange(rng, offered) if rng.random() < TYPED_SHARE else None
         last, tools = typed or (demo_transcripts.exchange(rng, offered, pool), [o.tool for o in offered])
         ids, labels = encode_rendered(tokenizer, messages + last, tools)
-        if typed and str(last[-1]["content"]).startswith("{"):
+        if typed and last[-1]["role"] == "assistant":
             # A JSON answer's prompt looks like a sentence answer's (the grammar, not the prompt, asks for JSON):
             # its `{` is the grammar's to choose, so only what follows it is learned. Learned, the `{` made the
-            # model answer a plain weather question in JSON.
-            labels[len(ids) - 1 - ids[::-1].index(tokenizer.convert_tokens_to_ids("<|assistant|>")) + 1] = -100
+            # model answer a plain weather question in JSON. The `{` is the first token after the last role token.
+            labels[len(ids) - ids[::-1].index(tokenizer.convert_tokens_to_ids("<|assistant|>"))] = -100
         return ids[:LONG_POSITIONS], labels[:LONG_POSITIONS]
     return phase2_example(rng, tokenizer, pool)
 
@@ -901,12 +901,12 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.base)
         tokenizer.chat_template = CHAT_TEMPLATE  # the base may predate a template change that renders the same
         base_info = json.loads((args.base / "training_info.json").read_text())
-        phase_one_info = base_info.get("phase_1", base_info)  # a phase-1-only run's, or the 512-position model's
+        base_phase_one = base_info.get("phase_1", base_info)  # a phase-1-only run's, or the 512-position model's
         kept = ("phase_0", "steps", "lr", "final_loss", "copy_accuracy")
         phase_one_info = {
             "base": str(args.base),
             "seed": base_info.get("seed"),
-            **{k: phase_one_info.get(k) for k in kept},
+            **{k: base_phase_one.get(k) for k in kept},
         }
     # The rotary embedding needs no scaling within 2,048 positions: head_dim 32 at theta 10,000 has wavelengths
     # up to ~35k positions. What the 512-position model lacks is practice at far positions, which phase 2 gives.
