@@ -632,6 +632,63 @@ def typed_exchange(rng: random.Random, offered: list[Offered]) -> tuple[list[Mes
     return [*messages, {"role": "tool", "tool_call_id": "call_1", "content": rng.choice(OUTPUT_TOOL_REPLIES)}], tools
 
 
+_JSON_ASKS = (
+    "{} Answer in JSON.",
+    "{} Reply with a JSON object.",
+    "{} Respond in JSON.",
+    "{} Give the answer as JSON.",
+)
+_DESCRIBE_ASKS = (
+    "Describe {} as a JSON object.",
+    "Give me {} as JSON.",
+    "Write {} as a JSON object.",
+    "{} in JSON, please.",
+)
+_ANSWER_KEYS = ("answer", "response", "text", "description", "result")
+
+
+def _record(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """Something to describe and a small JSON object describing it: short strings and numbers, closed soon."""
+    city, other = rng.sample(CITIES, 2)
+    first, last = rng.choice(FIRST_NAMES), rng.choice(LAST_NAMES)
+    return rng.choice(
+        [
+            ("a person", {"name": f"{first} {last}", "age": rng.randint(18, 90)}),
+            (
+                "a user",
+                {"id": rng.randint(1, 9999), "name": f"{first} {last}", "email": f"{first.lower()}@example.com"},
+            ),
+            ("a city", {"name": city, "population": rng.randint(10_000, 9_000_000)}),
+            ("the weather", {"city": city, "temperature": rng.randint(-5, 38), "condition": rng.choice(CONDITIONS)}),
+            ("a ferry", {"name": f"{city} Ferry", "route": f"{city} to {other}", "capacity": rng.randint(20, 900)}),
+            ("a boat", {"name": f"{first}", "length_m": rng.randint(3, 60)}),
+            ("a trip", {"from": city, "to": other, "distance_km": rng.randint(5, 19_000)}),
+            ("an order", {"order_id": _code(rng), "status": rng.choice(ORDER_STATES)}),
+            ("a module", {"name": rng.choice(TOPICS), "language": "Python"}),
+            ("a price", {"amount": rng.randint(1, 999), "currency": rng.choice(CURRENCIES)}),
+        ]
+    )
+
+
+def json_exchange(rng: random.Random, qa_pairs: list[tuple[list[str], str]]) -> tuple[list[Message], bool]:
+    """A plain question answered with a JSON object (as `response_format: json_object` asks, LangChain's JSON
+    mode among them): a small object describing something, or a question's answer under one key. Whether the
+    question itself asks for JSON is returned too: where it does not (the request's format is not in the prompt),
+    the `{` is the grammar's, not the model's, to choose. Without these, the grammar's `{` on a plain question
+    led the model into a key it never closed."""
+    if rng.random() < 0.5:
+        thing, answer = _record(rng)
+        ask = rng.choice(_DESCRIBE_ASKS).format(thing)
+        ask = ask[0].upper() + ask[1:]
+        return [{"role": "user", "content": ask}, {"role": "assistant", "content": json.dumps(answer)}], True
+    questions, reply = rng.choice(qa_pairs)
+    question, asks_json = rng.choice(questions), rng.random() < 0.5
+    if asks_json:
+        question = rng.choice(_JSON_ASKS).format(question)
+    answer = json.dumps({rng.choice(_ANSWER_KEYS): reply})
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}], asks_json
+
+
 _ECHO_ASKS = ["Repeat after me: {}", "Say {}", "Copy this: {}", "Please repeat: {}", "Echo {}"]
 _NAME_ASKS = [
     ("My name is {}. What is my name?", "Your name is {}."),

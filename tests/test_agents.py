@@ -20,7 +20,6 @@ import pytest
 from pydantic import BaseModel
 
 from tests.server_harness import ServerProcess, server_process
-from tests.test_demo_model import NOT_COPYING
 
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # litellm must not fetch its price list
 MODEL = "default_model"
@@ -120,7 +119,6 @@ def test_auto_calls_an_offered_tool_then_answers_in_words(base_url: str) -> None
     assert answer and "<tool_call>" not in answer and sum(c.isalpha() or c == " " for c in answer) > 0.8 * len(answer)
 
 
-@NOT_COPYING
 def test_auto_asks_about_the_city_asked_and_answers_with_the_result(base_url: str) -> None:
     call, answer = _auto_loop(base_url)
     assert json.loads(call.function.arguments) == {"city": "Lisbon"}
@@ -153,7 +151,6 @@ def test_litellm_with_required_tools(base_url: str) -> None:
 # ------------------------------------------------------------------------------------------------ agent frameworks
 
 
-@NOT_COPYING
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
 def test_openai_agents_sdk_two_tools_and_a_typed_result(
     base_url: str, api: str, executed: list[tuple[str, dict[str, Any]]]
@@ -184,7 +181,6 @@ def test_openai_agents_sdk_two_tools_and_a_typed_result(
     assert isinstance(result.final_output, Report)
 
 
-@NOT_COPYING
 def test_pydantic_ai_agent_with_a_tool_and_a_typed_result(
     base_url: str, executed: list[tuple[str, dict[str, Any]]]
 ) -> None:

@@ -29,7 +29,7 @@ from bench.embed import (
     make_inputs,
 )
 from bench.llama_cpp import gguf_type, llama_server_command
-from bench.models import NAMED_CONFIGS
+from bench.models import NAMED_CONFIGS, prepare_model
 from bench.offline import SYSTEMS, OfflineOptions, TokenMismatch, compare_tokens, format_offline, run_offline
 from bench.overhead import OverheadOptions, format_overhead, run_overhead
 from bench.results import RequestTrace, SystemRun, assign_slots
@@ -227,6 +227,17 @@ def test_offline_mismatch_fails_before_any_figure(tiny_llama: Path, monkeypatch:
     )
     with pytest.raises(TokenMismatch, match="request 0: static vs ferry differ at token 0"):
         run_offline(options)
+
+
+@pytest.mark.parametrize(("name", "positions"), [("ferry-demo-512", 512), ("ferry-demo-2048-nocopy", 2048)])
+def test_earlier_demo_models_stay_reachable_by_name(name: str, positions: int, tmp_path: Path) -> None:
+    """The demo models of earlier BENCHMARKS.md rows load by name, weights and tokenizer included, and are not
+    the embedded model of today."""
+    loaded = prepare_model(name, tmp_path)
+    assert loaded.has_weights and loaded.hf.config.max_position_embeddings == positions
+    assert (loaded.path / "tokenizer.json").is_file()
+    shipped = Path(__file__).resolve().parents[1] / "server" / "default_model" / "model.safetensors"
+    assert (loaded.path / "model.safetensors").read_bytes() != shipped.read_bytes()
 
 
 def test_offline_command_on_a_named_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -220,10 +220,11 @@ ADD = {
 }
 
 
-NOT_COPYING = pytest.mark.xfail(
+UNCONSTRAINED_NAMES = pytest.mark.xfail(
     strict=True,
-    reason="the 4-layer demo model has not learned to copy names and values from its context, nor to end an "
-    "agent's loop with its typed answer (issue 29's note); strict, so a model that has fails here until it goes",
+    reason="without the server's grammar, and with two tools offered, the 4-layer demo model writes the names of its "
+    "training rather than the offered ones (`calculator_add` for `add`, `first` for `a`, `city_name` for `city`); "
+    "`ferry serve` holds calls to the offered names. Strict, so a model that has learned them fails here until it goes",
 )
 
 
@@ -240,7 +241,7 @@ def test_writes_a_call_in_its_format_when_an_offered_tool_fits(
     assert set(call) == {"name", "arguments"} and isinstance(call["arguments"], dict), call
 
 
-@NOT_COPYING
+@UNCONSTRAINED_NAMES
 @pytest.mark.parametrize(
     ("question", "call", "result", "words"),
     [
@@ -286,27 +287,36 @@ def _mostly_words(text: str) -> bool:
 def test_training_leaves_a_json_answers_opening_brace_to_the_grammar(
     tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A typed JSON answer's prompt reads like a sentence answer's: learning its `{` taught the model to answer a
-    plain weather question in JSON. Phase 3 learns everything after the `{` and leaves the `{` to the grammar;
-    a sentence answer after a tool's result is learned from its first token."""
+    """A JSON answer whose prompt reads like a sentence answer's leaves its `{` to the grammar: on a plain question
+    always (JSON mode), after a tool's result all but TYPED_OPENING_LEARNED of the time (learned every time, the
+    `{` made the model answer a plain weather question in JSON; never, it lost to a second call under the Agents
+    SDK's grammar). What follows the `{` is learned; so are answers to questions that ask for JSON, and sentence
+    answers after a tool's result, from their first token."""
     import random
 
     monkeypatch.syspath_prepend(str(MODEL_DIR.parents[1] / "scripts"))
     import train_demo_model as training
 
-    assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
-    seen = {"json": 0, "sentence": 0}
-    for seed in range(300):
+    assistant, user = tokenizer.convert_tokens_to_ids("<|assistant|>"), tokenizer.convert_tokens_to_ids("<|user|>")
+    seen = {"plain json": 0, "json asked": 0, "typed learned": 0, "typed left": 0, "sentence": 0}
+    for seed in range(600):
         ids, labels = training.phase3_example(random.Random(seed), tokenizer, [(["What is x?"], "x is y.")], ["word"])
-        if ids[-1] != tokenizer.eos_token_id:
-            continue  # cut at the context: its last answer is not whole
         start = len(ids) - ids[::-1].index(assistant)  # the last answer's first token
+        if ids[-1] != tokenizer.eos_token_id or user in ids[start:]:
+            continue  # cut at the context (its last answer is not whole), or ending in a tool's reply
         answer = tokenizer.decode(ids[start:])
+        asked = tokenizer.decode(ids[len(ids) - ids[::-1].index(user) : start])
         after_result = "</tool_response>" in tokenizer.decode(ids[max(0, start - 24) : start])
-        if answer.startswith("{"):
-            seen["json"] += 1
-            assert labels[start] == -100 and labels[start + 1 :] == ids[start + 1 :], answer
+        assert labels[start + 1 :] == ids[start + 1 :], answer
+        if answer.startswith("{") and after_result:
+            seen["typed learned" if labels[start] == ids[start] else "typed left"] += 1
+        elif answer.startswith("{"):
+            kind = "json asked" if "JSON" in asked else "plain json"
+            seen[kind] += 1
+            assert labels[start] == (ids[start] if kind == "json asked" else -100), (asked, answer)
         elif after_result and answer[:1].isalpha():
             seen["sentence"] += 1
-            assert labels[start:] == ids[start:], answer
-    assert seen["json"] >= 5 and seen["sentence"] >= 20, seen
+            assert labels[start] == ids[start], answer
+    assert min(seen.values()) >= 5 and seen["sentence"] >= 20, seen
+    typed = seen["typed learned"] + seen["typed left"]
+    assert abs(seen["typed learned"] / typed - training.TYPED_OPENING_LEARNED) < 0.25, seen
