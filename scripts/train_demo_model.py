@@ -918,6 +918,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
 
+    phase_two_info = {"steps": args.long_steps, "batch_tokens": LONG_BATCH_TOKENS, "lr": args.long_lr}
+    base_long_loss = None  # phase 2's final loss where the base ran phase 2 and this run skips it
     if args.base is None:
         model, tokenizer, phase_one_info = phase_one(args, rng)
     else:
@@ -925,17 +927,18 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.base)
         tokenizer.chat_template = CHAT_TEMPLATE  # the base may predate a template change that renders the same
         base_info = json.loads((args.base / "training_info.json").read_text())
-        base_phase_one = base_info.get("phase_1", base_info)  # a phase-1-only run's, or the 512-position model's
-        kept = ("phase_0", "steps", "lr", "final_loss", "copy_accuracy")
-        phase_one_info = {
-            "base": str(args.base),
-            "seed": base_info.get("seed"),
-            **{k: base_phase_one.get(k) for k in kept},
-        }
-    # A run that skips phase 2 on a base that ran it (phase 3 alone) reports the base's phases 1 and 2.
-    base_phase_two = base_info.get("phase_2", {}) if args.base is not None and args.long_steps == 0 else {}
-    if base_phase_two.get("steps"):
-        phase_one_info = base_info["phase_1"]
+        if args.long_steps == 0 and base_info.get("phase_2", {}).get("steps"):
+            # Phase 3 alone on a phase-2 run: phases 1 and 2 are the base's.
+            phase_one_info, phase_two_info = base_info["phase_1"], base_info["phase_2"]
+            base_long_loss = base_info["final_loss"]["phase_2"]
+        else:
+            base_phase_one = base_info.get("phase_1", base_info)  # a phase-1-only run's, or the 512-position model's
+            kept = ("phase_0", "steps", "lr", "final_loss", "copy_accuracy")
+            phase_one_info = {
+                "base": str(args.base),
+                "seed": base_info.get("seed"),
+                **{k: base_phase_one.get(k) for k in kept},
+            }
     # The rotary embedding needs no scaling within 2,048 positions: head_dim 32 at theta 10,000 has wavelengths
     # up to ~35k positions. What the 512-position model lacks is practice at far positions, which phase 2 gives.
     model.config.max_position_embeddings = LONG_POSITIONS
@@ -963,8 +966,8 @@ def main() -> None:
         "phase 3",
     )
     train_seconds = time.time() - started
-    if base_phase_two.get("steps"):
-        long_loss = base_info["final_loss"]["phase_2"]
+    if base_long_loss is not None:
+        long_loss = base_long_loss
 
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -988,9 +991,7 @@ def main() -> None:
     info = {
         "seed": args.seed,
         "phase_1": phase_one_info,
-        "phase_2": base_phase_two
-        if base_phase_two.get("steps")
-        else {"steps": args.long_steps, "batch_tokens": LONG_BATCH_TOKENS, "lr": args.long_lr},
+        "phase_2": phase_two_info,
         "phase_3": {"steps": args.tool_steps, "batch_tokens": LONG_BATCH_TOKENS, "lr": args.tool_lr},
         "threads": args.threads,
         "final_loss": {"phase_2": round(long_loss, 4), "phase_3": round(tool_loss, 4)},
