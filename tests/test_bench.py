@@ -8,7 +8,7 @@ import json
 import os
 import random
 import re
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -626,21 +626,26 @@ def test_embed_texts_tokenize_to_the_ids_the_servers_get(model: str, tmp_path: P
         check_tokenization(tmp_path, dataclasses.replace(inputs, ids=[ids[::-1] for ids in inputs.ids]))
 
 
-def test_spec_bench_alternates_its_servers_over_every_workload(model_dir: Callable[[str], Path]) -> None:
-    """Two real servers (one drafting), every workload at each concurrency, medians over the rounds (a random
-    model's answers repeat nothing: what is drafted and accepted is the demo model's figure, BENCHMARKS.md)."""
+def test_spec_bench_alternates_its_servers_over_every_workload() -> None:
+    """Two real servers of the demo model (one drafting), every workload at each concurrency, medians over the
+    rounds; `repeat` holds only conversations whose second answer repeated the first, and drafts from the first
+    answer are accepted there."""
+    from bench.perplexity import DEMO_MODEL
     from bench.spec import SpecOptions, format_spec, run_spec
 
-    options = SpecOptions(model=str(model_dir("llama")), concurrencies=(1, 2), rounds=2, num_requests=3, max_tokens=12)
+    options = SpecOptions(model=str(DEMO_MODEL), concurrencies=(1, 2), rounds=2, num_requests=3, max_tokens=12)
     report = run_spec(options)
     rows = report["rows"]
     assert [(r["workload"], r["concurrency"]) for r in rows] == [
-        (w, c) for w in ("repeat", "predict", "chat") for c in (1, 2)
+        (w, c) for w in ("repeat", "predict", "ask-again", "chat") for c in (1, 2)
     ]
+    assert report["repeating"]["found"] == 16 and report["repeating"]["asked"] >= 16
     assert all(r["rounds"] == 2 and r["tokens_per_s_off"] > 0 and r["tokens_per_s_on"] > 0 for r in rows)
     assert all(r["acceptance"] is None or 0 <= r["acceptance"] <= 1 for r in rows)
+    repeat = [r for r in rows if r["workload"] in ("repeat", "predict")]
+    assert all(r["drafted_tokens"] > 0 and r["acceptance"] > 0.5 for r in repeat), repeat
     table = format_spec(report)
-    assert "on/off" in table and "predict" in table
+    assert "on/off" in table and "ask-again" in table and "16 repeating conversations" in table
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])

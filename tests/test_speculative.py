@@ -15,8 +15,11 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
@@ -284,6 +287,36 @@ def test_ngram_lookup() -> None:
     # The latest earlier occurrence of the longest n-gram wins.
     assert lookup(torch.tensor([1, 2, 9, 1, 2, 8, 3, 1, 2]).numpy(), 2, 3, 2) == [8, 3]
     assert lookup(torch.tensor([4, 1, 2, 9, 3, 1, 2]).numpy(), 2, 3, 2) == [9, 3]
+
+
+def _lookup_by_definition(sequence: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
+    """`lookup`'s docstring, literally: the longest n first, then the occurrences of the last n tokens."""
+    length = len(sequence)
+    if max_drafts <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        starts = [s for s in range(length - n) if sequence[s : s + n] == sequence[length - n :]]
+        if starts:
+            whole = [s for s in starts if s + n + max_drafts <= length]
+            follow = (whole[-1] if whole else starts[0]) + n
+            return sequence[follow : follow + max_drafts]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), max_size=40),
+    st.integers(1, 4),
+    st.integers(0, 4),
+    st.integers(0, 6),
+)
+def test_ngram_lookup_is_its_definition(sequence: list[int], min_n: int, extra: int, max_drafts: int) -> None:
+    """On small alphabets (many repeats, runs, overlapping occurrences) the vectorised search finds what the
+    definition does."""
+    array = np.array(sequence, dtype=np.int64)
+    assert lookup(array, min_n, min_n + extra, max_drafts) == _lookup_by_definition(
+        sequence, min_n, min_n + extra, max_drafts
+    )
 
 
 def test_ngram_source_follows_a_growing_request() -> None:

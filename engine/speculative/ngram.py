@@ -58,20 +58,25 @@ def lookup(sequence: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> lis
     `max_drafts` tokens after it (else the earliest), for the largest n in [min_n, max_n] that occurs earlier;
     empty when none does."""
     length = len(sequence)
-    if max_drafts <= 0:
+    if max_drafts <= 0 or length < 2:
         return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = sequence[length - n :]
-        # Starts of earlier occurrences: each must leave at least one token after it before the suffix's end.
-        starts = np.flatnonzero(sequence[: length - n] == suffix[0])
-        for offset in range(1, n):
-            if not len(starts):
-                break
-            starts = starts[sequence[starts + offset] == suffix[offset]]
-        if len(starts):
-            # The latest occurrence with a whole draft after it; in a run that repeats with a short period only an
-            # early occurrence has that many tokens after it.
-            whole = starts[starts + n + max_drafts <= length]
-            follow = int(whole[-1] if len(whole) else starts[0]) + n
-            return sequence[follow : follow + max_drafts].tolist()
-    return []
+    # Ends of earlier occurrences of the last token (each with a token after it), narrowed to those of the last 2,
+    # 3, ... tokens: one scan of the sequence, then filters over the few candidates left (an occurrence of the
+    # last n+1 tokens ends where one of the last n does).
+    ends = np.flatnonzero(sequence[: length - 1] == sequence[-1])
+    found, found_n = (ends, 1) if min_n <= 1 else (ends[:0], 0)
+    for n in range(2, min(max_n, length - 1) + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[sequence[ends - (n - 1)] == sequence[length - n]]
+        if not len(ends):
+            break
+        if n >= min_n:
+            found, found_n = ends, n
+    if not len(found):
+        return []
+    starts = found - (found_n - 1)
+    # The latest occurrence with a whole draft after it; in a run that repeats with a short period only an early
+    # occurrence has that many tokens after it.
+    whole = starts[starts + found_n + max_drafts <= length]
+    follow = int(whole[-1] if len(whole) else starts[0]) + found_n
+    return sequence[follow : follow + max_drafts].tolist()
