@@ -607,7 +607,7 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         help="the drafting server's --speculative-config",
     )
     spec.add_argument("--concurrency", type=_ints, default=(1, 4, 32), help="closed-loop clients, e.g. 1,4,32")
-    spec.add_argument("--rounds", type=_positive_int, default=5, help="alternating rounds per point (medians)")
+    spec.add_argument("--rounds", type=_positive_int, default=9, help="alternating rounds per point (medians)")
     spec.add_argument(
         "--num-requests", type=_positive_int, default=64, help="requests per point, at least 8x its concurrency"
     )

@@ -81,7 +81,7 @@ class SpecOptions:
     model: str
     speculative_config: str = '{"method": "ngram", "num_speculative_tokens": 8}'
     concurrencies: tuple[int, ...] = (1, 4, 32)
-    rounds: int = 5
+    rounds: int = 9
     num_requests: int = 64
     """Requests per load point, at least `WAVES` times its concurrency."""
     max_tokens: int = 128
