@@ -617,8 +617,8 @@ def add_bench_subcommands(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FOLDER",
-        help="measure the draft-model path: the demo model deepened by 32 slightly noisy layers (built once in "
-        "FOLDER, about 8x its cost per token), drafted for by the demo model",
+        help="measure the draft-model path: the demo model widened and deepened by 16 slightly noisy layers "
+        "(built once in FOLDER, about 10x its cost per token), drafted for by the demo model",
     )
     spec.add_argument("--json", type=Path, default=None)
     spec.set_defaults(func=_spec)
