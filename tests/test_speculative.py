@@ -28,7 +28,7 @@ from engine.core.request import Request, RequestStatus, StructuredOutput
 from engine.core.stats import EngineStats
 from engine.sampling.sampler import CHECK_EACH_REQUEST, Sampler
 from engine.sampling.verify import verify
-from engine.speculative.gate import LEAST_PRIOR, Acceptance, StepCost, drafts_worth
+from engine.speculative.gate import LEAST_PRIOR, Acceptance, DraftCost, StepCost, drafts_worth
 from engine.speculative.ngram import NgramDrafts, lookup
 from engine.speculative.source import DraftingRequest
 from engine.speculative.speculator import Speculator
@@ -341,6 +341,15 @@ def test_the_gate_steps_aside_under_load() -> None:
     assert drafts_worth(0.9, 1, fit, 8) == 8
     assert drafts_worth(0.9, 256, fit, 8) == 3  # 0.9^j * 0.139 ms > 0.1 ms for j <= 3.1
     assert drafts_worth(0.5, 256, fit, 8) == 0
+    # Making a draft costs too (a draft model's passes): 0.05 ms a drafted token closes the large batch, and 2 ms
+    # leaves a lone stream's 0.5-accepted drafts 2 of 6 (0.5^j * 10.1 ms > 2.1 ms for j <= 2.27).
+    assert drafts_worth(0.9, 256, fit, 8, draft_cost=0.00005) == 0
+    assert drafts_worth(0.5, 1, fit, 8, draft_cost=0.002) == 2
+    draft_cost = DraftCost()
+    assert draft_cost.per_token == 0.0
+    draft_cost.record(0.004, 4)
+    draft_cost.record(0.002, 4)
+    assert draft_cost.per_token == pytest.approx((0.004 * 0.98 + 0.002) / (4 * 0.98 + 4))
     assert drafts_worth(0.5, 1, None, 8) == 8  # nothing measured yet: draft, and so measure
     acceptance = Acceptance()
     for _ in range(100):

@@ -504,10 +504,12 @@ class EngineCore:
             planned = self._schedule()
             result = self._execute(planned.plan)
             outputs = self._apply(planned, result, time.perf_counter())
-        if self.speculator.active and self._last_step_tokens:
-            # The whole step as the engine's loop lives it (planning, drafting, the forward pass, applying): what a
-            # token made by a draft saves.
-            self.speculator.cost.record(self._last_step_tokens, time.perf_counter() - started)
+        speculator = self.speculator
+        drafting = speculator.take_drafting_seconds()
+        if speculator.active and self._last_step_tokens:
+            # The whole step as the engine's loop lives it (planning, the forward pass, applying): what a token made
+            # by a draft saves. Drafting is left out: its cost is weighed a drafted token at a time (gate.py).
+            speculator.cost.record(self._last_step_tokens, time.perf_counter() - started - drafting)
         return outputs
 
     def _schedule(self) -> _Planned:

@@ -12,6 +12,7 @@ report, and the engine records the step's time in `cost` (engine/speculative/gat
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -19,7 +20,7 @@ from engine.config import SpeculativeConfig
 from engine.core.request import Request, RequestStatus, StepOutput
 from engine.core.step import ModelRunnerOutput, SchedulerOutput, num_accepted
 from engine.speculative.draft_model import DraftModelDrafts
-from engine.speculative.gate import Acceptance, StepCost, drafts_worth
+from engine.speculative.gate import Acceptance, DraftCost, StepCost, drafts_worth
 from engine.speculative.ngram import NgramDrafts
 from engine.speculative.prediction import PredictionDrafts
 from engine.speculative.source import DraftSource
@@ -63,6 +64,10 @@ class Speculator:
         self._predicted: dict[str, list[int]] = {}
         """Requests with a prediction, not finished: their drafted tokens [accepted, rejected] so far."""
         self.cost = StepCost()
+        """The target's steps, drafting left out (the engine records them, less `drafting_seconds`)."""
+        self.draft_cost = DraftCost()
+        self._drafting_seconds = 0.0
+        """Time spent drafting (sources asked, a draft model's passes) since `take_drafting_seconds`."""
         self.overall = Acceptance()
         """Every request's drafts: where a new request's acceptance starts (a workload whose drafts are rejected
         stops drafting for its next requests too, without each learning it again)."""
@@ -106,6 +111,7 @@ class Speculator:
         cost = self.cost.fit()
         if self._disabled(batch) or not self._may_pay(batch, cost):
             return {}  # not even drafts that are always accepted would pay: no request is looked at
+        started = time.perf_counter()
         drafts: dict[str, list[int]] = {}
         batched: list[tuple[Request, int]] = []
         for request in candidates:
@@ -122,7 +128,18 @@ class Speculator:
             proposals = self.source.propose_batch([r for r, _ in batched], [k for _, k in batched])
             for (request, _), proposed in zip(batched, proposals, strict=True):
                 self._take(drafts, request, proposed)
+        seconds = time.perf_counter() - started
+        self._drafting_seconds += seconds
+        if drafts:
+            # Only steps that drafted: searches that found nothing are the quiet plans' business (a cost recorded
+            # against no tokens would keep every later request from drafting, and never be measured again).
+            self.draft_cost.record(seconds, sum(len(d) for d in drafts.values()))
         return drafts
+
+    def take_drafting_seconds(self) -> float:
+        """The time spent drafting since the last call (the engine leaves it out of the step it records)."""
+        seconds, self._drafting_seconds = self._drafting_seconds, 0.0
+        return seconds
 
     def _take(self, drafts: dict[str, list[int]], request: Request, proposed: list[int]) -> None:
         if proposed:
@@ -158,7 +175,7 @@ class Speculator:
     def _may_pay(self, batch: int, cost: tuple[float, float] | None) -> bool:
         if self.config is not None and not self.config.adaptive:
             return True
-        return drafts_worth(BEST_ACCEPTANCE, batch, cost, 1) > 0
+        return drafts_worth(BEST_ACCEPTANCE, batch, cost, 1, self.draft_cost.per_token) > 0
 
     def _disabled(self, batch: int) -> bool:
         limit = self.config.disable_by_batch_size if self.config is not None else None
@@ -170,7 +187,7 @@ class Speculator:
             acceptance = self._acceptance[request.request_id] = self.overall.prior()
         if self.config is not None and not self.config.adaptive:
             return self.most
-        return drafts_worth(acceptance.rate, batch, cost, self.most)
+        return drafts_worth(acceptance.rate, batch, cost, self.most, self.draft_cost.per_token)
 
     def observe(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """A step's result: how many of each request's drafts were accepted. (Its cost the engine records in
