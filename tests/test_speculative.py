@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -369,6 +370,39 @@ def test_disable_by_batch_size() -> None:
         request.num_computed_tokens = request.num_tokens - 1
     assert speculator.propose(requests) == {}
     assert speculator.propose(requests[:1]) == {"r0": [2, 1]}
+
+
+class _SlowSource:
+    """A draft source that takes at least `seconds` to propose, as a draft model's passes do."""
+
+    def __init__(self, seconds: float, drafts: list[int]) -> None:
+        self.seconds, self.drafts = seconds, drafts
+
+    def propose(self, request: DraftingRequest, max_drafts: int) -> list[int]:
+        time.sleep(self.seconds)
+        return self.drafts[:max_drafts]
+
+    def finished(self, request: DraftingRequest) -> None:
+        pass
+
+
+def test_drafting_time_is_measured_apart_from_the_step() -> None:
+    """What drafting costs is taken out of the step the engine records (once) and weighed a drafted token at a
+    time; a step whose source found nothing adds nothing to that per-token cost."""
+    source = _SlowSource(0.01, [])
+    speculator = Speculator(NGRAM, source=source)
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(), frozenset()) for i in range(2)]
+    for request in requests:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_tokens - 1
+    assert speculator.propose(requests[:1]) == {}  # found nothing (and r0 goes quiet)
+    assert speculator.take_drafting_seconds() >= 0.01 and speculator.take_drafting_seconds() == 0.0
+    assert speculator.draft_cost.per_token == 0.0
+    source.drafts = [7, 8]
+    assert speculator.propose(requests) == {"r1": [7, 8]}
+    drafting = speculator.take_drafting_seconds()
+    assert drafting >= 0.01
+    assert speculator.draft_cost.per_token == pytest.approx(drafting / 2)  # the miss before weighs nothing
 
 
 def test_speculative_config_json() -> None:
