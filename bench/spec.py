@@ -67,7 +67,8 @@ FUNCTIONS = (
 )  # fmt: skip
 FUNCTION_QUESTIONS = ("What does {} do?", "Explain {}.", "What is {} for?", "Tell me what {} does.")
 """Standard-library functions asked about as the demo model was taught to answer them (its answers come from their
-docstrings): more questions for the `repeat` workload to find repeating answers among."""
+docstrings; the same templates as scripts/train_demo_model.py's FUNCTION_QUESTIONS, a script bench/ does not
+import): more questions for the `repeat` workload to find repeating answers among."""
 
 
 WAVES = 8
@@ -227,8 +228,8 @@ class Asked:
     again: list[list[dict[str, str]]]
     """The first `count` conversations, whatever was answered the second time (`ask-again`)."""
     repeating: list[list[dict[str, str]]]
-    """Conversations whose second answer repeats the first word for word (`repeat`), as many as were needed."""
-    repeating_answers: list[str]
+    """Conversations whose second answer repeats the first word for word (`repeat`), as many as were needed (the
+    first answer, the prediction, is each conversation's second message)."""
     asked: int
     """Questions asked to find them."""
 
@@ -238,7 +239,6 @@ def ask_again(url: str, model: str, pool: list[str], count: int, max_tokens: int
     asked and `count` conversations found whose second answer repeats the first (or the pool runs out)."""
     again: list[list[dict[str, str]]] = []
     repeating: list[list[dict[str, str]]] = []
-    repeating_answers: list[str] = []
     asked = 0
     with httpx.Client(timeout=600) as client:
         for question in pool:
@@ -255,8 +255,7 @@ def ask_again(url: str, model: str, pool: list[str], count: int, max_tokens: int
                 again.append(conversation)
             if len(repeating) < count and _answer(client, url, model, conversation, max_tokens) == answer:
                 repeating.append(conversation)
-                repeating_answers.append(answer)
-    return Asked(again, repeating, repeating_answers, asked)
+    return Asked(again, repeating, asked)
 
 
 def _cycled(items: list[Any], count: int) -> list[Any]:
@@ -277,7 +276,6 @@ def run_spec(options: SpecOptions) -> dict[str, Any]:
         count = max(options.num_requests, WAVES * max(options.concurrencies))
         asked = ask_again(off_url, model, _repeat_pool(), count, options.max_tokens)
         repeating = _cycled(asked.repeating, count)
-        predicted = _cycled(asked.repeating_answers, count)
         fresh = [[{"role": "user", "content": q}] for q in _fresh_questions(count)]
         repeat_bodies = [_body(model, m, options.max_tokens) for m in repeating]
         again = [_body(model, m, options.max_tokens) for m in asked.again]
@@ -287,14 +285,16 @@ def run_spec(options: SpecOptions) -> dict[str, Any]:
             (
                 "predict",
                 (off_url, repeat_bodies),
-                (off_url, [_body(model, m, options.max_tokens, a) for m, a in zip(repeating, predicted, strict=True)]),
+                (off_url, [_body(model, m, options.max_tokens, m[1]["content"]) for m in repeating]),
             ),
             ("ask-again", (off_url, again), (on_url, again)),
             ("chat", (off_url, [_body(model, m, options.max_tokens) for m in fresh]), (on_url, None)),
         ]
         # The server without drafts answered these conversations' prompts while they were found: the drafting
-        # server reads them once too, untimed, so that neither starts a round with a prefix cache the other lacks.
-        asyncio.run(_closed_loop(on_url, repeat_bodies + again, 4, options.timeout))
+        # server reads them once too (each once: the repeating ones are cycled and among `again`), untimed, so that
+        # neither starts a round with a prefix cache the other lacks.
+        read = {m[0]["content"]: m for m in [*asked.again, *asked.repeating]}.values()
+        asyncio.run(_closed_loop(on_url, [_body(model, m, options.max_tokens) for m in read], 4, options.timeout))
         if not asked.repeating:  # nothing this model says twice: no repeating workload to measure
             cases = [case for case in cases if case[0] not in ("repeat", "predict")]
         if options.draft_pair is not None:

@@ -64,7 +64,7 @@ class Speculator:
         self._predicted: dict[str, list[int]] = {}
         """Requests with a prediction, not finished: their drafted tokens [accepted, rejected] so far."""
         self.cost = StepCost()
-        """The target's steps, drafting left out (the engine records them, less `drafting_seconds`)."""
+        """The target's steps, drafting left out (the engine records them, less `take_drafting_seconds()`)."""
         self.draft_cost = DraftCost()
         self._drafting_seconds = 0.0
         """Time spent drafting (sources asked, a draft model's passes) since `take_drafting_seconds`."""
