@@ -9,7 +9,6 @@ shards the safetensors index lists, or every `*.safetensors` file when there is 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import huggingface_hub
@@ -19,6 +18,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from engine.models.checkpoint import checkpoint_files, indexed_shards
 from engine.models.gguf import GGUFError, is_gguf, materialize
+from engine.records import ferry_cache_dir
 
 METADATA_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 """Config, generation config, tokenizer and chat-template files: everything but the weights."""
@@ -26,15 +26,6 @@ METADATA_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 class ModelSourceError(ValueError):
     """The model (or tokenizer) named cannot be found or fetched; the message says why."""
-
-
-def ferry_cache_dir() -> Path:
-    """Where Ferry keeps what it derives from models (a GGUF file's directory): $FERRY_CACHE_DIR, else
-    $XDG_CACHE_HOME/ferry (~/.cache/ferry)."""
-    configured = os.environ.get("FERRY_CACHE_DIR")
-    if configured:
-        return Path(configured).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "ferry"
 
 
 def is_hub_id(spec: str) -> bool:

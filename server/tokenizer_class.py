@@ -16,20 +16,16 @@ A tokenizer with its own code (`auto_map`) is never recorded: its class comes fr
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib
-import importlib.metadata
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from server.model_source import ferry_cache_dir
+from engine.records import package_version, read_record, record_path, write_record
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +43,7 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     if "auto_map" in tokenizer_config:
         return _auto_tokenizer(model_dir)
     try:
-        record = records_dir() / f"{record_key(model_dir)}.json"
+        record = tokenizer_record(model_dir)
     except (OSError, RuntimeError) as exc:  # an unlistable directory; no home directory to find the cache in
         logger.warning("Cannot key a tokenizer-class record for %s (%s): asking AutoTokenizer", model_dir, exc)
         return _auto_tokenizer(model_dir)
@@ -58,31 +54,21 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
             model_dir, _from_auto=True, revision=None, _commit_hash=tokenizer_config.get("_commit_hash")
         )
     tokenizer = _auto_tokenizer(model_dir)
-    _write_record(record, type(tokenizer))
+    write_record(record, {"module": type(tokenizer).__module__, "name": type(tokenizer).__qualname__})
     return tokenizer
 
 
-def records_dir() -> Path:
-    return ferry_cache_dir() / "tokenizer-classes"
-
-
-def record_key(model_dir: str) -> str:
-    digest = hashlib.sha256()
+def tokenizer_record(model_dir: str) -> Path:
+    """The record of `model_dir`'s tokenizer class, keyed by everything AutoTokenizer's choice reads."""
     directory = Path(model_dir)
-    for part in (*map(_version, KEYED_PACKAGES), model_dir, os.path.abspath(model_dir), *sorted(os.listdir(directory))):
-        digest.update(part.encode() + b"\0")
-    for name in KEYED_FILES:
-        path = directory / name
-        digest.update(path.read_bytes() if path.is_file() else b"absent")
-        digest.update(b"\0")
-    return digest.hexdigest()
-
-
-def _version(package: str) -> str:
-    try:
-        return f"{package} {importlib.metadata.version(package)}"
-    except importlib.metadata.PackageNotFoundError:
-        return f"{package} absent"
+    files = ((directory / name).read_bytes() if (directory / name).is_file() else b"absent" for name in KEYED_FILES)
+    names = (
+        *map(package_version, KEYED_PACKAGES),
+        model_dir,
+        os.path.abspath(model_dir),
+        *sorted(os.listdir(directory)),
+    )
+    return record_path("tokenizer-classes", (*names, *files))
 
 
 def _auto_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
@@ -94,43 +80,22 @@ def _auto_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
 
 def _recorded_class(record: Path) -> type[PreTrainedTokenizerBase] | None:
     """The class the record names; None when there is no record or it no longer names a tokenizer class."""
+    names = read_record(record)
+    if names is None:
+        return None
     try:
-        names = json.loads(record.read_text(encoding="utf-8"))
         # AutoTokenizer's classes (code of a checkpoint's own is never recorded) are transformers': a record
         # naming another module is not imported.
         if not names["module"].startswith("transformers."):
             raise ValueError(f"{names['module']} is not a transformers module")
         tokenizer_class = getattr(importlib.import_module(names["module"]), names["name"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, ImportError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, ImportError, AttributeError) as exc:
         logger.warning("Ignoring the tokenizer-class record %s (%s)", record, exc)
         return None
     if not (isinstance(tokenizer_class, type) and issubclass(tokenizer_class, PreTrainedTokenizerBase)):
         logger.warning("Ignoring the tokenizer-class record %s (not a tokenizer class)", record)
         return None
     return tokenizer_class
-
-
-def _write_record(record: Path, tokenizer_class: type[Any]) -> None:
-    """Written whole or not at all (a temporary file moved into place), since another server may read it; a cache
-    that cannot be written costs the next start its speed, nothing else."""
-    names = {"module": tokenizer_class.__module__, "name": tokenizer_class.__qualname__}
-    try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=record.parent, suffix=".tmp")
-    except OSError as exc:
-        logger.warning("Cannot record the tokenizer class in %s (%s)", record.parent, exc)
-        return
-    try:
-        os.fchmod(descriptor, 0o644)  # mkstemp's 0600 would keep the record from a cache's other users
-        with os.fdopen(descriptor, "w", encoding="utf-8") as f:
-            json.dump(names, f)
-        os.replace(temporary, record)
-    except OSError as exc:
-        logger.warning("Cannot record the tokenizer class in %s (%s)", record, exc)
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

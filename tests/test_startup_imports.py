@@ -80,3 +80,18 @@ def test_a_warm_front_end_imports_neither_torch_nor_the_auto_classes(tmp_path: P
     warm = _modules_after(load, env)
     assert "transformers.tokenization_utils_tokenizers" in warm
     assert not {"torch", "transformers.models.auto.tokenization_auto", "transformers.configuration_utils"} & warm
+
+
+def test_a_warm_engine_imports_neither_the_config_class_nor_sympy(tmp_path: Path) -> None:
+    """The second start of a native model builds its config from the record of the first
+    (engine/models/config_record.py): transformers' Llama config class would import its validators and through them
+    torch's distributed tensors and sympy (~0.5 s of an engine's start), and so would `Module.to_empty` on the meta
+    device (sympy, through torch's reference `empty_like`)."""
+    start = "from engine import EngineConfig, EngineCore\nEngineCore(EngineConfig.of(model='server/default_model'))"
+    env = {"FERRY_CACHE_DIR": str(tmp_path)}
+    first = _modules_after(start, env)
+    assert "transformers.models.llama.configuration_llama" in first
+    warm = _modules_after(start, env)
+    assert "engine.models.llama" in warm
+    heavy = {"transformers.models.llama.configuration_llama", "transformers.activations", "torch.distributed.tensor"}
+    assert not (heavy | {"sympy"}) & warm

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, BertConfig, PreTrainedTokenizerBase, XLMRobertaConfig
 
-from server.tokenizer_class import load_tokenizer, record_key, records_dir
+from server.tokenizer_class import load_tokenizer, tokenizer_record
 from tests.pooling_models import _sentencepiece_tokenizer, _wordpiece_tokenizer
 from tests.server_harness import REPO_ROOT
 
@@ -95,7 +95,7 @@ def test_a_recorded_class_loads_what_auto_tokenizer_loads(build, class_name: str
     expected = AutoTokenizer.from_pretrained(directory)
     assert type(expected).__name__ == class_name
     first = load_tokenizer(directory)
-    record = records_dir() / f"{record_key(directory)}.json"
+    record = tokenizer_record(directory)
     assert json.loads(record.read_text()) == {"module": type(expected).__module__, "name": class_name}
     assert record.stat().st_mode & 0o777 == 0o644  # readable by a shared cache's other users
     _same(first, expected)
@@ -106,7 +106,7 @@ def test_the_record_is_what_a_start_follows(tmp_path: Path) -> None:
     """A record is used as written (here one naming another class, which AutoTokenizer would not pick); one that
     cannot be read or names no tokenizer class is replaced by AutoTokenizer's answer."""
     directory = str(_copy(DEMO, tmp_path / "model"))
-    record = records_dir() / f"{record_key(directory)}.json"
+    record = tokenizer_record(directory)
     record.parent.mkdir(parents=True)
     record.write_text(json.dumps({"module": "transformers.models.bert.tokenization_bert", "name": "BertTokenizer"}))
     assert type(load_tokenizer(directory)).__name__ == "BertTokenizer"
@@ -125,7 +125,7 @@ def test_the_record_is_what_a_start_follows(tmp_path: Path) -> None:
 @pytest.mark.parametrize("changed", ["config.json", "tokenizer_config.json", "tokenizer.json", "tekken.json"])
 def test_what_the_choice_reads_is_in_the_key(changed: str, tmp_path: Path) -> None:
     directory = _copy(DEMO, tmp_path / "model")
-    key = record_key(str(directory))
+    key = tokenizer_record(str(directory))
     path = directory / changed
     if path.exists():
         value = json.loads(path.read_text())
@@ -133,10 +133,10 @@ def test_what_the_choice_reads_is_in_the_key(changed: str, tmp_path: Path) -> No
         path.write_text(json.dumps(value))
     else:  # a new file: Mistral's tekken.json selects another backend
         path.write_text("{}")
-    assert record_key(str(directory)) != key
+    assert tokenizer_record(str(directory)) != key
     moved = tmp_path / "moved"
     shutil.copytree(tmp_path / "model", moved)
-    assert record_key(str(moved)) != record_key(str(directory))
+    assert tokenizer_record(str(moved)) != tokenizer_record(str(directory))
 
 
 def test_a_tokenizer_with_its_own_code_is_never_recorded(tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_a_tokenizer_with_its_own_code_is_never_recorded(tmp_path: Path) -> None
     config["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     _same(load_tokenizer(str(directory)), AutoTokenizer.from_pretrained(str(directory)))
-    assert not records_dir().exists()
+    assert not tokenizer_record(str(directory)).parent.exists()
 
 
 def test_a_cache_that_cannot_be_written_only_costs_speed(cache: Path, tmp_path: Path) -> None:

@@ -72,4 +72,12 @@ def built_empty(make: Callable[[], Module], device: torch.device, dtype: torch.d
             model = make()
     finally:
         torch.set_default_dtype(default)
-    return model.to_empty(device=device)
+    # What `Module.to_empty` does, each module's tensors anew, but through `torch.empty`: its `empty_like` of a meta
+    # tensor runs torch's reference implementation, which imports sympy (~0.3 s of an engine's start).
+    for module in model.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            if isinstance(tensor, nn.Parameter):
+                empty = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+            setattr(module, name, empty)
+    return model

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
@@ -28,6 +28,7 @@ from engine.layers.linear_method import (
 from engine.layers.moe import PackedOnLoad
 from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
+from engine.models.config_record import load_config
 from engine.models.gguf import gguf_tensors, source_file
 from engine.models.llama import check_tensor_parallel
 from engine.models.registry import (
@@ -39,7 +40,7 @@ from engine.models.registry import (
     architecture,
     runs_native,
 )
-from engine.models.support import STATE_SPACE_TYPES, UnsupportedModelError, unsupported_feature
+from engine.models.support import STATE_SPACE_TYPES, UnsupportedModelError, has_causal_lm_class, unsupported_feature
 from engine.models.vision_language import LanguageModelAlone, VisionLanguageModel
 from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
@@ -202,7 +203,7 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
     config_path = os.path.join(config.model.path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config.model.path!r} is not a model directory (no config.json)")
-    hf_config = AutoConfig.from_pretrained(config.model.path)
+    hf_config = load_config(config.model.path)
     with open(config_path, encoding="utf-8") as f:
         config_json = json.load(f)
     model = config.model
@@ -220,7 +221,7 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
     if pooling is not None and pooling.bidirectional:
         _check_encoder(config, hf_config)
         return hf_config, False, pooling
-    if pooling is not None and type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    if pooling is not None and not has_causal_lm_class(hf_config):
         raise UnsupportedPooling(
             f"model_type {hf_config.model_type!r} ({architecture(hf_config)}): Ferry pools with the encoders "
             f"{', '.join(sorted(ENCODER_TYPES))} and with causal LMs' hidden states"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, PretrainedConfig
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 class UnsupportedModelError(ValueError):
@@ -150,12 +151,18 @@ _REFUSED_ADAPTER: tuple[_Check, ...] = (_quantized_on_adapter, _recurrent_on_ada
 """Features the transformers adapter does not run."""
 
 
+def has_causal_lm_class(config: PretrainedConfig) -> bool:
+    """Whether transformers has a causal LM class for `config`'s model type (asked by type, not by config class:
+    a recorded config, engine/models/config_record.py, is rebuilt on the base class)."""
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
 def unsupported_feature(config: PretrainedConfig, native: bool, inside_image_model: bool = False) -> str | None:
     """The first feature of `config` the chosen path (native modules, or the transformers adapter) cannot run
     (whether native modules exist for it at all, the registry says: engine/models/registry.py).
     `inside_image_model`: `config` is an image model's language model, which transformers may have no causal LM
     class of its own for (Qwen2-VL's)."""
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not inside_image_model:
+    if not has_causal_lm_class(config) and not inside_image_model:
         return "no causal language-model class in transformers"
     for check in _REFUSED + (_REFUSED_NATIVE if native else _REFUSED_ADAPTER):
         feature = check(config)

@@ -1,0 +1,162 @@
+"""The recorded config (engine/models/config_record.py): a start that finds a record rebuilds exactly the config
+`AutoConfig` returned, attribute for attribute, aliases included; what a record cannot hold exactly is not recorded,
+and a record that cannot be read sends the start back to `AutoConfig`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine.models.config_record import RecordedConfig, config_record, load_config
+from tests.server_harness import REPO_ROOT
+
+DEMO = REPO_ROOT / "server" / "default_model"
+PROMPTS = [[1, 17, 300, 45, 9], [1, 2048, 7, 7, 7, 7, 1000]]
+
+# Each native family's config class, small, with what distinguishes it (MoE counts, latent attention's ranks, rope
+# scaling, sliding windows, layer types, a dtype, aliases such as Mixtral's num_experts).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
+    },
+    "qwen2": {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
+    "qwen3": {"head_dim": 48},
+    "mistral": {"sliding_window": 16},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "shared_expert_intermediate_size": 32},
+    "qwen3_moe": {"num_experts": 4, "decoder_sparse_step": 2},
+    "gpt_oss": {"num_local_experts": 4, "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v3": {
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "n_routed_experts": 4,
+        "first_k_dense_replace": 1,
+    },
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+}
+SMALL = {
+    "vocab_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "dtype": "bfloat16",
+}
+
+
+def _attributes(config: PretrainedConfig) -> dict[str, Any]:
+    """Every value `config` answers for: instance and class attributes, aliases and the base class's properties."""
+    names = {name for name in dir(config) if not name.startswith("__")} | set(config.attribute_map)
+    values = {}
+    for name in names:
+        if name == "per_layer_config":  # a view made anew on each read
+            continue
+        value = getattr(config, name)
+        if not callable(value):
+            values[name] = value
+    return values
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_recorded_config_answers_as_the_original(model_type: str, tmp_path: Path) -> None:
+    directory = str(tmp_path / model_type)
+    AutoConfig.for_model(model_type, **{**SMALL, **FAMILIES[model_type]}).save_pretrained(directory)
+    expected = AutoConfig.from_pretrained(directory)
+    first = load_config(directory)
+    assert type(first) is type(expected)
+    assert config_record(directory).stat().st_mode & 0o777 == 0o644  # readable by a shared cache's other users
+    warm = load_config(directory)
+    assert isinstance(warm, RecordedConfig)
+    assert _attributes(warm) == _attributes(expected)
+    assert warm.dtype is torch.bfloat16
+    for alias, name in type(expected).attribute_map.items():
+        assert getattr(warm, alias) == getattr(expected, name)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "jamba"])
+def test_a_config_with_computed_properties_is_not_recorded(model_type: str, tmp_path: Path) -> None:
+    directory = str(tmp_path / model_type)
+    AutoConfig.for_model(model_type, **SMALL).save_pretrained(directory)
+    assert type(load_config(directory)).__name__ != "RecordedConfig"
+    assert not config_record(directory).exists()
+    assert type(load_config(directory)) is type(AutoConfig.from_pretrained(directory))
+
+
+def test_an_image_models_nested_configs_are_not_recorded(tmp_path: Path) -> None:
+    directory = str(tmp_path / "llava")
+    AutoConfig.for_model("llava").save_pretrained(directory)
+    load_config(directory)
+    assert not config_record(directory).exists()
+
+
+def test_what_the_config_depends_on_is_in_the_key(tmp_path: Path) -> None:
+    directory = tmp_path / "model"
+    shutil.copytree(DEMO, directory)
+    record = config_record(str(directory))
+    config = json.loads((directory / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (directory / "config.json").write_text(json.dumps(config))
+    assert config_record(str(directory)) != record
+    moved = tmp_path / "moved"
+    shutil.copytree(directory, moved)
+    assert config_record(str(moved)) != config_record(str(directory))  # the path is the config's _name_or_path
+    load_config(str(directory))
+    assert load_config(str(directory)).rms_norm_eps == 1e-5
+
+
+@pytest.mark.parametrize(
+    "broken", ["not json", '{"state": {"dict": []}}', '{"class_attributes": {"set": []}, "state": 1}']
+)
+def test_an_unreadable_record_is_replaced(broken: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    directory = str(tmp_path / "model")
+    shutil.copytree(DEMO, directory)
+    record = config_record(directory)
+    record.parent.mkdir(parents=True)
+    record.write_text(broken)
+    with caplog.at_level(logging.WARNING):
+        config = load_config(directory)
+    assert type(config).__name__ == "LlamaConfig"
+    assert "Ignoring the record" in caplog.text or "Ignoring the config record" in caplog.text
+    assert isinstance(load_config(directory), RecordedConfig)
+
+
+def test_a_model_loaded_from_its_record_generates_the_same(tmp_path: Path) -> None:
+    """The first engine asks AutoConfig, the second builds from the record: the same greedy tokens and logprobs."""
+    directory = str(tmp_path / "model")
+    shutil.copytree(DEMO, directory)
+    params = SamplingParams(max_new_tokens=24, logprobs=True, top_logprobs=2)
+    outputs = []
+    for _ in range(2):
+        engine = EngineCore(EngineConfig.of(model=directory))
+        try:
+            outputs.append(generate_batch(PROMPTS, params=params, engine=engine))
+        finally:
+            engine.close()
+    assert isinstance(load_config(directory), RecordedConfig)
+    for name, first in outputs[0].items():
+        assert outputs[1][name].generated_ids == first.generated_ids
+        assert outputs[1][name].logprobs == first.logprobs
