@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import llguidance
-import llguidance.hf
 
 from engine.core.request import RequestRejected, StructuredOutput
 from engine.sampling.json_closing import TaggedCalls
@@ -195,7 +194,9 @@ def _compiler_for(tokenizer_dir: str) -> GrammarCompiler:
 
 
 def _load_tokenizer(directory: str, vocab_size: int | None, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
-    from transformers import AutoTokenizer  # heavy, and needed only once a constrained request arrives
+    # Heavy (llguidance.hf imports transformers), and needed only once a constrained request arrives.
+    import llguidance.hf
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
