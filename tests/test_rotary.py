@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.layers.rotary import LlamaRotary, rotary_tables
+from engine.models.config_record import RecordedConfig, load_config
 
 ROPE_PARAMETERS = {
     "default": {"rope_type": "default"},
@@ -72,3 +75,21 @@ def test_tables_on_the_meta_device_have_the_shape_of_real_ones() -> None:
     for table in (cos, sin):
         assert table.device.type == "meta"
         assert (table.shape, table.dtype) == (expected.shape, expected.dtype)
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_PARAMETERS))
+def test_a_recorded_config_gives_the_same_tables(
+    rope_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm start's config (engine/models/config_record.py) holds values only; transformers' rope functions, which
+    the scaled types go through, take it as they take the original."""
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path / "cache"))
+    config = _config(ROPE_PARAMETERS[rope_type])
+    config.save_pretrained(tmp_path / "model")
+    load_config(str(tmp_path / "model"))
+    recorded = load_config(str(tmp_path / "model"))
+    assert isinstance(recorded, RecordedConfig)
+    cos, sin = rotary_tables(recorded, 512, torch.float32)
+    expected_cos, expected_sin = rotary_tables(config, 512, torch.float32, LlamaRotaryEmbedding)
+    assert torch.equal(cos, expected_cos)
+    assert torch.equal(sin, expected_sin)

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from engine.config import EngineConfig, EngineStartupError, SpeculativeConfig
 from engine.core.kv_cache import KVCacheManager
@@ -60,6 +60,9 @@ from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.inputs import ImageInput
 from engine.speculative.draft_model import DraftModelDrafts
 from engine.speculative.speculator import Speculator
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from engine.attention.context import step_lora
 from engine.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from engine.lora.batch import LoRABatch
+
+if TYPE_CHECKING:
+    from transformers.pytorch_utils import Conv1D
 
 ShardId = int | str | None
 """Which part of a fused layer a checkpoint tensor is (None for an unfused layer)."""
@@ -338,6 +340,8 @@ def adopt_linears(model: nn.Module, method: LinearMethod) -> int:
     """Replace every `nn.Linear` and GPT-2 `Conv1D` inside transformers' `model` with a `ReplicatedLinear` on
     `method` (a matrix another module shares, a tied LM head's, on the plain-layout `UnquantizedLinearMethod` when
     `method` would repack it); returns how many. The one place the transformers fallback's linears change."""
+    from transformers.pytorch_utils import Conv1D
+
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.kernels.library import cpu_kernels_available
 from engine.layers.linear import ONE_RANK, Shard
@@ -30,6 +30,10 @@ from engine.layers.linear_method import (
     PackedLinearMethod,
     select_linear_method,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 EXPERT_PARTS = ("gate", "up", "down")
 """An expert's three matrices: `gate` and `up` `[width, hidden]`, `down` `[hidden, width]` (nn.Linear's layout)."""

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from engine.kernels.library import cpu_kernels_take
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class LlamaRotary(nn.Module):
     """transformers' `LlamaRotaryEmbedding` (the Llama family's and most others' rotary module), stated here on
     transformers' own rope functions so that an engine start does not import the Llama modelling module and with it
-    transformers' model-loading machinery (~1.7 s). tests/test_rotary.py holds it to the original for every rope
-    type, bit for bit."""
+    transformers' model-loading machinery (~1.7 s); unscaled rope, computed here, imports no transformers at all.
+    tests/test_rotary.py holds it to the original for every rope type, bit for bit."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -24,16 +26,27 @@ class LlamaRotary(nn.Module):
         # The names dynamic_rope_update reads and updates.
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters["rope_type"]
-        init = _default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = init(config)
+        if self.rope_type == "default":
+            inv_freq, self.attention_scaling = _default_rope_parameters(config)
+            self._angles = _angles
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
+            # Dynamic and longrope scaling pick their frequencies by the largest position.
+            self._angles = dynamic_rope_update(_angles)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
-    @dynamic_rope_update  # dynamic and longrope scaling pick their frequencies by the largest position
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
+        return self._angles(self, x, position_ids)
+
+
+def _angles(rotary: LlamaRotary, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of `position_ids`' angles at `rotary`'s frequencies, scaled, in `x`'s dtype."""
+    freqs = position_ids[..., None].float() * rotary.inv_freq.to(device=x.device, dtype=torch.float)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * rotary.attention_scaling).to(x.dtype), (angles.sin() * rotary.attention_scaling).to(x.dtype)
 
 
 def _default_rope_parameters(config: PretrainedConfig) -> tuple[torch.Tensor, float]:

@@ -1,49 +1,69 @@
 """A model directory's transformers config, remembered from one start to the next.
 
-`AutoConfig` imports the model's configuration class, and transformers 5's classes import their validators, which
-import its activations and through them its model-loading machinery and torch's distributed tensors: ~0.5 s of an
-engine's ~3 s start on the demo model, for a config whose values come from one small JSON file. So the first start
-asks `AutoConfig` and records what the config it returned holds (every attribute, and the class's attribute aliases);
-a later start with the same config.json, at the same path, under the same transformers, rebuilds it from the record
-as a `RecordedConfig` without importing the class.
+`AutoConfig` imports transformers (~1 s of an engine's start on this project's 2-core machines) and the model's
+configuration class, whose validators import transformers' model-loading machinery and torch's distributed tensors
+(~0.5 s more), for a config whose values come from one small JSON file. So the first start asks `AutoConfig` and
+records every value the config it returned answers for; a later start with the same config.json, at the same path,
+under the same transformers, rebuilds it from the record as a `RecordedConfig` without importing transformers.
 
-Recorded are only the configs a record can hold exactly: a class of transformers' own (code of a checkpoint's own
-is never recorded) whose only behaviour beyond its fields is validation (no properties computed from them: the
-Mamba and Jamba families' `layer_types`), with no nested configs (an image model's), and values of plain JSON types
-and torch dtypes. The rebuilt config is compared with the original before the record is written.
+A `RecordedConfig` holds values, not behaviour: every attribute the original had (its fields, its class's attributes,
+the base class's properties, evaluated when recorded), its aliases (`attribute_map`), and the one method
+transformers' rope functions call on a config, `standardize_rope_params`, which the recorded values have been
+through already. Recorded are only the configs a record holds exactly: a class of transformers' own (code of a
+checkpoint's own is never recorded), no nested configs (an image model's), one config for every layer, and values of
+plain JSON types and torch dtypes.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.configuration_utils import PreTrainedConfig
 
 from engine.records import package_version, read_record, record_path, write_record
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 logger = logging.getLogger(__name__)
 
-_FORMAT = "1"
+_FORMAT = "2"
 """Bumped when the record's layout changes: a new layout is a new key."""
 
+_DEPRECATED = {"torch_dtype": "dtype", "use_return_dict": "return_dict"}
+"""The base class's deprecated names of other attributes: aliases here, not values (reading them logs a warning)."""
 
-class RecordedConfig(PreTrainedConfig):
-    """A transformers config rebuilt from a record: the original's instance attributes and its class's (`model_type`,
-    `attribute_map`, ...), on the base class (its properties: `num_labels`, `output_attentions`, ...)."""
-
-    @classmethod
-    def rebuild(cls, class_attributes: dict[str, Any], state: dict[str, Any]) -> RecordedConfig:
-        config = cls.__new__(cls)
-        # The original's instance dictionary as it was: no __init__ (it would validate and set defaults again) and
-        # no __setattr__ (it would follow aliases). The base class reads `attribute_map` through the instance.
-        vars(config).update(class_attributes, **state)
-        return config
+_VIEWS = frozenset({"per_layer_config"})
+"""Base-class properties that make a new view of the config on each read, rather than hold a value."""
 
 
-def load_config(model_dir: str) -> PreTrainedConfig:
+class RecordedConfig:
+    """A transformers config rebuilt from its record (see the module's docstring)."""
+
+    def __init__(self, values: dict[str, Any], causal_lm_class: bool) -> None:
+        vars(self).update(values)
+        self.transformers_has_causal_lm = causal_lm_class
+        """Whether transformers has a causal LM class for this model type (engine/models/support.py asks)."""
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names that are not set: the aliases.
+        target = vars(self).get("attribute_map", {}).get(name) or _DEPRECATED.get(name)
+        if target is None:
+            raise AttributeError(f"the recorded {vars(self).get('model_type')!r} config has no attribute {name!r}")
+        return getattr(self, target)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, vars(self).get("attribute_map", {}).get(name, name), value)
+
+    def standardize_rope_params(self) -> None:
+        """transformers' rope functions call this on the config first; the recorded `rope_parameters` are the
+        standardized ones (checked when recorded)."""
+
+
+def load_config(model_dir: str) -> PretrainedConfig | RecordedConfig:
     """What `AutoConfig.from_pretrained(model_dir)` returns, or its recorded copy."""
     try:
         record = config_record(model_dir)
@@ -67,8 +87,8 @@ def config_record(model_dir: str) -> Path:
     return record_path("configs", (_FORMAT, package_version("transformers"), model_dir, config_json))
 
 
-def _auto_config(model_dir: str) -> PreTrainedConfig:
-    from transformers import AutoConfig  # its lazy import table; the class it picks imports what is said above
+def _auto_config(model_dir: str) -> PretrainedConfig:
+    from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
 
@@ -78,43 +98,46 @@ def _recorded(record: Path) -> RecordedConfig | None:
     if entry is None:
         return None
     try:
-        return RecordedConfig.rebuild(_decode(entry["class_attributes"]), _decode(entry["state"]))
+        return RecordedConfig(_decode(entry["values"]), bool(entry["causal_lm_class"]))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         logger.warning("Ignoring the config record %s (%s)", record, exc)
         return None
 
 
-def _entry(config: PreTrainedConfig) -> dict[str, Any] | None:
+def _entry(config: PretrainedConfig) -> dict[str, Any] | None:
     """The record of `config`, or None where a record could not rebuild it exactly."""
-    cls = type(config)
-    # What the class adds to the base: values (`model_type`, `attribute_map`, field defaults) and behaviour.
-    added = {
-        name: value
-        for klass in cls.__mro__[: cls.__mro__.index(PreTrainedConfig)]
-        for name, value in vars(klass).items()
-        if not name.startswith("__")
-    }
-    behaviour = [
-        name
-        for name, value in added.items()
-        if isinstance(value, property) or (callable(value) and not name.startswith("validate"))
-    ]
-    state = dict(vars(config))
-    if (
-        not cls.__module__.startswith("transformers.models.")
-        or behaviour
-        or any(isinstance(value, PreTrainedConfig) for value in state.values())
-    ):
+    from transformers import PretrainedConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not type(config).__module__.startswith("transformers.models.") or config.is_heterogeneous:
         return None
-    class_attributes = {
-        name: value for name, value in added.items() if name not in state and not name.startswith("validate")
-    }
+    rope = getattr(config, "rope_parameters", None)
+    if rope:
+        standardized = copy.deepcopy(config)
+        standardized.standardize_rope_params()
+        if standardized.rope_parameters != rope:
+            return None
+    values = {}
+    for name in dir(config):
+        if name.startswith("__") or name in _DEPRECATED or name in _VIEWS:
+            continue
+        try:
+            value = getattr(config, name)
+        except AttributeError:  # a property of what the config lacks (`rope_scaling` without rope): so does the copy
+            continue
+        if isinstance(value, PretrainedConfig):
+            return None
+        if not callable(value):
+            values[name] = value
     try:
-        entry = {"class_attributes": _encode(class_attributes), "state": _encode(state)}
+        entry = {
+            "values": _encode(values),
+            "causal_lm_class": config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        }
     except _Unrecordable:
         return None
-    rebuilt = RecordedConfig.rebuild(_decode(entry["class_attributes"]), _decode(entry["state"]))
-    if any(getattr(rebuilt, name) != getattr(config, name) for name in (*state, *class_attributes, *cls.attribute_map)):
+    rebuilt = RecordedConfig(_decode(entry["values"]), entry["causal_lm_class"])
+    if any(getattr(rebuilt, name) != getattr(config, name) for name in (*values, *config.attribute_map, *_DEPRECATED)):
         return None
     return entry
 
@@ -129,7 +152,7 @@ def _encode(value: Any) -> Any:
         return value
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
-    if type(value) in (list, tuple):
+    if type(value) in (list, tuple, set, frozenset):
         return {type(value).__name__: [_encode(item) for item in value]}
     if type(value) is dict:
         return {"dict": [[_encode(key), _encode(item)] for key, item in value.items()]}
@@ -147,8 +170,8 @@ def _decode(value: Any) -> Any:
         return dtype
     if tag == "list":
         return [_decode(item) for item in content]
-    if tag == "tuple":
-        return tuple(_decode(item) for item in content)
+    if tag in ("tuple", "set", "frozenset"):
+        return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](_decode(item) for item in content)
     if tag == "dict":
         return {_decode(key): _decode(item) for key, item in content}
     raise ValueError(f"unknown tag {tag!r}")

@@ -23,12 +23,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.attention.base import AttentionFeature, AttentionNeeds
 from engine.attention.latent import latent_attention
@@ -41,6 +40,10 @@ from engine.layers.moe import FusedExperts, GroupedRouting
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
 from engine.models.llama import _FUSED, MLP, Backbone, DecoderLayer, LlamaFamilyForCausalLM, _all_reduce, _shard
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 LATENT_NORM_EPS = 1e-6
 """The query's and the latent's norms use transformers' default epsilon, not the config's `rms_norm_eps`."""

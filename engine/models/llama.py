@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.attention.base import AttentionFeature, AttentionNeeds
 from engine.attention.graph_op import paged_attention
@@ -52,6 +51,10 @@ from engine.models.base import built_empty
 from engine.models.llama_fused import FusedDecoder
 from engine.quantization import UnsupportedQuantization
 from engine.quantization.base import QuantizedLinearMethod
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 # transformers checkpoint name -> (Ferry module name, shard id)
 _FUSED: dict[str, tuple[str, ShardId]] = {

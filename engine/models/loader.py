@@ -8,11 +8,11 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from engine.attention import AttentionBackend, select_backend
 from engine.config import EngineConfig, EngineStartupError
@@ -53,6 +53,9 @@ from engine.quantization import (
 )
 from engine.quantization.base import CheckpointQuantization, QuantizedLinearMethod
 from engine.quantization.checkpoints import stored_quantization
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +140,10 @@ def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
 
 def _eos_ids(model_dir: str, hf_config: PretrainedConfig) -> frozenset[int]:
     eos = None
-    if os.path.exists(os.path.join(model_dir, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")  # GenerationConfig's, read without importing transformers
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     if eos is None:
@@ -430,6 +435,8 @@ def _pooler(
 ) -> Pooler:
     pooler = Pooler(pooling, model, device, dtype)
     if pooling.yes_no_tokens is not None:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         ids = []
         for token in pooling.yes_no_tokens:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Mapping
-from typing import Literal
-
-from transformers import PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from typing import TYPE_CHECKING, Literal
 
 from engine.models.base import CausalLM
 from engine.models.support import UnsupportedModelError, check_supported, unsupported_feature
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Classes(Mapping[str, type[CausalLM]]):
@@ -113,6 +113,8 @@ def architecture(config: PretrainedConfig) -> str:
     names = getattr(config, "architectures", None)
     if names:
         return names[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)
 
 

@@ -12,11 +12,10 @@ scan branches on the step's shape (decodes, prompt chunks). Tensor parallelism, 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.attention.base import AttentionNeeds
 from engine.attention.spec import CacheSpec
@@ -29,6 +28,9 @@ from engine.layers.norm import RMSNorm
 from engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from engine.models.base import built_empty
 from engine.models.llama import EXPERT_NAME, check_all_loaded, load_expert, plain_parameters
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class RecurrentCausalLM(nn.Module):

@@ -10,9 +10,12 @@ it does not implement, logits post-processed after the head) the adapter probes 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from transformers import PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from engine.models.config_record import RecordedConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class UnsupportedModelError(ValueError):
@@ -24,7 +27,7 @@ class UnsupportedModelError(ValueError):
         self.feature = feature
 
 
-_Check = Callable[[PretrainedConfig], str | None]
+_Check = Callable[["PretrainedConfig"], str | None]
 """A config -> the feature it uses that a path lacks, or None."""
 
 
@@ -151,9 +154,13 @@ _REFUSED_ADAPTER: tuple[_Check, ...] = (_quantized_on_adapter, _recurrent_on_ada
 """Features the transformers adapter does not run."""
 
 
-def has_causal_lm_class(config: PretrainedConfig) -> bool:
-    """Whether transformers has a causal LM class for `config`'s model type (asked by type, not by config class:
-    a recorded config, engine/models/config_record.py, is rebuilt on the base class)."""
+def has_causal_lm_class(config: PretrainedConfig | RecordedConfig) -> bool:
+    """Whether transformers has a causal LM class for `config`'s model type; a recorded config
+    (engine/models/config_record.py) holds the answer transformers gave when it was recorded."""
+    if isinstance(config, RecordedConfig):
+        return config.transformers_has_causal_lm
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 

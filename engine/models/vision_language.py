@@ -16,12 +16,11 @@ axes (Qwen2-VL's M-RoPE) says where each prompt token sits (`rope_positions`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from engine.attention.base import AttentionNeeds
 from engine.attention.spec import CacheSpec
@@ -31,6 +30,10 @@ from engine.layers.linear import PatchLinear, adopt_linears
 from engine.layers.linear_method import LinearMethod
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.multimodal.inputs import ImageInput
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 LANGUAGE_PREFIXES: tuple[tuple[str, str | None, str], ...] = (
     # transformers 5's layout, then the layout of checkpoints saved before it (llava-hf's on the Hub).
