@@ -137,7 +137,7 @@ def _entry(config: PretrainedConfig) -> dict[str, Any] | None:
     except _Unrecordable:
         return None
     rebuilt = RecordedConfig(_decode(entry["values"]), entry["causal_lm_class"])
-    if any(getattr(rebuilt, name) != getattr(config, name) for name in (*values, *config.attribute_map, *_DEPRECATED)):
+    if any(getattr(rebuilt, name) != getattr(config, name) for name in (*values, *config.attribute_map)):
         return None
     return entry
 
