@@ -37,6 +37,13 @@ def _modules_after(code: str, env: dict[str, str] | None = None) -> set[str]:
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def _first_and_warm(code: str, cache: Path) -> tuple[set[str], set[str]]:
+    """The modules of a first start of `code` (with an empty Ferry cache at `cache`) and of the next (its records
+    written)."""
+    env = {"FERRY_CACHE_DIR": str(cache)}
+    return _modules_after(code, env), _modules_after(code, env)
+
+
 def test_the_command_line_imports_neither_torch_nor_transformers() -> None:
     """`ferry serve` spawns its engine process right after parsing its flags: the parser (both subcommands' flags,
     their defaults included) must not import what the engine process imports again anyway."""
@@ -74,10 +81,8 @@ def test_a_warm_front_end_imports_neither_torch_nor_the_auto_classes(tmp_path: P
     the first time (server/tokenizer_class.py) spares it AutoTokenizer and, through transformers' config classes,
     torch (1.7-2.2 s of its start on the demo model)."""
     load = "import server.app\nfrom server.tokens import Tokenizer\nTokenizer.load('server/default_model')"
-    env = {"FERRY_CACHE_DIR": str(tmp_path)}
-    first = _modules_after(load, env)
+    first, warm = _first_and_warm(load, tmp_path)
     assert "transformers.models.auto.tokenization_auto" in first
-    warm = _modules_after(load, env)
     assert "transformers.tokenization_utils_tokenizers" in warm
     assert not {"torch", "transformers.models.auto.tokenization_auto", "transformers.configuration_utils"} & warm
 
@@ -88,10 +93,8 @@ def test_a_warm_engine_imports_neither_transformers_nor_sympy(tmp_path: Path) ->
     validators import torch's distributed tensors and sympy (~0.5 s more); so would `Module.to_empty` on the meta
     device (sympy, through torch's reference `empty_like`)."""
     start = "from engine import EngineConfig, EngineCore\nEngineCore(EngineConfig.of(model='server/default_model'))"
-    env = {"FERRY_CACHE_DIR": str(tmp_path)}
-    first = _modules_after(start, env)
+    first, warm = _first_and_warm(start, tmp_path)
     assert "transformers.models.llama.configuration_llama" in first
-    warm = _modules_after(start, env)
     assert "engine.models.llama" in warm
     assert not {module for module in warm if module.split(".")[0] in ("transformers", "sympy")}
     assert "torch.distributed.tensor" not in warm
