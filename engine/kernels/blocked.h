@@ -163,16 +163,17 @@ constexpr int split() {
 // Blocks a tile of `Rows` rows streams at once where the rows are few (decode): one core keeps more of memory's
 // lines in flight from several sequential streams than from one (a stream's hardware prefetcher stops at every
 // 4 KiB page). Measured on 24 cold layers of a 280M Llama in bfloat16, one row, two threads of a Zen 4 EPYC: one
-// stream 24-28 GB/s, two 33-37, four 40-44 (llama.cpp's matrix-vector product: 43). An AVX2 build streams one:
-// its 16 registers hold a quarter of the accumulators, and on the same machine with the AVX2 flags four blocks
-// (with or without spilling) came out level with one within the noise (0.60-0.62 against 0.48-0.62 of oneDNN's
-// time for one float32 row).
+// stream 24-28 GB/s, two 33-37, four 40-44 (llama.cpp's matrix-vector product: 43). An AVX2 build streams two
+// blocks for one or two rows: on an AVX2-only Zen 3 EPYC, 280M-Llama decode on two threads (`ferry bench decode
+// --sizes 1 --threads 2`, two rounds) took 23.3-26.5 against 32.2-34.8 ms a step in bfloat16 and 38.9-44.1 against
+// 45.7-51.5 in float32, and served at one stream 32.4-33.8 against 27.1-28.7 tok/s in bfloat16. (On a Zen 4 with
+// the AVX2 flags, four blocks had come out level with one, 0.60-0.62 against 0.48-0.62 of oneDNN's time.)
 template <int Rows>
 constexpr int streams() {
 #if defined(__AVX512F__)
   return Rows <= 2 ? 4 : 2;
 #else
-  return 1;
+  return Rows <= 2 ? 2 : 1;
 #endif
 }
 
