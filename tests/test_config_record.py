@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
 from engine.models.config_record import RecordedConfig, config_record, load_config
+from engine.models.loader import load_model
 from tests.server_harness import REPO_ROOT
 
 DEMO = REPO_ROOT / "server" / "default_model"
@@ -174,3 +175,51 @@ def test_a_model_loaded_from_its_record_generates_the_same(tmp_path: Path) -> No
     for name, first in outputs[0].items():
         assert outputs[1][name].generated_ids == first.generated_ids
         assert outputs[1][name].logprobs == first.logprobs
+
+
+@pytest.mark.parametrize(
+    ("model_type", "options"),
+    [
+        ("llama", {"model_impl": "transformers"}),  # the fallback
+        ("bert", {"runner": "pooling"}),  # an encoder
+    ],
+)
+def test_transformers_model_classes_get_transformers_config_class(
+    model_type: str, options: dict[str, str], tmp_path: Path
+) -> None:
+    """The paths that hand the config to transformers' model classes (`from_config`, which takes its own classes
+    only) read a recorded config again through AutoConfig."""
+    directory = str(tmp_path / model_type)
+    small = {key: SMALL[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+    AutoConfig.for_model(model_type, **small, num_attention_heads=4).save_pretrained(directory)
+    config = EngineConfig.of(model=directory, load_format="dummy", **options)
+    for _ in range(2):
+        loaded = load_model(config)
+        assert type(loaded.hf_config) is type(AutoConfig.from_pretrained(directory))
+    assert isinstance(load_config(directory), RecordedConfig)
+
+
+GENERATING = sorted(set(FAMILIES) - {"qwen3_moe", "deepseek_v3"})
+"""The families above whose small config here also builds a model that runs (those two need more fields set; their
+configs are compared value for value above)."""
+
+
+@pytest.mark.parametrize("model_type", GENERATING)
+def test_each_family_generates_the_same_from_its_record(model_type: str, tmp_path: Path) -> None:
+    """Random weights saved by transformers, served twice: the first engine on AutoConfig's config, the second on
+    the recorded one; the same greedy tokens and logprobs."""
+    directory = tmp_path / model_type
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**SMALL, **FAMILIES[model_type], "dtype": "float32"})
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    params = SamplingParams(max_new_tokens=6, logprobs=True, top_logprobs=2)
+    outputs = []
+    for _ in range(2):
+        engine = EngineCore(EngineConfig.of(model=str(directory), max_model_len=64))
+        try:
+            outputs.append(generate_batch([[1, 5, 9, 12]], params=params, engine=engine)["req_0"])
+        finally:
+            engine.close()
+    assert isinstance(load_config(str(directory)), RecordedConfig)
+    assert outputs[1].generated_ids == outputs[0].generated_ids
+    assert outputs[1].logprobs == outputs[0].logprobs

@@ -80,6 +80,17 @@ def load_config(model_dir: str) -> PretrainedConfig | RecordedConfig:
     return config
 
 
+def transformers_config(config: PretrainedConfig | RecordedConfig, model_dir: str) -> PretrainedConfig:
+    """`config` as an instance of transformers' own class, for the paths that hand it to transformers' model classes
+    (the fallback, encoders), which take nothing else: a recorded config is read again through `AutoConfig` (those
+    paths import transformers' modelling anyway), with the changes the engine made to it (`architectures`)."""
+    if not isinstance(config, RecordedConfig):
+        return config
+    original = _auto_config(model_dir)
+    original.architectures = config.architectures
+    return original
+
+
 def config_record(model_dir: str) -> Path:
     """The record of `model_dir`'s config: keyed by config.json's bytes, the directory as named (the config's
     `_name_or_path`) and transformers' version."""

@@ -28,7 +28,7 @@ from engine.layers.linear_method import (
 from engine.layers.moe import PackedOnLoad
 from engine.models.base import CausalLM
 from engine.models.checkpoint import checkpoint_files
-from engine.models.config_record import load_config
+from engine.models.config_record import load_config, transformers_config
 from engine.models.gguf import gguf_tensors, source_file
 from engine.models.llama import check_tensor_parallel
 from engine.models.registry import (
@@ -225,7 +225,7 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
         return hf_config, True, None
     if pooling is not None and pooling.bidirectional:
         _check_encoder(config, hf_config)
-        return hf_config, False, pooling
+        return transformers_config(hf_config, config.model.path), False, pooling
     if pooling is not None and not has_causal_lm_class(hf_config):
         raise UnsupportedPooling(
             f"model_type {hf_config.model_type!r} ({architecture(hf_config)}): Ferry pools with the encoders "
@@ -242,6 +242,8 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
         # A sentence-transformers save of a decoder (its base model's weights): the causal LM's modules run it.
         hf_config.architectures = [causal]
     native = runs_native(hf_config, config.model.model_impl)
+    if not native:
+        hf_config = transformers_config(hf_config, config.model.path)
     if hf_config.model_type in STATE_SPACE_TYPES:
         _check_state_space(config, hf_config)
     check_compile_level(config, native=native, device=resolve_device(config.model.device))
