@@ -159,22 +159,27 @@ def test_an_unreadable_record_is_replaced(broken: str, tmp_path: Path, caplog: p
     assert isinstance(load_config(directory), RecordedConfig)
 
 
-def test_a_model_loaded_from_its_record_generates_the_same(tmp_path: Path) -> None:
-    """The first engine asks AutoConfig, the second builds from the record: the same greedy tokens and logprobs."""
-    directory = str(tmp_path / "model")
-    shutil.copytree(DEMO, directory)
+def _generates_the_same_from_its_record(directory: str, prompts: list[list[int]], **options: Any) -> None:
+    """Serve `directory` twice, the first engine on AutoConfig's config, the second on the record the first wrote:
+    the same greedy tokens and logprobs."""
     params = SamplingParams(max_new_tokens=24, logprobs=True, top_logprobs=2)
     outputs = []
     for _ in range(2):
-        engine = EngineCore(EngineConfig.of(model=directory))
+        engine = EngineCore(EngineConfig.of(model=directory, **options))
         try:
-            outputs.append(generate_batch(PROMPTS, params=params, engine=engine))
+            outputs.append(generate_batch(prompts, params=params, engine=engine))
         finally:
             engine.close()
     assert isinstance(load_config(directory), RecordedConfig)
     for name, first in outputs[0].items():
         assert outputs[1][name].generated_ids == first.generated_ids
         assert outputs[1][name].logprobs == first.logprobs
+
+
+def test_a_model_loaded_from_its_record_generates_the_same(tmp_path: Path) -> None:
+    directory = str(tmp_path / "model")
+    shutil.copytree(DEMO, directory)
+    _generates_the_same_from_its_record(directory, PROMPTS)
 
 
 @pytest.mark.parametrize(
@@ -212,14 +217,4 @@ def test_each_family_generates_the_same_from_its_record(model_type: str, tmp_pat
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **{**SMALL, **FAMILIES[model_type], "dtype": "float32"})
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    params = SamplingParams(max_new_tokens=6, logprobs=True, top_logprobs=2)
-    outputs = []
-    for _ in range(2):
-        engine = EngineCore(EngineConfig.of(model=str(directory), max_model_len=64))
-        try:
-            outputs.append(generate_batch([[1, 5, 9, 12]], params=params, engine=engine)["req_0"])
-        finally:
-            engine.close()
-    assert isinstance(load_config(str(directory)), RecordedConfig)
-    assert outputs[1].generated_ids == outputs[0].generated_ids
-    assert outputs[1].logprobs == outputs[0].logprobs
+    _generates_the_same_from_its_record(str(directory), [[1, 5, 9, 12]], max_model_len=64)
