@@ -68,6 +68,35 @@ def test_special_tokens_add_no_text(tokenizer: Tokenizer) -> None:
     assert detokenizer.flush() == ""
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_decoding_through_the_rust_tokenizer_is_transformers_decode(
+    tokenizer: Tokenizer, data: st.DataObject, skip: bool
+) -> None:
+    """The fast path (the backend tokenizer's own decode) gives what transformers' `decode` gives, with the
+    special tokens (ids 0-2) kept or skipped."""
+    ids = data.draw(st.lists(st.integers(min_value=0, max_value=tokenizer.vocab_size - 1), max_size=12))
+    assert tokenizer._backend is not None, "the tiny tokenizer must take the fast path for this test to mean anything"
+    expected = tokenizer._tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    assert tokenizer.decode(ids, skip_special_tokens=skip) == expected
+
+
+def test_a_tokenizer_that_decodes_its_own_way_keeps_it(tmp_path: Path) -> None:
+    """A tokenizer class that overrides `_decode` (Whisper, CodeGen and others do) is decoded through it."""
+    base = build_tokenizer(tmp_path)
+
+    class Shouting(type(base)):  # type: ignore[misc]
+        def _decode(self, token_ids: list[int], **kwargs: object) -> str:
+            return str(super()._decode(token_ids, **kwargs)).upper()
+
+    shouting = Shouting.from_pretrained(str(tmp_path))
+    tokenizer = Tokenizer(shouting)
+    ids = tokenizer.encode("ferry boats", add_special_tokens=False)
+    assert tokenizer._backend is None
+    assert tokenizer.decode(ids) == "FERRY BOATS"
+    assert "".join(stream(tokenizer.detokenizer([]), ids)) == "FERRY BOATS"
+
+
 def feed_all(matcher: StopStringMatcher, parts: list[str]) -> tuple[str, bool]:
     out = []
     for part in parts:
