@@ -24,6 +24,7 @@
 
 #include "kernels.h"
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -89,6 +90,29 @@ struct Linear {
     }
   }
 };
+
+// cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, rows), the eager path's write, as one row copy a token:
+// index_copy_ indexes element by element (4-7 us for one to 32 tokens on the demo model, 0.3 ms for 2,048).
+// `rows` is [tokens, kv_heads, head_dim] with each token's heads contiguous (k, or v's view into qkv).
+void write_slots(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
+  const int64_t slot_numel = cache.size(2) * cache.size(3);
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  TORCH_CHECK(cache.is_contiguous() && rows.scalar_type() == cache.scalar_type() && rows.dim() == 3 &&
+                  rows.size(1) * rows.size(2) == slot_numel && rows.stride(2) == 1 && rows.stride(1) == rows.size(2),
+              "write_slots: rows of a slot's shape and dtype, each token's heads contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == rows.size(0),
+              "write_slots: one int64 slot a token");
+  const at::Tensor slot_ids = slots.contiguous();
+  const int64_t* slot = slot_ids.const_data_ptr<int64_t>();
+  const int64_t bytes = slot_numel * cache.element_size();
+  const auto* src = static_cast<const char*>(rows.const_data_ptr());
+  auto* dst = static_cast<char*>(cache.mutable_data_ptr());
+  for (int64_t t = 0; t < rows.size(0); ++t) {
+    TORCH_CHECK(0 <= slot[t] && slot[t] < num_slots, "write_slots: slot ", slot[t], " outside the cache's ",
+                num_slots);
+    std::memcpy(dst + slot[t] * bytes, src + t * rows.stride(0) * cache.element_size(), bytes);
+  }
+}
 
 }  // namespace
 
@@ -176,8 +200,8 @@ at::Tensor llama_decoder(const at::Tensor& hidden_in, const at::Tensor& cos, con
     const at::Tensor& key_cache = key_caches[layer];
     const at::Tensor& value_cache = value_caches[layer];
     const at::Tensor& slots = slot_mappings[layer];
-    key_cache.view({-1, key_cache.size(2), key_cache.size(3)}).index_copy_(0, slots, k);
-    value_cache.view({-1, value_cache.size(2), value_cache.size(3)}).index_copy_(0, slots, v);
+    write_slots(key_cache, slots, k);
+    write_slots(value_cache, slots, v);
     const at::Tensor attended =
         attention.call(q, key_cache, value_cache, query_start_loc, seq_lens, page_tables[layer], scale, windows[layer],
                        0.0, std::nullopt, std::nullopt, std::nullopt, 1.0, 1.0);
