@@ -5,6 +5,8 @@ call and the weight bandwidth that is (GB/s of weights read once a call: decode'
     python scripts/bench_linear.py --rows 1,8 --shapes 1024x3072     # in x out
     python scripts/bench_linear.py --threads 2 --dtypes bfloat16 --rows 1,8,32,136 --layers 24 \
         --shapes 1024x1536,1024x1024,1024x5632,2816x1024                # a 280M Llama's decoder, out of cache
+    python scripts/bench_linear.py --threads 1 --helper --dtypes float32 --rows 1,32 --layers 4 \
+        --shapes 256x384,256x256,256x1536,768x256                       # the demo model's, one thread and its helper
 
 With `--layers N` the shapes are N layers each, distinct tensors walked in order as a model's step walks them
 (out of cache: decode's case), and a figure is the median milliseconds of one pass over them all.
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cpu_isa import cpu_capability
+from engine.kernels.library import set_linear_helper
 from engine.layers.linear_method import (
     BlockedLinearMethod,
     LinearMethod,
@@ -64,6 +67,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--layers", type=int, default=1, help="distinct layers of each shape, timed as one pass")
+    parser.add_argument(
+        "--helper", action="store_true", help="with --layers: the blocked kernel with its helper thread too"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
@@ -102,16 +108,20 @@ def _model_passes(args: argparse.Namespace, dtypes: list[torch.dtype]) -> None:
             name: [_layer(method, torch.randn(out, in_).to(dtype)) for in_, out in shapes]
             for name, method in methods.items()
         }
+        if args.helper:  # the blocked layers again, their blocks shared with the helper thread (engine/kernels/)
+            methods["helper"], layers["helper"] = methods["blocked"], layers["blocked"]
         weight_bytes = sum(in_ * out for in_, out in shapes) * dtype.itemsize
         for rows in map(int, args.rows.split(",")):
             xs = {in_: torch.randn(rows, in_).to(dtype) for in_, _ in shapes}
             times: dict[str, list[float]] = {name: [] for name in methods}
             for _ in range(7):
                 for name, method in methods.items():
+                    set_linear_helper(name == "helper")
                     start = time.perf_counter()
                     for layer in layers[name]:
                         method.apply(layer, xs[layer.input_size], None)
                     times[name].append(time.perf_counter() - start)
+                set_linear_helper(False)
             cells = [
                 f"{name} {1e3 * statistics.median(t):7.2f} ms ({weight_bytes / statistics.median(t) / 1e9:5.1f} GB/s)"
                 for name, t in times.items()

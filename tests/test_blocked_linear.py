@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.cpu_isa import bf16_dot_products
 from engine.kernels.build import KernelUnavailable, build_flags, library_name, load_library
-from engine.kernels.library import load_cpu_kernels
+from engine.kernels.library import load_cpu_kernels, set_linear_helper
 from engine.kernels.linear import embed_rows, pack
 from engine.layers.linear import MergedColumnParallelLinear, Shard
 from engine.layers.linear_method import BlockedLinearMethod
@@ -58,6 +60,64 @@ def test_the_kernel_computes_what_linear_does(dtype: torch.dtype, out_features: 
                 torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=1e-2, rtol=2**-7)
     x = torch.randn(2, 3, in_features, generator=generator).to(dtype)
     assert torch.ops.ferry_kernels.linear(x, packed, out_features, None).shape == (2, 3, out_features)
+
+
+@pytest.fixture
+def linear_helper() -> Iterator[None]:
+    """The blocked linears' helper thread switched on for a test, on one torch thread (where it takes part)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    set_linear_helper(True)
+    try:
+        yield
+    finally:
+        set_linear_helper(False)
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the helper thread needs a second core to run on")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_helper_threads_blocks_are_the_callers_own_bit_for_bit(linear_helper: None, dtype: torch.dtype) -> None:
+    """With the helper on, a linear's blocks are split between the caller and the helper thread as each claims them
+    (engine/kernels/helping.h); every block is computed by the same code either way, so the outputs are the
+    helper-off outputs bit for bit, however they were split. Calls repeat until the helper has taken blocks
+    (it spins while idle, so it does within a few calls on a machine with a core to spare)."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(1000, 256, generator=generator).to(dtype)
+    packed = pack(weight)
+    inputs = [torch.randn(rows, 256, generator=generator).to(dtype) for rows in (1, 2, 5)]
+    set_linear_helper(False)
+    wanted = [torch.ops.ferry_kernels.linear(x, packed, 1000, None) for x in inputs]
+    set_linear_helper(True)
+    helped = torch.ops.ferry_kernels.linear_helper_blocks()
+    deadline = time.monotonic() + 30
+    kept = []  # every output stays alive: a block left unwritten must not find the last call's values in reused memory
+    while torch.ops.ferry_kernels.linear_helper_blocks() == helped and time.monotonic() < deadline:
+        for x, want in zip(inputs, wanted, strict=True):
+            kept.append(torch.ops.ferry_kernels.linear(x, packed, 1000, None))
+            assert torch.equal(kept[-1], want)
+    assert torch.ops.ferry_kernels.linear_helper_blocks() > helped, "the helper never took a block"
+
+
+@needs_kernel
+def test_callers_on_several_threads_share_the_helper_safely(linear_helper: None) -> None:
+    """One job holds the helper at a time: a caller that finds it busy runs its blocks itself."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(640, 128, generator=generator)
+    packed = pack(weight)
+    x = torch.randn(3, 128, generator=generator)
+    set_linear_helper(False)
+    want = torch.ops.ferry_kernels.linear(x, packed, 640, None)
+    set_linear_helper(True)
+
+    def calls() -> bool:
+        torch.set_num_threads(1)
+        outputs = [torch.ops.ferry_kernels.linear(x, packed, 640, None) for _ in range(300)]  # fresh memory each
+        return all(torch.equal(out, want) for out in outputs)
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(lambda _: calls(), range(4)))
 
 
 @needs_kernel

@@ -23,6 +23,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.request import RequestRejected, SamplingParams
 from engine.execution.cpu_threads import (
     FEW_SEQS,
+    HELPER_MIN_TOKENS,
     LOAD_WINDOW_SECONDS,
     PREFILL_SHARED_LOAD,
     PREFILL_STEP_TOKENS,
@@ -36,6 +37,7 @@ from engine.execution.cpu_threads import (
 )
 from engine.execution.kv_caches import kv_cache_groups
 from engine.execution.memory import largest_step_lengths, run_largest_step
+from engine.kernels.library import cpu_kernels_available, linear_helper_on, set_linear_helper
 from engine.models.loader import load_model
 from server.cli import add_serve_parser, build_engine_config
 
@@ -237,6 +239,26 @@ def test_a_prefill_leaves_a_core_to_a_busy_process_but_not_to_the_front_end_that
     assert (free.count(large=False), free.count(large=True)) == (1, 1), "0.7 cores of a process apart"
     machine.run(LOAD_WINDOW_SECONDS, busy_cores=1.4, own_cores=1.0, parent_cores=0.3)
     assert (free.count(large=False), free.count(large=True)) == (1, 2), "0.4, the parent's 0.3 of it"
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels cannot be built here")
+def test_a_core_left_to_the_others_gets_the_linear_helper_while_the_threads_follow_the_load() -> None:
+    """The blocked linears' helper thread (engine/kernels/helping.h) works in the idle time of the cores a step
+    leaves out: on while a step that follows the load runs on fewer threads than the rank's cores, off when it takes
+    them all or its count is fixed."""
+    machine = _Machine()
+    following = StepThreads(0, 0, machine.free_cores())
+    threads = torch.get_num_threads()
+    try:
+        machine.run(LOAD_WINDOW_SECONDS, busy_cores=1.0, own_cores=1.0)
+        assert following.use_for(1, 1) == 2 and not linear_helper_on(), "a quiet machine: every core, no helper"
+        machine.run(LOAD_WINDOW_SECONDS, busy_cores=2.0, own_cores=1.0)
+        assert following.use_for(HELPER_MIN_TOKENS, HELPER_MIN_TOKENS) == 1 and linear_helper_on(), "a busy front end"
+        assert following.use_for(HELPER_MIN_TOKENS - 1, 1) == 1 and not linear_helper_on(), "a lone stream: no helper"
+        assert StepThreads(1, 0, machine.free_cores()).use_for(1, 1) == 1 and not linear_helper_on(), "fixed count"
+    finally:
+        set_linear_helper(False)
+        torch.set_num_threads(threads)
 
 
 def _busy_process() -> subprocess.Popen[bytes]:

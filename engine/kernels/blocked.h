@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "helping.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -308,7 +310,17 @@ void for_block_runs(int64_t m_size, int64_t k_size, int64_t num_blocks, Run&& ru
     // A block's work is 16 outputs of the chunk's rows (k * rows * 16 multiply-adds): a thread takes at least 32k,
     // about 2 us, so that even one row of a small layer spreads over the threads.
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, k_size * (m1 - m0) * kBlock));
-    at::parallel_for(0, num_blocks, grain, [&](int64_t b0, int64_t b1) { run(b0, b1, m0, m1); });
+    const auto blocks = [&](int64_t b0, int64_t b1) { run(b0, b1, m0, m1); };
+    // On one thread the helper may take some of the blocks (helping.h); a step on several keeps OpenMP's.
+    if (helping::enabled().load(std::memory_order_relaxed) && at::get_num_threads() == 1 &&
+        !at::in_parallel_region()) {
+      using Blocks = decltype(blocks);
+      const auto call = [](const void* context, int64_t b0, int64_t b1) {
+        (*static_cast<const Blocks*>(context))(b0, b1);
+      };
+      if (helping::Pool::instance().run(num_blocks, grain, call, &blocks)) continue;
+    }
+    at::parallel_for(0, num_blocks, grain, blocks);
   }
 }
 

@@ -29,7 +29,9 @@ SOURCES = [
         "cpu_ssm.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h", "bfloat16.h", "fast_math.h")]
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("kernels.h", "blocked.h", "helping.h", "bfloat16.h", "fast_math.h")
+]
 """The kernels' entry points, for the decoder (`cpu_decoder.cpp`), which calls the others; the blocked layouts' tiles,
 shared by the linear kernels."""
 
@@ -54,6 +56,24 @@ def cpu_kernels_available() -> bool:
 def cpu_kernels_take(x: torch.Tensor) -> bool:
     """Whether the kernels compute ops on `x`: a float32 or bfloat16 tensor on the CPU, where they could be built."""
     return x.device.type == "cpu" and x.dtype in CPU_KERNEL_DTYPES and cpu_kernels_available()
+
+
+_helper_on = False
+
+
+def set_linear_helper(on: bool) -> None:
+    """Whether the blocked linears' decode-sized products on one thread take a helper thread (helping.h): on while
+    the engine's step threads follow the load and leave a core of the rank out (a busy front end beside it). Calls
+    the kernels only on a change; nothing where they cannot be had."""
+    global _helper_on
+    if on != _helper_on and cpu_kernels_available():
+        torch.ops.ferry_kernels.set_linear_helper(on)
+        _helper_on = on
+
+
+def linear_helper_on() -> bool:
+    """Whether the helper thread is on (`set_linear_helper`)."""
+    return _helper_on
 
 
 @functools.cache
