@@ -1,14 +1,18 @@
-// A helper thread for the blocked linears' decode steps that the caller never waits for.
+// A helper thread for the blocked linears of a step that runs on fewer threads than the rank has cores, which the
+// caller never waits for to be scheduled.
 //
 // Why: a decode step of a small model is a few hundred microseconds of products split by many small ops. With two
 // OpenMP threads every op ends in a barrier, and on a machine where another process (the server's front end, its
 // clients) takes the second core now and then, a barrier whose other thread lost its core waits for a time slice:
-// the step collapses. So the engine runs such steps on one thread, and the second core's idle time is lost.
+// the step collapses. So such a step runs on one thread (engine/execution/cpu_threads.py), and the second core's
+// idle time would be lost.
 //
 // Here the calling thread does all of a linear's blocks itself unless the helper, running at that moment, takes some
-// of them first: chunks are claimed one at a time from a shared counter, and the caller waits only for chunks the
-// helper has already started. A helper that is not scheduled takes nothing and costs nothing. Between jobs the helper
-// spins for kSpin (a step's linears come a few microseconds apart), then sleeps on a futex until the next job.
+// of them first: chunks are claimed one at a time from one atomic word, and the caller waits only for chunks the
+// helper has already started. A helper that is not scheduled takes nothing. One preempted in the middle of a chunk
+// holds the caller up until it runs again, which a long step amortises and a lone stream's one-token step does not
+// (the engine keeps it off there). Between jobs the helper spins for kSpin (a step's linears come a few
+// microseconds apart), then sleeps on a futex until the next job.
 //
 // One job runs at a time: a caller that finds the pool busy (another thread's job) runs its blocks itself.
 
