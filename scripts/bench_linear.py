@@ -121,7 +121,7 @@ def _model_passes(args: argparse.Namespace, dtypes: list[torch.dtype]) -> None:
                     for layer in layers[name]:
                         method.apply(layer, xs[layer.input_size], None)
                     times[name].append(time.perf_counter() - start)
-                set_linear_helper(False)
+            set_linear_helper(False)
             cells = [
                 f"{name} {1e3 * statistics.median(t):7.2f} ms ({weight_bytes / statistics.median(t) / 1e9:5.1f} GB/s)"
                 for name, t in times.items()

@@ -181,14 +181,14 @@ class StepThreads(NamedTuple):
         call it on the thread that runs the step (the runner's own under async scheduling)."""
         large = num_tokens >= PREFILL_STEP_TOKENS or (num_seqs <= FEW_SEQS and num_tokens >= SHORT_PREFILL_TOKENS)
         count = self.large if large else self.small
-        following = count == 0 and self.free is not None
-        if following:
+        helper = False
+        if count == 0 and self.free is not None:
             count = self.free.count(large)
+            # The cores left out may still be idle much of the time: a helper thread takes linears' blocks while
+            # they are.
+            helper = num_tokens >= HELPER_MIN_TOKENS and count < self.free.rank_cores
         torch.set_num_threads(count)
-        # The cores left out may still be idle much of the time: a helper thread takes linears' blocks while it is.
-        set_linear_helper(
-            following and num_tokens >= HELPER_MIN_TOKENS and self.free is not None and count < self.free.rank_cores
-        )
+        set_linear_helper(helper)
         return count
 
 

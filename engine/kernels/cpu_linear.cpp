@@ -144,7 +144,7 @@ using namespace ferry;
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  // Whether a decode-sized linear on one thread takes the helper thread (blocked.h, helping.h).
+  // Whether a linear on one thread takes the helper thread (blocked.h, helping.h).
   m.def("set_linear_helper(bool on) -> ()", [](bool on) { ferry::helping::enabled() = on; });
   m.def("linear_helper_blocks() -> int", [] { return ferry::helping::Pool::instance().helped(); });
 }

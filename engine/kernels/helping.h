@@ -143,7 +143,7 @@ class Pool {
   uint64_t job_ = 0;  // the caller's: set under busy_
 };
 
-// Whether decode-sized linears on one thread take the helper (`ferry_kernels::set_linear_helper`: the engine's
+// Whether linears on one thread take the helper (`ferry_kernels::set_linear_helper`: the engine's
 // thread policy, engine/execution/cpu_threads.py). Off until set.
 inline std::atomic<bool>& enabled() {
   static std::atomic<bool> on{false};

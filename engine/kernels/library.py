@@ -62,9 +62,9 @@ _helper_on = False
 
 
 def set_linear_helper(on: bool) -> None:
-    """Whether the blocked linears' decode-sized products on one thread take a helper thread (helping.h): on while
-    the engine's step threads follow the load and leave a core of the rank out (a busy front end beside it). Calls
-    the kernels only on a change; nothing where they cannot be had."""
+    """Whether the blocked linears of a step on one thread take a helper thread (helping.h): on while a step of
+    `HELPER_MIN_TOKENS` or more follows the load and leaves a core of the rank out (a busy front end beside it:
+    engine/execution/cpu_threads.py). Calls the kernels only on a change; nothing where they cannot be had."""
     global _helper_on
     if on != _helper_on and cpu_kernels_available():
         torch.ops.ferry_kernels.set_linear_helper(on)
