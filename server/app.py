@@ -27,6 +27,7 @@ from starlette.types import ASGIApp
 
 from engine.config import EngineConfig
 from engine.models.gguf import DENSE_TYPES, source_info
+from engine.models.tokenizer import UnsupportedTokenizer
 from engine.pooling.config import PoolingConfig
 from server.client import EngineClient, EngineDeadError, EngineProcess
 from server.lifecycle import Lifecycle, Phase
@@ -214,6 +215,10 @@ class ServerState:
             info = await self.client.wait_ready()
         except EngineDeadError:
             return  # the client has already reported the death to the lifecycle
+        except UnsupportedTokenizer as exc:
+            logger.error("Cannot serve this model: %s", exc)
+            self.lifecycle.fail()
+            return
         except Exception:
             logger.exception("Failed to start serving")
             self.lifecycle.fail()

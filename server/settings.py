@@ -14,7 +14,7 @@ from server.reasoning import ReasoningParserName
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 LogFormat = Literal["text", "json"]
-ToolCallParserName = Literal["auto", "none", "hermes", "llama3_json", "mistral"]
+ToolCallParserName = Literal["auto", "none", "hermes", "kimi_k2", "llama3_json", "mistral"]
 ChatFormatName = Literal["auto", "template", "harmony"]
 
 _MODEL = {"group": "model"}
@@ -104,10 +104,10 @@ class ServerSettings:
     drain_timeout: float = field(default=30.0, metadata=_SERVER)
     """On SIGTERM, seconds in-flight requests get to finish before the server exits."""
     tool_call_parser: ToolCallParserName = field(default="auto", metadata=_MODEL)
-    """How `tool_choice: auto` answers are read for calls: hermes (Hermes / Qwen `<tool_call>` JSON), llama3_json
-    (Llama 3.x JSON, `<|python_tag|>`), mistral (`[TOOL_CALLS]`); auto picks the one the chat template writes,
-    and none (or a template that shows none) refuses `auto` with tools. `required` and a named tool_choice need
-    no parser: the grammar enforces them."""
+    """How `tool_choice: auto` answers are read for calls: hermes (Hermes / Qwen `<tool_call>` JSON), kimi_k2 (Kimi
+    K2's `<|tool_calls_section_begin|>`), llama3_json (Llama 3.x JSON, `<|python_tag|>`), mistral (`[TOOL_CALLS]`);
+    auto picks the one the chat template writes, and none (or a template that shows none) refuses `auto` with tools.
+    `required` and a named tool_choice need no parser: the grammar enforces them."""
     log_level: LogLevel = field(default="info", metadata=_SERVER)
     """Log level of the server and the engine process."""
     log_format: LogFormat = field(default="text", metadata=_SERVER)

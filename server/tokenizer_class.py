@@ -73,9 +73,9 @@ def tokenizer_record(model_dir: str) -> Path:
 
 def _auto_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     # Imported here: transformers' auto classes import torch (see the module's docstring).
-    from transformers import AutoTokenizer
+    from engine.models.tokenizer import auto_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return auto_tokenizer(model_dir)
 
 
 def _recorded_class(record: Path) -> type[PreTrainedTokenizerBase] | None:

@@ -1,4 +1,4 @@
-"""Tool-call readers on scripted model texts: each model format (Hermes / Qwen, Llama 3.x JSON, Mistral), the
+"""Tool-call readers on scripted model texts: each model format (Hermes / Qwen, Kimi K2, Llama 3.x JSON, Mistral), the
 readers of grammar-enforced calls, and the format detection from chat templates.
 
 Every text is read whole and in small pieces (as a stream delivers it): both must give the same content and
@@ -21,14 +21,16 @@ DEMO_TEMPLATE = Path(__file__).resolve().parents[1] / "server" / "default_model"
 
 
 def read(reader: ToolCallReader, text: str, piece: int) -> tuple[str, Calls, list[ReaderUpdate]]:
-    """(content, [(name, arguments)], the updates) of `text` fed `piece` characters at a time (0: whole)."""
+    """(content, [(name, arguments)], the updates) of `text` fed `piece` characters at a time (0: whole). A call's
+    id is a new one (`call_...`), or with Kimi K2 the one the model wrote (`functions.NAME:INDEX`)."""
     step = piece or max(len(text), 1)
     updates = [reader.feed(text[i : i + step]) for i in range(0, len(text), step)] + [reader.finish()]
     assembled: dict[int, list] = {}
     for update in updates:
         for delta in update.calls:
             if delta.id is not None:
-                assert delta.index == len(assembled) and delta.id.startswith("call_") and delta.name
+                own_id = f"functions.{delta.name}:"
+                assert delta.index == len(assembled) and delta.id.startswith(("call_", own_id)) and delta.name
                 assembled[delta.index] = [delta.name, delta.arguments]
             else:
                 assert delta.name is None and delta.index in assembled, "arguments come after their call's name"
@@ -109,6 +111,47 @@ def test_mistral(text: str, content: str, calls: Calls) -> None:
     check("mistral", text, content, calls)
 
 
+KIMI_WEATHER = (
+    "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris", "unit": "celsius"}<|tool_call_end|>'
+)
+KIMI_TIME = (
+    '<|tool_call_begin|> functions.get_time:1 <|tool_call_argument_begin|> {"zone": "Europe/Paris"} <|tool_call_end|>'
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (f"<|tool_calls_section_begin|>{KIMI_WEATHER}<|tool_calls_section_end|>", "", [WEATHER]),
+        (f"Let me look.<|tool_calls_section_begin|>{KIMI_WEATHER}\n{KIMI_TIME}<|tool_calls_section_end|> Done.",
+         "Let me look.Done.", [WEATHER, TIME]),
+        # The output ended before the closing markers (a stop token right after the arguments).
+        (f"<|tool_calls_section_begin|>{KIMI_TIME.removesuffix('<|tool_call_end|>')}", "", [TIME]),
+        # Not calls: a malformed id, arguments that are not an object, a section without calls.
+        ("<|tool_calls_section_begin|><|tool_call_begin|>get_time<|tool_call_argument_begin|>{}<|tool_call_end|>"
+         "<|tool_calls_section_end|>", "<|tool_calls_section_begin|><|tool_call_begin|>get_time"
+         "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>", []),
+        ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>[1]"
+         "<|tool_call_end|>", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+         "<|tool_call_argument_begin|>[1]<|tool_call_end|>", []),
+        ("<|tool_calls_section_begin|><|tool_calls_section_end|>", "<|tool_calls_section_begin|>"
+         "<|tool_calls_section_end|>", []),
+        ("A <|tool_calls_section text", "A <|tool_calls_section text", []),
+    ],
+)  # fmt: skip
+def test_kimi_k2(text: str, content: str, calls: Calls) -> None:
+    check("kimi_k2", text, content, calls)
+
+
+def test_kimi_k2_calls_keep_the_ids_the_model_wrote() -> None:
+    text = f"<|tool_calls_section_begin|>{KIMI_WEATHER}{KIMI_TIME}<|tool_calls_section_end|>"
+    for piece in (0, 3):
+        _, _, updates = read(TOOL_CALL_PARSERS["kimi_k2"](), text, piece)
+        ids = [delta.id for update in updates for delta in update.calls if delta.id is not None]
+        assert ids == ["functions.get_weather:0", "functions.get_time:1"]
+
+
 def test_a_hermes_call_is_held_back_until_complete_then_sent_name_first() -> None:
     reader = TOOL_CALL_PARSERS["hermes"]()
     assert reader.feed("Checking. <tool") == ReaderUpdate("Checking. ", [])
@@ -173,5 +216,7 @@ def test_the_parser_is_detected_from_the_chat_template() -> None:
     assert detect_tool_call_parser("{% for m in messages %}[TOOL_CALLS]{{ m.content }}{% endfor %}") == "mistral"
     llama = '<|start_header_id|>ipython<|end_header_id|> respond with {"name": function name, "parameters": ...}'
     assert detect_tool_call_parser(llama) == "llama3_json"
+    kimi = "{% for c in m.tool_calls %}<|tool_calls_section_begin|><|tool_call_begin|>{{ c.id }}{% endfor %}"
+    assert detect_tool_call_parser(kimi) == "kimi_k2"
     assert detect_tool_call_parser("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert detect_tool_call_parser(None) is None

@@ -695,11 +695,11 @@ def _vocabulary_difference(
     text to other ids (compared where both directories have one); None when they agree."""
     if target.vocab_size != draft.vocab_size:
         return f"its vocabulary has {draft.vocab_size} tokens, the served model's {target.vocab_size}"
-    from transformers import AutoTokenizer
+    from engine.models.tokenizer import auto_tokenizer
 
     try:
-        target_vocab = AutoTokenizer.from_pretrained(target_dir).get_vocab()
-        draft_vocab = AutoTokenizer.from_pretrained(draft_dir).get_vocab()
+        target_vocab = auto_tokenizer(target_dir).get_vocab()
+        draft_vocab = auto_tokenizer(draft_dir).get_vocab()
     except (OSError, ValueError):
         return None  # a directory without a tokenizer: the ids are all there is to compare
     if target_vocab != draft_vocab:

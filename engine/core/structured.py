@@ -196,9 +196,10 @@ def _compiler_for(tokenizer_dir: str) -> GrammarCompiler:
 def _load_tokenizer(directory: str, vocab_size: int | None, eos_token_ids: list[int]) -> llguidance.LLTokenizer:
     # Heavy (llguidance.hf imports transformers), and needed only once a constrained request arrives.
     import llguidance.hf
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    from engine.models.tokenizer import auto_tokenizer
+
+    tokenizer = auto_tokenizer(directory)
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
 
 

@@ -12,11 +12,16 @@ transformers' rope functions call on a config, `standardize_rope_params`, which 
 through already. Recorded are only the configs a record holds exactly: a class of transformers' own (code of a
 checkpoint's own is never recorded), no nested configs (an image model's), one config for every layer, and values of
 plain JSON types and torch dtypes.
+
+A checkpoint whose config.json names configuration code of its own (`auto_map`) for a model type transformers does
+not know is read through transformers' class of the family that code is a copy of, where there is one
+(`CONFIG_TWINS`); Ferry runs no checkpoint code (engine/models/support.py refuses the rest by name).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +40,11 @@ _FORMAT = "2"
 
 _DEPRECATED = {"torch_dtype": "dtype", "use_return_dict": "return_dict"}
 """The base class's deprecated names of other attributes: aliases here, not values (reading them logs a warning)."""
+
+CONFIG_TWINS = {"kimi_k2": "deepseek_v3"}
+"""Model types whose checkpoints ship configuration code of their own that is a copy of a transformers family's
+config class -> that family: Kimi K2's `configuration_deepseek.DeepseekV3Config` is DeepSeek V3's own (its config.json
+names `DeepseekV3ForCausalLM`, whose modules run it)."""
 
 _VIEWS = frozenset({"per_layer_config"})
 """Base-class properties that make a new view of the config on each read, rather than hold a value."""
@@ -101,7 +111,19 @@ def config_record(model_dir: str) -> Path:
 def _auto_config(model_dir: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir)
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type")
+    twin = CONFIG_TWINS.get(model_type)
+    if twin is None:
+        return AutoConfig.from_pretrained(model_dir)
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[twin]
+    values, options = config_class.get_config_dict(model_dir)
+    logger.info("model_type %r is read as %r (its configuration code is %s's)", model_type, twin, twin)
+    # Without its own type and code map, the config is the twin's as transformers would save it.
+    values = {name: value for name, value in values.items() if name not in ("model_type", "auto_map")}
+    return config_class.from_dict(values, **options)
 
 
 def _recorded(record: Path) -> RecordedConfig | None:

@@ -40,7 +40,13 @@ from engine.models.registry import (
     architecture,
     runs_native,
 )
-from engine.models.support import STATE_SPACE_TYPES, UnsupportedModelError, has_causal_lm_class, unsupported_feature
+from engine.models.support import (
+    STATE_SPACE_TYPES,
+    UnsupportedModelError,
+    check_config_code,
+    has_causal_lm_class,
+    unsupported_feature,
+)
 from engine.models.vision_language import LanguageModelAlone, VisionLanguageModel
 from engine.pooling.config import ENCODER_TYPES, PoolingConfig, UnsupportedPooling, pooling_config
 from engine.pooling.pooler import Pooler
@@ -208,9 +214,10 @@ def model_config(config: EngineConfig) -> tuple[PretrainedConfig, bool, PoolingC
     config_path = os.path.join(config.model.path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config.model.path!r} is not a model directory (no config.json)")
-    hf_config = load_config(config.model.path)
     with open(config_path, encoding="utf-8") as f:
         config_json = json.load(f)
+    check_config_code(config_json)
+    hf_config = load_config(config.model.path)
     model = config.model
     pooling = pooling_config(
         model.path,
@@ -437,9 +444,10 @@ def _pooler(
 ) -> Pooler:
     pooler = Pooler(pooling, model, device, dtype)
     if pooling.yes_no_tokens is not None:
-        from transformers import AutoTokenizer
+        # Imported here: a tokenizer loads transformers, which a warm engine otherwise never imports.
+        from engine.models.tokenizer import auto_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        tokenizer = auto_tokenizer(config.model.path)
         ids = []
         for token in pooling.yes_no_tokens:
             encoded = tokenizer.encode(token, add_special_tokens=False)

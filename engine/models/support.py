@@ -10,9 +10,9 @@ it does not implement, logits post-processed after the head) the adapter probes 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from engine.models.config_record import RecordedConfig
+from engine.models.config_record import CONFIG_TWINS, RecordedConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -152,6 +152,24 @@ def _quantized_on_adapter(config: PretrainedConfig) -> str | None:
 
 _REFUSED_ADAPTER: tuple[_Check, ...] = (_quantized_on_adapter, _recurrent_on_adapter)
 """Features the transformers adapter does not run."""
+
+
+def check_config_code(config_json: dict[str, Any]) -> None:
+    """Refuse by name a checkpoint whose config is code of its own (config.json's `auto_map`) for a model type that
+    transformers does not know and that is no copy of a known family's (`CONFIG_TWINS`): Ferry runs no checkpoint
+    code. A known model type is read through transformers' class, as transformers reads it without that code."""
+    code = (config_json.get("auto_map") or {}).get("AutoConfig")
+    model_type = config_json.get("model_type")
+    if code is None or model_type in CONFIG_TWINS:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            str(model_type),
+            f"a configuration of the checkpoint's own code ({code}, in config.json's auto_map), which Ferry does "
+            f"not run; the model types Ferry reads are transformers' and {', '.join(sorted(CONFIG_TWINS))}",
+        )
 
 
 def has_causal_lm_class(config: PretrainedConfig | RecordedConfig) -> bool:

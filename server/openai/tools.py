@@ -183,8 +183,8 @@ def resolve_tool_use(
     if choice == "auto" and parser is None:
         raise invalid_request(
             "This server cannot read tool calls in this model's own format, which tool_choice 'auto' (the default "
-            "with tools) needs: start it with --tool-call-parser (hermes, llama3_json, mistral), or send tool_choice "
-            "'required' or a named function, which the grammar enforces.",
+            "with tools) needs: start it with --tool-call-parser (hermes, kimi_k2, llama3_json, mistral), or send "
+            "tool_choice 'required' or a named function, which the grammar enforces.",
             choice_param,
             code="unsupported_tool_choice",
         )

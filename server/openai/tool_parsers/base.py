@@ -46,6 +46,11 @@ class ParsedCall:
     """The arguments object as JSON text."""
 
 
+CallText = tuple[str, str] | tuple[str, str, str]
+"""A call read from output text: (name, arguments as JSON text), and the id the model wrote where its format has
+one (Kimi K2's)."""
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -65,17 +70,17 @@ class ToolCallReader(ABC):
     def finish(self) -> ReaderUpdate:
         """The output is complete: return what was held back."""
 
-    def _start_call(self, name: str) -> ToolCallDelta:
-        delta = ToolCallDelta(self._num_calls, new_call_id(), name, "")
+    def _start_call(self, name: str, call_id: str | None = None) -> ToolCallDelta:
+        delta = ToolCallDelta(self._num_calls, call_id or new_call_id(), name, "")
         self._num_calls += 1
         return delta
 
     def _arguments(self, text: str) -> ToolCallDelta:
         return ToolCallDelta(self._num_calls - 1, arguments=text)
 
-    def _whole_call(self, name: str, arguments: str) -> list[ToolCallDelta]:
+    def _whole_call(self, name: str, arguments: str, call_id: str | None = None) -> list[ToolCallDelta]:
         """A call read in one go: its first delta, then its arguments."""
-        return [self._start_call(name), self._arguments(arguments)]
+        return [self._start_call(name, call_id), self._arguments(arguments)]
 
 
 class BufferedReader(ToolCallReader):
@@ -113,8 +118,8 @@ class MarkedCallsReader(BufferedReader):
         self._after_call = False
 
     @abstractmethod
-    def _read_calls(self, text: str, final: bool) -> tuple[list[tuple[str, str]] | None, int] | None:
-        """Of the text after a marker: the (name, arguments) calls it starts with, or None when it is not calls,
+    def _read_calls(self, text: str, final: bool) -> tuple[list[CallText] | None, int] | None:
+        """Of the text after a marker: the calls it starts with, or None when it is not calls,
         and how many characters they take; None while incomplete (never with `final`)."""
 
     def _drain(self, final: bool) -> ReaderUpdate:
@@ -143,8 +148,8 @@ class MarkedCallsReader(BufferedReader):
                 self._after_call = False
                 update.content += raw
             else:
-                for name, arguments in calls:
-                    update.calls += self._whole_call(name, arguments)
+                for call in calls:
+                    update.calls += self._whole_call(*call)
                 self._after_call = True
         if final and self._in_calls:  # the output ended right after the marker
             update.content += marker

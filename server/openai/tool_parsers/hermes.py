@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from server.openai.tool_parsers.base import MarkedCallsReader, call_from_json
+from server.openai.tool_parsers.base import CallText, MarkedCallsReader, call_from_json
 
 START, END = "<tool_call>", "</tool_call>"
 _PROBE = {"name": "ferry_probe", "arguments": {"x": 1}}
@@ -21,7 +21,7 @@ class HermesToolParser(MarkedCallsReader):
     marker_tokens = (START, END)
     marker = START
 
-    def _read_calls(self, text: str, final: bool) -> tuple[list[tuple[str, str]] | None, int] | None:
+    def _read_calls(self, text: str, final: bool) -> tuple[list[CallText] | None, int] | None:
         end = text.find(END)
         if end < 0 and not final:
             return None

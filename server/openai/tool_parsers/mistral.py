@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from server.openai.tool_parsers.base import MarkedCallsReader, call_from_json, json_value_end
+from server.openai.tool_parsers.base import CallText, MarkedCallsReader, call_from_json, json_value_end
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
@@ -21,13 +21,13 @@ class MistralToolParser(MarkedCallsReader):
     marker_tokens = (MARKER, ARGS)
     marker = MARKER
 
-    def _read_calls(self, text: str, final: bool) -> tuple[list[tuple[str, str]] | None, int] | None:
+    def _read_calls(self, text: str, final: bool) -> tuple[list[CallText] | None, int] | None:
         read = self._read_complete_calls(text)
         # Still incomplete when the output ends: not calls, all of it content.
         return (None, len(text)) if read is None and final else read
 
     @staticmethod
-    def _read_complete_calls(text: str) -> tuple[list[tuple[str, str]] | None, int] | None:
+    def _read_complete_calls(text: str) -> tuple[list[CallText] | None, int] | None:
         """(calls or None if malformed, characters used) of the text after a marker; None while incomplete."""
         offset = len(text) - len(text.lstrip())
         if offset == len(text):
