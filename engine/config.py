@@ -33,7 +33,8 @@ _LORA = {"group": "LoRA adapters"}
 
 class EngineStartupError(ValueError):
     """The options cannot run on this model and machine (found while the engine starts): the message names the
-    flags to change."""
+    flags to change, or the model's feature that is refused (the subclasses: engine/models/support.py,
+    engine/pooling/config.py, engine/attention/base.py, engine/quantization)."""
 
 
 @dataclass(frozen=True)

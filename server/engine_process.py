@@ -18,7 +18,7 @@ import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineStartupError
 from engine.core.driver import EngineInput, EngineLoop, Shutdown
 from engine.core.step_log import StepLog
 from engine.distributed.lifetime import die_with_parent
@@ -51,6 +51,11 @@ def run_engine_process(
             from engine.core.engine_core import EngineCore  # imported here: the front end never needs torch
 
         engine = EngineCore(config, observers=[StepLog(Path(step_log))] if step_log else ())
+    except EngineStartupError as exc:
+        # A refusal by name (the model, or the options on this machine): its message is the whole story.
+        logger.error("Cannot serve this model: %s", exc)
+        _report_failure(outputs, f"{type(exc).__name__}: {exc}")
+        sys.exit(1)
     except Exception:
         logger.exception("Engine failed to start")
         _report_failure(outputs)
@@ -101,6 +106,7 @@ class _PipeInbox:
         return messages
 
 
-def _report_failure(outputs: Connection) -> None:
+def _report_failure(outputs: Connection, reason: str | None = None) -> None:
+    """Tell the front end why the engine is dying: `reason`, or the traceback being handled."""
     with contextlib.suppress(OSError):
-        outputs.send(EngineFailed(traceback.format_exc()))
+        outputs.send(EngineFailed(reason or traceback.format_exc()))

@@ -38,6 +38,7 @@ from tests.kimi_model import (
 from tests.model_factory import build_model_dir, build_scripted_model_dir
 from tests.server_harness import ServerProcess, server_process
 from tests.test_engine_equivalence import generate_alone
+from tests.test_server_startup import serve_until_exit
 
 MODEL = "kimi-k2-tiny"
 CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
@@ -138,7 +139,7 @@ def test_own_code_that_is_not_kimis_is_refused_by_name(tmp_path: Path) -> None:
     config = json.loads((directory / "config.json").read_text())
     config.update(model_type="my_llama", auto_map={"AutoConfig": "configuration_my.MyConfig"})
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match=r"'my_llama'.*configuration_my\.MyConfig.*does not run"):
+    with pytest.raises(UnsupportedModelError, match=r"'my_llama'.*configuration_my\.MyConfig.*runs no checkpoint code"):
         EngineCore(EngineConfig.of(model=str(directory)))
     tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
     tokenizer_config.update(auto_map={"AutoTokenizer": ["tokenization_my.MyTokenizer", None]},
@@ -147,6 +148,9 @@ def test_own_code_that_is_not_kimis_is_refused_by_name(tmp_path: Path) -> None:
     (directory / "tokenizer.json").unlink()
     with pytest.raises(UnsupportedTokenizer, match=r"tokenization_my\.MyTokenizer.*does not run"):
         auto_tokenizer(str(directory))
+    served = serve_until_exit("--model", str(directory))
+    assert served.returncode != 0 and "Traceback" not in served.stderr, served.stderr[-3000:]
+    assert "configuration_my.MyConfig" in served.stderr and "tokenization_my.MyTokenizer" in served.stderr
 
 
 def test_kimi_code_of_another_pattern_or_missing_is_refused(tmp_path: Path, kimi_dir: Path) -> None:

@@ -119,6 +119,8 @@ def test_a_cache_too_small_for_the_asked_max_model_len_stops_the_server(tiny_lla
     assert result.returncode != 0
     for words in ("holds 128 tokens", "--max-model-len", "--num-pages", "--cpu-kv-cache-gib"):
         assert words in result.stderr, result.stderr[-3000:]
+    # A refusal by name is one line, not a traceback.
+    assert "Cannot serve this model" in result.stderr and "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_a_hub_model_missing_offline_is_refused_before_anything_starts(hub_cache: Path) -> None:

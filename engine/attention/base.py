@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.config import EngineStartupError
 from engine.core.request import Spans
 
 
@@ -131,7 +132,7 @@ NO_NEEDS = AttentionNeeds()
 """Causal attention over a cache in the model's dtype: what every backend computes."""
 
 
-class UnsupportedAttention(ValueError):
+class UnsupportedAttention(EngineStartupError):
     """The backend asked for cannot compute what the model needs; the message names the backend and each need."""
 
 

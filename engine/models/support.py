@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from engine.config import EngineStartupError
 from engine.models.config_record import CONFIG_TWINS, RecordedConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(EngineStartupError):
     """The model uses a feature the engine cannot run exactly."""
 
     def __init__(self, model_type: str, feature: str) -> None:
@@ -167,8 +168,8 @@ def check_config_code(config_json: dict[str, Any]) -> None:
     if model_type not in CONFIG_MAPPING_NAMES:
         raise UnsupportedModelError(
             str(model_type),
-            f"a configuration of the checkpoint's own code ({code}, in config.json's auto_map), which Ferry does "
-            f"not run; the model types Ferry reads are transformers' and {', '.join(sorted(CONFIG_TWINS))}",
+            f"configuration code of the checkpoint's own ({code}, in config.json's auto_map: Ferry runs no checkpoint "
+            f"code, and reads transformers' model types and {', '.join(sorted(CONFIG_TWINS))})",
         )
 
 

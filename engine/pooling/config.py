@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.config import EngineStartupError
+
 PoolingKind = Literal["embed", "classify", "yes_no"]
 PoolingType = Literal["last", "mean", "cls"]
 Activation = Literal["identity", "tanh", "sigmoid", "relu", "gelu"]
@@ -52,7 +54,7 @@ releases: `sentence_transformers.models.Pooling`, later
 `sentence_transformers.sentence_transformer.modules.pooling.Pooling`)."""
 
 
-class UnsupportedPooling(ValueError):
+class UnsupportedPooling(EngineStartupError):
     """The model's pooling, as its files or the flags describe it, is something the pooler does not compute: refused
     at start-up, by name."""
 
