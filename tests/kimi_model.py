@@ -81,8 +81,11 @@ def write_kimi_tokenizer(directory: Path) -> None:
     config = {
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "tokenizer_class": "TikTokenTokenizer",
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
+        # As saved by transformers, in either form: an AddedToken's fields, or the token's text.
+        "bos_token": {"__type": "AddedToken", "content": "[BOS]", "lstrip": False, "normalized": False,
+                      "rstrip": False, "single_word": False},
+        "eos_token": {"__type": "AddedToken", "content": "[EOS]", "lstrip": False, "normalized": False,
+                      "rstrip": False, "single_word": False},
         "unk_token": "[UNK]",
         "pad_token": "[PAD]",
         "model_max_length": 1048576,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from engine import EngineConfig, EngineCore, SamplingParams, generate_batch
+from engine import EngineConfig, EngineCore, FinishReason, SamplingParams, StructuredOutput, generate_batch
 from engine.models.config_record import load_config
 from engine.models.support import UnsupportedModelError
 from engine.models.tokenizer import KIMI_PATTERN_PARTS, UnsupportedTokenizer, auto_tokenizer
@@ -132,6 +133,20 @@ def test_greedy_equals_deepseek_v3_generate(kimi_dir: Path, setup: str) -> None:
     for i, (tokens, logprobs) in enumerate(zip(expected, expected_logprobs, strict=True)):
         assert results[f"req_{i}"].generated_ids == tokens
         assert [t.logprob for t in results[f"req_{i}"].logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_a_grammar_its_library_cannot_follow_ends_the_request_with_an_error(kimi_dir: Path) -> None:
+    """llguidance allows a special token where a literal of the grammar spells its text, then refuses it: the
+    request ends with ABORT and that error, never as an answer cut short that looks whole."""
+    engine = EngineCore(EngineConfig.of(model=str(kimi_dir), num_pages=64))
+    regex = re.escape("Checking.<|tool_calls_section_begin|>done")
+    constrained = SamplingParams(max_new_tokens=40, structured_output=StructuredOutput("regex", regex))
+    results = generate_batch(
+        [[5, 6, 7], [5, 6, 7]], params=[constrained, SamplingParams(max_new_tokens=4)], engine=engine
+    )
+    failed, other = results["req_0"], results["req_1"]
+    assert failed.finish_reason is FinishReason.ABORT and "grammar could not be followed" in (failed.error or "")
+    assert other.finish_reason is not FinishReason.ABORT and len(other.generated_ids) == 4
 
 
 def test_own_code_that_is_not_kimis_is_refused_by_name(tmp_path: Path) -> None:

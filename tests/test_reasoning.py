@@ -8,7 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.reasoning import ReasoningParser, ReasoningParserError, ReasoningSplitter
+from engine.core.request import FinishReason, StepOutput
+from server.openai.choices import ChoiceState
+from server.reasoning import ReasoningParser, ReasoningSplitter
 from server.tokens import Tokenizer
 from tests.model_factory import build_tokenizer
 
@@ -87,8 +89,21 @@ def test_auto_picks_qwen3_for_a_template_that_knows_think_tags(tmp_path: Path) -
     assert ReasoningParser.for_model("none", Tokenizer(fast)) is None
 
 
-def test_a_think_tag_the_decoder_drops_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [1, 3, 100])
+def test_think_tags_that_are_special_tokens_are_kept_for_the_splitter(tmp_path: Path, chunk: int) -> None:
+    """Kimi K2 Thinking's tags are special tokens, which a detokenizer drops: kept in the text the splitter reads,
+    they split reasoning from the answer, and the answer holds neither."""
     fast = build_tokenizer(tmp_path)
     fast.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
-    with pytest.raises(ReasoningParserError, match="special token"):
-        ReasoningParser.for_model("qwen3", Tokenizer(fast))
+    tokenizer = Tokenizer(fast)
+    parser = ReasoningParser.for_model("qwen3", tokenizer)
+    assert parser is not None
+    tokens = tokenizer.encode("<think>Ferries float.</think>They carry people.", add_special_tokens=False)
+    assert tokenizer.decode(tokens) == "Ferries float.They carry people.", "the tags are special tokens"
+    choice = ChoiceState(0, tokenizer, prompt_ids=[], stop=[], reasoning_splitter=parser.splitter(QWEN3_PROMPT))
+    updates = [
+        choice.consume(StepOutput("r", tokens[i : i + chunk], FinishReason.STOP if i + chunk >= len(tokens) else None))
+        for i in range(0, len(tokens), chunk)
+    ]
+    assert "".join(update.reasoning for update in updates) == "Ferries float."
+    assert "".join(update.text for update in updates) == "They carry people."

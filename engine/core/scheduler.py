@@ -393,6 +393,13 @@ class Scheduler:
             # stopped by the step before: these tokens were never part of it.
             if request.finished:
                 continue
+            error = result.grammar_errors.get(row) if result.grammar_errors and samples else None
+            if error is not None:
+                self._finish(request, FinishReason.ABORT)
+                output = _delta(request, [], None, None)
+                output.error = error
+                outputs.append(output)
+                continue
             if tokens is not None and not tokens:
                 raise ValueError(f"the result has no token for sampled request {request.request_id!r}")
             accepted = num_accepted(drafts, tokens) if drafts else 0

@@ -133,6 +133,9 @@ class ModelRunnerOutput:
     closed_by_budget: list[int] = field(default_factory=list)
     """Sampling rows (indexes into `token_ids`) whose JSON the budget is closing (engine/sampling/token_masks.py
     BudgetClosing): they end with `length`."""
+    grammar_errors: dict[int, str] = field(default_factory=dict)
+    """Sampling rows whose grammar could not be followed this step (`GrammarState.error`): they end with ABORT and
+    the error, without this step's tokens."""
     prepare_seconds: float = 0.0
     """Host time building the step's input tensors."""
     forward_seconds: float = 0.0

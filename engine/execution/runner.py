@@ -190,6 +190,9 @@ class ModelRunner:
         ]
         if not drafts:
             self.step_grammars.advance(grammars, [added[row] for row in constrained])
+        grammar_errors = {
+            row: grammar.error for row, grammar in zip(constrained, grammars, strict=True) if grammar.error is not None
+        }
         return ModelRunnerOutput(
             token_ids,
             logprobs,
@@ -203,6 +206,7 @@ class ModelRunner:
             else [],
             pooled=pooled,
             closed_by_budget=closed_by_budget,
+            grammar_errors=grammar_errors,
             prepare_seconds=inputs.prepare_seconds,
             forward_seconds=forward_seconds,
             sample_seconds=time.perf_counter() - forwarded,

@@ -111,6 +111,9 @@ def kimi_tokenizer(directory: Path, tokenizer_config: dict[str, Any]) -> KimiTok
         for name in ("bos_token", "eos_token", "unk_token", "pad_token", "model_max_length", "padding_side")
         if tokenizer_config.get(name) is not None
     }
+    for name, value in options.items():
+        if isinstance(value, dict):  # a token saved as an AddedToken's fields
+            options[name] = value.get("content")
     template_file = directory / "chat_template.jinja"
     template = (
         template_file.read_text(encoding="utf-8") if template_file.is_file() else tokenizer_config.get("chat_template")

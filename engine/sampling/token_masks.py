@@ -51,6 +51,8 @@ class GrammarState:
         close_within_budget: bool = True,
     ) -> None:
         self.matcher = compiled.matcher()
+        self.error: str | None = None
+        """Set when the grammar library refused a token its own mask allowed: the request ends with this error."""
         self.end_token_ids = end_token_ids
         self.closing = BudgetClosing(compiled, max_output) if close_within_budget and compiled.closable else None
         for token in generated:
@@ -66,9 +68,14 @@ class GrammarState:
         # An end token finishes the request: the grammar has nothing left to follow.
         if token in self.end_token_ids:
             return
-        if not self.matcher.consume_token(token):
-            # The mask allowed it, so this is the library disagreeing with itself; from here its mask allows
-            # only EOS, which ends the request.
+        if not self.matcher.consume_token(token) and self.error is None:
+            # The mask allowed it, so this is the library disagreeing with itself (llguidance does where a literal
+            # of the grammar spells a special token); the output could no longer be held to the grammar, so the
+            # request ends with this error rather than with an answer cut short that looks whole.
+            self.error = (
+                f"The grammar could not be followed: its library refused token {token}, which its own mask allowed "
+                f"({self.matcher.get_error().splitlines()[0] if self.matcher.get_error() else 'no reason given'})."
+            )
             logger.error("grammar refused the token %d it allowed: %s", token, self.matcher.get_error())
         if self.closing is not None:
             self.closing.advance(token)

@@ -16,6 +16,7 @@ from engine.core.request import FinishReason, StepOutput, TokenLogprob
 from server.openai.errors import engine_failure
 from server.openai.harmony import HarmonyReader
 from server.openai.tool_parsers.base import ParsedCall, ToolCallDelta, ToolCallReader
+from server.reasoning import MARKER_TOKENS as REASONING_MARKERS
 from server.reasoning import ReasoningSplitter
 from server.tokens import StopStringMatcher, Tokenizer
 
@@ -64,6 +65,8 @@ class ChoiceState:
 
     def __post_init__(self) -> None:
         markers = self.tool_reader.marker_tokens if self.tool_reader is not None else ()
+        if self.reasoning_splitter is not None:
+            markers = (*markers, *REASONING_MARKERS)
         self._detokenizer = self.tokenizer.detokenizer(self.prompt_ids, keep_tokens=markers)
         self._stop = StopStringMatcher(self.stop)
 
