@@ -17,14 +17,13 @@ A tokenizer with its own code (`auto_map`) is never recorded: its class comes fr
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from engine.models.tokenizer import auto_tokenizer, read_tokenizer_config
 from engine.records import package_version, read_record, record_path, write_record
 
 logger = logging.getLogger(__name__)
@@ -39,21 +38,21 @@ mistral-common; a class is only found where its backend's package is installed).
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     """The tokenizer `AutoTokenizer.from_pretrained(model_dir)` loads, through its recorded class when there is
     one."""
-    tokenizer_config = _read_json(Path(model_dir) / "tokenizer_config.json")
+    tokenizer_config = read_tokenizer_config(Path(model_dir))
     if "auto_map" in tokenizer_config:
-        return _auto_tokenizer(model_dir)
+        return auto_tokenizer(model_dir)
     try:
         record = tokenizer_record(model_dir)
     except (OSError, RuntimeError) as exc:  # an unlistable directory; no home directory to find the cache in
         logger.warning("Cannot key a tokenizer-class record for %s (%s): asking AutoTokenizer", model_dir, exc)
-        return _auto_tokenizer(model_dir)
+        return auto_tokenizer(model_dir)
     tokenizer_class = _recorded_class(record)
     if tokenizer_class is not None:
         # AutoTokenizer's own call, keyword for keyword: a local directory's revision stays None.
         return tokenizer_class.from_pretrained(
             model_dir, _from_auto=True, revision=None, _commit_hash=tokenizer_config.get("_commit_hash")
         )
-    tokenizer = _auto_tokenizer(model_dir)
+    tokenizer = auto_tokenizer(model_dir)
     write_record(record, {"module": type(tokenizer).__module__, "name": type(tokenizer).__qualname__})
     return tokenizer
 
@@ -69,13 +68,6 @@ def tokenizer_record(model_dir: str) -> Path:
         *sorted(os.listdir(directory)),
     )
     return record_path("tokenizer-classes", (*names, *files))
-
-
-def _auto_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
-    # Imported here: transformers' auto classes import torch (see the module's docstring).
-    from engine.models.tokenizer import auto_tokenizer
-
-    return auto_tokenizer(model_dir)
 
 
 def _recorded_class(record: Path) -> type[PreTrainedTokenizerBase] | None:
@@ -96,12 +88,3 @@ def _recorded_class(record: Path) -> type[PreTrainedTokenizerBase] | None:
         logger.warning("Ignoring the tokenizer-class record %s (not a tokenizer class)", record)
         return None
     return tokenizer_class
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except FileNotFoundError:
-        return {}
-    return value if isinstance(value, dict) else {}

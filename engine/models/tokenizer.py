@@ -64,7 +64,7 @@ def auto_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     """The tokenizer of `model_dir` (see the module's docstring); raises `UnsupportedTokenizer` for tokenizer code of
     a checkpoint's own that is not Kimi's."""
     directory = Path(model_dir)
-    tokenizer_config = _read_json(directory / "tokenizer_config.json")
+    tokenizer_config = read_tokenizer_config(directory)
     code = (tokenizer_config.get("auto_map") or {}).get("AutoTokenizer")
     own_code = next((name for name in code if name), None) if isinstance(code, list) else code
     if own_code == KIMI_CLASS:
@@ -162,9 +162,10 @@ def _sorted_keys(value: Any) -> Any:
     return value
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_tokenizer_config(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json's object; empty where there is none."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(directory / "tokenizer_config.json", encoding="utf-8") as f:
             value = json.load(f)
     except FileNotFoundError:
         return {}
