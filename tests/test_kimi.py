@@ -168,7 +168,7 @@ def test_own_code_that_is_not_kimis_is_refused_by_name(tmp_path: Path) -> None:
     assert "configuration_my.MyConfig" in served.stderr and "tokenization_my.MyTokenizer" in served.stderr
 
 
-def test_kimi_code_of_another_pattern_or_missing_is_refused(tmp_path: Path, kimi_dir: Path) -> None:
+def test_kimi_code_is_read_by_its_pattern_whatever_its_module_name(tmp_path: Path, kimi_dir: Path) -> None:
     directory = tmp_path / "kimi"
     directory.mkdir()
     for name in ("tiktoken.model", "tokenizer_config.json"):
@@ -179,6 +179,14 @@ def test_kimi_code_of_another_pattern_or_missing_is_refused(tmp_path: Path, kimi
     (directory / "tokenization_kimi.py").write_text(code.replace(r"\p{N}{1,3}", r"\p{N}{1,4}"))
     with pytest.raises(UnsupportedTokenizer, match="does not hold the pattern"):
         auto_tokenizer(str(directory))
+    # Moonshot's other checkpoints name their module otherwise (Moonlight's tokenization_moonshot.py): the same code
+    # under another name is read alike.
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_moonshot.TikTokenTokenizer", None]}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "tokenization_moonshot.py").write_text(code)
+    text = CHINESE + MIXED
+    assert auto_tokenizer(str(directory)).encode(text) == auto_tokenizer(str(kimi_dir)).encode(text)
 
 
 # ---------------------------------------------------------------------------------------------------- served

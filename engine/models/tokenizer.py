@@ -1,6 +1,7 @@
 """A model directory's tokenizer: what transformers' `AutoTokenizer` loads, or, for a checkpoint whose tokenizer is
-code of its own around a tiktoken rank file (Moonshot's Kimi K2 and Kimi Linear: `tokenization_kimi.TikTokenTokenizer`
-in tokenizer_config.json's `auto_map`), the same tokenizer built from its files without running that code.
+code of its own around a tiktoken rank file (Moonshot's: Kimi K2's `tokenization_kimi.TikTokenTokenizer` in
+tokenizer_config.json's `auto_map`, and any `*.TikTokenTokenizer` whose code holds the same pattern and layout), the
+same tokenizer built from its files without running that code.
 
 Kimi's class encodes with tiktoken over `tiktoken.model`'s ranks and a pre-tokenizing pattern written in its code
 (runs of Han characters split from other letters); the ids after the ranks are 256 + 2 special tokens, named by
@@ -26,7 +27,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-KIMI_CLASS = "tokenization_kimi.TikTokenTokenizer"
+KIMI_CLASS = "TikTokenTokenizer"
+"""The class name Moonshot's tokenizer code defines (in tokenization_kimi.py for Kimi K2)."""
 KIMI_RANKS_FILE = "tiktoken.model"
 KIMI_PATTERN_PARTS = (
     r"""[\p{Han}]+""",
@@ -67,8 +69,9 @@ def auto_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     tokenizer_config = read_tokenizer_config(directory)
     code = (tokenizer_config.get("auto_map") or {}).get("AutoTokenizer")
     own_code = next((name for name in code if name), None) if isinstance(code, list) else code
-    if own_code == KIMI_CLASS:
-        return kimi_tokenizer(directory, tokenizer_config)
+    module, _, class_name = (own_code or "").rpartition(".")
+    if class_name == KIMI_CLASS and module.isidentifier():
+        return kimi_tokenizer(directory, module, tokenizer_config)
     from transformers import AutoTokenizer
 
     try:
@@ -79,18 +82,19 @@ def auto_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
             raise
         raise UnsupportedTokenizer(
             f"{model_dir}: its tokenizer is the checkpoint's own code ({own_code}, in tokenizer_config.json's "
-            f"auto_map), which Ferry does not run; Ferry reads transformers' tokenizers and Kimi's ({KIMI_CLASS})"
+            f"auto_map), which Ferry does not run; Ferry reads transformers' tokenizers and Kimi's (*.{KIMI_CLASS})"
         ) from exc
 
 
-def kimi_tokenizer(directory: Path, tokenizer_config: dict[str, Any]) -> KimiTokenizer:
+def kimi_tokenizer(directory: Path, module: str, tokenizer_config: dict[str, Any]) -> KimiTokenizer:
+    """Kimi's tokenizer from `directory`, whose code is `module`.py (see the module's docstring)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    code = directory / (KIMI_CLASS.partition(".")[0] + ".py")
+    code = directory / f"{module}.py"
     source = code.read_text(encoding="utf-8") if code.is_file() else None
     if source is None or KIMI_RESERVED not in source or not all(part in source for part in KIMI_PATTERN_PARTS):
         why = "is not in the directory" if source is None else "does not hold the pattern and layout Ferry reads"
-        raise UnsupportedTokenizer(f"{directory}: the tokenizer code {code.name} {why} ({KIMI_CLASS})")
+        raise UnsupportedTokenizer(f"{directory}: the tokenizer code {code.name} {why} ({module}.{KIMI_CLASS})")
     ranks = read_ranks(directory / KIMI_RANKS_FILE)
     vocab, merges = byte_level_bpe(ranks)
     tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
