@@ -176,6 +176,11 @@ def test_kimi_code_is_read_by_its_pattern_whatever_its_module_name(tmp_path: Pat
     with pytest.raises(UnsupportedTokenizer, match=r"tokenization_kimi\.py is not in the directory"):
         auto_tokenizer(str(directory))
     code = (kimi_dir / "tokenization_kimi.py").read_text()
+    (directory / "tokenization_kimi.py").write_text(code)
+    (directory / "tiktoken.model").rename(directory / "ranks.moved")
+    with pytest.raises(UnsupportedTokenizer, match=r"tiktoken\.model, the ranks .* is missing"):
+        auto_tokenizer(str(directory))
+    (directory / "ranks.moved").rename(directory / "tiktoken.model")
     (directory / "tokenization_kimi.py").write_text(code.replace(r"\p{N}{1,3}", r"\p{N}{1,4}"))
     with pytest.raises(UnsupportedTokenizer, match="does not hold the pattern"):
         auto_tokenizer(str(directory))

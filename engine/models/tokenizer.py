@@ -95,6 +95,8 @@ def kimi_tokenizer(directory: Path, module: str, tokenizer_config: dict[str, Any
     if source is None or KIMI_RESERVED not in source or not all(part in source for part in KIMI_PATTERN_PARTS):
         why = "is not in the directory" if source is None else "does not hold the pattern and layout Ferry reads"
         raise UnsupportedTokenizer(f"{directory}: the tokenizer code {code.name} {why} ({module}.{KIMI_CLASS})")
+    if not (directory / KIMI_RANKS_FILE).is_file():
+        raise UnsupportedTokenizer(f"{directory}: {KIMI_RANKS_FILE}, the ranks {module}.{KIMI_CLASS} reads, is missing")
     ranks = read_ranks(directory / KIMI_RANKS_FILE)
     vocab, merges = byte_level_bpe(ranks)
     tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
@@ -103,7 +105,10 @@ def kimi_tokenizer(directory: Path, module: str, tokenizer_config: dict[str, Any
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
     tokenizer.decoder = decoders.ByteLevel()
-    named = {int(i): token["content"] for i, token in (tokenizer_config.get("added_tokens_decoder") or {}).items()}
+    named = {
+        int(i): token["content"] if isinstance(token, dict) else str(token)
+        for i, token in (tokenizer_config.get("added_tokens_decoder") or {}).items()
+    }
     first = len(ranks)
     # Added in id order: the backend numbers them on from the ranks, as Kimi's class does.
     tokenizer.add_special_tokens([
@@ -122,6 +127,8 @@ def kimi_tokenizer(directory: Path, module: str, tokenizer_config: dict[str, Any
     template = (
         template_file.read_text(encoding="utf-8") if template_file.is_file() else tokenizer_config.get("chat_template")
     )
+    if isinstance(template, list):  # named templates, as tokenizer_config.json lists them
+        template = {entry["name"]: entry["template"] for entry in template}
     return KimiTokenizer(tokenizer_object=tokenizer, chat_template=template, **{**KIMI_DEFAULTS, **options})
 
 
