@@ -152,6 +152,12 @@ def test_a_grammar_its_library_cannot_follow_ends_the_request_with_an_error(kimi
 def test_own_code_that_is_not_kimis_is_refused_by_name(tmp_path: Path) -> None:
     directory = build_model_dir(tmp_path / "own", "llama")
     config = json.loads((directory / "config.json").read_text())
+    # Code of its own for a model type transformers knows is read through transformers' class, as transformers does.
+    config.update(auto_map={"AutoConfig": "configuration_llama.LlamaConfig"})
+    (directory / "config.json").write_text(json.dumps(config))
+    results = generate_batch([[5, 6, 7]], params=[SamplingParams(max_new_tokens=2)], engine=EngineCore(
+        EngineConfig.of(model=str(directory), num_pages=16)))  # fmt: skip
+    assert len(results["req_0"].generated_ids) == 2
     config.update(model_type="my_llama", auto_map={"AutoConfig": "configuration_my.MyConfig"})
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=r"'my_llama'.*configuration_my\.MyConfig.*runs no checkpoint code"):
