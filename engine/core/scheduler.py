@@ -330,11 +330,15 @@ class Scheduler:
         request = self.running.get(request_id) or self.waiting.get(request_id)
         if request is None:
             return False
+        self._pending.append(self._aborted(request, error))
+        return True
+
+    def _aborted(self, request: Request, error: str | None) -> StepOutput:
+        """Finish `request` with ABORT now; its final output, carrying `error`."""
         self._finish(request, FinishReason.ABORT)
         output = _delta(request, [], None, None)
         output.error = error
-        self._pending.append(output)
-        return True
+        return output
 
     def schedule(
         self, drafts: Mapping[str, Sequence[int]] | None = None, hold: Collection[str] = ()
@@ -395,10 +399,7 @@ class Scheduler:
                 continue
             error = result.grammar_errors.get(row) if result.grammar_errors and samples else None
             if error is not None:
-                self._finish(request, FinishReason.ABORT)
-                output = _delta(request, [], None, None)
-                output.error = error
-                outputs.append(output)
+                outputs.append(self._aborted(request, error))
                 continue
             if tokens is not None and not tokens:
                 raise ValueError(f"the result has no token for sampled request {request.request_id!r}")

@@ -72,11 +72,12 @@ class GrammarState:
             # The mask allowed it, so this is the library disagreeing with itself (llguidance does where a literal
             # of the grammar spells a special token); the output could no longer be held to the grammar, so the
             # request ends with this error rather than with an answer cut short that looks whole.
+            reason = self.matcher.get_error()
             self.error = (
                 f"The grammar could not be followed: its library refused token {token}, which its own mask allowed "
-                f"({self.matcher.get_error().splitlines()[0] if self.matcher.get_error() else 'no reason given'})."
+                f"({reason.splitlines()[0] if reason else 'no reason given'})."
             )
-            logger.error("grammar refused the token %d it allowed: %s", token, self.matcher.get_error())
+            logger.error("grammar refused the token %d it allowed: %s", token, reason)
         if self.closing is not None:
             self.closing.advance(token)
 
