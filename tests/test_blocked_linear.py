@@ -129,6 +129,7 @@ def test_the_kernel_refuses_what_does_not_fit() -> None:
         torch.ops.ferry_kernels.linear(torch.randn(3, 8), packed, 40, None)
 
 
+@needs_kernel
 @pytest.mark.parametrize("out_features", [1, 16, 37])
 def test_rows_come_back_out_of_the_blocked_layout_exactly(out_features: int) -> None:
     weight = torch.randn(out_features, 11).to(torch.bfloat16)
@@ -136,9 +137,16 @@ def test_rows_come_back_out_of_the_blocked_layout_exactly(out_features: int) -> 
     assert packed.shape == (-(-out_features // 16), 11, 16)
     ids = torch.randint(0, out_features, (3, 5))
     assert torch.equal(embed_rows(packed, ids), weight[ids])
+    assert torch.equal(embed_rows(pack(weight.float()), ids.int()), weight.float()[ids]), "float32, int32 ids"
+    assert embed_rows(packed, ids[:0]).shape == (0, 5, 11)
     assert not packed.transpose(1, 2).reshape(-1, 11)[out_features:].any(), "the last block is padded with zeros"
+    with pytest.raises(RuntimeError, match="out of range"):
+        embed_rows(packed, torch.tensor([-(-out_features // 16) * 16]))
+    with pytest.raises(RuntimeError, match="integer ids"):
+        embed_rows(packed, torch.tensor([0.0]))
 
 
+@needs_kernel
 @pytest.mark.parametrize("out_features", [1, 16, 37])
 def test_bfloat16_goes_in_pairs_along_k_where_the_cpu_has_its_dot_products(out_features: int) -> None:
     """[blocks, in / 2, 16, 2] where `vdpbf16ps` multiplies it (an even width), the plain blocks elsewhere; rows

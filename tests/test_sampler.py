@@ -119,6 +119,27 @@ def test_blockwise_argmax_is_torch_argmax_first_maximum_included(rows: int, widt
     assert torch.equal(argmax_rows(strided, block), strided.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("width", [1, 7, 31, 32, 33, 63, 64, 65, 100, 4097])
+def test_argmax_is_torch_argmax_with_infinities_nans_and_signed_zeros(width: int) -> None:
+    """Every width around the kernel's 32-logit stride (engine/kernels/cpu_argmax.cpp), on float32 CPU logits:
+    ties, infinities, a row of -inf, NaNs (torch counts the first as the maximum), -0.0 against 0.0, strided rows."""
+    generator = torch.Generator().manual_seed(width)
+    rows = torch.randint(-2, 2, (12, width), generator=generator).float()
+    rows[1] = float("-inf")
+    rows[2, -1] = float("inf")
+    rows[3, ::3] = float("inf")
+    rows[4, width // 2] = float("nan")
+    rows[5, -1] = float("nan")
+    rows[5, width // 3] = float("nan")
+    rows[6] = 0.0
+    rows[6, -1] = -0.0
+    rows[7] = -0.0
+    rows[8, width // 2 :] = float("-inf")
+    for x in (rows, torch.cat([rows, torch.zeros(12, 5)], dim=1)[:, :width]):
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(rows[:0]).shape == (0,)
+
+
 class _NoNoiseSampler(Sampler):
     def _gumbel_noise(self, *_: object) -> torch.Tensor:
         raise AssertionError("an all-greedy batch must not draw noise")

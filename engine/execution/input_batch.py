@@ -83,6 +83,9 @@ class StepBuffers:
     host: dict[str, torch.Tensor]
     np: dict[str, np.ndarray]
     device: dict[str, torch.Tensor]
+    _views: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Each buffer's last `to_device` views, (rows, host, device): steps of one size take the same views again,
+    where slicing them anew cost a few microseconds a buffer and step."""
 
     @classmethod
     def allocate(cls, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> StepBuffers:
@@ -92,10 +95,13 @@ class StepBuffers:
         return cls(host, {name: t.numpy() for name, t in host.items()}, on_device)
 
     def to_device(self, name: str, n: int) -> torch.Tensor:
-        host = self.host[name][:n]
-        if self.device is self.host:
-            return host
-        return self.device[name][:n].copy_(host, non_blocking=True)
+        """The first `n` rows of buffer `name` on the device (on CUDA copied there now; on CPU the host rows)."""
+        views = self._views.get(name)
+        if views is None or views[0] != n:
+            host = self.host[name][:n]
+            views = self._views[name] = (n, host, host if self.device is self.host else self.device[name][:n])
+        _, host, device = views
+        return device if device is host else device.copy_(host, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,22 +329,34 @@ class InputBatch:
         seq_rows = np.fromiter((seq.row for seq in seqs), dtype=np.intp, count=num_seqs)
         q_lens = np.asarray(plan.num_new_tokens, dtype=np.int64)
         starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
-        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu_q[1:])
-        total = int(cu_q[-1])
-        seq_lens = starts + q_lens
-
+        tokens = list(itertools.chain.from_iterable(plan.token_ids))
+        total = len(tokens)
         host = buffers.np
         input_ids = host["input_ids"][:total]
-        input_ids[:] = list(itertools.chain.from_iterable(plan.token_ids))
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        input_ids[:] = tokens
         positions = host["positions"][:total]
-        positions[:] = np.repeat(starts - cu_q[:-1], q_lens) + np.arange(total)
+        # Array methods, not numpy's module functions: a decode step's arrays are a few elements, where the
+        # functions' Python wrappers cost more than the work.
+        max_query_len = max(plan.num_new_tokens)
+        if max_query_len == 1:  # one token a sequence (decode): no cumulative sums or repeats to take
+            cu_q = np.arange(num_seqs + 1, dtype=np.int64)
+            seq_of_token = cu_q[:-1]
+            positions[:] = starts
+        else:
+            cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
+            q_lens.cumsum(out=cu_q[1:])
+            seq_of_token = np.arange(num_seqs).repeat(q_lens)
+            positions[:] = (starts - cu_q[:-1]).repeat(q_lens) + np.arange(total)
+        seq_lens = starts + q_lens
         # Planned before the step that samples them (async scheduling): `run` fills them in.
-        placeholders = [
-            (token, seqs[seq_of_token[token]], int(positions[token]))
-            for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist()
-        ]
+        placeholders = (
+            [
+                (token, seqs[seq_of_token[token]], int(positions[token]))
+                for token in np.flatnonzero(input_ids == PLACEHOLDER).tolist()
+            ]
+            if PLACEHOLDER in tokens
+            else []
+        )
         host["query_start_loc"][: num_seqs + 1] = cu_q
         host["seq_lens"][:num_seqs] = seq_lens
         samples = np.asarray(plan.samples, dtype=bool)
@@ -365,7 +383,7 @@ class InputBatch:
             cu_q,
             seq_lens,
             seq_of_token,
-            int(q_lens.max()),
+            max_query_len,
             len(rows),
             [seq for seq, sampled in zip(seqs, plan.samples, strict=True) if sampled],
             sample_positions.tolist(),

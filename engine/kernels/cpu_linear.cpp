@@ -26,6 +26,7 @@
 #include "blocked.h"
 #include "kernels.h"
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -138,12 +139,46 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   return out.to(x.scalar_type()).view(shape);
 }
 
+// Rows `ids` of the matrix `packed` was made from (engine/kernels/linear.py's `embed_rows`), in its dtype: a tied
+// embedding reads its rows out of the LM head's layout. One call, where torch's indexing of the layout (a divide, a
+// remainder and an advanced index) took ~30 us for a decode step's single row.
+at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids) {
+  const bool paired = packed.dim() == 4;
+  TORCH_CHECK((packed.dim() == 3 || (paired && packed.size(3) == 2)) && packed.size(2) == kBlock &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              "ferry_kernels.embed_rows takes a packed [blocks, in, 16] or [blocks, in / 2, 16, 2] CPU weight");
+  TORCH_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
+              "ferry_kernels.embed_rows takes integer ids, not ", ids.scalar_type());
+  const int64_t group = paired ? 2 : 1, in_features = packed.size(1) * group, rows = packed.size(0) * kBlock;
+  const at::Tensor flat = ids.reshape(-1).to(at::kLong).contiguous();
+  const int64_t count = flat.numel();
+  const int64_t* id_data = flat.data_ptr<int64_t>();
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(in_features);
+  at::Tensor out = at::empty({count, in_features}, packed.options());
+  const int64_t item = packed.element_size();
+  const auto* source = static_cast<const char*>(packed.data_ptr());
+  auto* target = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t id = id_data[i];
+    TORCH_CHECK(0 <= id && id < rows, "id ", id, " is out of range for ", rows, " rows");
+    // Weight (id, k) of a block lies at [id / 16][k / group][id % 16][k % group].
+    const char* block = source + ((id / kBlock) * in_features * kBlock + (id % kBlock) * group) * item;
+    char* row = target + i * in_features * item;
+    for (int64_t k = 0; k < in_features; k += group) {
+      std::memcpy(row + k * item, block + k * kBlock * item, group * item);
+    }
+  }
+  return out.view(shape);
+}
+
 }  // namespace ferry
 
 using namespace ferry;
 
 TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
   m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("embed_rows(Tensor packed, Tensor ids) -> Tensor");
   // Whether a linear on one thread takes the helper thread (blocked.h, helping.h).
   m.def("set_linear_helper(bool on) -> ()", [](bool on) { ferry::helping::enabled() = on; });
   m.def("linear_helper_blocks() -> int", [] { return ferry::helping::Pool::instance().helped(); });
@@ -151,4 +186,5 @@ TORCH_LIBRARY_FRAGMENT(ferry_kernels, m) {
 
 TORCH_LIBRARY_IMPL(ferry_kernels, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("embed_rows", &embed_rows);
 }

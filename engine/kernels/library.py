@@ -3,7 +3,7 @@ engine/kernels/build.py (one build, one set of instruction-set flags): the block
 quantized linears (`cpu_quant_linear.cpp`, engine/kernels/quant_linear.py), RMSNorm (`cpu_norm.cpp`), rotary
 embedding and SiLU-and-multiply, and the vision encoders' QuickGELU and float32 rotary (`cpu_pointwise.cpp`), LoRA's
 products (`cpu_lora.cpp`), a mixture of experts' routed rows (`cpu_experts.cpp`), the state-space scans' decode step
-(`cpu_ssm.cpp`). Their shapes are registered for `torch.compile`."""
+(`cpu_ssm.cpp`), greedy sampling's argmax (`cpu_argmax.cpp`). Their shapes are registered for `torch.compile`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ SOURCES = [
         "cpu_lora.cpp",
         "cpu_experts.cpp",
         "cpu_ssm.cpp",
+        "cpu_argmax.cpp",
     )
 ]
 HEADERS = [
@@ -83,6 +84,8 @@ def _load() -> KernelUnavailable | None:
     except KernelUnavailable as error:
         return error
     torch.library.register_fake("ferry_kernels::linear")(_linear_shape)
+    torch.library.register_fake("ferry_kernels::embed_rows")(_embed_rows_shape)
+    torch.library.register_fake("ferry_kernels::argmax_rows")(_argmax_rows_shape)
     torch.library.register_fake("ferry_kernels::int8_linear")(_int8_linear_shape)
     torch.library.register_fake("ferry_kernels::int4_linear")(_grouped_linear_shape)
     torch.library.register_fake("ferry_kernels::int8_group_linear")(_grouped_linear_shape)
@@ -96,6 +99,15 @@ def _load() -> KernelUnavailable | None:
 
 def _linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _embed_rows_shape(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    in_features = packed.shape[1] * (packed.shape[3] if packed.dim() == 4 else 1)
+    return packed.new_empty(*ids.shape, in_features)
+
+
+def _argmax_rows_shape(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], dtype=torch.long)
 
 
 def _int8_linear_shape(
