@@ -1,8 +1,10 @@
 """EngineClient: the front end's handle on the engine process.
 
 It spawns the process (spawn, not fork: the engine must not inherit the server's threads and sockets), waits
-for the model to load, sends adds and aborts, and runs one reader thread that hands each step message to the
-asyncio loop. Each API call's engine requests form a `RequestGroup` whose deltas arrive on one asyncio queue.
+for the model to load, sends adds and aborts, and reads each step message on the asyncio loop as the output pipe
+becomes readable (no reader thread: a token reaches its stream without a hand-over between threads, which cost a
+thread wake-up, the GIL and the loop's self-pipe for every message). Each API call's engine requests form a
+`RequestGroup` whose deltas arrive on one asyncio queue.
 The process sentinel and the pipe's EOF both reveal the engine's death, which fails every request in flight.
 """
 
@@ -14,7 +16,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -188,7 +189,8 @@ class EngineClient:
         self._on_death = on_death
         self._routes: dict[str, RequestGroup] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
+        self._reading = False
+        """Whether the loop watches the output pipe (from `wait_ready` until its end or the shutdown)."""
         self._ready: asyncio.Future[EngineReady] | None = None
         self._last_message = time.monotonic()
         self._failure: str | None = None
@@ -211,9 +213,9 @@ class EngineClient:
 
     async def wait_ready(self) -> EngineReady:
         """Wait until the engine's model is loaded; raise EngineDeadError if the process dies first."""
-        assert self._ready is not None, "start() first"
-        self._reader = threading.Thread(target=self._read_loop, name="ferry-engine-reader", daemon=True)
-        self._reader.start()
+        assert self._ready is not None and self._loop is not None and self._engine is not None, "start() first"
+        self._loop.add_reader(self._engine.outputs.fileno(), self._read_outputs)
+        self._reading = True
         return await self._ready
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -232,8 +234,7 @@ class EngineClient:
         if self._loop is not None:
             self._loop.remove_reader(process.sentinel)
         engine.requests.close()
-        if self._reader is not None:
-            await asyncio.to_thread(self._reader.join, timeout)
+        self._stop_reading()
         engine.outputs.close()
         atexit.unregister(engine.kill)
 
@@ -294,24 +295,29 @@ class EngineClient:
 
     # ---------------------------------------------------------------- engine -> front end
 
-    def _read_loop(self) -> None:
-        """Reader thread: block on the pipe, hand each message to the event loop."""
-        assert self._engine is not None and self._loop is not None
+    def _read_outputs(self) -> None:
+        """The output pipe is readable: handle every message waiting in it, in order. A message is written in one
+        go, so a read that finds its start waits at most for the writer to finish it. At the pipe's end the process
+        is gone."""
+        assert self._engine is not None
+        outputs = self._engine.outputs
         while True:
             try:
-                message = self._engine.outputs.recv()
+                if not outputs.poll(0):
+                    return
+                message = outputs.recv()
             except (EOFError, OSError):
-                break
-            self._last_message = time.monotonic()
-            if isinstance(message, EngineFailed):
-                # Kept here, not on the loop: the process's exit may be handled before a scheduled _handle runs.
-                self._failure = message.message
-            try:
-                self._loop.call_soon_threadsafe(self._handle, message)
-            except RuntimeError:  # the loop is closed: the server is gone
+                self._stop_reading()
+                self._on_process_exit()
                 return
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._on_process_exit)
+            self._last_message = time.monotonic()
+            self._handle(message)
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            assert self._engine is not None and self._loop is not None
+            self._reading = False
+            self._loop.remove_reader(self._engine.outputs.fileno())
 
     def _handle(self, message: object) -> None:
         if isinstance(message, StepMessage):
@@ -350,19 +356,18 @@ class EngineClient:
     def _on_process_exit(self) -> None:
         assert self._engine is not None and self._loop is not None
         process, outputs = self._engine.process, self._engine.outputs
-        # The sentinel stays readable once the process is gone: stop watching it before anything else.
+        # The sentinel stays readable once the process is gone, and so does the pipe at its end: stop watching both
+        # before anything else.
         self._loop.remove_reader(process.sentinel)
+        self._stop_reading()
         if self._dead or self._closing:
             return
         self._dead = True
-        # What the engine said before dying (`EngineFailed`) is the reason: read it all first.
-        if self._reader is None:
-            # Spawned early (`ferry serve`) and dead before the reader started: it is still in the pipe.
-            with contextlib.suppress(EOFError, OSError):
-                while outputs.poll(0):
-                    self._handle(outputs.recv())
-        else:
-            self._reader.join(timeout=1.0)  # it reads up to the pipe's end, which the dead process has closed
+        # What the engine said before dying (`EngineFailed`) is the reason: read it all first, up to the pipe's end,
+        # which the dead process has closed.
+        with contextlib.suppress(EOFError, OSError):
+            while outputs.poll(0):
+                self._handle(outputs.recv())
         # The sentinel fires as the process closes its files, a moment before it can be reaped.
         process.join(timeout=1.0)
         exitcode = process.exitcode
