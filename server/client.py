@@ -296,22 +296,19 @@ class EngineClient:
     # ---------------------------------------------------------------- engine -> front end
 
     def _read_outputs(self) -> None:
-        """The output pipe is readable: handle every message waiting in it, in order. A message is written in one
-        go, so a read that finds its start waits at most for the writer to finish it. At the pipe's end the process
-        is gone."""
+        """The output pipe is readable: handle its next message. One a call: while more wait, the pipe stays
+        readable and the loop calls again (asking the pipe with `poll` built a selector each time). A message is
+        written in one go, so a read that finds its start waits at most for the writer to finish it. At the pipe's
+        end the process is gone."""
         assert self._engine is not None
-        outputs = self._engine.outputs
-        while True:
-            try:
-                if not outputs.poll(0):
-                    return
-                message = outputs.recv()
-            except (EOFError, OSError):
-                self._stop_reading()
-                self._on_process_exit()
-                return
-            self._last_message = time.monotonic()
-            self._handle(message)
+        try:
+            message = self._engine.outputs.recv()
+        except (EOFError, OSError):
+            self._stop_reading()
+            self._on_process_exit()
+            return
+        self._last_message = time.monotonic()
+        self._handle(message)
 
     def _stop_reading(self) -> None:
         if self._reading:
