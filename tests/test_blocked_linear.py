@@ -139,6 +139,8 @@ def test_rows_come_back_out_of_the_blocked_layout_exactly(out_features: int) -> 
     assert torch.equal(embed_rows(packed, ids), weight[ids])
     assert torch.equal(embed_rows(pack(weight.float()), ids.int()), weight.float()[ids]), "float32, int32 ids"
     assert embed_rows(packed, ids[:0]).shape == (0, 5, 11)
+    many = torch.randint(0, out_features, (40, 100))  # a prefill's worth, over the threads
+    assert torch.equal(embed_rows(packed, many), weight[many])
     assert not packed.transpose(1, 2).reshape(-1, 11)[out_features:].any(), "the last block is padded with zeros"
     with pytest.raises(RuntimeError, match="out of range"):
         embed_rows(packed, torch.tensor([-(-out_features // 16) * 16]))

@@ -26,7 +26,6 @@
 #include "blocked.h"
 #include "kernels.h"
 
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -141,7 +140,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 
 // Rows `ids` of the matrix `packed` was made from (engine/kernels/linear.py's `embed_rows`), in its dtype: a tied
 // embedding reads its rows out of the LM head's layout. One call, where torch's indexing of the layout (a divide, a
-// remainder and an advanced index) took ~30 us for a decode step's single row.
+// remainder and an advanced index) took ~40 us for a decode step's single row.
 at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids) {
   const bool paired = packed.dim() == 4;
   TORCH_CHECK((packed.dim() == 3 || (paired && packed.size(3) == 2)) && packed.size(2) == kBlock &&
@@ -156,18 +155,31 @@ at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids) {
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(in_features);
   at::Tensor out = at::empty({count, in_features}, packed.options());
-  const int64_t item = packed.element_size();
-  const auto* source = static_cast<const char*>(packed.data_ptr());
-  auto* target = static_cast<char*>(out.data_ptr());
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t id = id_data[i];
-    TORCH_CHECK(0 <= id && id < rows, "id ", id, " is out of range for ", rows, " rows");
-    // Weight (id, k) of a block lies at [id / 16][k / group][id % 16][k % group].
-    const char* block = source + ((id / kBlock) * in_features * kBlock + (id % kBlock) * group) * item;
-    char* row = target + i * in_features * item;
-    for (int64_t k = 0; k < in_features; k += group) {
-      std::memcpy(row + k * item, block + k * kBlock * item, group * item);
-    }
+    TORCH_CHECK(0 <= id_data[i] && id_data[i] < rows, "id ", id_data[i], " is out of range for ", rows, " rows");
+  }
+  // A row's k-th group of `group` weights (one word: 4 bytes of float32 or of a bfloat16 pair, 2 of one bfloat16)
+  // lies at [id / 16][k][id % 16], 16 words after the one before.
+  const auto gather = [&](auto word) {
+    using Word = decltype(word);
+    const int64_t words = packed.numel() * packed.element_size() / static_cast<int64_t>(sizeof(Word)) /
+                          (packed.size(0) * kBlock);  // a row's words
+    const auto* source = static_cast<const Word*>(packed.data_ptr());
+    auto* target = static_cast<Word*>(out.data_ptr());
+    at::parallel_for(0, count, std::max<int64_t>(1, 4096 / words), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t id = id_data[i];
+        const Word* block = source + (id / kBlock) * words * kBlock + id % kBlock;
+        Word* row = target + i * words;
+        for (int64_t k = 0; k < words; ++k) row[k] = block[k * kBlock];
+      }
+    });
+  };
+  if (packed.element_size() * group == 4) {
+    gather(uint32_t{});
+  } else {
+    TORCH_CHECK(packed.element_size() * group == 2, "ferry_kernels.embed_rows: ", packed.scalar_type(), " weights");
+    gather(uint16_t{});
   }
   return out.view(shape);
 }
