@@ -29,9 +29,10 @@ int64_t first_nan(const float* row, int64_t n) {
 
 // The first maximum of row[0, n), n > 0.
 int64_t row_argmax(const float* row, int64_t n) {
-  float best = -std::numeric_limits<float>::infinity();
+  if (std::isnan(row[0])) return 0;
+  float best = row[0];
   int64_t best_at = 0;
-  int64_t j = 0;
+  int64_t j = 1;
 #if defined(__AVX2__)
   constexpr int kAccs = 4, kLanes = 8, kStride = kAccs * kLanes;
   if (n >= kStride) {
@@ -46,7 +47,7 @@ int64_t row_argmax(const float* row, int64_t n) {
       seen_at[a] = at[a];
     }
     __m256 nan = _mm256_setzero_ps();
-    for (; j + kStride <= n; j += kStride) {
+    for (j = 0; j + kStride <= n; j += kStride) {
       for (int a = 0; a < kAccs; ++a) {
         const __m256 v = _mm256_loadu_ps(row + j + a * kLanes);
         const __m256 greater = _mm256_cmp_ps(v, value[a], _CMP_GT_OQ);
@@ -72,15 +73,7 @@ int64_t row_argmax(const float* row, int64_t n) {
         best_at = indices[l];
       }
     }
-  } else {
-    best = row[0];
-    if (std::isnan(best)) return 0;
-    j = 1;
   }
-#else
-  best = row[0];
-  if (std::isnan(best)) return 0;
-  j = 1;
 #endif
   // The rest, after every index above: only a greater value or a NaN (the first one: none came before) moves it.
   for (; j < n; ++j) {

@@ -162,8 +162,7 @@ at::Tensor embed_rows(const at::Tensor& packed, const at::Tensor& ids) {
   // lies at [id / 16][k][id % 16], 16 words after the one before.
   const auto gather = [&](auto word) {
     using Word = decltype(word);
-    const int64_t words = packed.numel() * packed.element_size() / static_cast<int64_t>(sizeof(Word)) /
-                          (packed.size(0) * kBlock);  // a row's words
+    const int64_t words = packed.size(1);  // a row's: in, or in / 2 of the paired layout
     const auto* source = static_cast<const Word*>(packed.data_ptr());
     auto* target = static_cast<Word*>(out.data_ptr());
     at::parallel_for(0, count, std::max<int64_t>(1, 4096 / words), [&](int64_t i0, int64_t i1) {
